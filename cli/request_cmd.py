@@ -1,0 +1,39 @@
+"""`kvpush request`: one streamed completion through the deployment's router; prints answer and TTFT."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from kvpush.deploy.client import stream_completion
+from kvpush.deploy.plan import build_plan, router_config
+from kvpush.deploy.topology import resolve_topology
+
+from .console import note, out, print_json
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("request")
+    def request_command(
+        prompt: str = typer.Argument(..., help="Prompt text."),
+        topology: Optional[Path] = typer.Option(None, "--topology", "-f", help="Topology file (default: ./kvpush.yaml, else built-in local-cpu)."),
+        max_tokens: int = typer.Option(32, "--max-tokens", "-n", help="Tokens to generate (greedy)."),
+        json_output: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+    ) -> None:
+        """Send one streamed, greedy completion through the router; print the answer and its TTFT."""
+        topo, source = resolve_topology(topology)
+        plan = build_plan(topo)
+        config = router_config(topo)
+        api_key = os.environ.get(config.api_key_env) if config.api_key_env else None
+        result = stream_completion(plan.router_url, plan.served_model_name, prompt, max_tokens=max_tokens, api_key=api_key)
+        if json_output:
+            print_json({"router": plan.router_url, "text": result.text, "ttft_ms": result.ttft_s * 1e3,
+                        "latency_ms": result.latency_s * 1e3, "completion_tokens": result.completion_tokens,
+                        "finish_reason": result.finish_reason})
+            return
+        note(f"topology: {source}; router {plan.router_url}")
+        out.print(f"[bold]prompt[/bold]  {prompt}", highlight=False)
+        out.print(f"[bold]answer[/bold]  {result.text!r}", highlight=False)
+        out.print(f"[bold]TTFT[/bold]    {result.ttft_s * 1e3:.1f} ms   [bold]total[/bold] {result.latency_s * 1e3:.1f} ms for {result.completion_tokens} tokens", highlight=False)

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Set up everything (idempotent), bring up the built-in local-cpu topology (1 prefill + 1 decode
+# real vLLM on CPU, tiny local model, router), send one request through the router, print the
+# answer and its TTFT, then tear it down. `scripts/demo.sh --keep` leaves it running.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+keep=0
+for arg in "$@"; do
+  case "$arg" in
+    --keep) keep=1 ;;
+    *) echo "demo.sh: unknown option $arg (use --keep)" >&2; exit 2 ;;
+  esac
+done
+"$root/scripts/setup.sh"
+kvpush=("$root/.venv/bin/kvpush")
+cd "$root"
+if [ "$keep" = 0 ]; then
+  trap '"${kvpush[@]}" down' EXIT
+fi
+"${kvpush[@]}" up
+"${kvpush[@]}" request "the cache block moves from prefill to decode"
+if [ "$keep" = 1 ]; then
+  echo "left running; stop with: ${kvpush[*]} down"
+fi

@@ -1,0 +1,41 @@
+"""Shared pytest set-up: tests are marked by the layer they live in (unit / integration / e2e)."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS_DIR = Path(__file__).parent
+sys.path.insert(0, str(TESTS_DIR))  # test helper modules (sshd_hosts, standin_server) import by name
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        layer = Path(str(item.fspath)).relative_to(TESTS_DIR).parts[0]
+        if layer in ("unit", "integration", "e2e"):
+            item.add_marker(getattr(pytest.mark, layer))
+
+
+# -- real sshd hosts (tests/sshd_hosts.py) ---------------------------------------------------------
+# The first loopback address is a parameter so engineers running suites side by side don't collide.
+SSHD_FIRST_ADDRESS = os.environ.get("KVPUSH_TEST_SSHD_FIRST", "127.0.0.2")
+SSHD_PORT = int(os.environ.get("KVPUSH_TEST_SSHD_PORT", "2222"))
+
+
+@pytest.fixture(scope="module")
+def sshd_cluster(tmp_path_factory):
+    """Three real sshd hosts on loopback (127.0.0.2-4 by default), stopped after the module."""
+    from sshd_hosts import SshdCluster
+
+    with SshdCluster(3, first_address=SSHD_FIRST_ADDRESS, port=SSHD_PORT, root=tmp_path_factory.mktemp("sshd")) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def state_dir(tmp_path, monkeypatch):
+    """A private kvpush state directory (KVPUSH_STATE_DIR) for one test."""
+    path = tmp_path / "state"
+    monkeypatch.setenv("KVPUSH_STATE_DIR", str(path))
+    return path

@@ -1,0 +1,131 @@
+"""The plan is a pure function of the topology, with exact argv/env per process."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvpush.deploy.plan import build_plan, kv_transfer_config
+from kvpush.deploy.topology import parse_topology
+from kvpush.router.config import RouterConfig
+from kvpush.templates import template_names, template_text
+
+TWO_HOSTS = """
+name: t
+model: {path: /m/tiny, served_name: tiny, max_model_len: 1024}
+connector: {type: %s}
+hosts:
+  a: {address: 127.0.0.2, ssh_port: 2222, user: root, venv: /opt/venv}
+  b: {address: 127.0.0.3, ssh_port: 2222, user: root, venv: /opt/venv}
+prefill: [{host: a, cpu_cores: "0", kv_cache_gib: 1}]
+decode: [{host: b, cpu_cores: "1"}]
+router: {host: a, port: 9000}
+env: {GLOBAL: "1"}
+"""
+
+
+def plan_for(connector: str = "kvpush"):
+    return build_plan(parse_topology(TWO_HOSTS % connector))
+
+
+def test_plan_is_deterministic():
+    assert plan_for().to_json() == plan_for().to_json()
+
+
+def test_vllm_argv_and_env_for_kvpush():
+    plan = plan_for("kvpush")
+    prefill = plan.process("prefill-0")
+    assert prefill.host == "a" and prefill.argv[:3] == ["/opt/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    argv = prefill.argv
+    assert argv[argv.index("--port") + 1] == "8100"
+    assert argv[argv.index("--host") + 1] == "127.0.0.2"
+    config = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    assert config["kv_connector"] == "KVPushConnector"
+    assert config["kv_connector_module_path"] == "kvpush.connector"
+    assert config["kv_role"] == "kv_producer"
+    assert config["engine_id"] == "t.prefill-0"
+    assert config["kv_connector_extra_config"]["allowed_engines"] == ["t.decode-0"]
+    assert prefill.env["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+    assert prefill.env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert prefill.env["GLOBAL"] == "1"
+    assert prefill.env["NIXL_LOG_LEVEL"] == "WARN"
+    assert prefill.log_path == "~/.kvpush/t/logs/prefill-0.log"
+    decode = plan.process("decode-0")
+    decode_config = json.loads(decode.argv[decode.argv.index("--kv-transfer-config") + 1])
+    assert decode_config["kv_role"] == "kv_consumer"
+    assert decode.health_url == "http://127.0.0.3:8200/health"
+
+
+@pytest.mark.parametrize("connector,name", [("nixl-push", "NixlPushConnector"), ("nixl-pull", "NixlConnector")])
+def test_vllm_connectors(connector, name):
+    decode = plan_for(connector).process("decode-0")
+    config = json.loads(decode.argv[decode.argv.index("--kv-transfer-config") + 1])
+    assert config["kv_connector"] == name and config["kv_role"] == "kv_both"
+    assert decode.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == str(decode.side_channel_ports[0])
+
+
+def test_colocated_has_no_connector_and_router_spreads_over_all():
+    plan = plan_for("colocated")
+    for proc in plan.processes():
+        assert "--kv-transfer-config" not in proc.argv
+        assert not proc.side_channel_ports
+    router_file = plan.host("a").files[0]
+    config = RouterConfig.model_validate_json(router_file.content)
+    assert config.protocol == "colocated"
+    assert [u.name for u in config.decode] == ["prefill-0", "decode-0"]
+
+
+def test_router_process_and_config_file():
+    plan = plan_for()
+    router = plan.process("router")
+    assert router.host == "a"
+    assert router.argv == ["/opt/venv/bin/python", "-m", "kvpush.router", "--config", "~/.kvpush/t/router.json"]
+    (config_file,) = plan.host("a").files
+    config = RouterConfig.model_validate_json(config_file.content)
+    assert config.port == 9000 and config.protocol == "kvpush"
+    assert config.prefill[0].url == "http://127.0.0.2:8100"
+    assert config.decode[0].engine_id == "t.decode-0"
+    assert plan.router_url == "http://127.0.0.1:9000"
+
+
+def test_process_digest_changes_only_for_the_changed_process():
+    before = plan_for()
+    after = build_plan(parse_topology((TWO_HOSTS % "kvpush").replace('cpu_cores: "1"', 'cpu_cores: "1", env: {X: "2"}')))
+    assert before.process("prefill-0").digest() == after.process("prefill-0").digest()
+    assert before.process("decode-0").digest() != after.process("decode-0").digest()
+
+
+def test_cuda_instance_gets_visible_devices():
+    topo = parse_topology(template_text("p5en-1p1d"))
+    plan = build_plan(topo)
+    prefill = plan.process("prefill-0")
+    assert prefill.env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3,4,5,6,7"
+    assert "--tensor-parallel-size" in prefill.argv
+    config = json.loads(prefill.argv[prefill.argv.index("--kv-transfer-config") + 1])
+    assert config["kv_buffer_device"] == "cuda"
+    assert config["kv_connector_extra_config"]["backend"] == "LIBFABRIC"
+    assert prefill.env["FI_PROVIDER"] == "efa"
+
+
+@pytest.mark.parametrize("name", template_names())
+def test_every_template_validates_and_plans(name):
+    topo = parse_topology(template_text(name), f"<template {name}>")
+    plan = build_plan(topo)
+    json.loads(plan.to_json())
+    assert {p.role for p in plan.processes()} == {"prefill", "decode", "router"}
+
+
+def test_required_templates_are_shipped():
+    assert {"local-cpu", "p5en-1p1d", "xpyd"} <= set(template_names())
+
+
+def test_xpyd_spreads_over_four_hosts():
+    plan = build_plan(parse_topology(template_text("xpyd")))
+    roles = sorted(p.role for p in plan.processes() if p.role != "router")
+    assert roles == ["decode", "decode", "prefill", "prefill"]
+    assert len({p.host for p in plan.processes()}) == 4
+
+
+def test_kv_transfer_config_none_for_colocated():
+    topo = parse_topology((TWO_HOSTS % "colocated"))
+    assert kv_transfer_config(topo, "prefill", topo.prefill[0]) is None

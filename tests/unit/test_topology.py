@@ -1,0 +1,139 @@
+"""Topology validation: every mistake gives one line naming file:line:col and the field."""
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from kvpush.deploy.topology import TopologyError, load_topology, parse_topology, side_channel_ports
+
+MINIMAL = """\
+model:
+  path: /models/tiny
+prefill:
+  - {}
+decode:
+  - {}
+"""
+
+
+def test_minimal_file_gets_sensible_defaults():
+    topo = parse_topology(MINIMAL)
+    assert topo.connector.type == "kvpush"
+    assert list(topo.hosts) == ["local"]
+    (p,), (d,) = topo.prefill, topo.decode
+    assert (p.name, p.host, p.http_port) == ("prefill-0", "local", 8100)
+    assert (d.name, d.host, d.http_port) == ("decode-0", "local", 8200)
+    assert p.side_channel_port != d.side_channel_port
+    assert topo.router.host == "local" and topo.router.bind == "127.0.0.1"
+
+
+def test_default_side_channel_ports_leave_room_for_parallel_ranks():
+    topo = parse_topology(
+        """
+platform: cuda
+model: {path: /m}
+prefill: [{devices: [0, 1, 2, 3], tensor_parallel_size: 4}]
+decode: [{devices: [4, 5, 6, 7], tensor_parallel_size: 4}]
+"""
+    )
+    p_ports = set(side_channel_ports(topo.prefill[0]))
+    d_ports = set(side_channel_ports(topo.decode[0]))
+    assert len(p_ports) == 4 and not p_ports & d_ports
+
+
+# (name, yaml text, expected line, field text that must appear, phrase that must appear)
+BAD_FILES = [
+    ("yaml syntax", "model: {path: /m\nprefill: [}\n", 2, "invalid YAML", "fix the syntax"),
+    ("duplicate key", "model: {path: /m}\nmodel: {path: /n}\n", 2, "duplicate key 'model'", "once"),
+    ("not a mapping", "- a\n- b\n", 1, "YAML mapping", "kvpush init"),
+    ("missing model", "prefill: [{}]\ndecode: [{}]\n", 1, "model", "is required"),
+    ("missing model path", "model: {served_name: x}\nprefill: [{}]\ndecode: [{}]\n", 1, "model.path", "is required"),
+    ("typo in field", MINIMAL + "routr: {port: 1}\n", 7, "routr", "not a known field"),
+    ("typo in nested field", MINIMAL.replace("  - {}\ndecode", "  - {htp_port: 9000}\ndecode"), 4, "prefill[0].htp_port", "not a known field"),
+    ("bad connector type", MINIMAL + "connector: {type: mooncake}\n", 7, "connector.type", "'kvpush'"),
+    ("bad backend", MINIMAL + "connector: {backend: RDMA}\n", 7, "connector.backend", "'UCX'"),
+    ("port out of range", MINIMAL.replace("  - {}\ndecode", "  - {http_port: 70000}\ndecode"), 4, "prefill[0].http_port", "65535"),
+    ("port not a number", MINIMAL + "router: {port: eighty}\n", 7, "router.port", "integer"),
+    ("no decode instances", "model: {path: /m}\nprefill: [{}]\n", 1, "decode", "at least one decode"),
+    ("empty prefill list", "model: {path: /m}\nprefill: []\ndecode: [{}]\n", 2, "prefill", "at least one prefill"),
+    ("unknown host", MINIMAL.replace("  - {}\ndecode", "  - {host: gpu9}\ndecode"), 4, "prefill[0].host", "unknown host 'gpu9'"),
+    ("same http port twice", MINIMAL.replace("  - {}\ndecode:\n  - {}", "  - {http_port: 9000}\ndecode:\n  - {http_port: 9000}"), 6, "decode[0].http_port", "port 9000"),
+    ("router port collides", MINIMAL + "router: {port: 8100}\n", 7, "router.port", "prefill-0 HTTP"),
+    ("side channel collides with http", MINIMAL.replace("  - {}\ndecode", "  - {side_channel_port: 8200}\ndecode"), 4, "prefill[0].side_channel_port", "decode-0 HTTP"),
+    ("dp rank side channel collides", """platform: cuda
+model: {path: /m}
+prefill: [{devices: [0, 1], data_parallel_size: 2, side_channel_port: 6000}]
+decode: [{devices: [2, 3], data_parallel_size: 2, side_channel_port: 6001}]
+""", 4, "decode[0].side_channel_port", "rank"),
+    ("device given twice", """platform: cuda
+model: {path: /m}
+prefill: [{devices: [1]}]
+decode: [{devices: [1]}]
+""", 4, "decode[0].devices", "GPU 1"),
+    ("tp does not fit devices", """platform: cuda
+model: {path: /m}
+prefill: [{devices: [0, 1, 2], tensor_parallel_size: 4}]
+decode: [{devices: [4, 5, 6, 7], tensor_parallel_size: 4}]
+""", 3, "prefill[0].devices", "list exactly 4"),
+    ("gpu devices on cpu platform", MINIMAL.replace("  - {}\ndecode", "  - {devices: [0]}\ndecode"), 4, "prefill[0].devices", "platform: cuda"),
+    ("core given twice", MINIMAL.replace("  - {}\ndecode:\n  - {}", "  - {cpu_cores: '0-1'}\ndecode:\n  - {cpu_cores: '1'}"), 6, "decode[0].cpu_cores", "core 1"),
+    ("bad core list", MINIMAL.replace("  - {}\ndecode", "  - {cpu_cores: 'zero'}\ndecode"), 4, "prefill[0].cpu_cores", "core list"),
+    ("duplicate instance name", MINIMAL.replace("  - {}\ndecode:\n  - {}", "  - {name: a}\ndecode:\n  - {name: a}"), 6, "decode[0].name", "already used"),
+    ("router without host among many", """model: {path: /m}
+hosts:
+  a: {address: 10.0.0.1}
+  b: {address: 10.0.0.2}
+prefill: [{host: a}]
+decode: [{host: b}]
+""", 1, "router", "names no host"),
+    ("instance without host among many", """model: {path: /m}
+hosts:
+  a: {address: 10.0.0.1}
+  b: {address: 10.0.0.2}
+prefill: [{}]
+decode: [{host: b}]
+router: {host: a}
+""", 5, "prefill[0]", "names no host"),
+    ("mixed tp sizes", """platform: cuda
+model: {path: /m}
+prefill: [{devices: [0, 1], tensor_parallel_size: 2}]
+decode: [{devices: [2, 3, 4, 5], tensor_parallel_size: 4}]
+""", 4, "decode[0].tensor_parallel_size", "homogeneous"),
+    ("libfabric on cpu", MINIMAL + "connector: {backend: LIBFABRIC}\n", 7, "connector.backend", "UCX"),
+    ("bad deployment name", "name: My_Deploy\n" + MINIMAL, 1, "name", "lowercase"),
+    ("bad dtype", MINIMAL.replace("path: /models/tiny", "path: /models/tiny\n  dtype: fp8"), 3, "model.dtype", "'bfloat16'"),
+    ("host ssh port zero", MINIMAL + "hosts: {local: {address: 127.0.0.1, ssh_port: 0}}\n", 7, "hosts.local.ssh_port", "greater than or equal to 1"),
+]
+
+
+@pytest.mark.parametrize("name,text,line,field,phrase", BAD_FILES, ids=[b[0] for b in BAD_FILES])
+def test_bad_topology_names_line_and_field(tmp_path, name, text, line, field, phrase):
+    path = tmp_path / "topo.yaml"
+    path.write_text(text)
+    with pytest.raises(TopologyError) as info:
+        load_topology(path)
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(f"{path}:{line}:"), message
+    assert field in message, message
+    assert phrase in message, message
+
+
+def test_missing_file_says_how_to_create_one(tmp_path):
+    with pytest.raises(TopologyError, match="kvpush init"):
+        load_topology(tmp_path / "nope.yaml")
+
+
+def test_env_values_become_strings():
+    topo = parse_topology(MINIMAL + "env: {A: 1, B: true, C: null}\n")
+    assert topo.env == {"A": "1", "B": "true", "C": ""}
+
+
+def test_colocated_needs_no_prefill():
+    topo = parse_topology("model: {path: /m}\nconnector: {type: colocated}\ndecode: [{}, {}]\n")
+    assert [d.http_port for d in topo.decode] == [8200, 8201]
+
+
+def test_bad_file_count_meets_the_bar():
+    assert len({b[0] for b in BAD_FILES}) >= 15
