@@ -1,0 +1,79 @@
+"""`kvpush doctor`: run the checks on every host of a topology and render them."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from kvpush.deploy.doctor import CHECK_NAMES, DoctorOptions, DoctorReport, Status, run_doctor
+from kvpush.deploy.plan import build_plan
+from kvpush.deploy.runners import SshOptions, runner_for
+from kvpush.deploy.topology import resolve_topology
+
+from .console import note, out, print_json
+
+STYLE = {Status.OK: "green", Status.WARN: "yellow", Status.FAIL: "bold red", Status.SKIP: "dim"}
+
+
+def _names(value: Optional[str]) -> frozenset[str]:
+    return frozenset(n.strip() for n in (value or "").split(",") if n.strip())
+
+
+def render_report(report: DoctorReport, verbose: bool = False) -> None:
+    """One table, rows grouped by host (pairs and topology-wide checks after the hosts)."""
+    def group(subject: str) -> tuple[int, str]:
+        return (2 if subject.startswith("(") else 1 if " -> " in subject else 0, subject)
+
+    table = Table("host", "check", "status", "result", "remedy", show_lines=False, expand=False)
+    last = None
+    for r in sorted(report.results, key=lambda r: (group(r.subject), CHECK_NAMES.index(r.check) if r.check in CHECK_NAMES else -1)):
+        if last is not None and r.subject != last:
+            table.add_section()
+        shown_subject = r.subject if r.subject != last else ""
+        last = r.subject
+        result = r.summary
+        if verbose or r.status in (Status.FAIL, Status.WARN):
+            for ev in r.evidence:
+                result += f"\n[dim]$ {ev.command}" + (f"  (exit {ev.exit_code})" if ev.exit_code not in (None, 0) else "") + "[/dim]"
+                for line in ev.lines[:4]:
+                    result += f"\n[dim]  {line}[/dim]"
+        table.add_row(shown_subject, r.check, f"[{STYLE[r.status]}]{r.status.value}[/{STYLE[r.status]}]", result, r.remedy or "")
+    out.print(table)
+    counts = report.counts()
+    verdict = "[bold red]FAILED[/bold red]" if report.failed else "[green]ok[/green]"
+    out.print(f"doctor {verdict}: {counts['ok']} ok, {counts['warn']} warn, {counts['fail']} fail, {counts['skip']} skip "
+              f"on {len(report.hosts)} host(s) in {report.seconds:.1f} s")
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("doctor")
+    def doctor_command(
+        file: Optional[Path] = typer.Argument(None, help="Topology file (default: ./kvpush.yaml, else the built-in local-cpu)."),
+        json_output: bool = typer.Option(False, "--json", help="Print the results as one JSON document."),
+        only: Optional[str] = typer.Option(None, "--only", help=f"Run only these checks (comma-separated): {', '.join(CHECK_NAMES)}."),
+        skip: Optional[str] = typer.Option(None, "--skip", help="Skip these checks (comma-separated)."),
+        transfer: bool = typer.Option(False, "--transfer", help="Also move real bytes: one NIXL WRITE per prefill/decode host pair."),
+        timeout: float = typer.Option(20.0, "--timeout", min=1.0, help="Seconds one host's probe may take before it is reported as failed."),
+        accept_new_host_keys: bool = typer.Option(False, "--accept-new-host-keys", help="Record unknown SSH host keys (trust on first use)."),
+        verbose: bool = typer.Option(False, "--verbose", "-v", help="Show the evidence of passing checks too."),
+    ) -> None:
+        """Check every host of the topology before launching: software, model, GPUs, fabric, NIXL, limits, ports."""
+        topo, source = resolve_topology(file)
+        options = DoctorOptions(only=_names(only), skip=_names(skip), transfer=transfer, timeout_s=timeout)
+        ssh = SshOptions(accept_new_host_keys=accept_new_host_keys)
+        runners = {h.name: runner_for(h.name, h.address, h.ssh_port, h.user, h.key, h.is_local, ssh) for h in build_plan(topo).hosts}
+        try:
+            if not json_output:
+                note(f"topology: {source}; probing {len(runners)} host(s)")
+            report = run_doctor(topo, runners, options)
+        finally:
+            for runner in runners.values():
+                runner.close()
+        if json_output:
+            print_json(report.to_dict())
+        else:
+            render_report(report, verbose)
+        if report.failed:
+            raise typer.Exit(1)

