@@ -1,0 +1,178 @@
+"""One request's blocks as few NIXL descriptors as both sides' memory allows.
+
+Two kinds of adjacency are merged, each only where it holds on the local and the remote side:
+- regions: region i+1 starts where region i's block ends and both step by the same stride (K and V
+  inside one block, or all layers of a block-major cross-layer cache) -> one segment whose block
+  is their union;
+- blocks: pairs (s, d), (s+1, d+1) of a segment whose blocks are packed (stride == block length)
+  on both sides -> one descriptor per run instead of one per block.
+
+Pure numpy on addresses, so it is testable without NIXL or a GPU; descriptors come out as Nx3
+uint64 arrays (address, length, device), the form NIXL converts fastest.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from .wire import Region
+
+
+class CoalesceError(ValueError):
+    """Two sides whose regions cannot be paired block for block."""
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Consecutive regions that move as one: block b starts at base + b * stride on each side."""
+
+    local_base: int
+    remote_base: int
+    block_len: int
+    local_stride: int
+    remote_stride: int
+    num_regions: int
+
+    @property
+    def packed(self) -> bool:
+        """Blocks follow each other without gaps on both sides, so a run of blocks is one range."""
+        return self.local_stride == self.block_len == self.remote_stride
+
+
+def pair_segments(local: Sequence[Region], remote: Sequence[Region]) -> tuple[Segment, ...]:
+    """Pair region i here with region i there and merge neighbours adjacent on both sides.
+
+    Pairs are visited in local address order, so the order layers were listed in does not matter.
+    """
+    if len(local) != len(remote):
+        raise CoalesceError(f"{len(local)} KV regions here vs {len(remote)} on the peer")
+    for i, (mine, theirs) in enumerate(zip(local, remote)):
+        if mine.block_len != theirs.block_len:
+            raise CoalesceError(f"KV region {i}: {mine.block_len}-byte blocks here vs {theirs.block_len} on the peer")
+    segments: list[Segment] = []
+    prev: tuple[Region, Region] | None = None
+    for mine, theirs in sorted(zip(local, remote), key=lambda pair: pair[0].base):
+        if prev is not None and _continues(segments[-1], prev, mine, theirs):
+            s = segments[-1]
+            segments[-1] = Segment(s.local_base, s.remote_base, s.block_len + mine.block_len,
+                                   s.local_stride, s.remote_stride, s.num_regions + 1)
+        else:
+            segments.append(Segment(mine.base, theirs.base, mine.block_len, mine.stride, theirs.stride, 1))
+        prev = (mine, theirs)
+    return tuple(segments)
+
+
+def _continues(seg: Segment, prev: tuple[Region, Region], mine: Region, theirs: Region) -> bool:
+    # with two or more blocks the next region starts inside the previous one's span, so both lie in
+    # one allocation (and one registration, see layout.region_spans)
+    prev_mine, prev_theirs = prev
+    return (mine.num_blocks > 1 and theirs.num_blocks > 1
+            and mine.base == seg.local_base + seg.block_len and theirs.base == seg.remote_base + seg.block_len
+            and mine.stride == seg.local_stride and theirs.stride == seg.remote_stride
+            and seg.block_len + mine.block_len <= min(seg.local_stride, seg.remote_stride)  # blocks stay apart
+            and mine.num_blocks == prev_mine.num_blocks and theirs.num_blocks == prev_theirs.num_blocks)
+
+
+@dataclass(frozen=True)
+class Runs:
+    """Maximal runs of block pairs adjacent on both sides: src[i]..src[i]+n-1 -> dst[i]..dst[i]+n-1."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    length: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.length)
+
+
+def block_runs(src_blocks: Sequence[int] | np.ndarray, dst_blocks: Sequence[int] | np.ndarray) -> Runs:
+    src = np.asarray(src_blocks, dtype=np.int64)
+    dst = np.asarray(dst_blocks, dtype=np.int64)
+    if src.shape != dst.shape or src.ndim != 1:
+        raise CoalesceError(f"{src.size} source blocks vs {dst.size} destination blocks")
+    if src.size == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return Runs(empty, empty, empty)
+    # plain operators and methods only: numpy's Python-level helpers (diff, flatnonzero,
+    # broadcast_to) cost more than the arithmetic at request sizes
+    first = np.empty(src.size, dtype=bool)  # pair i starts a run
+    first[0] = True
+    np.not_equal(src[1:] - src[:-1], 1, out=first[1:])
+    first[1:] |= dst[1:] - dst[:-1] != 1
+    starts = first.nonzero()[0]
+    lengths = np.empty_like(starts)
+    lengths[:-1] = starts[1:] - starts[:-1]
+    lengths[-1] = src.size - starts[-1]
+    return Runs(src[starts], dst[starts], lengths)
+
+
+class Plan:
+    """The segments of one peer pairing as column arrays, built once per peer so that a request
+    costs only its own arithmetic (tens of microseconds)."""
+
+    def __init__(self, segments: Sequence[Segment], local_device: int = 0, remote_device: int = 0):
+        self.segments = tuple(segments)
+        self.bytes_per_block = sum(s.block_len for s in self.segments)
+        self.local_device = local_device
+        self.remote_device = remote_device
+        packed = [s for s in self.segments if s.packed]
+        loose = [s for s in self.segments if not s.packed]
+        self._packed = _columns(packed)
+        self._loose = _columns(loose)
+
+    @classmethod
+    def pair(cls, local: Sequence[Region], remote: Sequence[Region], local_device: int = 0,
+             remote_device: int = 0) -> "Plan":
+        return cls(pair_segments(local, remote), local_device, remote_device)
+
+    def descriptors(self, src_blocks, dst_blocks) -> tuple[np.ndarray, np.ndarray]:
+        """Local and remote Nx3 (address, length, device) uint64 arrays, row i of one pairing row i
+        of the other: one row per run in packed segments, one row per block in the others."""
+        src = np.asarray(src_blocks, dtype=np.int64)
+        dst = np.asarray(dst_blocks, dtype=np.int64)
+        if src.shape != dst.shape or src.ndim != 1:
+            raise CoalesceError(f"{src.size} source blocks vs {dst.size} destination blocks")
+        parts = []
+        if self._packed is not None:
+            runs = block_runs(src, dst)
+            parts.append((self._packed, runs.src, runs.dst, runs.length))
+        if self._loose is not None:
+            parts.append((self._loose, src, dst, None))
+        rows = sum(cols.local_base.size * s.size for cols, s, _, _ in parts)
+        local = np.empty((rows, 3), dtype=np.int64)  # filled as int64, handed out as uint64 (no casts)
+        remote = np.empty((rows, 3), dtype=np.int64)
+        local[:, 2] = self.local_device
+        remote[:, 2] = self.remote_device
+        at = 0
+        for cols, s, d, length in parts:
+            n = cols.local_base.size * s.size
+            # run (or block) i of segment k sits at row at + k * len(runs) + i
+            mine = local[at:at + n].reshape(cols.local_base.size, s.size, 3)
+            theirs = remote[at:at + n].reshape(cols.local_base.size, s.size, 3)
+            mine[:, :, 0] = cols.local_base + s * cols.local_stride
+            theirs[:, :, 0] = cols.remote_base + d * cols.remote_stride
+            mine[:, :, 1] = cols.block_len if length is None else cols.block_len * length
+            at += n
+        remote[:, 1] = local[:, 1]
+        return local.view(np.uint64), remote.view(np.uint64)
+
+
+@dataclass(frozen=True)
+class _Columns:
+    local_base: np.ndarray  # (segments, 1) int64
+    remote_base: np.ndarray
+    local_stride: np.ndarray
+    remote_stride: np.ndarray
+    block_len: np.ndarray
+
+
+def _columns(segments: Sequence[Segment]) -> _Columns | None:
+    if not segments:
+        return None
+
+    def col(name: str) -> np.ndarray:
+        return np.array([getattr(s, name) for s in segments], dtype=np.int64)[:, None]
+
+    return _Columns(col("local_base"), col("remote_base"), col("local_stride"), col("remote_stride"), col("block_len"))
