@@ -1,0 +1,191 @@
+"""`kvpush up | down | status | logs | provision`: thin commands over kvpush.deploy.lifecycle/observe."""
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.live import Live
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from kvpush.deploy.errors import KvpushError
+from kvpush.deploy.lifecycle import Events, LifecycleOptions, down, up
+from kvpush.deploy.observe import ProcessStatus, deployment_status, require_state, stream_logs
+from kvpush.deploy.plan import build_plan
+from kvpush.deploy.runners import SshOptions
+from kvpush.deploy.topology import resolve_topology
+
+from .console import err, note, out, print_json
+
+FILE_ARG = typer.Argument(None, help="Topology file (default: ./kvpush.yaml, else the built-in local-cpu).")
+
+
+def _ssh_options(accept_new: bool, known_hosts: str, connect_timeout: float) -> SshOptions:
+    return SshOptions(known_hosts=known_hosts, accept_new_host_keys=accept_new,
+                      connect_timeout_s=connect_timeout, auth_timeout_s=connect_timeout)
+
+
+ACCEPT = typer.Option(False, "--accept-new-host-keys", help="Record unknown SSH host keys in known_hosts (trust on first use).")
+KNOWN_HOSTS = typer.Option("~/.ssh/known_hosts", "--known-hosts", envvar="KVPUSH_KNOWN_HOSTS", help="known_hosts file to verify SSH hosts against.")
+CONNECT_TIMEOUT = typer.Option(10.0, "--connect-timeout", help="Seconds to connect and authenticate to each host.")
+DEPLOYMENT = typer.Option(None, "--deployment", "-d", help="Deployment name (default: the topology's name).")
+
+
+def _deployment_name(file: Optional[Path], deployment: Optional[str]) -> str:
+    return deployment or resolve_topology(file)[0].name
+
+
+class _ProgressEvents(Events):
+    def __init__(self, progress: Progress):
+        self.progress, self.tasks = progress, {}
+
+    def note(self, message: str) -> None:
+        self.progress.console.print(f"[dim]{message}[/dim]", highlight=False)
+
+    def process(self, name: str, status: str, done: bool = False) -> None:
+        if name not in self.tasks:
+            self.tasks[name] = self.progress.add_task(name, total=1, status=status)
+        self.progress.update(self.tasks[name], status=status, completed=1 if done else 0)
+
+    def log_tail(self, name: str, host: str, text: str) -> None:
+        self.progress.console.print(f"[bold red]last lines of {name}'s log on {host}:[/bold red]")
+        for line in text.splitlines():
+            self.progress.console.print(f"  {name} | {line}", highlight=False, markup=False)
+
+
+def _status_table(rows: list[ProcessStatus]) -> Table:
+    table = Table("process", "role", "host", "pid", "process", "health", "running", "waiting", "KV cache", "uptime", "restarts")
+
+    def num(v: float | None) -> str:
+        return "-" if v is None else f"{v:g}"
+
+    for r in rows:
+        color = "green" if r.healthy else "red"
+        table.add_row(r.name, r.role, r.host, str(r.pid), f"[{color}]{r.process}[/{color}]", f"[{color}]{r.health}[/{color}]",
+                      num(r.running), num(r.waiting), "-" if r.kv_usage is None else f"{r.kv_usage:.0%}",
+                      "-" if r.uptime_s is None else f"{r.uptime_s:.0f} s", str(r.restarts))
+    return table
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("up")
+    def up_command(
+        file: Optional[Path] = FILE_ARG,
+        accept_new_host_keys: bool = ACCEPT,
+        known_hosts: str = KNOWN_HOSTS,
+        connect_timeout: float = CONNECT_TIMEOUT,
+        no_provision: bool = typer.Option(False, "--no-provision", help="Skip checking/installing kvpush on the hosts."),
+        timeout: float = typer.Option(600.0, "--timeout", help="Seconds each process may take to become ready."),
+    ) -> None:
+        """Start the deployment (only what changed), wait until ready, and prove KV moves through the router."""
+        topo, source = resolve_topology(file)
+        note(f"topology: {source}")
+        options = LifecycleOptions(ssh=_ssh_options(accept_new_host_keys, known_hosts, connect_timeout),
+                                   ready_timeout_s=timeout, provision=not no_provision)
+        columns = [SpinnerColumn(), TextColumn("[bold]{task.description}"), TextColumn("{task.fields[status]}"), TimeElapsedColumn()]
+        with Progress(*columns, console=err, transient=False) as progress:
+            result = up(topo, options, _ProgressEvents(progress))
+        if result.changes.nothing_to_do:
+            out.print(f"{topo.name}: up and unchanged, nothing to do ({result.total_s:.1f} s)", highlight=False)
+            return
+        if result.ready_s:
+            slowest = max(result.ready_s.values())
+            out.print(f"{topo.name}: ready; slowest process {slowest:.1f} s, sum of all {sum(result.ready_s.values()):.1f} s, "
+                      f"whole `up` {result.total_s:.1f} s", highlight=False)
+        if result.proof:
+            out.print(f"proof: router answered {result.proof.answer!r} in {result.proof.latency_s:.2f} s; decode received "
+                      f"{result.proof.external_kv_tokens:.0f} prompt tokens by KV transfer", highlight=False)
+        out.print(f"router: {build_plan(topo).router_url}", highlight=False)
+
+    @app.command("down")
+    def down_command(
+        file: Optional[Path] = FILE_ARG,
+        deployment: Optional[str] = DEPLOYMENT,
+        known_hosts: str = KNOWN_HOSTS,
+        connect_timeout: float = CONNECT_TIMEOUT,
+        timeout: float = typer.Option(20.0, "--timeout", help="Seconds between SIGTERM and SIGKILL."),
+    ) -> None:
+        """Stop every process of the deployment (TERM, then KILL) and verify nothing is left."""
+        name = _deployment_name(file, deployment)
+        options = LifecycleOptions(ssh=_ssh_options(False, known_hosts, connect_timeout), stop_timeout_s=timeout)
+        result = down(name, options)
+        if not result.stopped and result.complete:
+            out.print(f"{name}: nothing running (no state recorded)" if not result.had_state else f"{name}: nothing running", highlight=False)
+            return
+        if result.stopped:
+            out.print(f"{name}: stopped {', '.join(result.stopped)}", highlight=False)
+        for host, error in result.unreachable.items():
+            err.print(f"[yellow]not reached:[/yellow] {error}; its processes stay recorded, rerun `kvpush down` when it is back", highlight=False)
+        if result.left_running:
+            raise KvpushError(f"{name}: still running after SIGKILL: {', '.join(result.left_running)}")
+        if result.unreachable:
+            raise KvpushError(f"{name}: {len(result.unreachable)} host(s) not reached; the rest is stopped")
+
+    @app.command("status")
+    def status_command(
+        file: Optional[Path] = FILE_ARG,
+        deployment: Optional[str] = DEPLOYMENT,
+        json_output: bool = typer.Option(False, "--json", help="Print one JSON document."),
+        watch: bool = typer.Option(False, "--watch", "-w", help="Refresh in place every --interval seconds."),
+        interval: float = typer.Option(2.0, "--interval", help="Seconds between refreshes with --watch."),
+        known_hosts: str = KNOWN_HOSTS,
+        connect_timeout: float = CONNECT_TIMEOUT,
+    ) -> None:
+        """One row per process: liveness, health, load, KV-cache use, uptime, restarts. Exit 1 if unhealthy."""
+        name = _deployment_name(file, deployment)
+        ssh = _ssh_options(False, known_hosts, connect_timeout)
+        if watch:
+            with Live(console=out, auto_refresh=False) as live:
+                while True:
+                    live.update(_status_table(deployment_status(require_state(name), ssh)), refresh=True)
+                    time.sleep(interval)
+        rows = deployment_status(require_state(name), ssh)
+        if json_output:
+            print_json({"deployment": name, "healthy": all(r.healthy for r in rows), "processes": [r.to_dict() for r in rows]})
+        else:
+            out.print(_status_table(rows))
+            for r in rows:
+                if r.error:
+                    err.print(f"[yellow]{r.name}:[/yellow] {r.error}", highlight=False)
+        if not all(r.healthy for r in rows):
+            raise typer.Exit(1)
+
+    @app.command("logs")
+    def logs_command(
+        selector: Optional[str] = typer.Argument(None, help="Process name or role (prefill, decode, router); default all."),
+        file: Optional[Path] = typer.Option(None, "--file", help="Topology file (default: ./kvpush.yaml, else local-cpu)."),
+        deployment: Optional[str] = DEPLOYMENT,
+        follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing new lines, like tail -f."),
+        lines: int = typer.Option(20, "-n", "--lines", help="Lines of each log to print first."),
+        known_hosts: str = KNOWN_HOSTS,
+    ) -> None:
+        """Tail logs of one process, a role, or all, across hosts; each line prefixed by its process name."""
+        name = _deployment_name(file, deployment)
+        state = require_state(name)
+        width = max(len(n) for n in state.processes)
+        lock = threading.Lock()
+
+        def emit(process: str, line: str) -> None:
+            with lock:
+                out.print(f"[cyan]{process:<{width}}[/cyan] | {line}", highlight=False, markup=True, soft_wrap=True)
+
+        stream_logs(state, selector, lines, follow, _ssh_options(False, known_hosts, 10.0), emit)
+
+    @app.command("provision")
+    def provision_command(
+        file: Optional[Path] = FILE_ARG,
+        with_vllm: bool = typer.Option(False, "--with-vllm", help="Also create each host's venv and install the pinned CPU vLLM stack."),
+        accept_new_host_keys: bool = ACCEPT,
+        known_hosts: str = KNOWN_HOSTS,
+        connect_timeout: float = CONNECT_TIMEOUT,
+    ) -> None:
+        """Make every host's Python import kvpush at this source version (build, upload, install a wheel)."""
+        from kvpush.deploy.provision import provision_all
+
+        topo, source = resolve_topology(file)
+        note(f"topology: {source}")
+        for result in provision_all(topo, _ssh_options(accept_new_host_keys, known_hosts, connect_timeout), with_vllm):
+            out.print(f"host {result.host}: {result.action} ({result.detail})", highlight=False)

@@ -1,0 +1,26 @@
+"""Open one runner per host for a command, in parallel, and close them all at the end."""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+from .runners import HostResult, Runner, SshOptions, SshRunner, fan_out, runner_for
+from .state import HostRecord
+
+
+def _connect(runner: Runner) -> Runner:
+    if isinstance(runner, SshRunner):
+        runner.connect()
+    return runner
+
+
+@contextmanager
+def connected(hosts: dict[str, HostRecord], options: SshOptions) -> Iterator[tuple[dict[str, Runner], dict[str, str]]]:
+    """(runners for reachable hosts, one-line error per unreachable host); closed on exit."""
+    runners = {name: runner_for(name, h.address, h.ssh_port, h.user, h.key, h.is_local, options) for name, h in hosts.items()}
+    results: dict[str, HostResult[Runner]] = fan_out(list(runners), lambda name: _connect(runners[name]))
+    try:
+        yield ({n: r.value for n, r in results.items() if r.ok}, {n: r.error for n, r in results.items() if not r.ok})
+    finally:
+        for runner in runners.values():
+            runner.close()

@@ -1,0 +1,129 @@
+"""`status` and `logs`: observe a recorded deployment through its hosts, changing nothing."""
+from __future__ import annotations
+
+import shlex
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+from .changes import is_running
+from .errors import KvpushError, UsageError
+from .hosts import connected
+from .runners import Runner, SshOptions, fan_out
+from .state import DeploymentState, ProcessRecord, load_state
+from .vllm_metrics import vllm_load
+
+
+@dataclass
+class ProcessStatus:
+    name: str
+    role: str
+    host: str
+    pid: int
+    process: str  # running | dead | zombie | unreachable
+    health: str  # ok | HTTP <code> | no answer | -
+    running: float | None
+    waiting: float | None
+    kv_usage: float | None
+    uptime_s: float | None
+    restarts: int
+    error: str | None = None
+
+    @property
+    def healthy(self) -> bool:
+        return self.process == "running" and self.health == "ok"
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "healthy": self.healthy}
+
+
+def require_state(deployment: str) -> DeploymentState:
+    state = load_state(deployment)
+    if state is None or not state.processes:
+        raise KvpushError(f"deployment {deployment} is not running (no state recorded); start it with `kvpush up`")
+    return state
+
+
+def _host_status(runner: Runner, records: list[ProcessRecord]) -> list[ProcessStatus]:
+    infos = runner.inspect([r.pid for r in records])
+    now = time.time()
+    rows = []
+    for r in records:
+        info = infos.get(r.pid)
+        alive = is_running(r, info)
+        row = ProcessStatus(r.name, r.role, r.host, r.pid,
+                            "running" if alive else ("zombie" if info and info.state == "zombie" else "dead"),
+                            "-", None, None, None, (now - r.start_time) if alive and r.start_time else None, r.restarts)
+        if alive:
+            try:
+                code = runner.http("GET", r.health_url, timeout=3).status
+                row.health = "ok" if code == 200 else f"HTTP {code}"
+                if r.role != "router" and code == 200:
+                    load = vllm_load(runner.http("GET", r.health_url.rsplit("/", 1)[0] + "/metrics", timeout=3).text())
+                    row.running, row.waiting, row.kv_usage = load.running, load.waiting, load.kv_usage
+            except OSError as exc:
+                row.health, row.error = "no answer", str(exc)
+        rows.append(row)
+    return rows
+
+
+def deployment_status(state: DeploymentState, ssh: SshOptions) -> list[ProcessStatus]:
+    by_host: dict[str, list[ProcessRecord]] = {}
+    for r in state.processes.values():
+        by_host.setdefault(r.host, []).append(r)
+    rows: list[ProcessStatus] = []
+    with connected({h: state.hosts[h] for h in by_host}, ssh) as (runners, unreachable):
+        results = fan_out(list(runners), lambda h: _host_status(runners[h], by_host[h]))
+        failures = dict(unreachable)
+        failures.update({h: r.error for h, r in results.items() if not r.ok})
+        for h, result in results.items():
+            if result.ok:
+                rows += result.value
+    for host, error in failures.items():
+        rows += [ProcessStatus(r.name, r.role, host, r.pid, "unreachable", "-", None, None, None, None, r.restarts, error)
+                 for r in by_host[host]]
+    order = {n: i for i, n in enumerate(state.processes)}
+    return sorted(rows, key=lambda row: order[row.name])
+
+
+def select_processes(state: DeploymentState, selector: str | None) -> list[ProcessRecord]:
+    records = list(state.processes.values())
+    if selector is None:
+        return records
+    chosen = [r for r in records if selector in (r.name, r.role)]
+    if not chosen:
+        names = ", ".join(sorted({r.name for r in records} | {r.role for r in records}))
+        raise UsageError(f"no process or role named '{selector}' in deployment {state.deployment}; choose one of {names}")
+    return chosen
+
+
+def stream_logs(state: DeploymentState, selector: str | None, lines: int, follow: bool, ssh: SshOptions,
+                emit: Callable[[str, str], None], stop: threading.Event | None = None) -> None:
+    """emit(process_name, line) for the last `lines` lines of each chosen log, then new lines if follow."""
+    records = select_processes(state, selector)
+    stop = stop or threading.Event()
+    with connected({r.host: state.hosts[r.host] for r in records}, ssh) as (runners, unreachable):
+        for host, error in unreachable.items():
+            emit("kvpush", f"cannot read logs on {error}")
+        reachable = [r for r in records if r.host in runners]
+        if not follow:
+            results = fan_out(reachable, lambda r: runners[r.host].tail(r.log_path, lines), name=lambda r: r.name)
+            for name, result in results.items():
+                for line in (result.value.splitlines() if result.ok else [f"[{result.error}]"]):
+                    emit(name, line)
+            return
+        threads = []
+        for r in reachable:
+            runner = runners[r.host]
+            command = f"tail -n {int(lines)} -F {shlex.quote(runner.expand(r.log_path))} 2>&1"
+            t = threading.Thread(target=runner.follow, args=(command, lambda line, n=r.name: emit(n, line), stop), daemon=True)
+            t.start()
+            threads.append(t)
+        try:
+            while any(t.is_alive() for t in threads) and not stop.is_set():
+                time.sleep(0.2)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(2)

@@ -1,0 +1,20 @@
+"""Runners: how kvpush drives a host (locally or over SSH), and parallel fan-out across hosts."""
+from __future__ import annotations
+
+from .base import CommandResult, HostError, HttpResponse, ProcessInfo, Runner, Started
+from .fanout import FanOutError, HostResult, fan_out, values_or_raise
+from .local import LocalRunner
+from .ssh import SshOptions, SshRunner
+
+__all__ = [
+    "CommandResult", "FanOutError", "HostError", "HostResult", "HttpResponse", "LocalRunner",
+    "ProcessInfo", "Runner", "SshOptions", "SshRunner", "Started", "fan_out", "runner_for",
+    "values_or_raise",
+]
+
+
+def runner_for(name: str, address: str, ssh_port: int, user: str | None, key: str | None,
+               is_local: bool, options: SshOptions = SshOptions()) -> Runner:
+    if is_local:
+        return LocalRunner(name)
+    return SshRunner(name, address, ssh_port, user, key, options)

@@ -1,0 +1,202 @@
+"""The one interface every host is driven through, and the shell snippets both runners share.
+
+A plan keeps `~/...` paths literally; a runner expands a leading `~/` to its host's home.
+"""
+from __future__ import annotations
+
+import shlex
+import threading
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable, Literal
+
+from kvpush.deploy.errors import KvpushError
+
+ProcessState = Literal["alive", "zombie", "dead"]
+
+
+class HostError(KvpushError):
+    """One host could not do what was asked; str() names the host."""
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    host: str
+    command: str
+    exit_code: int
+    stdout: str
+    stderr: str
+    duration_s: float
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+    def check(self, what: str) -> "CommandResult":
+        if not self.ok:
+            detail = (self.stderr.strip() or self.stdout.strip()).splitlines()[-1:] or ["no output"]
+            raise HostError(f"host {self.host}: {what} failed (exit {self.exit_code}): {detail[0]}")
+        return self
+
+
+@dataclass(frozen=True)
+class Started:
+    pid: int
+    pgid: int
+    start_time: float | None  # seconds since the epoch, from the host's process table
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    pid: int
+    state: ProcessState
+    start_time: float | None = None
+    pgid: int | None = None
+
+
+@dataclass(frozen=True)
+class HttpResponse:
+    status: int
+    body: bytes
+
+    def text(self) -> str:
+        return self.body.decode("utf-8", "replace")
+
+
+class Runner(ABC):
+    """Drives one host. Methods raise HostError (one line naming the host) on failure."""
+
+    name: str
+
+    @property
+    @abstractmethod
+    def home(self) -> str: ...
+
+    @abstractmethod
+    def run(self, command: str, timeout: float | None = None, stdin: bytes | None = None) -> CommandResult:
+        """Run a shell command; a timeout raises HostError."""
+
+    @abstractmethod
+    def read_file(self, path: str) -> bytes | None:
+        """The file's bytes, or None when it does not exist."""
+
+    @abstractmethod
+    def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
+        """Write atomically (temporary file + rename), creating parent directories."""
+
+    @abstractmethod
+    def upload(self, local_path: str, remote_path: str) -> None: ...
+
+    @abstractmethod
+    def inspect(self, pids: list[int]) -> dict[int, ProcessInfo]: ...
+
+    @abstractmethod
+    def signal_groups(self, pgids: list[int], signal_name: str) -> None:
+        """Send TERM/KILL/... to each process group; groups already gone are ignored."""
+
+    @abstractmethod
+    def http(self, method: str, url: str, body: bytes | None = None, timeout: float = 5.0) -> HttpResponse:
+        """An HTTP request made from the host itself (so host-local binds are reachable)."""
+
+    @abstractmethod
+    def follow(self, command: str, on_line: Callable[[str], None], stop: threading.Event) -> None:
+        """Run a long command (e.g. `tail -F`), calling on_line per output line until stop is set."""
+
+    def group_members(self, pgids: list[int]) -> dict[int, list[ProcessInfo]]:
+        """Every process (zombies included) currently in each process group."""
+        wanted = {int(g) for g in pgids}
+        result = self.run("ps -e -o pid=,pgid=,stat=", timeout=30).check("listing processes")
+        members: dict[int, list[ProcessInfo]] = {g: [] for g in wanted}
+        for line in result.stdout.splitlines():
+            pid, pgid, stat = line.split()[:3]
+            if int(pgid) in wanted:
+                members[int(pgid)].append(ProcessInfo(int(pid), "zombie" if stat.startswith("Z") else "alive", None, int(pgid)))
+        return members
+
+    def close(self) -> None:
+        pass
+
+    def expand(self, value: str) -> str:
+        if value == "~":
+            return self.home
+        return self.home + value[1:] if value.startswith("~/") else value
+
+    def start_detached(self, argv: list[str], env: dict[str, str], cwd: str, log_path: str) -> Started:
+        """Start a process that outlives this connection: own session and process group, log file."""
+        result = self.run(detached_start_command(
+            [self.expand(a) for a in argv], {k: self.expand(v) for k, v in env.items()},
+            self.expand(cwd), self.expand(log_path)), timeout=30)
+        result.check(f"starting {shlex.join(argv[:3])}")
+        try:
+            pid = int(result.stdout.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            raise HostError(f"host {self.name}: starting {argv[0]} printed no PID: {result.stdout!r} {result.stderr!r}") from None
+        # `echo $!` can run before the child reached setsid(): wait until it leads its own group.
+        deadline = Deadline(3.0)
+        info = self.inspect([pid])[pid]
+        while info.state == "alive" and info.pgid != pid and not deadline.expired():
+            time.sleep(0.01)
+            info = self.inspect([pid])[pid]
+        return Started(pid=pid, pgid=pid, start_time=info.start_time)
+
+    def tail(self, path: str, lines: int = 30) -> str:
+        result = self.run(f"tail -n {int(lines)} {shlex.quote(self.expand(path))} 2>/dev/null", timeout=15)
+        return result.stdout
+
+
+def detached_start_command(argv: list[str], env: dict[str, str], cwd: str, log_path: str) -> str:
+    """Shell text that starts argv detached and prints its PID.
+
+    The backgrounded command must be one simple command so `$!` is its PID (`a && b &` would
+    background a subshell), and every std stream is redirected so the SSH channel can close.
+    setsid gives it its own session and process group, so signalling the group stops it all.
+    """
+    log_dir = log_path.rsplit("/", 1)[0] if "/" in log_path else "."
+    q = shlex.quote
+    env_words = " ".join(q(f"{k}={v}") for k, v in sorted(env.items()))
+    return (
+        f"mkdir -p {q(cwd)} {q(log_dir)} || exit 1; cd {q(cwd)} || exit 1; "
+        f"if [ -f {q(log_path)} ]; then mv -f {q(log_path)} {q(log_path + '.1')}; fi; "
+        f"env {env_words} nohup setsid {shlex.join(argv)} >{q(log_path)} 2>&1 </dev/null & echo $!"
+    )
+
+
+def proc_table_command(pids: list[int]) -> str:
+    """Prints btime, CLK_TCK, then one `PID <stat line>` per live PID (none for missing ones)."""
+    pid_words = " ".join(str(int(p)) for p in pids)
+    return (
+        "grep '^btime' /proc/stat; getconf CLK_TCK; "
+        f"for p in {pid_words}; do s=$(cat /proc/$p/stat 2>/dev/null) && echo \"$p $s\"; done; true"
+    )
+
+
+def parse_proc_table(pids: list[int], text: str) -> dict[int, ProcessInfo]:
+    lines = text.splitlines()
+    btime = float(lines[0].split()[1])
+    ticks = float(lines[1])
+    found: dict[int, ProcessInfo] = {}
+    for line in lines[2:]:
+        pid_text, stat = line.split(" ", 1)
+        # The command name (field 2) may contain spaces and parentheses: split after the last ')'.
+        rest = stat[stat.rindex(")") + 2 :].split()
+        state_letter, pgid, start_ticks = rest[0], int(rest[2]), int(rest[19])
+        state: ProcessState = "zombie" if state_letter in ("Z", "X") else "alive"
+        found[int(pid_text)] = ProcessInfo(int(pid_text), state, round(btime + start_ticks / ticks, 2), pgid)
+    return {p: found.get(p, ProcessInfo(p, "dead")) for p in pids}
+
+
+def signal_groups_command(pgids: list[int], signal_name: str) -> str:
+    words = " ".join(f"-{int(g)}" for g in pgids if int(g) > 1)
+    return f"kill -s {shlex.quote(signal_name)} -- {words} 2>/dev/null; true" if words else "true"
+
+
+class Deadline:
+    def __init__(self, seconds: float | None):
+        self.end = None if seconds is None else time.monotonic() + seconds
+
+    def left(self) -> float | None:
+        return None if self.end is None else max(0.0, self.end - time.monotonic())
+
+    def expired(self) -> bool:
+        return self.end is not None and time.monotonic() >= self.end

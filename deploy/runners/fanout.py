@@ -1,0 +1,56 @@
+"""Run per-host work in parallel; every host gets a result, a failure never hides the others."""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Generic, Iterable, TypeVar
+
+from kvpush.deploy.errors import KvpushError
+
+K = TypeVar("K")
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class HostResult(Generic[T]):
+    host: str
+    ok: bool
+    value: T | None = None
+    error: str | None = None
+
+
+class FanOutError(KvpushError):
+    """Some hosts failed; carries every host's result. str() is one line per failed host."""
+
+    def __init__(self, results: dict[str, HostResult]):
+        self.results = results
+        failed = [r for r in results.values() if not r.ok]
+        super().__init__("; ".join(r.error or f"host {r.host}: failed" for r in failed))
+
+
+def fan_out(items: Iterable[K], fn: Callable[[K], T], name: Callable[[K], str] = str,
+            max_workers: int = 64) -> dict[str, HostResult[T]]:
+    """fn(item) for every item in parallel threads, keyed by name(item), in input order."""
+    items = list(items)
+    if not items:
+        return {}
+
+    def call(item: K) -> HostResult[T]:
+        host = name(item)
+        try:
+            return HostResult(host, True, value=fn(item))
+        except KvpushError as exc:
+            message = str(exc)
+            return HostResult(host, False, error=message if host in message else f"host {host}: {message}")
+        except Exception as exc:  # one host's surprise must not hide the others' results
+            return HostResult(host, False, error=f"host {host}: {type(exc).__name__}: {exc}")
+
+    with ThreadPoolExecutor(max_workers=min(max_workers, len(items))) as pool:
+        results = list(pool.map(call, items))
+    return {r.host: r for r in results}
+
+
+def values_or_raise(results: dict[str, HostResult[T]]) -> dict[str, T]:
+    if any(not r.ok for r in results.values()):
+        raise FanOutError(results)
+    return {h: r.value for h, r in results.items()}

@@ -1,0 +1,123 @@
+"""Runner for the machine kvpush runs on: subprocess for commands, psutil for processes."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+from .base import CommandResult, HostError, HttpResponse, ProcessInfo, Runner
+from .http import exchange, split_url
+
+
+class LocalRunner(Runner):
+    def __init__(self, name: str = "local"):
+        self.name = name
+
+    @property
+    def home(self) -> str:
+        return str(Path.home())
+
+    def run(self, command: str, timeout: float | None = None, stdin: bytes | None = None) -> CommandResult:
+        started = time.monotonic()
+        try:
+            proc = subprocess.run(["bash", "-c", command], input=stdin, capture_output=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise HostError(f"host {self.name}: command timed out after {timeout:.0f} s: {command[:80]}") from None
+        return CommandResult(self.name, command, proc.returncode, proc.stdout.decode(errors="replace"),
+                             proc.stderr.decode(errors="replace"), time.monotonic() - started)
+
+    def read_file(self, path: str) -> bytes | None:
+        try:
+            return Path(self.expand(path)).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
+        target = Path(self.expand(path))
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.chmod(tmp, mode)
+            os.replace(tmp, target)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def upload(self, local_path: str, remote_path: str) -> None:
+        target = Path(self.expand(remote_path))
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
+        os.close(fd)
+        shutil.copyfile(local_path, tmp)
+        os.replace(tmp, target)
+
+    def inspect(self, pids: list[int]) -> dict[int, ProcessInfo]:
+        infos = {}
+        for pid in pids:
+            try:
+                proc = psutil.Process(pid)
+                with proc.oneshot():
+                    state = "zombie" if proc.status() == psutil.STATUS_ZOMBIE else "alive"
+                    infos[pid] = ProcessInfo(pid, state, round(proc.create_time(), 2), os.getpgid(pid))
+            except (psutil.NoSuchProcess, ProcessLookupError):
+                infos[pid] = ProcessInfo(pid, "dead")
+        return infos
+
+    def group_members(self, pgids: list[int]) -> dict[int, list[ProcessInfo]]:
+        wanted = {int(g) for g in pgids}
+        members: dict[int, list[ProcessInfo]] = {g: [] for g in wanted}
+        for proc in psutil.process_iter(["pid", "status"]):
+            try:
+                pgid = os.getpgid(proc.pid)
+            except (ProcessLookupError, PermissionError):
+                continue
+            if pgid in wanted:
+                state = "zombie" if proc.info["status"] == psutil.STATUS_ZOMBIE else "alive"
+                members[pgid].append(ProcessInfo(proc.pid, state, None, pgid))
+        return members
+
+    def follow(self, command: str, on_line, stop) -> None:
+        proc = subprocess.Popen(["bash", "-c", command], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+        watcher = threading.Thread(target=lambda: (stop.wait(), _terminate(proc)), daemon=True)
+        watcher.start()
+        try:
+            for raw in proc.stdout:
+                if stop.is_set():
+                    break
+                on_line(raw.decode(errors="replace").rstrip("\n"))
+        finally:
+            _terminate(proc)
+
+    def signal_groups(self, pgids: list[int], signal_name: str) -> None:
+        sig = getattr(signal, f"SIG{signal_name}")
+        for pgid in pgids:
+            if pgid > 1:
+                try:
+                    os.killpg(pgid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+
+    def http(self, method: str, url: str, body: bytes | None = None, timeout: float = 5.0) -> HttpResponse:
+        host, port, path = split_url(url)
+        with socket.create_connection((host, port), timeout=timeout) as sock:
+            return exchange(sock, host, port, method, path, body)
+
+
+def _terminate(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        proc.wait()

@@ -1,0 +1,143 @@
+"""The deployment state file: what `up` started where, so later commands can observe and stop it.
+
+`~/.kvpush/state/<deployment>.json` on the machine kvpush runs on (KVPUSH_STATE_DIR overrides the
+directory). Written atomically; `locked()` holds an fcntl lock so two kvpush commands can't
+interleave their read-modify-write cycles.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from .errors import KvpushError
+from .plan import HostPlan
+
+STATE_VERSION = 1
+
+
+def state_dir() -> Path:
+    return Path(os.environ.get("KVPUSH_STATE_DIR") or Path.home() / ".kvpush" / "state")
+
+
+@dataclass
+class HostRecord:
+    address: str
+    ssh_port: int
+    user: str | None
+    key: str | None
+    is_local: bool
+    workdir: str
+
+    @classmethod
+    def from_plan(cls, host: HostPlan) -> "HostRecord":
+        return cls(host.address, host.ssh_port, host.user, host.key, host.is_local, host.workdir)
+
+
+@dataclass
+class ProcessRecord:
+    name: str
+    role: str
+    host: str
+    pid: int
+    pgid: int
+    start_time: float | None  # from the host's process table; tells a reused PID apart
+    http_port: int
+    health_url: str
+    log_path: str
+    digest: str  # ProcessPlan digest (+ files it reads) it was started from
+    started_at: float
+    restarts: int = 0
+
+
+@dataclass
+class DeploymentState:
+    deployment: str
+    plan_hash: str = ""
+    created_at: float = field(default_factory=time.time)
+    updated_at: float = field(default_factory=time.time)
+    hosts: dict[str, HostRecord] = field(default_factory=dict)
+    processes: dict[str, ProcessRecord] = field(default_factory=dict)
+    version: int = STATE_VERSION
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)  # keeps plan order: status lists processes in it
+
+    @classmethod
+    def from_json(cls, text: str) -> "DeploymentState":
+        data = json.loads(text)
+        data["hosts"] = {k: HostRecord(**v) for k, v in data.get("hosts", {}).items()}
+        data["processes"] = {k: ProcessRecord(**v) for k, v in data.get("processes", {}).items()}
+        return cls(**data)
+
+    def processes_on(self, host: str) -> list[ProcessRecord]:
+        return [p for p in self.processes.values() if p.host == host]
+
+
+def state_path(deployment: str) -> Path:
+    return state_dir() / f"{deployment}.json"
+
+
+def load_state(deployment: str) -> DeploymentState | None:
+    path = state_path(deployment)
+    try:
+        return DeploymentState.from_json(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (ValueError, TypeError, KeyError) as exc:
+        raise KvpushError(f"{path}: unreadable deployment state ({exc}); move it aside and run `kvpush down` on the hosts by hand") from None
+
+
+def save_state(state: DeploymentState) -> None:
+    path = state_path(state.deployment)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state.updated_at = time.time()
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(state.to_json())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def remove_state(deployment: str) -> None:
+    state_path(deployment).unlink(missing_ok=True)
+
+
+@contextmanager
+def locked(deployment: str, wait_s: float = 10.0) -> Iterator[None]:
+    """Exclusive lock for one deployment's state; waits up to wait_s, then fails in one line."""
+    path = state_dir() / f"{deployment}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as f:
+        end = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= end:
+                    f.seek(0)
+                    holder = f.read().strip() or "unknown"
+                    raise KvpushError(f"deployment {deployment}: another kvpush command (pid {holder}) holds {path}; wait for it to finish") from None
+                time.sleep(0.05)
+        f.seek(0)
+        f.truncate()
+        f.write(str(os.getpid()))
+        f.flush()
+        try:
+            yield
+        finally:
+            f.seek(0)
+            f.truncate()
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)

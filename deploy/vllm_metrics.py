@@ -1,0 +1,43 @@
+"""Read the few numbers kvpush needs from a Prometheus text page (vLLM's and the router's /metrics)."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+KV_USAGE = "vllm:kv_cache_usage_perc"
+PROMPT_TOKENS_BY_SOURCE = "vllm:prompt_tokens_by_source_total"  # a counter: exposed with _total
+EXTERNAL_KV_SOURCE = "external_kv_transfer"
+
+_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)')
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def metric_sum(text: str, name: str, **labels: str) -> float | None:
+    """Sum of all samples of `name` whose labels include `labels`; None when there is none."""
+    total, seen = 0.0, False
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if not m or m.group(1) != name:
+            continue
+        found = dict(_LABEL.findall(m.group(2) or ""))
+        if all(found.get(k) == v for k, v in labels.items()):
+            total += float(m.group(3))
+            seen = True
+    return total if seen else None
+
+
+@dataclass(frozen=True)
+class VllmLoad:
+    running: float | None
+    waiting: float | None
+    kv_usage: float | None  # 0..1
+
+
+def vllm_load(text: str) -> VllmLoad:
+    return VllmLoad(metric_sum(text, RUNNING), metric_sum(text, WAITING), metric_sum(text, KV_USAGE))
+
+
+def external_kv_tokens(text: str) -> float:
+    return metric_sum(text, PROMPT_TOKENS_BY_SOURCE, source=EXTERNAL_KV_SOURCE) or 0.0

@@ -1,0 +1,115 @@
+"""Real vLLM 1P1D on CPU across two SSH hosts, through the kvpush router, with the nixl-pull connector.
+
+Heavy (two ~3 GB vLLM servers, then one reference server): run under `flock /tmp/kvpush-vllm.lock`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import pytest
+
+from kvpush.deploy.lifecycle import down, up
+from kvpush.deploy.observe import deployment_status, require_state
+from kvpush.deploy.runners import LocalRunner
+from kvpush.deploy.state import load_state
+from kvpush.deploy.tiny_model import make_tiny_model
+from kvpush.deploy.topology import TinyModelSpec
+from kvpush.deploy.vllm_metrics import external_kv_tokens
+from lifecycle_helpers import RecordingEvents, kill_leftovers, options, processes_under
+from sshd_hosts import SshdCluster, topology_for
+
+PROMPTS = [
+    "the cache block layer token prompt decode prefill transfer memory remote local agent request " * 12,
+    "one two three four five six seven eight nine ten",
+    "python function return class import yield async await raise error retry timeout host port " * 10,
+]
+MAX_TOKENS = 12
+SERVER_SETTINGS = {"max_model_len": 2048, "enforce_eager": True}  # identical for P/D and the reference
+
+
+@pytest.fixture(scope="module")
+def e2e_hosts(tmp_path_factory):
+    """Two sshd hosts of their own (default 127.0.0.20-21), so lighter suites can run meanwhile."""
+    first = os.environ.get("KVPUSH_TEST_E2E_SSHD_FIRST", "127.0.0.20")
+    with SshdCluster(2, first_address=first, port=2222, root=tmp_path_factory.mktemp("sshd-e2e")) as cluster:
+        yield cluster
+
+
+def _complete(runner, base_url: str, prompt: str) -> str:
+    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}).encode()
+    response = runner.http("POST", base_url + "/v1/completions", body, timeout=120)
+    assert response.status == 200, response.text()[:300]
+    return json.loads(response.body)["choices"][0]["text"]
+
+
+def _reference_answers(model: str, tmp_path) -> list[str]:
+    """The same prompts on one plain vLLM server with the same model settings."""
+    runner, port = LocalRunner(), 19190
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name", "tiny",
+            "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "2048", "--enforce-eager"]
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "1", "PYTHONUNBUFFERED": "1"}
+    started = runner.start_detached(argv, env, str(tmp_path), str(tmp_path / "reference.log"))
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert runner.inspect([started.pid])[started.pid].state == "alive", runner.tail(str(tmp_path / "reference.log"))
+            try:
+                if runner.http("GET", f"http://127.0.0.1:{port}/health", timeout=2).status == 200:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "reference vLLM not ready in 300 s"
+            time.sleep(1)
+        return [_complete(runner, f"http://127.0.0.1:{port}", p) for p in PROMPTS]
+    finally:
+        runner.signal_groups([started.pgid], "TERM")
+        time.sleep(3)
+        runner.signal_groups([started.pgid], "KILL")
+
+
+def test_1p1d_over_ssh_matches_a_single_server_and_moves_kv(e2e_hosts, tmp_path, state_dir):
+    sshd_cluster = e2e_hosts
+    model = tmp_path / "tiny-model"
+    make_tiny_model(model, TinyModelSpec(seed=0))  # both "hosts" share this filesystem: make it once
+    topo = topology_for(
+        sshd_cluster, "e2e", sys.executable, tmp_path, prefill=[0], decode=[1], router=0, port_base=19100,
+        model_path=str(model),
+        instance_env={"prefill-0": {"VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_KVCACHE_SPACE": "1"},
+                      "decode-0": {"VLLM_CPU_OMP_THREADS_BIND": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}},
+        extra={"model": {**SERVER_SETTINGS, "tiny": {"seed": 0}},
+               "env": {"UCX_MODULES": "^ib", "UCX_MEM_EVENTS": "no"}},
+    )
+    opts = options(sshd_cluster, ready_timeout_s=400, stop_timeout_s=15)
+    events = RecordingEvents()
+    try:
+        result = up(topo, opts, events)
+        print(f"\nready after (s): {result.ready_s}; slowest {max(result.ready_s.values()):.1f}, "
+              f"sum {sum(result.ready_s.values()):.1f}; whole up {result.total_s:.1f} s", file=sys.stderr)
+        assert result.proof is not None and result.proof.external_kv_tokens > 0  # up proved KV moved
+
+        rows = deployment_status(require_state("e2e"), opts.ssh)
+        assert all(r.healthy for r in rows), rows
+        state = load_state("e2e")
+        assert {(r.name, r.host) for r in state.processes.values()} == {("prefill-0", "h0"), ("decode-0", "h1"), ("router", "h0")}
+
+        from kvpush.deploy.hosts import connected
+
+        with connected(state.hosts, opts.ssh) as (runners, _):
+            decode = state.processes["decode-0"]
+            metrics_url = decode.health_url.rsplit("/", 1)[0] + "/metrics"
+            before = external_kv_tokens(runners["h1"].http("GET", metrics_url).text())
+            router = state.processes["router"]
+            pd_answers = [_complete(runners["h0"], router.health_url.rsplit("/", 1)[0], p) for p in PROMPTS]
+            moved = external_kv_tokens(runners["h1"].http("GET", metrics_url).text()) - before
+        assert moved >= 128, f"decode received only {moved} prompt tokens by KV transfer"
+    finally:
+        stopped = down("e2e", opts)
+    assert stopped.complete and sorted(stopped.stopped) == ["decode-0", "prefill-0", "router"]
+    left = processes_under(str(model))
+    kill_leftovers(str(model))
+    assert left == [], "vLLM processes left behind after down"
+
+    assert pd_answers == _reference_answers(str(model), tmp_path)

@@ -1,0 +1,202 @@
+"""up / status / down / logs across real sshd hosts, with light stand-in processes for speed."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from kvpush.cli.main import run as cli_run
+from kvpush.deploy.errors import KvpushError
+from kvpush.deploy.lifecycle import StartFailure, down, up
+from kvpush.deploy.observe import deployment_status, require_state
+from kvpush.deploy.state import load_state
+from sshd_hosts import topology_for, write_standin_python
+
+from lifecycle_helpers import RecordingEvents, kill_leftovers, options, processes_under
+
+PORTS = iter(range(19000, 19900, 20))  # each test its own block of 20 ports
+
+
+@pytest.fixture
+def deploy(sshd_cluster, tmp_path, state_dir):
+    """Factory for a stand-in topology on the cluster; stops and checks for orphans afterwards."""
+    python = str(write_standin_python(tmp_path / "standin-python"))
+    made = []
+
+    def make(name="t", prefill=(0,), decode=(1,), router=2, **kw):
+        topo = topology_for(sshd_cluster, name, python, tmp_path, prefill=list(prefill), decode=list(decode),
+                            router=router, port_base=kw.pop("port_base", None) or next(PORTS), **kw)
+        made.append(topo.name)
+        return topo
+
+    yield make
+    for host in sshd_cluster.hosts:
+        if not host.running:
+            sshd_cluster.restart(host)
+    for name in set(made):
+        down(name, options(sshd_cluster))
+    left = kill_leftovers(python)
+    assert not left, f"processes left behind: {[p.pid for p in left]}"
+
+
+def _cli(args, capsys):
+    try:
+        cli_run(args)
+        code = 0
+    except SystemExit as exc:
+        code = exc.code or 0
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_up_status_down_across_three_hosts(deploy, sshd_cluster, tmp_path, capsys):
+    topo = deploy()
+    result = up(topo, options(sshd_cluster))
+    assert sorted(result.ready_s) == ["decode-0", "prefill-0", "router"]
+    assert result.proof.external_kv_tokens > 0 and result.proof.answer == " stand-in answer"
+    state = load_state("t")
+    assert {r.host for r in state.processes.values()} == {"h0", "h1", "h2"}
+    assert all(r.pid == r.pgid for r in state.processes.values())  # each in its own process group
+
+    code, out, _ = _cli(["status", "--deployment", "t", "--json", "--known-hosts", str(sshd_cluster.known_hosts)], capsys)
+    doc = json.loads(out)
+    assert code == 0 and doc["healthy"] and [p["health"] for p in doc["processes"]] == ["ok", "ok", "ok"]
+    assert doc["processes"][0]["kv_usage"] == 0.25
+
+    code, out, _ = _cli(["logs", "router", "--deployment", "t", "-n", "5", "--known-hosts", str(sshd_cluster.known_hosts)], capsys)
+    assert code == 0 and "router" in out and "POST /v1/completions" in out
+
+    again = up(topo, options(sshd_cluster), events := RecordingEvents())
+    assert again.changes.nothing_to_do and any("nothing to do" in n for n in events.notes)
+    assert load_state("t").processes == state.processes
+
+    stopped = down("t", options(sshd_cluster))
+    assert sorted(stopped.stopped) == ["decode-0", "prefill-0", "router"] and stopped.complete
+    assert processes_under(str(tmp_path / "standin-python")) == [] and load_state("t") is None
+    assert down("t", options(sshd_cluster)).stopped == []  # idempotent
+
+
+def test_changed_topology_restarts_only_the_affected_process(deploy, sshd_cluster):
+    ports = next(PORTS)
+    up(deploy(port_base=ports), options(sshd_cluster))
+    before = load_state("t").processes
+    changed = deploy(port_base=ports, instance_env={"prefill-0": {"NEW_SETTING": "1"}})
+    result = up(changed, options(sshd_cluster))
+    assert result.changes.restart == ["prefill-0"] and sorted(result.changes.keep) == ["decode-0", "router"]
+    after = load_state("t").processes
+    assert after["prefill-0"].pid != before["prefill-0"].pid and after["prefill-0"].restarts == 1
+    assert after["decode-0"].pid == before["decode-0"].pid and after["router"].pid == before["router"].pid
+
+
+def test_killed_process_shows_in_status_and_up_restarts_it(deploy, sshd_cluster, capsys):
+    topo = deploy()
+    up(topo, options(sshd_cluster))
+    victim = load_state("t").processes["decode-0"]
+    os.killpg(victim.pgid, signal.SIGKILL)
+    time.sleep(0.3)
+    rows = {r.name: r for r in deployment_status(require_state("t"), options(sshd_cluster).ssh)}
+    assert rows["decode-0"].process in ("dead", "zombie") and not rows["decode-0"].healthy
+    assert rows["prefill-0"].healthy
+    code, out, _ = _cli(["status", "-d", "t", "--json", "--known-hosts", str(sshd_cluster.known_hosts)], capsys)
+    assert code == 1 and json.loads(out)["healthy"] is False
+    result = up(topo, options(sshd_cluster))
+    assert result.changes.revive == ["decode-0"] and result.proof is not None
+    assert load_state("t").processes["decode-0"].restarts == 1
+
+
+def test_unreachable_host_at_up_starts_nothing(deploy, sshd_cluster, tmp_path):
+    topo = deploy()
+    sshd_cluster.stop(sshd_cluster.hosts[1])
+    with pytest.raises(KvpushError, match=r"host h1 \(root@127\.0\.0\.\d+:\d+\): connection refused") as exc:
+        up(topo, options(sshd_cluster))
+    assert "nothing was started" in str(exc.value)
+    assert processes_under(str(tmp_path / "standin-python")) == []
+
+
+def test_process_failing_to_start_prints_its_log_and_stops_the_rest(deploy, sshd_cluster, tmp_path):
+    topo = deploy(instance_env={"decode-0": {"STANDIN_EXIT": "1"}})
+    events = RecordingEvents()
+    with pytest.raises(StartFailure, match="process decode-0 on host h1 exited before it became ready"):
+        up(topo, options(sshd_cluster), events)
+    assert "exiting at once" in events.tails["decode-0"]
+    time.sleep(0.2)
+    assert processes_under(str(tmp_path / "standin-python")) == []
+    assert load_state("t").processes == {}
+
+
+def test_down_with_a_host_gone_reports_it_and_finishes_later(deploy, sshd_cluster):
+    up(deploy(), options(sshd_cluster))
+    gone = sshd_cluster.hosts[1]
+    sshd_cluster.stop(gone)
+    result = down("t", options(sshd_cluster))
+    assert sorted(result.stopped) == ["prefill-0", "router"] and list(result.unreachable) == ["h1"]
+    assert "connection refused" in result.unreachable["h1"]
+    assert list(load_state("t").processes) == ["decode-0"]  # kept for the next down
+    sshd_cluster.restart(gone)
+    assert down("t", options(sshd_cluster)).stopped == ["decode-0"]
+    assert load_state("t") is None
+
+
+def test_cli_up_and_down_exit_codes(deploy, sshd_cluster, tmp_path, capsys):
+    import yaml
+
+    topo = deploy()
+    path = tmp_path / "kvpush.yaml"
+    path.write_text(yaml.safe_dump(topo.model_dump(mode="json", exclude_none=True)))
+    kh = ["--known-hosts", str(sshd_cluster.known_hosts)]
+    code, out, err = _cli(["up", str(path), "--no-provision", "--timeout", "30", *kh], capsys)
+    assert code == 0, err
+    assert "ready; slowest process" in out and "decode received" in out
+    code, out, _ = _cli(["up", str(path), "--no-provision", *kh], capsys)
+    assert code == 0 and "unchanged, nothing to do" in out
+    code, out, _ = _cli(["down", str(path), *kh], capsys)
+    assert code == 0 and "stopped" in out
+    code, _, err = _cli(["status", str(path), *kh], capsys)
+    assert code == 1 and "not running" in err
+
+
+def test_logs_follow_prefixes_new_lines_by_process(deploy, sshd_cluster):
+    import threading
+
+    from kvpush.deploy.observe import stream_logs
+
+    topo = deploy()
+    up(topo, options(sshd_cluster))
+    state = require_state("t")
+    seen: list[tuple[str, str]] = []
+    stop = threading.Event()
+
+    def emit(name, line):
+        seen.append((name, line))
+
+    follower = threading.Thread(target=stream_logs, args=(state, "decode", 0, True, options(sshd_cluster).ssh, emit, stop))
+    follower.start()
+    try:
+        time.sleep(0.5)
+        from kvpush.deploy.lifecycle import prove_kv_transfer  # one request: decode logs a POST
+        from kvpush.deploy.hosts import connected
+        from kvpush.deploy.plan import build_plan
+
+        with connected(state.hosts, options(sshd_cluster).ssh) as (runners, _):
+            prove_kv_transfer(runners, build_plan(topo))
+        deadline = time.monotonic() + 5
+        while not any("POST /v1/completions" in line for _, line in seen):
+            assert time.monotonic() < deadline, seen
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        follower.join(5)
+    assert not follower.is_alive()
+    assert {name for name, _ in seen} == {"decode-0"}
+
+
+def test_proof_waits_while_the_router_has_no_instance_in_rotation(deploy, sshd_cluster):
+    topo = deploy(extra={"env": {"STANDIN_ROUTER_503": "2"}})
+    result = up(topo, options(sshd_cluster))
+    assert result.proof is not None and result.proof.external_kv_tokens > 0
+    router_log = open(load_state("t").processes["router"].log_path).read()
+    assert router_log.count('"POST /v1/completions HTTP/1.0" 503') == 2
+    assert router_log.count('"POST /v1/completions HTTP/1.0" 200') == 1

@@ -1,0 +1,86 @@
+"""A light stand-in for vLLM and the router, used as a host's "python" in lifecycle tests.
+
+`standin -m vllm.entrypoints.openai.api_server ... --host H --port P` serves /health, /metrics and
+/v1/completions like a vLLM instance; `standin -m kvpush.router --config F` serves a router that
+forwards completions to the first decode upstream. Any other invocation (`-` for the probe, `-m pip`,
+...) runs the real interpreter, so provisioning works unchanged.
+Env: STANDIN_EXIT=1 exits at once (a process that fails to start); STANDIN_READY_DELAY=S delays /health;
+STANDIN_ROUTER_503=N makes the router answer its first N completions with 503 (instance not in rotation).
+"""
+import json
+import os
+import sys
+import time
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+VLLM = "vllm.entrypoints.openai.api_server"
+ROUTER = "kvpush.router"
+
+
+def _arg(argv, flag, default=None):
+    return argv[argv.index(flag) + 1] if flag in argv else default
+
+
+def serve(role, host, port, decode_url=None):
+    started = time.monotonic()
+    ready_after = float(os.environ.get("STANDIN_READY_DELAY", "0"))
+    counters = {"external": 0}
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, fmt, *args):
+            sys.stdout.write("%s %s\n" % (role, fmt % args))
+
+        def _send(self, code, body, ctype="application/json"):
+            data = body.encode()
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            if self.path == "/health":
+                ok = time.monotonic() - started >= ready_after
+                self._send(200 if ok else 503, "{}")
+            elif self.path == "/metrics":
+                self._send(200, "\n".join([
+                    "vllm:num_requests_running{engine=\"0\"} 0.0",
+                    "vllm:num_requests_waiting{engine=\"0\"} 0.0",
+                    "vllm:kv_cache_usage_perc{engine=\"0\"} 0.25",
+                    "vllm:prompt_tokens_by_source_total{engine=\"0\",source=\"external_kv_transfer\"} %d.0" % counters["external"],
+                    "vllm:prompt_tokens_by_source_total{engine=\"0\",source=\"local_compute\"} 0.0", ""]), "text/plain")
+            else:
+                self._send(404, "{}")
+
+        def do_POST(self):
+            body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            counters["posts"] = counters.get("posts", 0) + 1
+            if decode_url and counters["posts"] <= int(os.environ.get("STANDIN_ROUTER_503", "0")):
+                return self._send(503, json.dumps({"error": {"message": "no decode instance in rotation"}}))
+            if decode_url:
+                req = urllib.request.Request(decode_url + "/v1/completions", body, {"Content-Type": "application/json"})
+                with urllib.request.urlopen(req, timeout=10) as resp:
+                    return self._send(200, resp.read().decode())
+            counters["external"] += len(json.loads(body).get("prompt", "").split())
+            self._send(200, json.dumps({"choices": [{"text": " stand-in answer"}]}))
+
+    ThreadingHTTPServer((host, port), Handler).serve_forever()
+
+
+def main(argv):
+    if argv[:1] == ["--marker"]:
+        argv = argv[2:]
+    if argv[:2] == ["-m", VLLM] or argv[:2] == ["-m", ROUTER]:
+        if os.environ.get("STANDIN_EXIT") == "1":
+            print("stand-in: exiting at once as STANDIN_EXIT=1 asks", flush=True)
+            sys.exit(3)
+        if argv[1] == VLLM:
+            serve("vllm", _arg(argv, "--host", "127.0.0.1"), int(_arg(argv, "--port")))
+        config = json.load(open(_arg(argv, "--config")))
+        serve("router", config["bind"], config["port"], config["decode"][0]["url"])
+    os.execv(sys.executable, [sys.executable] + argv)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
