@@ -4,13 +4,12 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Iterator
 
-from .runners import HostResult, Runner, SshOptions, SshRunner, fan_out, runner_for
+from .runners import HostResult, Runner, SshOptions, fan_out, runner_for
 from .state import HostRecord
 
 
 def _connect(runner: Runner) -> Runner:
-    if isinstance(runner, SshRunner):
-        runner.connect()
+    runner.connect()
     return runner
 
 

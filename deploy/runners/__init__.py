@@ -4,7 +4,7 @@ from __future__ import annotations
 from .base import CommandResult, HostError, HttpResponse, ProcessInfo, Runner, Started
 from .fanout import FanOutError, HostResult, fan_out, values_or_raise
 from .local import LocalRunner
-from .ssh import SshOptions, SshRunner
+from .options import SshOptions
 
 __all__ = [
     "CommandResult", "FanOutError", "HostError", "HostResult", "HttpResponse", "LocalRunner",
@@ -17,4 +17,14 @@ def runner_for(name: str, address: str, ssh_port: int, user: str | None, key: st
                is_local: bool, options: SshOptions = SshOptions()) -> Runner:
     if is_local:
         return LocalRunner(name)
+    from .ssh import SshRunner  # paramiko costs ~0.7 s to import: only when a host needs it
+
     return SshRunner(name, address, ssh_port, user, key, options)
+
+
+def __getattr__(name: str):
+    if name == "SshRunner":
+        from .ssh import SshRunner
+
+        return SshRunner
+    raise AttributeError(name)

@@ -114,6 +114,9 @@ class Runner(ABC):
                 members[int(pgid)].append(ProcessInfo(int(pid), "zombie" if stat.startswith("Z") else "alive", None, int(pgid)))
         return members
 
+    def connect(self) -> None:
+        """Open the host's connection now (fan-out connects all hosts in parallel); no-op locally."""
+
     def close(self) -> None:
         pass
 

@@ -18,20 +18,12 @@ import paramiko
 from .base import (CommandResult, Deadline, HostError, HttpResponse, ProcessInfo, Runner,
                    parse_proc_table, proc_table_command, signal_groups_command)
 from .http import exchange, split_url
+from .options import SshOptions
 
 ACCEPT_HINT = "--accept-new-host-keys"
 _known_hosts_write = threading.Lock()
 # paramiko logs refused forwarding channels itself; callers get the same facts as exceptions.
 logging.getLogger("paramiko.transport").setLevel(logging.CRITICAL)
-
-
-@dataclass(frozen=True)
-class SshOptions:
-    known_hosts: str = "~/.ssh/known_hosts"
-    accept_new_host_keys: bool = False
-    connect_timeout_s: float = 10.0
-    auth_timeout_s: float = 10.0
-    command_timeout_s: float = 120.0
 
 
 def known_hosts_name(address: str, port: int) -> str:

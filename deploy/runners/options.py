@@ -1,0 +1,13 @@
+"""SSH settings, apart from the SSH runner so that reading them does not import paramiko."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SshOptions:
+    known_hosts: str = "~/.ssh/known_hosts"
+    accept_new_host_keys: bool = False
+    connect_timeout_s: float = 10.0
+    auth_timeout_s: float = 10.0
+    command_timeout_s: float = 120.0
