@@ -1,0 +1,188 @@
+"""`kvpush bench`: push vs pull under load; thin over kvpush.deploy.bench.runner."""
+from __future__ import annotations
+
+import signal
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from kvpush.deploy.bench.modes import DEFAULT_BASELINE, MODES, parse_modes, parse_rates
+from kvpush.deploy.bench.results import ModeRun, figure, point_at, rates_of, ratio
+from kvpush.deploy.bench.runner import BenchEvents, BenchOptions, BenchReport, run_bench
+from kvpush.deploy.errors import KvpushError
+from kvpush.deploy.lifecycle import Events, LifecycleOptions
+from kvpush.deploy.runners import SshOptions
+from kvpush.deploy.topology import resolve_topology
+
+from .console import err, note, out, print_json
+
+DEFAULT_MODES = ",".join(MODES)
+DEFAULT_RATES = "0.5,1,2,4"
+# Sized for the whole default bench (4 modes x 4 rates) to take about 15 minutes on a 2-core
+# machine: starting deployments and `vllm bench serve` processes dominates, the arrivals of 8
+# prompts per rate add only ~30 s per mode (see docs/benchmarks.md).
+DEFAULT_INPUT_LEN = 1024
+DEFAULT_OUTPUT_LEN = 32
+DEFAULT_NUM_PROMPTS = 8
+TABLE_WIDTH = 200
+
+
+class _LifecycleProgress(Events):
+    def __init__(self, progress: Progress):
+        self.progress = progress
+
+    def note(self, message: str) -> None:
+        self.progress.console.print(f"[dim]  {message}[/dim]", highlight=False)
+
+    def log_tail(self, name: str, host: str, text: str) -> None:
+        self.progress.console.print(f"[bold red]last lines of {name}'s log on {host}:[/bold red]")
+        for line in text.splitlines():
+            self.progress.console.print(f"  {name} | {line}", highlight=False, markup=False)
+
+
+class _ProgressEvents(BenchEvents):
+    def __init__(self, progress: Progress, options: BenchOptions):
+        self.progress = progress
+        self.task = progress.add_task("bench", total=len(options.modes) * len(options.rates), status="")
+
+    def mode(self, mode: str, status: str) -> None:
+        self.progress.update(self.task, description=mode, status=status)
+
+    def rate_started(self, mode: str, rate: float, expected_s: float) -> None:
+        self.progress.update(self.task, description=mode, status=f"{rate:g} req/s (~{expected_s:.0f} s of arrivals)")
+
+    def rate_done(self, mode: str, point) -> None:
+        c = point.client
+        gap = point.router.handoff_gap_p50_ms
+        self.progress.console.print(
+            f"  {mode:<10} {point.rate:>5g} req/s: TTFT p50 {_ms(c.latency['ttft'].p50)} p90 {_ms(c.latency['ttft'].p90)}, "
+            f"TPOT p50 {_ms(c.latency['tpot'].p50)}, handoff p50 {_ms(gap)}, failed {c.failed}", highlight=False)
+        self.progress.advance(self.task)
+
+    def mode_failed(self, mode: str, error: str) -> None:
+        self.progress.console.print(f"[red]{mode} failed:[/red] {error}", highlight=False)
+
+    def lifecycle(self) -> Events:
+        return _LifecycleProgress(self.progress)
+
+
+@contextmanager
+def interrupt_on_sigterm() -> Iterator[None]:
+    """`kill`, a closed terminal or a CI timeout tear the deployments down like Ctrl-C does."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}" if value >= 100 else f"{value:.1f}"
+
+
+def _ratio_text(value: float | None) -> str:
+    if value is None:
+        return "-"
+    color = "green" if value < 0.97 else "red" if value > 1.03 else "white"
+    return f"[{color}]{value:.2f}x[/{color}]"
+
+
+def rate_table(runs: list[ModeRun], rate: float, baseline: str) -> Table:
+    table = Table(title=f"{rate:g} req/s (ratios vs {baseline})", title_justify="left")
+    for col in ("mode", "TTFT p50", "TTFT p90", "TTFT p99", "TPOT p50", "ITL p50", "E2E p50", "handoff p50/p90",
+                "req/s", "failed", "KV tokens in", "TTFT p50 ratio", "TTFT p90 ratio", "TPOT ratio"):
+        table.add_column(col, justify="left" if col == "mode" else "right")
+    base = next((r for r in runs if r.mode == baseline), None)
+    base_point = point_at(base, rate) if base else None
+    for run in runs:
+        p = point_at(run, rate)
+        if p is None:
+            table.add_row(run.mode, *(["-"] * 13))
+            continue
+
+        def rel(name: str) -> str:
+            return _ratio_text(ratio(figure(p, name), figure(base_point, name) if base_point else None))
+
+        table.add_row(
+            run.mode, _ms(figure(p, "ttft_p50")), _ms(figure(p, "ttft_p90")), _ms(figure(p, "ttft_p99")),
+            _ms(figure(p, "tpot_p50")), _ms(figure(p, "itl_p50")), _ms(figure(p, "e2el_p50")),
+            f"{_ms(figure(p, 'handoff_p50'))}/{_ms(figure(p, 'handoff_p90'))}",
+            f"{p.client.request_throughput:.2f}", str(p.client.failed), f"{p.prompt_tokens_external:.0f}",
+            rel("ttft_p50"), rel("ttft_p90"), rel("tpot_p50"),
+        )
+    return table
+
+
+def render(report: BenchReport) -> None:
+    # Piped or redirected output gets room for every column instead of a squeezed 80-column table.
+    tables = out if out.is_terminal else Console(width=TABLE_WIDTH, soft_wrap=True)
+    for rate in rates_of(report.runs):
+        tables.print(rate_table(report.runs, rate, report.options.baseline))
+    for run in report.runs:
+        if run.idle_cores:
+            idle = ", ".join(f"{name} {cores:.2f}" for name, cores in run.idle_cores.items())
+            note(f"{run.mode}: started in {run.up_s or 0:.0f} s; CPU while idle (cores): {idle}")
+        if run.error:
+            err.print(f"[red]{run.mode}:[/red] {run.error}", highlight=False)
+    model = report.configuration["model"]
+    if model.get("description"):
+        note(f"model: {model['description']}")
+    note("times in ms; handoff = prefill leg's answer to decode's first token, at the router "
+         "(estimated from the router's histogram buckets)")
+    for path in report.files:
+        out.print(f"wrote {path}", highlight=False)
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("bench")
+    def bench_command(
+        file: Optional[Path] = typer.Argument(None, help="Topology file (default: ./kvpush.yaml, else the built-in local-cpu)."),
+        modes: str = typer.Option(DEFAULT_MODES, "--modes", help="Connector modes to compare, comma-separated."),
+        rates: str = typer.Option(DEFAULT_RATES, "--rates", help="Request rates (req/s, Poisson), comma-separated."),
+        input_len: int = typer.Option(DEFAULT_INPUT_LEN, "--input-len", help="Prompt tokens per request."),
+        output_len: int = typer.Option(DEFAULT_OUTPUT_LEN, "--output-len", help="Output tokens per request (EOS ignored)."),
+        num_prompts: int = typer.Option(DEFAULT_NUM_PROMPTS, "--num-prompts", help="Requests per rate."),
+        out_dir: Path = typer.Option(Path("kvpush-bench"), "--out", help="Directory for bench.json, PNG plots, raw results and logs."),
+        kv_heavy: bool = typer.Option(False, "--kv-heavy", help="Serve a KV-heavy tiny model (8 layers x 8 KV heads x 128: 32 KiB of KV per token, max_model_len 4096)."),
+        baseline: str = typer.Option(DEFAULT_BASELINE, "--baseline", help="Mode the ratios compare against."),
+        port_base: Optional[int] = typer.Option(None, "--port-base", help="Renumber the bench deployment's ports from here (router first)."),
+        seed: int = typer.Option(0, "--seed", help="Base seed of the random prompts (each rate gets its own)."),
+        tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="Local tokenizer directory for the client (default: the model path)."),
+        client_timeout: float = typer.Option(900.0, "--client-timeout", help="Seconds one rate's `vllm bench serve` may take."),
+        ready_timeout: float = typer.Option(600.0, "--timeout", help="Seconds each process may take to become ready."),
+        known_hosts: str = typer.Option("~/.ssh/known_hosts", "--known-hosts", envvar="KVPUSH_KNOWN_HOSTS", help="known_hosts file for SSH hosts."),
+        json_output: bool = typer.Option(False, "--json", help="Print the whole result document as JSON instead of tables."),
+    ) -> None:
+        """Compare connector modes under load with `vllm bench serve` through the router: TTFT, TPOT, ITL, E2E,
+        handoff gap, KV-transfer evidence; writes bench.json and PNG plots."""
+        topo, source = resolve_topology(file)
+        note(f"topology: {source}")
+        options = BenchOptions(
+            modes=parse_modes(modes), rates=parse_rates(rates), input_len=input_len, output_len=output_len,
+            num_prompts=num_prompts, out_dir=out_dir, kv_heavy=kv_heavy, baseline=baseline, port_base=port_base,
+            seed=seed, tokenizer=tokenizer, client_timeout_s=client_timeout,
+            lifecycle=LifecycleOptions(ssh=SshOptions(known_hosts=known_hosts), ready_timeout_s=ready_timeout),
+        )
+        options.validate()
+        columns = [SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                   TextColumn("{task.fields[status]}"), TimeElapsedColumn()]
+        with Progress(*columns, console=err, transient=True) as progress, interrupt_on_sigterm():
+            report = run_bench(topo, options, _ProgressEvents(progress, options))
+        if json_output:
+            print_json(report.to_dict())
+        else:
+            render(report)
+        if report.interrupted:
+            raise KvpushError(f"interrupted; every deployment was stopped and the partial results are in {out_dir}")
+        failed = [r.mode for r in report.runs if r.error]
+        if failed:
+            raise KvpushError(f"mode(s) {', '.join(failed)} did not complete (see above); the others' results are in {out_dir}")

@@ -1,0 +1,107 @@
+"""Which deployments a bench runs: one topology per connector mode, derived from the user's (pure)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from pathlib import PurePosixPath
+
+from ..errors import UsageError
+from ..topology import ConnectorType, Topology, TinyModelSpec, side_channel_ports
+
+MODES: tuple[ConnectorType, ...] = ("kvpush", "nixl-push", "nixl-pull", "colocated")
+DEFAULT_BASELINE: ConnectorType = "nixl-pull"
+
+# Like the measured baseline in shared/README.md: 8 layers x 8 KV heads x 128 in bf16 is 32 KiB of
+# KV per token, so a 3,000-token prompt moves 96 MiB and transfer is a visible share of TTFT.
+KV_HEAVY_SPEC = TinyModelSpec(seed=0, layers=8, hidden_size=256, heads=8, kv_heads=8, head_dim=128,
+                              max_position_embeddings=8192)
+KV_HEAVY_MAX_MODEL_LEN = 4096
+KV_HEAVY_MODEL_DIR = "tiny-llama-kv-heavy"
+KV_DTYPE_BYTES = 2  # bf16
+
+
+def kv_bytes_per_token(spec: TinyModelSpec) -> int:
+    """K and V for every layer and KV head, in bf16."""
+    return 2 * spec.layers * spec.kv_heads * spec.head_dim * KV_DTYPE_BYTES
+
+
+def parse_modes(text: str) -> list[ConnectorType]:
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    if not modes:
+        raise UsageError("--modes is empty; give e.g. --modes kvpush,nixl-push,nixl-pull,colocated")
+    for m in modes:
+        if m not in MODES:
+            raise UsageError(f"--modes: unknown mode '{m}'; choose from {','.join(MODES)}")
+    if len(set(modes)) != len(modes):
+        raise UsageError(f"--modes lists a mode twice ({text}); give each mode once")
+    return modes  # type: ignore[return-value]
+
+
+def parse_rates(text: str) -> list[float]:
+    rates = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            rate = float(part)
+        except ValueError:
+            raise UsageError(f"--rates: '{part}' is not a number; write e.g. --rates 0.5,1,2,4") from None
+        if not (rate > 0 and math.isfinite(rate)):
+            raise UsageError(f"--rates: {part} must be a positive, finite request rate (req/s)")
+        rates.append(rate)
+    if not rates:
+        raise UsageError("--rates is empty; give e.g. --rates 0.5,1,2,4")
+    return sorted(set(rates))
+
+
+def kv_heavy_model(topo: Topology) -> Topology:
+    """The same deployment serving the KV-heavy tiny model, in its own directory beside the configured one."""
+    path = str(PurePosixPath(topo.model.path).parent / KV_HEAVY_MODEL_DIR)
+    max_len = max(topo.model.max_model_len or 0, KV_HEAVY_MAX_MODEL_LEN)
+    model = topo.model.model_copy(update={"path": path, "tiny": KV_HEAVY_SPEC, "max_model_len": max_len,
+                                          "served_name": topo.model.served_name})
+    return topo.model_copy(update={"model": model})
+
+
+def renumber_ports(topo: Topology, port_base: int) -> Topology:
+    """Router at port_base, then each instance's HTTP port, then side-channel ports, consecutively."""
+    next_port = port_base + 1
+    router = topo.router.model_copy(update={"port": port_base})
+    renumbered = {}
+    for role in ("prefill", "decode"):
+        specs = []
+        for spec in getattr(topo, role):
+            specs.append(spec.model_copy(update={"http_port": next_port}))
+            next_port += 1
+        renumbered[role] = specs
+    for role in ("prefill", "decode"):
+        for i, spec in enumerate(renumbered[role]):
+            renumbered[role][i] = spec.model_copy(update={"side_channel_port": next_port})
+            next_port += len(side_channel_ports(renumbered[role][i]))
+    if next_port > 65536:
+        raise UsageError(f"--port-base {port_base} leaves no room for {next_port - port_base} ports; choose a lower one")
+    return topo.model_copy(update={"router": router, **renumbered})
+
+
+def bench_topology(topo: Topology, mode: ConnectorType, *, kv_heavy: bool = False, port_base: int | None = None) -> Topology:
+    """The topology the bench deploys for one mode: connector.type = mode, a deployment name of its own
+    (so a running deployment of the same file is never restarted), optionally the KV-heavy model and
+    other ports. The input is not modified."""
+    if topo.connector.type == "colocated" and mode != "colocated" and (not topo.prefill or not topo.decode):
+        raise UsageError(f"mode {mode} needs prefill and decode instances, but topology '{topo.name}' has "
+                         f"{len(topo.prefill)} prefill and {len(topo.decode)} decode; add both or bench only colocated")
+    out = topo.model_copy(deep=True)
+    out = out.model_copy(update={"name": f"{topo.name[:50]}-bench",
+                                 "connector": out.connector.model_copy(update={"type": mode})})
+    if kv_heavy:
+        out = kv_heavy_model(out)
+    if port_base is not None:
+        out = renumber_ports(out, port_base)
+    return out
+
+
+def topology_hash(topo: Topology) -> str:
+    """Stable across runs and field order; changes whenever anything deployed changes."""
+    return hashlib.sha256(json.dumps(topo.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:16]

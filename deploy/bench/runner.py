@@ -1,0 +1,355 @@
+"""Run a bench: for each mode, `up` its topology, drive each rate with `vllm bench serve`, scrape
+/metrics around it, `down` again (also on Ctrl-C or failure). Reports through BenchEvents."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from ..errors import KvpushError, UsageError
+from ..hosts import connected
+from ..lifecycle import Events, LifecycleOptions, down, prove_kv_transfer, up
+from ..plan import build_plan
+from ..runners import Runner
+from ..state import HostRecord, load_state
+from ..tiny_model import describe, make_tiny_model
+from ..topology import Topology
+from . import environment
+from .client import LoadSpec, run_bench_serve
+from .idle_cpu import idle_cores
+from .modes import DEFAULT_BASELINE, bench_topology, kv_bytes_per_token, topology_hash
+from .plots import write_plots
+from .results import ClientResult, ModeRun, RatePoint, parse_client_result, point_to_dict, ratios_vs_baseline
+from .scrape import instance_figures, out_of_rotation, router_figures
+
+RESULT_FILE = "bench.json"
+ROTATION_TIMEOUT_S = 30.0
+WARMUP_REQUESTS = 2  # one per instance of a 1P1D / 2-server deployment, through the router
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    modes: list[str]
+    rates: list[float]
+    input_len: int
+    output_len: int
+    num_prompts: int
+    out_dir: Path
+    kv_heavy: bool = False
+    baseline: str = DEFAULT_BASELINE
+    port_base: int | None = None
+    seed: int = 0
+    tokenizer: str | None = None
+    client_timeout_s: float = 900.0
+    lifecycle: LifecycleOptions = field(default_factory=LifecycleOptions)
+
+    def validate(self) -> None:
+        for name in ("input_len", "output_len", "num_prompts"):
+            if getattr(self, name) < 1:
+                raise UsageError(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(self, name)})")
+        if self.baseline not in self.modes:
+            raise UsageError(f"--baseline {self.baseline} is not among --modes {','.join(self.modes)}; add it or choose "
+                             f"another baseline")
+
+
+class BenchEvents:
+    """What a bench tells the user while it runs; the CLI renders it. Default: silent."""
+
+    def mode(self, mode: str, status: str) -> None: ...
+
+    def rate_started(self, mode: str, rate: float, expected_s: float) -> None: ...
+
+    def rate_done(self, mode: str, point: RatePoint) -> None: ...
+
+    def mode_failed(self, mode: str, error: str) -> None: ...
+
+    def lifecycle(self) -> Events:
+        return Events()
+
+
+def seed_for(base: int, rate_index: int) -> int:
+    """Every rate gets its own prompts; every mode gets the same prompts at the same rate (fair comparison:
+    each mode runs on freshly started servers, so nothing is cached from another mode)."""
+    return base + 1000 * (rate_index + 1)
+
+
+@dataclass
+class BenchReport:
+    options: BenchOptions
+    configuration: dict
+    runs: list[ModeRun] = field(default_factory=list)
+    started_at: float = field(default_factory=time.time)
+    finished_at: float | None = None
+    interrupted: bool = False
+    files: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        o = self.options
+        return {
+            "kvpush_bench": 1,
+            "started_at": self.started_at,
+            "finished_at": self.finished_at,
+            "wall_s": None if self.finished_at is None else self.finished_at - self.started_at,
+            "interrupted": self.interrupted,
+            "options": {"modes": o.modes, "rates": o.rates, "input_len": o.input_len, "output_len": o.output_len,
+                        "num_prompts": o.num_prompts, "kv_heavy": o.kv_heavy, "baseline": o.baseline, "seed": o.seed,
+                        "port_base": o.port_base},
+            "configuration": self.configuration,
+            "runs": [{"mode": r.mode, "topology_hash": r.topology_hash, "up_s": r.up_s, "error": r.error,
+                      "idle_cores": r.idle_cores,
+                      "points": [point_to_dict(p) for p in r.points]} for r in self.runs],
+            "ratios_vs_baseline": {m: {f"{rate:g}": v for rate, v in by_rate.items()}
+                                   for m, by_rate in ratios_vs_baseline(self.runs, o.baseline).items()},
+        }
+
+
+def configuration(topo: Topology, options: BenchOptions) -> dict:
+    base = bench_topology(topo, options.modes[0], kv_heavy=options.kv_heavy, port_base=options.port_base)
+    model = base.model
+    config = {
+        "versions": environment.versions(),
+        "machine": environment.machine(),
+        "topology": {"name": topo.name, "bench_deployment": base.name, "platform": topo.platform,
+                     "prefill": len(topo.prefill), "decode": len(topo.decode),
+                     "instances": [s.model_dump(mode="json", include={"name", "host", "cpu_cores", "kv_cache_gib"})
+                                   for _, _, s in base.instances()]},
+        "topology_hashes": {m: topology_hash(bench_topology(topo, m, kv_heavy=options.kv_heavy, port_base=options.port_base))
+                            for m in options.modes},
+        "model": {"path": model.path, "served_name": model.name, "max_model_len": model.max_model_len,
+                  "dtype": model.dtype, "tiny": model.tiny.model_dump() if model.tiny else None,
+                  "description": describe(model.tiny) if model.tiny else None,
+                  "kv_bytes_per_token": kv_bytes_per_token(model.tiny) if model.tiny else None},
+        "client": {"tool": "vllm bench serve", "dataset": "random", "arrivals": "poisson", "ignore_eos": True,
+                   "temperature": 0, "seeds": {f"{r:g}": seed_for(options.seed, i) for i, r in enumerate(options.rates)}},
+    }
+    per_token = config["model"]["kv_bytes_per_token"]
+    if per_token:
+        config["model"]["kv_bytes_per_prompt"] = per_token * options.input_len
+    return config
+
+
+# -- talking to a running deployment -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    name: str
+    role: str  # prefill | decode | router
+    host: str
+    metrics_url: str
+
+
+def _endpoints(deployment: str) -> list[Endpoint]:
+    state = load_state(deployment)
+    if state is None:
+        raise KvpushError(f"deployment {deployment}: no state after `up`; nothing to measure")
+    return [Endpoint(r.name, r.role, r.host, r.health_url.rsplit("/", 1)[0] + "/metrics") for r in state.processes.values()]
+
+
+def router_base_url(topo: Topology) -> str:
+    host = topo.hosts[topo.router.host]
+    plan_url = build_plan(topo).router_url
+    return plan_url if host.is_local else f"http://{host.address}:{topo.router.port}"
+
+
+def _scrape(runners: dict[str, Runner], endpoints: list[Endpoint]) -> dict[str, str]:
+    pages = {}
+    for e in endpoints:
+        response = runners[e.host].http("GET", e.metrics_url, timeout=15)
+        if response.status != 200:
+            raise KvpushError(f"{e.name} on host {e.host}: {e.metrics_url} answered HTTP {response.status}")
+        pages[e.name] = response.text()
+    return pages
+
+
+def _wait_in_rotation(runner: Runner, router: Endpoint, timeout_s: float) -> None:
+    end = time.monotonic() + timeout_s
+    while True:
+        response = runner.http("GET", router.metrics_url, timeout=15)
+        left = out_of_rotation(response.text()) if response.status == 200 else ["(router /metrics unavailable)"]
+        if not left:
+            return
+        if time.monotonic() > end:
+            raise KvpushError(f"the router still has {', '.join(left)} out of rotation {timeout_s:.0f} s after every "
+                              f"process was ready; see `kvpush logs router`")
+        time.sleep(0.2)
+
+
+def _warm_up(runner: Runner, base_url: str, model: str) -> None:
+    for i in range(WARMUP_REQUESTS):
+        body = json.dumps({"model": model, "prompt": f"warm up {i} {time.time()}", "max_tokens": 2, "temperature": 0}).encode()
+        response = runner.http("POST", base_url + "/v1/completions", body, timeout=300)
+        if response.status != 200:
+            raise KvpushError(f"warm-up request through the router {base_url} answered HTTP {response.status}: "
+                              f"{response.text()[:200]}; see `kvpush logs`")
+
+
+def _idle_cores(runners: dict[str, Runner], state) -> dict[str, float]:
+    """Per vLLM instance: cores used while no request is in flight (a spinning thread shows as ~1)."""
+    out: dict[str, float] = {}
+    for host in {r.host for r in state.processes.values()}:
+        groups = {r.name: r.pgid for r in state.processes.values() if r.host == host and r.role != "router"}
+        if groups:
+            out.update(idle_cores(runners[host], groups))
+    return {name: round(cores, 3) for name, cores in sorted(out.items())}
+
+
+def save_logs(topo: Topology, options: BenchOptions, mode: str) -> None:
+    """Keep each process's log of this mode (also when `up` failed): the next mode reuses the log paths."""
+    logs_dir = options.out_dir / "logs"
+    logs_dir.mkdir(parents=True, exist_ok=True)
+    plan = build_plan(topo)
+    with connected({h.name: HostRecord.from_plan(h) for h in plan.hosts}, options.lifecycle.ssh) as (runners, _):
+        for host in plan.hosts:
+            for proc in host.processes:
+                try:
+                    data = runners[host.name].read_file(proc.log_path) if host.name in runners else None
+                except KvpushError:
+                    continue
+                if data is not None:
+                    (logs_dir / f"{mode}-{proc.name}.log").write_bytes(data)
+
+
+def resolve_tokenizer(topo: Topology, given: str | None) -> str:
+    if given:
+        return given
+    path = Path(topo.model.path).expanduser()
+    if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
+        return str(path)
+    if topo.model.tiny is not None:
+        make_tiny_model(path, topo.model.tiny)  # same spec -> the same tokenizer the hosts use
+        return str(path)
+    raise UsageError(f"vllm bench serve needs the tokenizer of {topo.model.path} on this machine; pass --tokenizer DIR")
+
+
+@contextmanager
+def _no_interrupts() -> Iterator[None]:
+    """Teardown must finish even if Ctrl-C is pressed again or a SIGTERM follows."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+# -- the bench ----------------------------------------------------------------------------------
+
+
+def _run_mode(topo: Topology, options: BenchOptions, events: BenchEvents, run: ModeRun) -> None:
+    started = time.monotonic()
+    events.mode(run.mode, "starting the deployment")
+    # `up` proves KV moves right after every /health is 200, but the router takes instances it
+    # ejected while they started back only at its next probe: prove once the router has them.
+    up(topo, dataclasses.replace(options.lifecycle, prove=False), events.lifecycle())
+    run.up_s = time.monotonic() - started
+    endpoints = _endpoints(topo.name)
+    router = next(e for e in endpoints if e.role == "router")
+    state = load_state(topo.name)
+    assert state is not None
+    base_url = router_base_url(topo)
+    tokenizer = resolve_tokenizer(topo, options.tokenizer)
+    raw_dir = options.out_dir / "raw"
+    logs_dir = options.out_dir / "logs"
+    logs_dir.mkdir(parents=True, exist_ok=True)
+    with connected({h: state.hosts[h] for h in {e.host for e in endpoints}}, options.lifecycle.ssh) as (runners, unreachable):
+        if unreachable:
+            raise KvpushError("cannot reach " + "; ".join(unreachable.values()))
+        _wait_in_rotation(runners[router.host], router, ROTATION_TIMEOUT_S)
+        if options.lifecycle.prove and topo.connector.type != "colocated":
+            events.mode(run.mode, "proving KV moves")
+            prove_kv_transfer(runners, build_plan(topo))
+        events.mode(run.mode, "warming up")
+        _warm_up(runners[router.host], base_url, topo.model.name)
+        events.mode(run.mode, "sampling idle CPU")
+        run.idle_cores = _idle_cores(runners, state)
+        for index, rate in enumerate(options.rates):
+            seed = seed_for(options.seed, index)
+            load = LoadSpec(base_url=base_url, served_model=topo.model.name, tokenizer=tokenizer, rate=rate,
+                            num_prompts=options.num_prompts, input_len=options.input_len, output_len=options.output_len,
+                            seed=seed, result_dir=str(raw_dir), result_filename=f"{run.mode}-rate{rate:g}.json")
+            before = _scrape(runners, endpoints)
+            events.rate_started(run.mode, rate, options.num_prompts / rate)
+            path = run_bench_serve(load, logs_dir / f"{run.mode}-rate{rate:g}.log", options.client_timeout_s)
+            after = _scrape(runners, endpoints)
+            (raw_dir / f"{run.mode}-rate{rate:g}-metrics.json").write_text(json.dumps({"before": before, "after": after}))
+            client: ClientResult = parse_client_result(path.read_text(), str(path))
+            point = RatePoint(
+                mode=run.mode, rate=rate, seed=seed, client=client,
+                router=router_figures(before[router.name], after[router.name]),
+                instances=[instance_figures(e.name, e.role, before[e.name], after[e.name])
+                           for e in endpoints if e.role != "router"],
+            )
+            run.points.append(point)
+            events.rate_done(run.mode, point)
+
+
+def run_bench(topo: Topology, options: BenchOptions, events: BenchEvents = BenchEvents()) -> BenchReport:
+    options.validate()
+    options.out_dir.mkdir(parents=True, exist_ok=True)
+    report = BenchReport(options, configuration(topo, options))
+    try:
+        for mode in options.modes:
+            mode_topo = bench_topology(topo, mode, kv_heavy=options.kv_heavy, port_base=options.port_base)
+            run = ModeRun(mode, topology_hash(mode_topo))
+            report.runs.append(run)
+            try:
+                _run_mode(mode_topo, options, events, run)
+            except KvpushError as exc:
+                run.error = str(exc)
+                events.mode_failed(mode, run.error)
+            finally:
+                events.mode(mode, "stopping the deployment")
+                with _no_interrupts():
+                    result = down(mode_topo.name, options.lifecycle)
+                    try:
+                        save_logs(mode_topo, options, mode)
+                    except KvpushError as exc:
+                        events.mode_failed(mode, f"could not keep its logs: {exc}")
+                if not result.complete:
+                    raise KvpushError(f"deployment {mode_topo.name}: could not stop {', '.join(result.left_running) or 'every process'}"
+                                      f" ({'; '.join(result.unreachable.values())}); run `kvpush down` for it")
+                events.mode(mode, "done" if run.error is None else "failed")
+    except KeyboardInterrupt:
+        report.interrupted = True
+    finally:
+        report.finished_at = time.time()
+        write_outputs(report)
+    return report
+
+
+def write_outputs(report: BenchReport) -> None:
+    out = report.options.out_dir
+    if hasattr(os, "getloadavg"):
+        report.configuration.setdefault("machine", {})["load_average_at_end"] = list(os.getloadavg())
+    model = report.configuration.get("model", {})
+    subtitle = (f"{model.get('served_name')}, {report.options.input_len} in / {report.options.output_len} out tokens, "
+                f"{report.options.num_prompts} prompts per rate")
+    if any(r.points for r in report.runs):
+        try:
+            report.files += [str(p) for p in write_plots(report.runs, out, subtitle)]
+        except ImportError:  # the JSON and tables still carry every figure
+            report.configuration["plots"] = "not drawn: matplotlib is not installed (pip install 'kvpush[bench]')"
+    path = out / RESULT_FILE
+    report.files.insert(0, str(path))
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(report.to_dict(), indent=2, default=_json_default) + "\n")
+    os.replace(tmp, path)
+
+
+def _json_default(value: object) -> object:
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, float) and value != value:
+        return None
+    raise TypeError(f"cannot serialize {type(value).__name__}")

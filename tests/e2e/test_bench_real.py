@@ -1,0 +1,74 @@
+"""`kvpush bench` for real: the local CPU deployment (real vLLM, router), two modes, two rates, few prompts.
+
+Heavy (two ~3 GB vLLM servers per mode, started twice): run under `flock /tmp/kvpush-vllm.lock`.
+KVPUSH_BENCH_E2E_MODES adds modes (e.g. `kvpush,nixl-pull,colocated`) once their connector works.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+import pytest
+
+from kvpush.deploy.bench.modes import bench_topology
+from kvpush.deploy.bench.runner import BenchOptions, run_bench
+from kvpush.deploy.lifecycle import LifecycleOptions
+from kvpush.deploy.state import load_state
+from kvpush.deploy.topology import parse_topology
+from kvpush.templates import DEFAULT_TEMPLATE, template_text
+
+PORT_BASE = 15100  # this test's range: 15100-15104
+MODES = os.environ.get("KVPUSH_BENCH_E2E_MODES", "nixl-pull,colocated").split(",")
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def test_short_real_bench_measures_every_mode_and_tears_down(tmp_path, state_dir):
+    topo = parse_topology(template_text(DEFAULT_TEMPLATE))
+    options = BenchOptions(modes=MODES, rates=[1.0, 2.0], input_len=256, output_len=8, num_prompts=4,
+                           out_dir=tmp_path / "bench", port_base=PORT_BASE, client_timeout_s=300,
+                           baseline="nixl-pull" if "nixl-pull" in MODES else MODES[0],
+                           lifecycle=LifecycleOptions(ready_timeout_s=400, stop_timeout_s=15))
+    report = run_bench(topo, options)
+
+    # Torn down: no state left, every port free again.
+    assert load_state(bench_topology(topo, MODES[0]).name) is None
+    assert all(_port_free(PORT_BASE + i) for i in range(5))
+
+    assert [r.mode for r in report.runs] == MODES
+    for run in report.runs:
+        assert run.error is None, f"{run.mode}: {run.error}"
+        assert [p.rate for p in run.points] == [1.0, 2.0]
+        for p in run.points:
+            assert p.client.completed == 4 and p.client.failed == 0
+            assert p.client.total_output_tokens == 4 * 8
+            assert 0 < p.client.latency["ttft"].p50 <= p.client.latency["ttft"].p90 <= p.client.latency["e2el"].p99
+            assert p.client.latency["tpot"].p50 > 0
+            assert p.router.outcomes.get("success") == 4
+            assert sum(i.prompt_tokens_cached for i in p.instances) == 0  # fresh prompts: no prefix-cache hits
+            if run.mode == "colocated":
+                assert p.prompt_tokens_external == 0
+                assert p.router.handoff_observations == 0
+            else:
+                # Decode received the prompts by KV transfer and computed (almost) none of them itself.
+                assert p.prompt_tokens_external >= 4 * 200
+                assert p.decode_prompt_tokens_local <= 4 * 2
+                assert p.router.handoff_observations == 4 and p.router.handoff_gap_p50_ms is not None
+                assert p.failed_transfers == 0
+
+    document = json.loads((tmp_path / "bench" / "bench.json").read_text())
+    assert document["configuration"]["versions"]["vllm"].startswith("vllm")
+    assert document["configuration"]["machine"]["cores"] >= 1
+    assert set(document["configuration"]["topology_hashes"]) == set(MODES)
+    assert document["ratios_vs_baseline"][options.baseline]["1"]["ttft_p50"] == pytest.approx(1.0)
+    for name in ("ttft.png", "tpot.png"):
+        assert (tmp_path / "bench" / name).stat().st_size > 10_000

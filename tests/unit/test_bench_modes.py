@@ -1,0 +1,82 @@
+"""kvpush.deploy.bench.modes: one topology per mode, derived without touching the input."""
+from __future__ import annotations
+
+import pytest
+
+from kvpush.deploy.bench.modes import (
+    KV_HEAVY_SPEC, MODES, bench_topology, kv_bytes_per_token, parse_modes, parse_rates, topology_hash,
+)
+from kvpush.deploy.errors import UsageError
+from kvpush.deploy.plan import build_plan
+from kvpush.deploy.topology import parse_topology
+from kvpush.templates import DEFAULT_TEMPLATE, template_text
+
+
+@pytest.fixture
+def local_cpu():
+    return parse_topology(template_text(DEFAULT_TEMPLATE))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_each_mode_sets_the_connector_and_plans(local_cpu, mode):
+    topo = bench_topology(local_cpu, mode)
+    assert topo.connector.type == mode
+    plan = build_plan(topo)
+    assert plan.connector == mode
+    decode_argv = " ".join(plan.process("decode-0").argv)
+    assert ("--kv-transfer-config" in decode_argv) == (mode != "colocated")
+    if mode == "nixl-push":
+        assert "NixlPushConnector" in decode_argv
+    if mode == "kvpush":
+        assert "KVPushConnector" in decode_argv
+
+
+def test_input_is_untouched_and_name_is_its_own(local_cpu):
+    before = local_cpu.model_dump()
+    topo = bench_topology(local_cpu, "colocated", kv_heavy=True, port_base=15000)
+    assert local_cpu.model_dump() == before
+    assert topo.name == "local-cpu-bench"  # never restarts a running local-cpu deployment
+
+
+def test_port_base_renumbers_every_port_consecutively(local_cpu):
+    topo = bench_topology(local_cpu, "kvpush", port_base=15000)
+    assert topo.router.port == 15000
+    assert [topo.prefill[0].http_port, topo.decode[0].http_port] == [15001, 15002]
+    assert [topo.prefill[0].side_channel_port, topo.decode[0].side_channel_port] == [15003, 15004]
+    plan = build_plan(topo)
+    assert plan.router_url == "http://127.0.0.1:15000"
+
+
+def test_kv_heavy_model_is_32_kib_per_token_with_long_context(local_cpu):
+    topo = bench_topology(local_cpu, "nixl-pull", kv_heavy=True)
+    assert topo.model.tiny == KV_HEAVY_SPEC
+    assert kv_bytes_per_token(topo.model.tiny) == 32 * 1024
+    assert topo.model.max_model_len >= 4096
+    assert topo.model.tiny.max_position_embeddings >= topo.model.max_model_len
+    assert topo.model.path.endswith("/tiny-llama-kv-heavy") and topo.model.path != local_cpu.model.path
+
+
+def test_topology_hash_is_stable_and_sensitive(local_cpu):
+    a = topology_hash(bench_topology(local_cpu, "kvpush"))
+    assert a == topology_hash(bench_topology(local_cpu, "kvpush"))
+    assert a != topology_hash(bench_topology(local_cpu, "nixl-pull"))
+    assert a != topology_hash(bench_topology(local_cpu, "kvpush", kv_heavy=True))
+
+
+def test_disaggregated_mode_needs_both_roles():
+    colocated_only = parse_topology("model: {path: /m}\nconnector: {type: colocated}\ndecode: [{}]\n")
+    assert bench_topology(colocated_only, "colocated").connector.type == "colocated"
+    with pytest.raises(UsageError, match="needs prefill and decode"):
+        bench_topology(colocated_only, "nixl-pull")
+
+
+def test_parse_modes_and_rates():
+    assert parse_modes("kvpush, nixl-pull") == ["kvpush", "nixl-pull"]
+    with pytest.raises(UsageError, match="unknown mode 'push'"):
+        parse_modes("push")
+    with pytest.raises(UsageError, match="twice"):
+        parse_modes("kvpush,kvpush")
+    assert parse_rates("2,0.5,1") == [0.5, 1.0, 2.0]
+    for bad in ("", "0", "-1", "x", "inf"):
+        with pytest.raises(UsageError):
+            parse_rates(bad)

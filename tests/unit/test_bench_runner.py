@@ -1,0 +1,90 @@
+"""kvpush.deploy.bench.runner: teardown always happens, a failed mode doesn't stop the others,
+Ctrl-C stops the bench and still writes what was measured. The deployment itself is faked here;
+tests/e2e/test_bench_real.py runs the real thing."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvpush.deploy.bench import runner as bench_runner
+from kvpush.deploy.bench.runner import BenchOptions, run_bench, seed_for
+from kvpush.deploy.errors import KvpushError, UsageError
+from kvpush.deploy.lifecycle import DownResult
+from kvpush.deploy.topology import parse_topology
+from kvpush.templates import DEFAULT_TEMPLATE, template_text
+
+
+@pytest.fixture
+def topo():
+    return parse_topology(template_text(DEFAULT_TEMPLATE))
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    log: list[tuple[str, str]] = []
+
+    def fake_down(name, options=None, events=None):
+        log.append(("down", name))
+        return DownResult(stopped=["router"])
+
+    monkeypatch.setattr(bench_runner, "down", fake_down)
+    monkeypatch.setattr(bench_runner, "save_logs", lambda topo, options, mode: None)
+    return log
+
+
+def _options(tmp_path, modes):
+    return BenchOptions(modes=modes, rates=[1.0], input_len=8, output_len=2, num_prompts=1, out_dir=tmp_path,
+                        baseline=modes[0])
+
+
+def test_a_failed_mode_is_recorded_torn_down_and_the_next_mode_runs(topo, tmp_path, calls, monkeypatch):
+    def fake_run_mode(mode_topo, options, events, run):
+        calls.append(("run", mode_topo.connector.type))
+        if mode_topo.connector.type == "kvpush":
+            raise KvpushError("process prefill-0 on host local exited before it became ready")
+
+    monkeypatch.setattr(bench_runner, "_run_mode", fake_run_mode)
+    report = run_bench(topo, _options(tmp_path, ["kvpush", "nixl-pull"]))
+    assert calls == [("run", "kvpush"), ("down", "local-cpu-bench"), ("run", "nixl-pull"), ("down", "local-cpu-bench")]
+    assert report.runs[0].error.startswith("process prefill-0")
+    assert report.runs[1].error is None
+    document = json.loads((tmp_path / "bench.json").read_text())
+    assert document["runs"][0]["error"] and not document["interrupted"]
+
+
+def test_ctrl_c_tears_down_stops_the_bench_and_keeps_partial_results(topo, tmp_path, calls, monkeypatch):
+    def fake_run_mode(mode_topo, options, events, run):
+        calls.append(("run", mode_topo.connector.type))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench_runner, "_run_mode", fake_run_mode)
+    report = run_bench(topo, _options(tmp_path, ["nixl-pull", "colocated"]))
+    assert calls == [("run", "nixl-pull"), ("down", "local-cpu-bench")]  # colocated never started
+    assert report.interrupted
+    assert json.loads((tmp_path / "bench.json").read_text())["interrupted"] is True
+
+
+def test_a_deployment_that_does_not_stop_is_an_error(topo, tmp_path, monkeypatch):
+    monkeypatch.setattr(bench_runner, "_run_mode", lambda *a: None)
+    monkeypatch.setattr(bench_runner, "save_logs", lambda topo, options, mode: None)
+    monkeypatch.setattr(bench_runner, "down", lambda name, options=None: DownResult(left_running=["decode-0"]))
+    with pytest.raises(KvpushError, match="could not stop decode-0"):
+        run_bench(topo, _options(tmp_path, ["colocated"]))
+
+
+def test_options_are_checked_before_anything_starts(topo, tmp_path, calls):
+    with pytest.raises(UsageError, match="--num-prompts must be at least 1"):
+        run_bench(topo, BenchOptions(modes=["colocated"], rates=[1.0], input_len=8, output_len=2, num_prompts=0,
+                                     out_dir=tmp_path, baseline="colocated"))
+    with pytest.raises(UsageError, match="--baseline nixl-pull is not among --modes"):
+        run_bench(topo, _options(tmp_path, ["colocated"]).__class__(
+            modes=["colocated"], rates=[1.0], input_len=8, output_len=2, num_prompts=1, out_dir=tmp_path))
+    assert calls == []
+
+
+def test_seeds_differ_per_rate_and_match_across_modes():
+    seeds = [seed_for(0, i) for i in range(4)]
+    assert len(set(seeds)) == 4
+    assert seed_for(7, 2) == seed_for(7, 2)
+    assert seed_for(0, 0) != seed_for(1, 0)

@@ -1,0 +1,68 @@
+"""`kvpush bench` as a user runs it: bad input is one line and exit 2, before anything starts;
+tables render from a report."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from rich.console import Console
+
+from kvpush.cli.bench_cmd import rate_table
+from kvpush.deploy.bench.results import ModeRun
+
+from test_bench_results import recorded_point  # noqa: F401  (fixture from recorded output)
+
+
+def kvpush(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvpush.cli.main", *args], capture_output=True, text=True, cwd=cwd, timeout=60)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--modes", "push"], "--modes: unknown mode 'push'"),
+    (["--rates", "0"], "--rates: 0 must be a positive"),
+    (["--num-prompts", "0"], "--num-prompts must be at least 1"),
+    (["--modes", "colocated"], "--baseline nixl-pull is not among --modes colocated"),
+])
+def test_bad_options_are_one_line_usage_errors(tmp_path, args, message):
+    result = kvpush("bench", *args, "--out", str(tmp_path / "out"), cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr
+    assert len(result.stderr.strip().splitlines()) <= 2  # the topology note + the error
+    assert not (tmp_path / "out").exists()  # nothing started, nothing written
+
+
+def test_help_documents_the_command():
+    result = kvpush("bench", "--help")
+    assert result.returncode == 0
+    for option in ("--modes", "--rates", "--input-len", "--output-len", "--num-prompts", "--out", "--kv-heavy", "--json"):
+        assert option in result.stdout
+
+
+def test_rate_table_shows_figures_and_ratios(recorded_point):  # noqa: F811
+    import dataclasses
+
+    faster = dataclasses.replace(recorded_point, mode="kvpush")
+    runs = [ModeRun("nixl-pull", "a", [recorded_point]), ModeRun("kvpush", "b", [faster]), ModeRun("colocated", "c", [])]
+    console = Console(record=True, width=250)
+    console.print(rate_table(runs, 1.0, "nixl-pull"))
+    text = console.export_text()
+    assert "86159" in text  # TTFT p50 in ms
+    assert "1.00x" in text
+    colocated_row = next(line for line in text.splitlines() if "colocated" in line)
+    assert colocated_row.count("-") >= 13  # no point at this rate: dashes, not zeros
+
+
+def test_sigterm_becomes_an_interrupt_only_inside_the_bench():
+    import os
+    import signal
+    import time
+
+    from kvpush.cli.bench_cmd import interrupt_on_sigterm
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt):
+        with interrupt_on_sigterm():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(2)  # the handler raises before this ends
+    assert signal.getsignal(signal.SIGTERM) == before
