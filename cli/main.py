@@ -7,7 +7,7 @@ import typer
 
 from kvpush.deploy.errors import KvpushError
 
-from . import plan_cmd
+from . import bench_cmd, doctor_cmd, lifecycle_cmd, plan_cmd, request_cmd, router_cmd
 from .console import err
 
 app = typer.Typer(
@@ -18,42 +18,37 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 plan_cmd.register(app)
-
-_DEBUG = {"on": False}
-
+request_cmd.register(app)
+doctor_cmd.register(app)
+router_cmd.register(app)
+lifecycle_cmd.register(app)
+bench_cmd.register(app)
 
 @app.callback()
 def _global_options(
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks for errors."),
 ) -> None:
-    _DEBUG["on"] = debug
+    """Read by run() from argv; declared here so --help documents it."""
 
 
 def run(argv: list[str] | None = None) -> None:
-    """Console-script entry: one-line errors, exit 2 for bad input, 1 for failed operations."""
+    """Console-script entry: one-line errors, exit 2 for bad input, 1 for failed operations.
+
+    typer/click handle their own usage errors (exit 2) in standalone mode; ours arrive here.
+    """
+    debug = "--debug" in (sys.argv if argv is None else argv)
     try:
-        app(args=argv, standalone_mode=False)
+        app(args=argv)
     except KvpushError as exc:
-        if _DEBUG["on"] or "--debug" in (argv or sys.argv):
+        if debug:
             raise
         err.print(f"[red]error:[/red] {exc}", highlight=False)
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
         err.print("[yellow]interrupted[/yellow]")
         sys.exit(130)
-    except SystemExit:
-        raise
-    except Exception as exc:  # click usage errors and the unexpected
-        import click
-
-        if isinstance(exc, click.exceptions.Exit):
-            sys.exit(exc.exit_code)
-        if isinstance(exc, click.ClickException):
-            exc.show()
-            sys.exit(2 if isinstance(exc, click.UsageError) else 1)
-        if isinstance(exc, click.exceptions.Abort):
-            sys.exit(130)
-        if _DEBUG["on"] or "--debug" in (argv or sys.argv):
+    except Exception as exc:
+        if debug:
             raise
         err.print(f"[red]error:[/red] unexpected {type(exc).__name__}: {exc} (rerun with --debug for the traceback)", highlight=False)
         sys.exit(1)

@@ -45,6 +45,9 @@ class RouterConfig(_Model):
     max_prompt_chars: int = 4_000_000
     timeouts: Timeouts = Field(default_factory=Timeouts)
     metrics_refresh_s: float = 1.0
+    max_retries: int = Field(1, ge=0)  # extra attempts on another pair before the first token
+    eject_after_failures: int = Field(3, ge=1)  # consecutive leg failures that take an instance out
+    probe_interval_s: float = Field(1.0, gt=0)  # how often ejected instances' /health is probed
     prefill: list[Upstream] = Field(default_factory=list)
     decode: list[Upstream]
 

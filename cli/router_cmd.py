@@ -1,0 +1,50 @@
+"""`kvpush router`: run the router in the foreground, from a router config or a topology."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from kvpush.deploy.errors import KvpushError, UsageError
+
+from .console import note
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("router")
+    def router_command(
+        topology: Optional[Path] = typer.Argument(None, help="Topology file (default: ./kvpush.yaml, else the built-in local-cpu)."),
+        config: Optional[Path] = typer.Option(None, "--config", help="Router config JSON (as `kvpush up` writes it) instead of a topology."),
+        log_level: str = typer.Option("INFO", "--log-level", help="Python logging level."),
+    ) -> None:
+        """Run the push-aware router in the foreground (Ctrl-C stops it)."""
+        from pydantic import ValidationError
+
+        from kvpush.router.app import resolve_api_key, run
+        from kvpush.router.config import RouterConfig
+
+        if topology is not None and config is not None:
+            raise UsageError("router: give a TOPOLOGY or --config FILE, not both")
+        if config is not None:
+            try:
+                router_config = RouterConfig.from_file(config)
+            except FileNotFoundError:
+                raise UsageError(f"{config}: no such file; pass the router.json that `kvpush plan`/`up` wrote") from None
+            except ValidationError as exc:
+                first = exc.errors()[0]
+                raise UsageError(f"{config}: {'.'.join(map(str, first['loc'])) or '(file)'}: {first['msg']}") from None
+            source = str(config)
+        else:
+            from kvpush.deploy.plan import router_config as plan_router_config
+            from kvpush.deploy.topology import resolve_topology
+
+            topo, source = resolve_topology(topology)
+            router_config = plan_router_config(topo)
+        logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        note(f"router from {source}: http://{router_config.bind}:{router_config.port} ({router_config.protocol})")
+        try:
+            run(router_config, resolve_api_key(router_config))
+        except OSError as exc:
+            raise KvpushError(f"router: cannot listen on {router_config.bind}:{router_config.port}: {exc.strerror or exc}") from None

@@ -1,0 +1,272 @@
+"""The router's HTTP front (aiohttp): routes, API key, validation, background health and load work."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import signal
+import time
+
+import aiohttp
+from aiohttp import web
+
+from .config import RouterConfig
+from .dispatch import Dispatcher, RequestContext
+from .errors import error_response
+from .metrics import CLIENT_ERROR, RouterMetrics
+from .pool import Pool, parse_load
+from .validation import RequestRejected, parse_request
+
+log = logging.getLogger("kvpush.router")
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+GUARDED_PREFIX = "/v1"  # vLLM's --api-key guards exactly these paths
+UPSTREAM_KEEPALIVE_S = 4.0
+MAX_BODY_BYTES_PER_CHAR = 8  # JSON escapes can inflate a prompt; the prompt limit is checked after parsing
+
+ROUTER_KEY = web.AppKey("router", "Router")
+
+
+def resolve_api_key(config: RouterConfig) -> str | None:
+    """The key named by api_key_env; naming a variable that is unset is a configuration error."""
+    if not config.api_key_env:
+        return None
+    key = os.environ.get(config.api_key_env, "")
+    if not key:
+        from kvpush.deploy.errors import UsageError
+
+        raise UsageError(f"router config: api_key_env names {config.api_key_env}, which is unset or empty; "
+                         f"export it or remove api_key_env from the topology's router section")
+    return key
+
+
+class Router:
+    def __init__(self, config: RouterConfig, api_key: str | None):
+        self.config = config
+        self.api_key = api_key
+        self.metrics = RouterMetrics()
+        self.prefill = Pool("prefill", config.prefill, config.policy, config.eject_after_failures, self.metrics)
+        self.decode = Pool("decode", config.decode, config.policy, config.eject_after_failures, self.metrics)
+        self.session: aiohttp.ClientSession | None = None
+        self.dispatcher: Dispatcher | None = None
+        self._background: list[asyncio.Task] = []
+
+    # --- lifecycle -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        # Idle upstream connections are dropped before vLLM's (uvicorn's) 5 s keep-alive closes them,
+        # so a leg never goes out on a connection the server is closing at that moment.
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=UPSTREAM_KEEPALIVE_S)
+        self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+        self.dispatcher = Dispatcher(self.config, self.prefill, self.decode, self.metrics, self.session, self.api_key)
+        self._background.append(asyncio.create_task(self._probe_loop()))
+        if self.config.policy == "least-loaded":
+            self._background.append(asyncio.create_task(self._scrape_loop()))
+
+    async def stop(self) -> None:
+        for task in self._background:
+            task.cancel()
+        for task in self._background:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self.dispatcher is not None:
+            await self.dispatcher.close()
+        if self.session is not None:
+            await self.session.close()
+
+    def pools(self) -> list[Pool]:
+        return [self.prefill, self.decode]
+
+    async def _get(self, url: str, timeout_s: float) -> tuple[int, str]:
+        assert self.session is not None
+        async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            return resp.status, await resp.text()
+
+    async def _probe_loop(self) -> None:
+        """Every instance's /health, every probe_interval_s: a failing answer counts like a failed
+        leg (so a dead idle instance leaves rotation before a request finds it), and an ejected
+        instance comes back when it answers 200."""
+
+        async def probe(pool: Pool, inst) -> None:
+            try:
+                status, _ = await self._get(inst.upstream.url + "/health", self.config.timeouts.connect_s)
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                status = None
+            if inst.in_rotation and status != 200:
+                pool.failed(inst, "health")
+            elif not inst.in_rotation and status == 200:
+                pool.restore(inst)
+
+        while True:
+            await asyncio.sleep(self.config.probe_interval_s)
+            await asyncio.gather(*(probe(p, i) for p in self.pools() for i in p.instances))
+
+    async def _scrape_loop(self) -> None:
+        """Each instance's own load, for least-loaded selection; never on the request path."""
+        timeout = min(self.config.metrics_refresh_s, self.config.timeouts.connect_s) or 1.0
+
+        async def scrape(pool: Pool, inst) -> None:
+            try:
+                status, text = await self._get(inst.upstream.url + "/metrics", timeout)
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                pool.observe_load(inst, None)
+                return
+            pool.observe_load(inst, parse_load(text) if status == 200 else None)
+
+        while True:
+            await asyncio.gather(*(scrape(p, i) for p in self.pools() for i in p.instances if i.in_rotation))
+            await asyncio.sleep(self.config.metrics_refresh_s)
+
+    # --- handlers ------------------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, COMPLETIONS)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, CHAT)
+
+    async def _generate(self, request: web.Request, endpoint: str) -> web.StreamResponse:
+        started = time.perf_counter()
+        try:
+            raw = await request.read()
+            body = parse_request(raw, endpoint == CHAT, self.config.served_model_name, self.config.max_prompt_chars)
+        except web.HTTPRequestEntityTooLarge:
+            return self._rejected(endpoint, RequestRejected(
+                413, f"request body too large for max_prompt_chars {self.config.max_prompt_chars}"))
+        except RequestRejected as exc:
+            return self._rejected(endpoint, exc)
+        assert self.dispatcher is not None
+        ctx = RequestContext(request, endpoint, body, bool(body.get("stream")), started)
+        return await self.dispatcher.handle(ctx)
+
+    def _rejected(self, endpoint: str, exc: RequestRejected) -> web.Response:
+        self.metrics.requests.labels(endpoint, CLIENT_ERROR).inc()
+        return error_response(exc.status, exc.message, exc.param)
+
+    async def _forward(self, request: web.Request) -> web.Response | None:
+        """The request as-is to the first decode instance that answers; None if none does."""
+        assert self.session is not None
+        headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        body = await request.read()
+        timeout = aiohttp.ClientTimeout(total=self.config.timeouts.decode_s, sock_connect=self.config.timeouts.connect_s)
+        for inst in self.decode.available():
+            try:
+                async with self.session.request(request.method, inst.upstream.url + request.path, data=body or None,
+                                                headers=headers, timeout=timeout) as resp:
+                    return web.Response(status=resp.status, body=await resp.read(),
+                                        headers={"Content-Type": resp.headers.get("Content-Type", "application/json")})
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                continue
+        return None
+
+    async def models(self, request: web.Request) -> web.Response:
+        """vLLM's own answer from a decode instance; a locally built one if none answers."""
+        answer = await self._forward(request)
+        if answer is not None and answer.status == 200:
+            return answer
+        name = self.config.served_model_name
+        return web.json_response({"object": "list", "data": [
+            {"id": name, "object": "model", "created": int(time.time()), "owned_by": "vllm", "root": name,
+             "parent": None, "permission": []}]})
+
+    async def passthrough(self, request: web.Request) -> web.Response:
+        """Model-level utilities (/tokenize, /detokenize, /version): any decode instance answers them."""
+        answer = await self._forward(request)
+        return answer if answer is not None else error_response(503, f"no decode instance answered {request.path}")
+
+    async def health(self, request: web.Request) -> web.Response:
+        """200 while a request can be served (a decode instance is in rotation), else 503."""
+        return web.Response(status=200 if self.decode.available() else 503)
+
+    async def metrics_endpoint(self, request: web.Request) -> web.Response:
+        body, content_type = self.metrics.exposition()
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
+    async def not_found(self, request: web.Request) -> web.Response:
+        return error_response(404, f"{request.method} {request.path} is not served by the kvpush router")
+
+
+@web.middleware
+async def _auth_and_errors(request: web.Request, handler):
+    router: Router = request.app[ROUTER_KEY]
+    if router.api_key and request.path.startswith(GUARDED_PREFIX):
+        given = request.headers.get("Authorization", "")
+        if not secrets.compare_digest(given.encode(), f"Bearer {router.api_key}".encode()):
+            return web.json_response({"error": "Unauthorized"}, status=401)  # vLLM's exact answer
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status == 405:
+            return error_response(405, f"method {request.method} not allowed on {request.path}")
+        if exc.status == 404:
+            return await router.not_found(request)
+        raise
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:  # a bug must still answer like vLLM does, not hang or leak a traceback
+        log.exception("unexpected error on %s", request.path)
+        return error_response(500, "internal router error; see the router log")
+
+
+def build_app(config: RouterConfig, api_key: str | None) -> web.Application:
+    router = Router(config, api_key)
+    app = web.Application(middlewares=[_auth_and_errors],
+                          client_max_size=config.max_prompt_chars * MAX_BODY_BYTES_PER_CHAR + (1 << 20))
+    app[ROUTER_KEY] = router
+
+    async def lifecycle(_app: web.Application):
+        await router.start()
+        yield
+        await router.stop()
+
+    app.cleanup_ctx.append(lifecycle)
+    app.router.add_post(COMPLETIONS, router.completions)
+    app.router.add_post(CHAT, router.chat)
+    app.router.add_get("/v1/models", router.models)
+    app.router.add_post("/tokenize", router.passthrough)
+    app.router.add_post("/detokenize", router.passthrough)
+    app.router.add_get("/version", router.passthrough)
+    app.router.add_get("/health", router.health)
+    app.router.add_get("/metrics", router.metrics_endpoint)
+    return app
+
+
+async def start_site(app: web.Application, host: str, port: int) -> web.AppRunner:
+    """Start serving; handler cancellation on so a client that leaves cancels both legs."""
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port, backlog=1024).start()
+    return runner
+
+
+async def serve(config: RouterConfig, api_key: str | None) -> None:
+    """Run in the foreground until SIGINT or SIGTERM."""
+    runner = await start_site(build_app(config, api_key), config.bind, config.port)
+    log.info("kvpush router on http://%s:%d: protocol %s, policy %s, %d prefill, %d decode",
+             config.bind, config.port, config.protocol, config.policy, len(config.prefill), len(config.decode))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        await runner.cleanup()
+
+
+def run(config: RouterConfig, api_key: str | None) -> None:
+    """Serve in the foreground, on uvloop when it is installed (vLLM ships it): about half the
+    per-request CPU of the default loop."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(serve(config, api_key))
+    else:
+        uvloop.run(serve(config, api_key))

@@ -1,0 +1,195 @@
+"""A fast in-process imitation of one vLLM OpenAI server, for the router's tests and overhead benchmark.
+
+It answers like vLLM (same JSON shapes, SSE framing, error bodies) with deterministic text, and can
+be told to misbehave: fail with a status, report a KV-transfer failure, hang, or die mid-stream.
+It records what it received and how many requests were abandoned by their client.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+
+@dataclass
+class Behavior:
+    first_token_delay_s: float = 0.0
+    token_delay_s: float = 0.0
+    fail_status: int | None = None  # answer generation requests with this status...
+    fail_times: int | None = None  # ...this many times (None: always)
+    transfer_error: bool = False  # legs carrying kv_transfer_params for a consumer end like a failed KV load
+    hang: bool = False  # never answer generation requests
+    die_after_tokens: int | None = None  # drop the connection mid-stream
+    unhealthy: bool = False  # /health answers 503
+
+
+@dataclass
+class Received:
+    path: str
+    body: dict
+    headers: dict  # lower-cased names
+    at: float
+
+
+@dataclass
+class FakeVllm:
+    model: str = "fake"
+    behavior: Behavior = field(default_factory=Behavior)
+    received: list[Received] = field(default_factory=list)
+    abandoned: int = 0  # generation requests whose client went away before the answer ended
+    running: int = 0
+    metrics_text: str | None = None  # override of /metrics
+    created: int | None = None  # fixed `created` timestamps make answers byte-comparable
+    url: str = ""
+    _runner: web.AppRunner | None = None
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port)
+        await site.start()
+        bound = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.url = f"http://{host}:{bound}"
+        return self.url
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    # --- handlers ----------------------------------------------------------------------------
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=503 if self.behavior.unhealthy else 200)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model", "created": 0,
+                                                              "owned_by": "vllm", "root": self.model, "parent": None,
+                                                              "max_model_len": 2048, "permission": []}]})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        text = self.metrics_text
+        if text is None:
+            text = (f'vllm:num_requests_running{{engine="0",model_name="{self.model}"}} {float(self.running)}\n'
+                    f'vllm:num_requests_waiting{{engine="0",model_name="{self.model}"}} 0.0\n'
+                    f'vllm:kv_cache_usage_perc{{engine="0",model_name="{self.model}"}} 0.0\n')
+        return web.Response(text=text, content_type="text/plain")
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    def _now(self) -> int:
+        return self.created if self.created is not None else int(time.time())
+
+    def _should_fail(self) -> bool:
+        b = self.behavior
+        if b.fail_status is None:
+            return False
+        if b.fail_times is None:
+            return True
+        if b.fail_times > 0:
+            b.fail_times -= 1
+            return True
+        return False
+
+    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        body = await request.json()
+        self.received.append(Received(request.path, body, {k.lower(): v for k, v in request.headers.items()}, time.perf_counter()))
+        self.running += 1
+        finished = False
+        try:
+            response = await self._answer(request, body, chat)
+            finished = True
+            return response
+        finally:
+            self.running -= 1
+            if not finished:
+                self.abandoned += 1
+
+    async def _answer(self, request: web.Request, body: dict, chat: bool) -> web.StreamResponse:
+        b = self.behavior
+        if b.hang:
+            await asyncio.sleep(3600)
+        if self._should_fail():
+            return web.json_response({"error": {"message": "fake failure", "type": "InternalServerError",
+                                                "param": None, "code": b.fail_status}}, status=b.fail_status)
+        params = body.get("kv_transfer_params") or {}
+        consumer = params.get("do_remote_prefill") or params.get("kvpush_role") == "consumer"
+        await asyncio.sleep(b.first_token_delay_s)
+        request_id = ("chatcmpl-" if chat else "cmpl-") + request.headers.get("X-Request-Id", uuid.uuid4().hex)
+        max_tokens = int(body.get("max_completion_tokens") or body.get("max_tokens") or 16)
+        tokens = [f" t{i}" for i in range(max_tokens)]
+        if b.transfer_error and consumer:
+            if body.get("stream"):
+                resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+                await resp.prepare(request)
+                error = {"error": {"message": "Internal server error", "type": "InternalServerError",
+                                   "param": None, "code": 500}}
+                if chat:
+                    await resp.write(_sse(_chat_chunk(self._now(), request_id, self.model, {"role": "assistant", "content": ""}, None)))
+                await resp.write(_sse(error) + b"data: [DONE]\n\n")
+                await resp.write_eof()
+                return resp
+            return web.json_response({"error": {"message": "Internal server error", "type": "InternalServerError",
+                                                "param": None, "code": 500}}, status=500)
+        if not body.get("stream"):
+            text = "".join(tokens)
+            answer: dict = {"id": request_id, "object": "chat.completion" if chat else "text_completion",
+                            "created": self._now(), "model": self.model}
+            if chat:
+                answer["choices"] = [{"index": 0, "message": {"role": "assistant", "content": text},
+                                      "logprobs": None, "finish_reason": "length", "stop_reason": None}]
+            else:
+                answer["choices"] = [{"index": 0, "text": text, "logprobs": None, "finish_reason": "length",
+                                      "stop_reason": None, "prompt_logprobs": None}]
+            answer["usage"] = {"prompt_tokens": 4, "total_tokens": 4 + max_tokens, "completion_tokens": max_tokens}
+            if params.get("do_remote_decode"):
+                answer["kv_transfer_params"] = {"do_remote_prefill": True, "do_remote_decode": False,
+                                                "remote_block_ids": [[1]], "remote_engine_id": "fake-engine",
+                                                "remote_request_id": request_id, "remote_host": "127.0.0.1",
+                                                "remote_port": 5600, "tp_size": 1}
+            return web.json_response(answer)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+        await resp.prepare(request)
+        if chat:
+            await resp.write(_sse(_chat_chunk(self._now(), request_id, self.model, {"role": "assistant", "content": ""}, None)))
+        for i, tok in enumerate(tokens):
+            if b.die_after_tokens is not None and i >= b.die_after_tokens:
+                assert request.transport is not None
+                request.transport.abort()
+                return resp
+            last = i == len(tokens) - 1
+            reason = "length" if last else None
+            if chat:
+                chunk = _chat_chunk(self._now(), request_id, self.model, {"content": tok}, reason)
+            else:
+                chunk = {"id": request_id, "object": "text_completion", "created": self._now(), "model": self.model,
+                         "choices": [{"index": 0, "text": tok, "logprobs": None, "finish_reason": reason, "stop_reason": None}]}
+            await resp.write(_sse(chunk))
+            if not last and b.token_delay_s:
+                await asyncio.sleep(b.token_delay_s)
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+def _chat_chunk(created: int, request_id: str, model: str, delta: dict, reason: str | None) -> dict:
+    return {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]}
+
+
+def _sse(obj: dict) -> bytes:
+    return f"data: {json.dumps(obj)}\n\n".encode()

@@ -1,0 +1,46 @@
+"""The router's own Prometheus metrics, in a private registry served at /metrics."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                    7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+
+# outcome label values of kvpush_router_requests_total
+OK = "success"
+CLIENT_ERROR = "client_error"  # 4xx: the request was wrong (router or upstream said so)
+FAILED = "failed"  # every attempt failed before the first token
+FAILED_MID_STREAM = "failed_mid_stream"  # a leg died after tokens reached the client
+CANCELLED = "cancelled"  # the client went away
+UNAVAILABLE = "unavailable"  # no instance in rotation
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("kvpush_router_requests", "Requests by endpoint and outcome.",
+                                ["endpoint", "outcome"], registry=r)
+        self.ttft = Histogram("kvpush_router_ttft_seconds", "Router receipt to first token sent (streaming).",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.latency = Histogram("kvpush_router_e2e_latency_seconds", "Router receipt to response end.",
+                                 buckets=_LATENCY_BUCKETS, registry=r)
+        self.leg_latency = Histogram("kvpush_router_leg_seconds", "One leg: sent to answered (decode: to last byte).",
+                                     ["leg"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.handoff_gap = Histogram("kvpush_router_handoff_gap_seconds",
+                                     "Prefill leg's answer to decode leg's first token (0 if decode was first).",
+                                     buckets=_LATENCY_BUCKETS, registry=r)
+        self.retries = Counter("kvpush_router_retries", "Attempts repeated before the first token, by reason.",
+                               ["reason"], registry=r)
+        self.fallbacks = Counter("kvpush_router_fallbacks",
+                                 "Requests served by a decode instance alone because no prefill instance was in rotation.",
+                                 registry=r)
+        self.leg_failures = Counter("kvpush_router_leg_failures", "Failed legs by instance, role and reason.",
+                                    ["instance", "role", "reason"], registry=r)
+        self.inflight = Gauge("kvpush_router_inflight", "Legs in flight per instance.", ["instance", "role"], registry=r)
+        self.in_rotation = Gauge("kvpush_router_instance_in_rotation", "1 if the instance receives new legs.",
+                                 ["instance", "role"], registry=r)
+
+    def exposition(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,130 @@
+"""How each transfer protocol shapes the two legs of one request: bodies and kv_transfer_params.
+
+Pure functions; the dispatcher decides when each leg is sent. The `kvpush` field names are the
+contract with kvpush's connector (it may import them from here).
+"""
+from __future__ import annotations
+
+import copy
+import uuid
+from dataclasses import dataclass
+
+from .config import Upstream
+
+# --- the kvpush contract -------------------------------------------------------------------
+KVPUSH_ROLE = "kvpush_role"
+KVPUSH_PRODUCER = "producer"
+KVPUSH_CONSUMER = "consumer"
+TRANSFER_ID = "transfer_id"
+PEER_ENGINE_ID = "peer_engine_id"
+PEER_HOST = "peer_host"
+PEER_PORT = "peer_port"
+PEER_TP_SIZE = "peer_tp_size"
+
+KV_PARAMS = "kv_transfer_params"
+CONCURRENT_PROTOCOLS = ("kvpush", "nixl-push")
+
+
+def new_transfer_id() -> str:
+    """One per dispatch: a retry gets a new one so a late transfer of the failed try can't match."""
+    return uuid.uuid4().hex
+
+
+def prefill_only(body: dict, chat: bool) -> dict:
+    """The client's body turned into a prefill leg: one token, not streamed."""
+    leg = copy.copy(body)
+    leg["max_tokens"] = 1
+    if chat:
+        leg["max_completion_tokens"] = 1
+    leg["stream"] = False
+    leg.pop("stream_options", None)
+    return leg
+
+
+def with_params(body: dict, params: dict | None) -> dict:
+    leg = copy.copy(body)
+    if params is not None:
+        leg[KV_PARAMS] = params
+    return leg
+
+
+def kvpush_producer_params(transfer_id: str, decode: Upstream) -> dict:
+    return {
+        KVPUSH_ROLE: KVPUSH_PRODUCER,
+        TRANSFER_ID: transfer_id,
+        PEER_ENGINE_ID: decode.engine_id,
+        PEER_HOST: decode.side_channel_host,
+        PEER_PORT: decode.side_channel_port,
+    }
+
+
+def kvpush_consumer_params(transfer_id: str, prefill: Upstream) -> dict:
+    return {
+        KVPUSH_ROLE: KVPUSH_CONSUMER,
+        TRANSFER_ID: transfer_id,
+        PEER_ENGINE_ID: prefill.engine_id,
+        PEER_HOST: prefill.side_channel_host,
+        PEER_PORT: prefill.side_channel_port,
+        PEER_TP_SIZE: prefill.tp_size,
+    }
+
+
+def nixl_producer_params() -> dict:
+    """Prefill leg for vLLM's NixlConnector (pull) and NixlPushConnector (push)."""
+    return {"do_remote_decode": True, "do_remote_prefill": False}
+
+
+def vllm_base_request_id(transfer_id: str, chat: bool) -> str:
+    """The id vLLM's OpenAI server derives from X-Request-Id (before the engine appends its random
+    suffix): chat `chatcmpl-<id>`, completions `cmpl-<id>-<prompt index>` (the first prompt's)."""
+    return f"chatcmpl-{transfer_id}" if chat else f"cmpl-{transfer_id}-0"
+
+
+def nixl_push_consumer_params(prefill: Upstream, remote_request_id: str) -> dict:
+    """Decode leg for NixlPushConnector: P's coordinates up front. P matches D's registration to its
+    finished request by base request id, so both legs carry the same X-Request-Id (the transfer id).
+    vLLM requires remote_request_id; P's exact id (with the engine's random suffix) is unknowable
+    before P answers, so this is its base id."""
+    return {
+        "do_remote_decode": False,
+        "do_remote_prefill": True,
+        "remote_engine_id": prefill.engine_id,
+        "remote_request_id": remote_request_id,
+        "remote_host": prefill.side_channel_host,
+        "remote_port": prefill.side_channel_port,
+        "tp_size": prefill.tp_size,
+        "pp_size": prefill.pp_size,
+    }
+
+
+@dataclass(frozen=True)
+class Legs:
+    prefill: dict
+    decode: dict
+
+
+def concurrent_legs(protocol: str, body: dict, chat: bool, transfer_id: str, prefill: Upstream, decode: Upstream) -> Legs:
+    """Both legs of a push protocol, known before either is sent."""
+    if protocol == "kvpush":
+        return Legs(
+            prefill=with_params(prefill_only(body, chat), kvpush_producer_params(transfer_id, decode)),
+            decode=with_params(body, kvpush_consumer_params(transfer_id, prefill)),
+        )
+    if protocol == "nixl-push":
+        return Legs(
+            prefill=with_params(prefill_only(body, chat), nixl_producer_params()),
+            decode=with_params(body, nixl_push_consumer_params(prefill, vllm_base_request_id(transfer_id, chat))),
+        )
+    raise ValueError(f"protocol {protocol!r} does not dispatch both legs at once")
+
+
+def pull_prefill_leg(body: dict, chat: bool) -> dict:
+    return with_params(prefill_only(body, chat), nixl_producer_params())
+
+
+def pull_decode_leg(body: dict, prefill_answer: dict) -> dict | None:
+    """The decode leg carries what the prefill instance answered; None if it answered none."""
+    params = prefill_answer.get(KV_PARAMS)
+    if not isinstance(params, dict):
+        return None
+    return with_params(body, params)

@@ -1,0 +1,453 @@
+"""The router end to end against in-process fake vLLM instances: protocols, streaming, failures."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+from router_harness import MODEL, deployment, eventually
+
+from kvpush.router.config import Timeouts
+
+COMPLETION = {"model": MODEL, "prompt": "hello", "max_tokens": 4}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+def sample(metrics: str, name: str, **labels: str) -> float:
+    """Sum of the samples of `name` having `labels` in a Prometheus text page (0 if none)."""
+    total = 0.0
+    for line in metrics.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            if all(f'{k}="{v}"' in line for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def events(raw: bytes) -> list[str]:
+    return [e for e in raw.decode().split("\n\n") if e]
+
+
+# --- protocols ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("protocol", ["kvpush", "nixl-push", "nixl-pull", "colocated"])
+@pytest.mark.parametrize("path,body", [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)])
+def test_each_protocol_answers_streaming_and_not(protocol, path, body):
+    async def scenario():
+        async with deployment(protocol) as dep:
+            status, raw = await dep.post(path, body)
+            assert status == 200
+            answer = json.loads(raw)
+            text = answer["choices"][0].get("text") or answer["choices"][0]["message"]["content"]
+            assert text == " t0 t1 t2 t3"
+            status, raw = await dep.post(path, {**body, "stream": True})
+            assert status == 200
+            evs = events(raw)
+            assert evs[-1] == "data: [DONE]" and len(evs) >= 5
+            decode_legs = dep.decode[0].received
+            assert len(decode_legs) == 2
+            if protocol != "colocated":
+                assert len(dep.prefill[0].received) == 2
+                assert all(r.body["max_tokens"] == 1 and r.body["stream"] is False for r in dep.prefill[0].received)
+
+    run(scenario())
+
+
+def test_streaming_passes_upstream_bytes_through_unchanged():
+    async def scenario():
+        async with deployment("colocated") as dep:
+            for path, body in (("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)):
+                streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+                headers = {"X-Request-Id": "fixed-id"}
+                _, via_router = await dep.post(path, streamed, headers)
+                async with dep.session.post(dep.decode[0].url + path, json=streamed, headers=headers) as resp:
+                    direct = await resp.read()
+                assert via_router == direct
+
+    run(scenario())
+
+
+def test_push_protocols_send_both_legs_before_prefill_answers():
+    async def scenario():
+        async with deployment("kvpush") as dep:
+            dep.prefill[0].behavior.first_token_delay_s = 0.6
+            dep.decode[0].behavior.first_token_delay_s = 0.6
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            status, _ = await dep.post("/v1/completions", COMPLETION)
+            elapsed = loop.time() - t0
+            assert status == 200
+            p, d = dep.prefill[0].received[0], dep.decode[0].received[0]
+            assert abs(p.at - d.at) < 0.3  # dispatched together...
+            assert elapsed < 1.1  # ...so the two 0.6 s legs overlap
+            tid = p.body["kv_transfer_params"]["transfer_id"]
+            assert d.body["kv_transfer_params"]["transfer_id"] == tid
+            assert p.headers["x-request-id"] == d.headers["x-request-id"] == tid
+
+    run(scenario())
+
+
+def test_pull_sends_decode_after_prefill_with_its_params():
+    async def scenario():
+        async with deployment("nixl-pull") as dep:
+            dep.prefill[0].behavior.first_token_delay_s = 0.2
+            await dep.post("/v1/completions", COMPLETION)
+            p, d = dep.prefill[0].received[0], dep.decode[0].received[0]
+            assert d.at - p.at >= 0.2
+            assert d.body["kv_transfer_params"]["remote_engine_id"] == "fake-engine"
+            assert sample(await dep.metrics(), "kvpush_router_handoff_gap_seconds_count") == 1
+
+    run(scenario())
+
+
+def test_openai_client_works_unchanged():
+    openai = pytest.importorskip("openai")
+
+    async def scenario():
+        async with deployment("kvpush") as dep:
+            client = openai.AsyncOpenAI(base_url=dep.url + "/v1", api_key="unused", max_retries=0)
+            done = await client.completions.create(model=MODEL, prompt="hi", max_tokens=3)
+            assert done.choices[0].text == " t0 t1 t2"
+            stream = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                          max_tokens=3, stream=True)
+            parts = [c.choices[0].delta.content async for c in stream if c.choices and c.choices[0].delta.content]
+            assert "".join(parts) == " t0 t1 t2"
+            models = await client.models.list()
+            assert [m.id for m in models.data] == [MODEL]
+            with pytest.raises(openai.NotFoundError):
+                await client.completions.create(model="nope", prompt="hi", max_tokens=3)
+            await client.close()
+
+    run(scenario())
+
+
+def test_models_and_utilities_come_from_a_decode_instance():
+    async def scenario():
+        async with deployment("kvpush") as dep:
+            async with dep.session.get(dep.url + "/v1/models") as resp:
+                assert (await resp.json())["data"][0]["max_model_len"] == 2048  # vLLM's own card, not ours
+            await dep.decode[0].stop()
+            async with dep.session.get(dep.url + "/v1/models") as resp:  # none answers: built locally
+                assert resp.status == 200 and (await resp.json())["data"][0]["id"] == MODEL
+            async with dep.session.post(dep.url + "/tokenize", json={"prompt": "x"}) as resp:
+                assert resp.status == 503 and "error" in await resp.json()
+
+    run(scenario())
+
+
+# --- selection ---------------------------------------------------------------------------------
+
+
+def test_round_robin_spreads_over_xpyd():
+    async def scenario():
+        async with deployment("kvpush", n_prefill=2, n_decode=3) as dep:
+            for _ in range(6):
+                assert (await dep.post("/v1/completions", COMPLETION))[0] == 200
+            assert [len(f.received) for f in dep.prefill] == [3, 3]
+            assert [len(f.received) for f in dep.decode] == [2, 2, 2]
+
+    run(scenario())
+
+
+def test_least_loaded_avoids_an_instance_its_metrics_call_busy():
+    async def scenario():
+        async with deployment("kvpush", n_decode=2, policy="least-loaded", metrics_refresh_s=0.05) as dep:
+            dep.decode[0].metrics_text = 'vllm:num_requests_running{engine="0"} 7.0\nvllm:num_requests_waiting{engine="0"} 3.0\n'
+            await eventually(lambda: dep.router.decode.instances[0].load is not None
+                             and dep.router.decode.instances[0].load.running == 7.0)
+            for _ in range(4):
+                await dep.post("/v1/completions", COMPLETION)
+            assert [len(f.received) for f in dep.decode] == [0, 4]
+
+    run(scenario())
+
+
+# --- failures ----------------------------------------------------------------------------------
+
+
+def test_failed_decode_is_retried_once_on_another_pair():
+    async def scenario():
+        async with deployment("kvpush", n_prefill=2, n_decode=2) as dep:
+            dep.decode[0].behavior.fail_status = 500
+            for _ in range(2):
+                status, raw = await dep.post("/v1/completions", COMPLETION)
+                assert status == 200, raw
+            m = await dep.metrics()
+            assert sample(m, "kvpush_router_retries_total", reason="http_500") == 2  # round robin: d0 first each time
+            assert sample(m, "kvpush_router_leg_failures_total", instance="d0", reason="http_500") == 2
+            assert sample(m, "kvpush_router_requests_total", outcome="success") == 2
+            # the retry got a fresh transfer id
+            first, retry = dep.decode[0].received[0], dep.decode[1].received[0]
+            assert first.body["kv_transfer_params"]["transfer_id"] != retry.body["kv_transfer_params"]["transfer_id"]
+
+    run(scenario())
+
+
+def test_single_pair_retries_on_the_same_pair():
+    async def scenario():
+        async with deployment("nixl-push") as dep:
+            dep.decode[0].behavior.fail_status = 503
+            dep.decode[0].behavior.fail_times = 1
+            status, _ = await dep.post("/v1/completions", {**COMPLETION, "stream": True})
+            assert status == 200
+            assert len(dep.decode[0].received) == 2 and len(dep.prefill[0].received) == 2
+
+    run(scenario())
+
+
+def test_transfer_failure_reported_by_decode_is_retried_then_reported():
+    async def scenario():
+        async with deployment("kvpush", max_retries=1, eject_after_failures=100) as dep:
+            dep.decode[0].behavior.transfer_error = True
+            for path, body in (("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)):
+                for stream in (False, True):
+                    status, raw = await dep.post(path, {**body, "stream": stream})
+                    assert status == 502, raw
+                    err = json.loads(raw)["error"]
+                    assert err["code"] == 502 and "decode leg on instance d0" in err["message"]
+                    assert "gave up after 2 attempts" in err["message"]
+            m = await dep.metrics()
+            assert sample(m, "kvpush_router_retries_total", reason="http_500") == 2
+            assert sample(m, "kvpush_router_retries_total", reason="generation_error") == 2
+            assert sample(m, "kvpush_router_requests_total", endpoint="/v1/completions", outcome="failed") == 2
+
+    run(scenario())
+
+
+def test_failing_prefill_cancels_its_decode_leg():
+    async def scenario():
+        async with deployment("kvpush", max_retries=0) as dep:
+            dep.prefill[0].behavior.fail_status = 500
+            dep.prefill[0].behavior.first_token_delay_s = 0  # fails at once
+            dep.decode[0].behavior.first_token_delay_s = 5  # would wait for KV
+            status, raw = await dep.post("/v1/completions", COMPLETION)
+            assert status == 502 and "prefill leg on instance p0" in json.loads(raw)["error"]["message"]
+            await eventually(lambda: dep.decode[0].abandoned == 1)
+            assert dep.router.decode.instances[0].inflight == 0
+
+    run(scenario())
+
+
+def test_failing_decode_cancels_its_prefill_leg():
+    async def scenario():
+        async with deployment("nixl-push", max_retries=0) as dep:
+            dep.prefill[0].behavior.first_token_delay_s = 5
+            dep.decode[0].behavior.fail_status = 500
+            status, _ = await dep.post("/v1/completions", COMPLETION)
+            assert status == 502
+            await eventually(lambda: dep.prefill[0].abandoned == 1)
+            assert dep.router.prefill.instances[0].inflight == 0
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_client_disconnect_cancels_both_legs(stream):
+    async def scenario():
+        async with deployment("kvpush") as dep:
+            dep.prefill[0].behavior.first_token_delay_s = 5
+            dep.decode[0].behavior.first_token_delay_s = 5
+            request = asyncio.ensure_future(dep.post("/v1/completions", {**COMPLETION, "stream": stream}))
+            await eventually(lambda: dep.prefill[0].received and dep.decode[0].received)
+            request.cancel()
+            await eventually(lambda: dep.prefill[0].abandoned == 1 and dep.decode[0].abandoned == 1)
+            await eventually(lambda: "cancelled" in _outcomes(dep))
+            assert dep.router.prefill.instances[0].inflight == dep.router.decode.instances[0].inflight == 0
+            assert dep.router.decode.instances[0].consecutive_failures == 0  # not the instance's fault
+
+    run(scenario())
+
+
+def _outcomes(dep) -> str:
+    return " ".join(s.labels["outcome"] for metric in dep.router.metrics.requests.collect()
+                    for s in metric.samples if s.value > 0 and s.name.endswith("_total"))
+
+
+def test_leg_timeout_gives_504():
+    async def scenario():
+        async with deployment("kvpush", timeouts=Timeouts(connect_s=1, prefill_s=5, decode_s=0.3)) as dep:
+            dep.decode[0].behavior.hang = True
+            status, raw = await dep.post("/v1/completions", COMPLETION)
+            assert status == 504 and json.loads(raw)["error"]["code"] == 504
+            assert sample(await dep.metrics(), "kvpush_router_retries_total", reason="timeout") == 1
+
+    run(scenario())
+
+
+def test_connection_refused_is_retried_on_the_other_decode():
+    async def scenario():
+        async with deployment("kvpush", n_decode=2) as dep:
+            await dep.decode[0].stop()
+            for _ in range(3):
+                assert (await dep.post("/v1/completions", {**COMPLETION, "stream": True}))[0] == 200
+            assert sample(await dep.metrics(), "kvpush_router_leg_failures_total", instance="d0", reason="connect") >= 1
+
+    run(scenario())
+
+
+def test_decode_dying_mid_stream_ends_with_an_error_event():
+    async def scenario():
+        async with deployment("kvpush") as dep:
+            dep.decode[0].behavior.die_after_tokens = 2
+            status, raw = await dep.post("/v1/completions", {**COMPLETION, "stream": True})
+            assert status == 200
+            evs = events(raw)
+            assert evs[-1] == "data: [DONE]"
+            error = json.loads(evs[-2][len("data: "):])["error"]
+            assert "failed mid-stream" in error["message"] and error["code"] == 502
+            assert " t1" in evs[1]  # the tokens that came before are delivered
+            m = await dep.metrics()
+            assert sample(m, "kvpush_router_requests_total", outcome="failed_mid_stream") == 1
+
+    run(scenario())
+
+
+def test_failing_instance_leaves_rotation_and_is_probed_back():
+    async def scenario():
+        async with deployment("kvpush", n_decode=2, eject_after_failures=2, probe_interval_s=0.05) as dep:
+            dep.decode[0].behavior.fail_status = 500
+            dep.decode[0].behavior.unhealthy = True
+            for _ in range(4):
+                assert (await dep.post("/v1/completions", COMPLETION))[0] == 200
+            d0 = dep.router.decode.instances[0]
+            assert not d0.in_rotation
+            m = await dep.metrics()
+            assert sample(m, "kvpush_router_instance_in_rotation", instance="d0") == 0
+            before = len(dep.decode[0].received)
+            for _ in range(4):
+                await dep.post("/v1/completions", COMPLETION)
+            assert len(dep.decode[0].received) == before  # no legs while out
+            await asyncio.sleep(0.2)
+            assert not d0.in_rotation  # probes see /health 503
+            dep.decode[0].behavior = type(dep.decode[0].behavior)()  # healthy again
+            await eventually(lambda: d0.in_rotation)  # /health answers 200 -> back
+            for _ in range(4):
+                await dep.post("/v1/completions", COMPLETION)
+            assert len(dep.decode[0].received) > before
+
+    run(scenario())
+
+
+def test_an_idle_instance_whose_health_fails_leaves_rotation():
+    async def scenario():
+        async with deployment("kvpush", n_decode=2, eject_after_failures=2, probe_interval_s=0.05) as dep:
+            dep.decode[1].behavior.unhealthy = True
+            d1 = dep.router.decode.instances[1]
+            await eventually(lambda: not d1.in_rotation)
+            for _ in range(3):
+                assert (await dep.post("/v1/completions", COMPLETION))[0] == 200
+            assert not dep.decode[1].received
+            dep.decode[1].behavior.unhealthy = False
+            await eventually(lambda: d1.in_rotation)
+
+    run(scenario())
+
+
+def test_no_decode_in_rotation_gives_503_and_unhealthy():
+    async def scenario():
+        async with deployment("kvpush", eject_after_failures=1, probe_interval_s=30) as dep:
+            await dep.decode[0].stop()
+            status, raw = await dep.post("/v1/completions", COMPLETION)  # d0 refused, left rotation: nothing to retry on
+            assert status == 503 and "Cannot connect" in json.loads(raw)["error"]["message"]
+            status, raw = await dep.post("/v1/completions", COMPLETION)
+            assert status == 503 and json.loads(raw)["error"]["code"] == 503
+            async with dep.session.get(dep.url + "/health") as resp:
+                assert resp.status == 503
+
+    run(scenario())
+
+
+def test_no_prefill_in_rotation_falls_back_to_decode_alone():
+    async def scenario():
+        async with deployment("kvpush", eject_after_failures=1, probe_interval_s=30) as dep:
+            await dep.prefill[0].stop()
+            # the first attempt's prefill leg is refused and p0 leaves rotation; the retry has no prefill
+            for _ in range(2):
+                assert (await dep.post("/v1/completions", COMPLETION))[0] == 200
+            assert "kv_transfer_params" not in dep.decode[0].received[-1].body
+            assert sample(await dep.metrics(), "kvpush_router_fallbacks_total") == 2
+
+    run(scenario())
+
+
+# --- who may talk, and what is rejected ----------------------------------------------------------
+
+
+def test_api_key_enforced_and_forwarded():
+    async def scenario():
+        async with deployment("kvpush", api_key="s3cret") as dep:
+            status, raw = await dep.post("/v1/completions", COMPLETION)
+            assert status == 401 and json.loads(raw) == {"error": "Unauthorized"}
+            status, _ = await dep.post("/v1/completions", COMPLETION, {"Authorization": "Bearer wrong"})
+            assert status == 401
+            status, _ = await dep.post("/v1/completions", COMPLETION, {"Authorization": "Bearer s3cret"})
+            assert status == 200
+            assert dep.prefill[0].received[0].headers["authorization"] == "Bearer s3cret"
+            assert dep.decode[0].received[0].headers["authorization"] == "Bearer s3cret"
+            async with dep.session.get(dep.url + "/health") as resp:
+                assert resp.status == 200
+            async with dep.session.get(dep.url + "/v1/models") as resp:
+                assert resp.status == 401
+
+    run(scenario())
+
+
+def test_bad_requests_get_openai_4xx_and_reach_no_instance():
+    async def scenario():
+        async with deployment("kvpush", max_prompt_chars=50) as dep:
+            async with dep.session.post(dep.url + "/v1/completions", data=b"{oops") as resp:
+                assert resp.status == 400
+                assert (await resp.json())["error"]["type"] == "BadRequestError"
+            status, raw = await dep.post("/v1/completions", {**COMPLETION, "model": "gpt-4"})
+            assert status == 404 and json.loads(raw)["error"] == {
+                "message": f"The model `gpt-4` does not exist. Valid aliases: {MODEL}.",
+                "type": "NotFoundError", "param": "model", "code": 404}
+            status, raw = await dep.post("/v1/completions", {**COMPLETION, "prompt": "x" * 51})
+            assert status == 400 and "too long" in json.loads(raw)["error"]["message"]
+            status, raw = await dep.post("/v1/chat/completions", {"model": MODEL})
+            assert status == 400
+            async with dep.session.get(dep.url + "/v1/embeddings") as resp:
+                assert resp.status in (404, 405) and "error" in await resp.json()
+            assert not dep.prefill[0].received and not dep.decode[0].received
+            assert sample(await dep.metrics(), "kvpush_router_requests_total", outcome="client_error") == 4
+
+    run(scenario())
+
+
+def test_upstream_4xx_reaches_the_client_verbatim_without_retry():
+    async def scenario():
+        async with deployment("kvpush", n_decode=2) as dep:
+            for fake in dep.decode:
+                fake.behavior.fail_status = 400
+            status, raw = await dep.post("/v1/completions", COMPLETION)
+            assert status == 400 and json.loads(raw)["error"]["message"] == "fake failure"
+            assert sum(len(f.received) for f in dep.decode) == 1
+            assert all(i.consecutive_failures == 0 for i in dep.router.decode.instances)
+
+    run(scenario())
+
+
+def test_metrics_exposition_covers_the_request_path():
+    async def scenario():
+        async with deployment("kvpush") as dep:
+            await dep.post("/v1/completions", {**COMPLETION, "stream": True})
+            await dep.post("/v1/chat/completions", CHAT)
+            async with dep.session.get(dep.url + "/metrics") as resp:
+                assert resp.status == 200 and resp.content_type == "text/plain"
+                m = await resp.text()
+            assert sample(m, "kvpush_router_requests_total", endpoint="/v1/completions", outcome="success") == 1
+            assert sample(m, "kvpush_router_requests_total", endpoint="/v1/chat/completions", outcome="success") == 1
+            assert sample(m, "kvpush_router_ttft_seconds_count") == 1
+            assert sample(m, "kvpush_router_e2e_latency_seconds_count") == 2
+            assert sample(m, "kvpush_router_leg_seconds_count", leg="prefill") == 2
+            assert sample(m, "kvpush_router_leg_seconds_count", leg="decode") == 2
+            assert sample(m, "kvpush_router_handoff_gap_seconds_count") == 2
+            assert sample(m, "kvpush_router_inflight", instance="d0", role="decode") == 0
+            assert sample(m, "kvpush_router_instance_in_rotation", instance="p0", role="prefill") == 1
+
+    run(scenario())

@@ -1,0 +1,68 @@
+"""Selection policies and the out-of-rotation bookkeeping."""
+from __future__ import annotations
+
+from kvpush.router.config import Upstream
+from kvpush.router.metrics import RouterMetrics
+from kvpush.router.pool import InstanceLoad, Pool
+
+
+def make_pool(n: int, policy: str = "round-robin", eject_after: int = 2) -> Pool:
+    ups = [Upstream(name=f"i{k}", url=f"http://h:{k}", engine_id=f"e{k}", side_channel_host="h", side_channel_port=k)
+           for k in range(n)]
+    return Pool("decode", ups, policy, eject_after, RouterMetrics())
+
+
+def test_round_robin_cycles_all_instances():
+    pool = make_pool(3)
+    assert [pool.pick().name for _ in range(6)] == ["i0", "i1", "i2", "i0", "i1", "i2"]
+
+
+def test_avoid_prefers_others_but_falls_back_to_the_same():
+    pool = make_pool(2)
+    assert {pool.pick(avoid={"i0"}).name for _ in range(4)} == {"i1"}
+    single = make_pool(1)
+    assert single.pick(avoid={"i0"}).name == "i0"
+
+
+def test_least_loaded_uses_own_inflight_then_scraped_foreign_load():
+    pool = make_pool(3, "least-loaded")
+    a, b, c = pool.instances
+    pool.leg_started(a)
+    pool.leg_started(a)
+    pool.leg_started(b)
+    assert pool.pick().name == "i2"
+    pool.observe_load(c, InstanceLoad(running=5, waiting=1, kv_usage=0.2))  # load from another router
+    assert pool.pick().name == "i1"
+    pool.leg_ended(a)
+    pool.leg_ended(a)
+    assert pool.pick().name == "i0"
+
+
+def test_least_loaded_discounts_its_own_legs_seen_in_the_scrape():
+    pool = make_pool(2, "least-loaded")
+    a, b = pool.instances
+    pool.leg_started(a)
+    pool.observe_load(a, InstanceLoad(running=1))  # the one running request is ours
+    pool.observe_load(b, InstanceLoad(running=0, kv_usage=0.9))
+    assert a.score() == 1.0 and b.score() == 0.9
+    assert pool.pick().name == "i1"
+
+
+def test_ejects_after_consecutive_failures_and_restores():
+    pool = make_pool(2, eject_after=2)
+    a = pool.instances[0]
+    pool.failed(a, "connect")
+    pool.succeeded(a)
+    pool.failed(a, "connect")
+    assert a.in_rotation  # success in between resets the count
+    pool.failed(a, "connect")
+    assert not a.in_rotation
+    assert {pool.pick().name for _ in range(4)} == {"i1"}
+    pool.restore(a)
+    assert a.in_rotation and {pool.pick().name for _ in range(4)} == {"i0", "i1"}
+
+
+def test_no_instance_in_rotation_gives_none():
+    pool = make_pool(1, eject_after=1)
+    pool.failed(pool.instances[0], "timeout")
+    assert pool.pick() is None
