@@ -62,6 +62,10 @@ class Router:
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=UPSTREAM_KEEPALIVE_S)
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
         self.dispatcher = Dispatcher(self.config, self.prefill, self.decode, self.metrics, self.session, self.api_key)
+        # Instances enter rotation on their first healthy answer: one round now, so a router
+        # started beside ready instances serves at once, and one started beside loading ones
+        # reports 503 on /health until they are up (never sends them legs while they load).
+        await self._probe_all()
         self._background.append(asyncio.create_task(self._probe_loop()))
         if self.config.policy == "least-loaded":
             self._background.append(asyncio.create_task(self._scrape_loop()))
@@ -90,6 +94,11 @@ class Router:
         leg (so a dead idle instance leaves rotation before a request finds it), and an ejected
         instance comes back when it answers 200."""
 
+        while True:
+            await asyncio.sleep(self.config.probe_interval_s)
+            await self._probe_all()
+
+    async def _probe_all(self) -> None:
         async def probe(pool: Pool, inst) -> None:
             try:
                 status, _ = await self._get(inst.upstream.url + "/health", self.config.timeouts.connect_s)
@@ -100,9 +109,7 @@ class Router:
             elif not inst.in_rotation and status == 200:
                 pool.restore(inst)
 
-        while True:
-            await asyncio.sleep(self.config.probe_interval_s)
-            await asyncio.gather(*(probe(p, i) for p in self.pools() for i in p.instances))
+        await asyncio.gather(*(probe(p, i) for p in self.pools() for i in p.instances))
 
     async def _scrape_loop(self) -> None:
         """Each instance's own load, for least-loaded selection; never on the request path."""
@@ -180,8 +187,14 @@ class Router:
         return answer if answer is not None else error_response(503, f"no decode instance answered {request.path}")
 
     async def health(self, request: web.Request) -> web.Response:
-        """200 while a request can be served (a decode instance is in rotation), else 503."""
-        return web.Response(status=200 if self.decode.available() else 503)
+        """200 while every role has an instance in rotation, else 503 naming the missing role.
+
+        A router serving by fallback (decode alone) still answers requests, but it is not healthy:
+        a health check must not stay green while no KV is being transferred."""
+        missing = [p.role for p in self.pools() if len(p) and not p.available()]
+        if not missing:
+            return web.Response(status=200)
+        return web.Response(status=503, text=f"no {' or '.join(missing)} instance in rotation")
 
     async def metrics_endpoint(self, request: web.Request) -> web.Response:
         body, content_type = self.metrics.exposition()

@@ -34,7 +34,7 @@ class Instance:
     role: str
     inflight: int = 0
     consecutive_failures: int = 0
-    in_rotation: bool = True
+    in_rotation: bool = False  # admitted by its first healthy probe, never before
     load: InstanceLoad | None = None
     inflight_gauge: Any = None  # this instance's child of kvpush_router_inflight (labels() is not free)
 
@@ -68,7 +68,7 @@ class Pool:
         self.metrics = metrics
         self._turn = itertools.count()
         for inst in self.instances:
-            metrics.in_rotation.labels(inst.name, role).set(1)
+            metrics.in_rotation.labels(inst.name, role).set(0)
             inst.inflight_gauge = metrics.inflight.labels(inst.name, role)
             inst.inflight_gauge.set(0)
 

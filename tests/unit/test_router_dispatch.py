@@ -371,6 +371,28 @@ def test_no_prefill_in_rotation_falls_back_to_decode_alone():
                 assert (await dep.post("/v1/completions", COMPLETION))[0] == 200
             assert "kv_transfer_params" not in dep.decode[0].received[-1].body
             assert sample(await dep.metrics(), "kvpush_router_fallbacks_total") == 2
+            async with dep.session.get(dep.url + "/health") as resp:  # serving, but degraded: not healthy
+                assert resp.status == 503 and "prefill" in await resp.text()
+
+    run(scenario())
+
+
+def test_instance_loading_at_router_start_joins_rotation_once_healthy():
+    async def scenario():
+        async with deployment("kvpush", probe_interval_s=0.05) as dep:
+            # a router started while decode was still loading: out of rotation, /health 503
+            dep.decode[0].behavior.unhealthy = True
+            d0 = dep.router.decode.instances[0]
+            dep.router.decode.failed(d0, "health")
+            dep.router.decode.failed(d0, "health")
+            dep.router.decode.failed(d0, "health")
+            await eventually(lambda: not d0.in_rotation)
+            async with dep.session.get(dep.url + "/health") as resp:
+                assert resp.status == 503 and "decode" in await resp.text()
+            dep.decode[0].behavior.unhealthy = False
+            await eventually(lambda: d0.in_rotation)
+            async with dep.session.get(dep.url + "/health") as resp:
+                assert resp.status == 200
 
     run(scenario())
 

@@ -7,9 +7,21 @@ from kvpush.router.pool import InstanceLoad, Pool
 
 
 def make_pool(n: int, policy: str = "round-robin", eject_after: int = 2) -> Pool:
+    """A pool whose instances all answered their first health probe."""
     ups = [Upstream(name=f"i{k}", url=f"http://h:{k}", engine_id=f"e{k}", side_channel_host="h", side_channel_port=k)
            for k in range(n)]
-    return Pool("decode", ups, policy, eject_after, RouterMetrics())
+    pool = Pool("decode", ups, policy, eject_after, RouterMetrics())
+    for inst in pool.instances:
+        pool.restore(inst)
+    return pool
+
+
+def test_instances_enter_rotation_only_once_seen_healthy():
+    ups = [Upstream(name="i0", url="http://h:0", engine_id="e0", side_channel_host="h", side_channel_port=0)]
+    pool = Pool("decode", ups, "round-robin", 2, RouterMetrics())
+    assert pool.pick() is None
+    pool.restore(pool.instances[0])
+    assert pool.pick().name == "i0"
 
 
 def test_round_robin_cycles_all_instances():
