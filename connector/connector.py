@@ -1,0 +1,148 @@
+"""KVPushConnector: vLLM's KVConnectorBase_V1 interface mapped onto PushScheduler / PushWorker."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from .metadata import PushMetadata
+from .scheduler import PushScheduler
+from .settings import Settings
+from .stats import PushStats
+from .worker import PushWorker
+
+if TYPE_CHECKING:
+    from vllm.v1.outputs import KVConnectorOutput
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class KVPushMetadata(PushMetadata, KVConnectorMetadata):
+    """PushMetadata as the type vLLM carries from scheduler to worker."""
+
+
+@dataclass
+class KVPushStats(PushStats, KVConnectorStats):
+    """PushStats as the type vLLM's stats logger aggregates and reduces."""
+
+
+def _log_through_vllm() -> None:
+    """The connector's modules log under `kvpush.connector`; inside vLLM, route them to vLLM's
+    handlers and level (VLLM_LOGGING_LEVEL) so they land in the server log with its format."""
+    ours, vllm_logger = logging.getLogger("kvpush.connector"), logging.getLogger("vllm")
+    if not ours.handlers and vllm_logger.handlers:
+        for handler in vllm_logger.handlers:
+            ours.addHandler(handler)
+        ours.setLevel(vllm_logger.level)
+        ours.propagate = False
+
+
+class KVPushConnector(KVConnectorBase_V1):
+    _cache_hit_source = CacheHitSource.P2P
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        _log_through_vllm()
+        self.settings = Settings.from_vllm(vllm_config, kv_cache_config)
+        self._scheduler: PushScheduler | None = None
+        self._worker: PushWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = PushScheduler(self.settings.block_size, self.settings.is_producer, self.settings.engine_id, KVPushMetadata)
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            self._worker = PushWorker(self.settings, kv_cache_config.num_blocks, get_tensor_model_parallel_rank())
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return self.settings.is_producer
+
+    # ---- worker side ---------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        # D registers its blocks before the forward pass, not after it (where start_load_kv runs)
+        if self._worker is not None and isinstance(connector_metadata, PushMetadata):
+            self._worker.bind(connector_metadata)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        return
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return
+
+    def wait_for_save(self) -> None:
+        if self._worker is not None and self.has_connector_metadata():
+            meta = self._get_connector_metadata()
+            if isinstance(meta, PushMetadata):
+                self._worker.save(meta)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        assert self._worker is not None
+        return self._worker.get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.load_errors() if self._worker is not None else set()
+
+    def get_kv_connector_stats(self) -> KVPushStats | None:
+        stats = self._worker.take_stats() if self._worker is not None else None
+        return KVPushStats(data=stats.data) if stats is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVPushStats | None:
+        return KVPushStats(data=data) if data is not None else KVPushStats()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    # ---- scheduler side ------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
+        return tuple(range(len(self._kv_cache_config.kv_cache_groups)))
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        assert self._scheduler is not None
+        self._scheduler.kv_cache_manager = kv_cache_manager
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_connector_output(connector_output.finished_sending, connector_output.finished_recving)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, block_ids)
+
+    def on_new_request(self, request: Any) -> None:
+        assert self._scheduler is not None
+        self._scheduler.on_new_request(request)
+
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler is not None and self._scheduler.has_pending_push_work()

@@ -1,0 +1,155 @@
+"""D's push service: registers freshly allocated blocks with the prefill engine that will write
+them, and turns P's DONE/FAIL, a lost connection or a timeout into one outcome per request.
+
+`expect()` is called from the compute thread; connecting and sending happen on the reactor thread.
+One connection per P engine, opened on first use with a HELLO carrying this agent's NIXL metadata
+and KV layout. A connection that dies fails every transfer pending on it at once.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+from . import wire
+from .channel import Connection, Reactor
+from .state import ConsumerState, Outcome, Pending
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ConsumerConfig:
+    engine_id: str
+    tp_rank: int
+    identity: wire.LayoutIdentity
+    allowed_engines: frozenset[str]
+    timeout_s: float = 5.0
+    connect_timeout_s: float = 1.0
+
+
+class Consumer:
+    def __init__(self, config: ConsumerConfig, agent_name: str, agent_metadata: bytes, regions: tuple[wire.Region, ...]):
+        self.config = config
+        self._hello = wire.Hello(config.engine_id, config.tp_rank, agent_name, agent_metadata, config.identity, regions)
+        self._lock = threading.Lock()
+        self._state = ConsumerState(config.timeout_s)
+        self._conns: dict[str, Connection] = {}
+        self._outcomes: list[Outcome] = []
+        self.counters: Counter = Counter()
+        self._reactor = Reactor(f"kvpush-d-{config.engine_id}", self)
+        self._reactor.start()
+
+    # ---- compute thread ----------------------------------------------------------------------
+    def expect(self, req_id: str, transfer_id: str, peer_engine: str, host: str, port: int,
+               block_ids: list[int], first_block: int, num_tokens: int) -> None:
+        now = time.monotonic()
+        pending = Pending(transfer_id, req_id, peer_engine, tuple(block_ids), now)
+        with self._lock:
+            if peer_engine not in self.config.allowed_engines:
+                self.counters["refused_peer"] += 1
+                self._outcomes.append(Outcome(pending, False, f"prefill engine {peer_engine!r} is not in allowed_engines {sorted(self.config.allowed_engines)}"))
+                return
+            if not self._state.add(pending):
+                return
+        log.debug("kvpush D expect %s req=%s blocks=%d first=%d t=%.6f", transfer_id, req_id, len(block_ids), first_block, now)
+        msg = wire.Register(transfer_id, tuple(block_ids), first_block, num_tokens)
+        self._reactor.call_soon(lambda: self._send(peer_engine, host, port, msg))
+
+    def cancel(self, transfer_id: str) -> None:
+        """D's request went away: ask P not to write (the outcome still arrives, or times out)."""
+        with self._lock:
+            pending = self._state.pending.get(transfer_id)
+        if pending is not None:
+            self._reactor.call_soon(lambda: self._send_existing(pending.peer_engine, wire.Cancel(transfer_id)))
+
+    def take_outcomes(self) -> list[Outcome]:
+        with self._lock:
+            out, self._outcomes = self._outcomes, []
+            return out
+
+    def close(self) -> None:
+        self._reactor.stop()
+
+    # ---- reactor thread --------------------------------------------------------------------------
+    def _send(self, peer_engine: str, host: str, port: int, msg: wire.Message) -> None:
+        conn = self._conns.get(peer_engine)
+        if conn is None or conn.closed:
+            try:
+                conn = self._reactor.connect(host, port, self.config.connect_timeout_s)
+            except OSError as exc:
+                self._peer_failed(peer_engine, f"cannot reach prefill {peer_engine} side channel at {host}:{port}: {exc}")
+                return
+            conn.engine_id = peer_engine
+            self._conns[peer_engine] = conn
+            conn.send(self._hello)
+        if not conn.send(msg):
+            self._reactor.close(conn, "send failed")
+
+    def _send_existing(self, peer_engine: str, msg: wire.Message) -> None:
+        conn = self._conns.get(peer_engine)
+        if conn is not None:
+            conn.send(msg)
+
+    def _peer_failed(self, peer_engine: str, reason: str) -> None:
+        with self._lock:
+            lost = self._state.peer_gone(peer_engine, reason)
+            self._outcomes.extend(lost)
+        if lost:
+            log.warning("kvpush: %d transfer(s) from %s failed: %s", len(lost), peer_engine, reason)
+
+    def timeout(self) -> float | None:
+        with self._lock:
+            deadline = self._state.next_deadline()
+        return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+    def on_tick(self) -> None:
+        with self._lock:
+            late = self._state.expire(time.monotonic())
+            self._outcomes.extend(late)
+        for o in late:
+            log.warning("kvpush: transfer %s (request %s) failed: %s", o.pending.transfer_id, o.pending.req_id, o.reason)
+        for o in late:  # let P free its side if it is still holding it
+            self._send_existing(o.pending.peer_engine, wire.Cancel(o.pending.transfer_id))
+
+    def on_malformed(self, conn: Connection, error: str) -> None:
+        self.counters["malformed"] += 1
+        log.warning("kvpush: dropped malformed message from %s: %s", conn.peer, error)
+
+    def on_closed(self, conn: Connection, reason: str) -> None:
+        if conn.engine_id is not None and self._conns.get(conn.engine_id) is conn:
+            del self._conns[conn.engine_id]
+            self._peer_failed(conn.engine_id, f"side channel to prefill {conn.engine_id} lost ({reason})")
+
+    def on_message(self, conn: Connection, msg: wire.Message) -> None:
+        now = time.monotonic()
+        engine_id = conn.engine_id or ""
+        if isinstance(msg, wire.Welcome):
+            if msg.engine_id != engine_id:
+                self._reactor.close(conn, f"peer says it is {msg.engine_id!r}")
+            return
+        if isinstance(msg, wire.Refuse):
+            log.error("kvpush: prefill %s refused the handshake: %s", engine_id, msg.reason)
+            self._peer_failed(engine_id, f"handshake refused by {engine_id}: {msg.reason}")
+            return
+        with self._lock:
+            if isinstance(msg, wire.Accepted):
+                self._state.accept(msg.transfer_id, engine_id, now)
+                log.debug("kvpush D accepted %s t=%.6f", msg.transfer_id, now)
+                return
+            if isinstance(msg, wire.Done):
+                outcome = self._state.done(msg.transfer_id, engine_id, msg.num_bytes)
+            elif isinstance(msg, wire.Fail):
+                outcome = self._state.fail(msg.transfer_id, engine_id, msg.reason)
+            else:
+                self.counters["unexpected"] += 1
+                return
+            if outcome is not None:
+                self._outcomes.append(outcome)
+        if outcome is not None:
+            log.debug("kvpush D outcome %s req=%s ok=%s bytes=%d since_register=%.6f t=%.6f", msg.transfer_id,
+                      outcome.pending.req_id, outcome.ok, outcome.num_bytes, now - outcome.pending.created, now)
+            if not outcome.ok:
+                log.warning("kvpush: transfer %s (request %s) failed: %s", msg.transfer_id, outcome.pending.req_id, outcome.reason)

@@ -1,0 +1,136 @@
+"""Block address math from KV tensors' shapes and strides, and coalescing of block runs.
+
+A KV tensor holds `num_blocks` blocks along one dimension (the block dimension). Every index of
+the dimensions before it is one region (e.g. K and V of a `[2, num_blocks, ...]` CUDA layout);
+everything after it is one contiguous block of bytes. vLLM's CPU layout
+`[num_blocks, kv_heads, block_size, 2*head_dim]` has a single region per layer.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from .wire import Region
+
+
+class LayoutError(ValueError):
+    """A KV tensor whose blocks are not addressable as equal contiguous byte ranges."""
+
+
+@dataclass(frozen=True)
+class TensorView:
+    """What layout math needs of a tensor (torch-free, so it is testable with plain numbers)."""
+
+    data_ptr: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]  # in elements
+    itemsize: int
+
+    @classmethod
+    def of(cls, tensor) -> "TensorView":
+        return cls(tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), tensor.element_size())
+
+
+def block_dim(view: TensorView, num_blocks: int) -> int:
+    """The dimension that indexes blocks: of size num_blocks, the outermost one by stride."""
+    candidates = [d for d, n in enumerate(view.shape) if n == num_blocks]
+    if not candidates:
+        raise LayoutError(f"no dimension of size num_blocks={num_blocks} in KV tensor of shape {view.shape}")
+    return max(candidates, key=lambda d: view.strides[d])
+
+
+def regions_of(view: TensorView, num_blocks: int) -> list[Region]:
+    dim = block_dim(view, num_blocks)
+    inner_shape, inner_strides = view.shape[dim + 1:], view.strides[dim + 1:]
+    expected = 1
+    # by stride, not by position: vLLM's NHD views of an HND-ordered block (and vice versa) permute
+    # the inner dimensions, yet the block's bytes are still one dense range
+    for stride, size in sorted(zip(inner_strides, inner_shape)):
+        if size > 1 and stride != expected:
+            raise LayoutError(f"KV tensor of shape {view.shape}, strides {view.strides}: a block is not contiguous")
+        expected *= size
+    block_len = expected * view.itemsize
+    stride = view.strides[dim] * view.itemsize
+    if stride < block_len:
+        raise LayoutError(f"KV tensor of shape {view.shape}: blocks overlap (stride {stride} < {block_len} bytes)")
+    regions = []
+    for outer in itertools.product(*(range(n) for n in view.shape[:dim])):
+        offset = sum(i * s for i, s in zip(outer, view.strides[:dim])) * view.itemsize
+        regions.append(Region(base=view.data_ptr + offset, block_len=block_len, stride=stride, num_blocks=num_blocks))
+    return regions
+
+
+def kv_regions(views: Iterable[TensorView], num_blocks: int) -> list[Region]:
+    """Regions of all layers; layers that share one tensor are listed once."""
+    seen: set[int] = set()
+    out: list[Region] = []
+    for view in views:
+        for region in regions_of(view, num_blocks):
+            if region.base not in seen:
+                seen.add(region.base)
+                out.append(region)
+    return out
+
+
+def region_spans(regions: Sequence[Region]) -> list[tuple[int, int]]:
+    """(start address, byte length) of the memory the regions cover, for registration.
+
+    Overlapping regions (the layers of a block-major cache interleave) become one span, because a
+    coalesced descriptor may cross from one into the next and NIXL needs each descriptor inside one
+    registration. Regions that merely touch stay apart: they may be separate allocations, and one
+    registration across two CUDA allocations breaks CUDA IPC ("invalid argument" on the copy).
+    """
+    spans: list[list[int]] = []
+    for start, end in sorted((r.base, r.base + (r.num_blocks - 1) * r.stride + r.block_len) for r in regions):
+        if spans and start < spans[-1][1]:
+            spans[-1][1] = max(spans[-1][1], end)
+        else:
+            spans.append([start, end])
+    return [(start, end - start) for start, end in spans]
+
+
+def descriptor_table(regions: Sequence[Region], device_id: int = 0) -> np.ndarray:
+    """Nx3 (address, length, device) rows, one per block of each region, region-major."""
+    rows = []
+    for r in regions:
+        addrs = r.base + np.arange(r.num_blocks, dtype=np.int64) * r.stride
+        rows.append(np.stack([addrs, np.full_like(addrs, r.block_len), np.full_like(addrs, device_id)], axis=1))
+    return np.concatenate(rows)
+
+
+def descriptor_indices(regions: Sequence[Region], block_ids: Sequence[int]) -> np.ndarray:
+    """Rows of descriptor_table for the given blocks in every region, region-major."""
+    blocks = np.asarray(block_ids, dtype=np.int64)
+    offsets = np.cumsum([0] + [r.num_blocks for r in regions[:-1]])
+    return (offsets[:, None] + blocks[None, :]).reshape(-1).astype(np.int32)
+
+
+def coalesce(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Runs (src_start, dst_start, length) where consecutive pairs are adjacent on both sides."""
+    if len(src) != len(dst):
+        raise ValueError(f"{len(src)} source blocks vs {len(dst)} destination blocks")
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src, dst):
+        if runs:
+            s0, d0, n = runs[-1]
+            if s == s0 + n and d == d0 + n:
+                runs[-1] = (s0, d0, n + 1)
+                continue
+        runs.append((s, d, 1))
+    return runs
+
+
+def run_descriptors(regions: Sequence[Region], runs: Sequence[tuple[int, int]], device_id: int = 0) -> np.ndarray:
+    """Nx3 rows for (first block, length in blocks) runs in every region; a run is one row only
+    where blocks are packed (stride == block_len), else one row per block."""
+    rows = []
+    for r in regions:
+        for start, n in runs:
+            if r.stride == r.block_len:
+                rows.append((r.base + start * r.stride, n * r.block_len, device_id))
+            else:
+                rows.extend((r.base + (start + i) * r.stride, r.block_len, device_id) for i in range(n))
+    return np.asarray(rows, dtype=np.int64).reshape(-1, 3)

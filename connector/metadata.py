@@ -1,0 +1,42 @@
+"""What the scheduler-side connector tells the worker-side connector each step.
+
+Plain dataclasses (vLLM-free); connector.py derives the class vLLM carries from KVConnectorMetadata.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SendSpec:
+    """P: this request's prefill completes in this step; push its blocks after the forward."""
+
+    req_id: str
+    transfer_id: str
+    block_ids: tuple[int, ...]
+    peer_engine: str
+
+
+@dataclass(frozen=True)
+class RecvSpec:
+    """D: blocks allocated for this request; register them with P now."""
+
+    req_id: str
+    transfer_id: str
+    peer_engine: str
+    peer_host: str
+    peer_port: int
+    peer_tp_size: int
+    block_ids: tuple[int, ...]
+    first_block: int
+    num_tokens: int
+    report: bool = True  # False: nothing to load (local hit); only tell P, vLLM waits for nothing
+
+
+@dataclass
+class PushMetadata:
+    sends: list[SendSpec] = field(default_factory=list)
+    recvs: list[RecvSpec] = field(default_factory=list)
+    accepts: list[str] = field(default_factory=list)  # P: transfer ids of newly arrived requests
+    aborts: list[tuple[str, str]] = field(default_factory=list)  # P: (transfer id, reason)
+    cancels: list[str] = field(default_factory=list)  # D: transfer ids

@@ -1,0 +1,295 @@
+"""P's push service: accepts D's handshakes and registrations on the side channel, matches them
+with finished blocks, WRITEs with NIXL and tells D DONE or FAIL.
+
+`offer()` is called from the compute thread at the end of the step in which a request's prefill
+completed; if D's registration is already here, the WRITE is posted right there. Everything that
+arrives later is handled on the reactor thread. `take_freed()` hands back the requests whose
+blocks P may free (WRITE done or failed, or never matched before the timeout).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from . import wire
+from .channel import Connection, Reactor
+from .state import Match, Offer, ProducerState, Registration, Rejection
+from .transfer import NixlEngine, Peer, TransferError, Write
+
+log = logging.getLogger(__name__)
+POLL_S = 0.0002  # completion polling period, only while WRITEs are in flight
+SYNC_DRIVE_S = 0.5  # at most this long the compute thread drives a WRITE it posted itself
+
+
+@dataclass(frozen=True)
+class SendRecord:
+    """One finished push, for stats and timing analysis."""
+
+    transfer_id: str
+    req_id: str
+    ok: bool
+    num_bytes: int
+    offered: float  # prefill step end (monotonic)
+    registered: float  # D's registration arrival
+    posted: float
+    finished: float
+    reason: str = ""
+
+
+@dataclass
+class _InFlight:
+    match: Match
+    write: Write
+    conn: Connection
+    posted: float
+
+
+@dataclass
+class ProducerConfig:
+    engine_id: str
+    identity: wire.LayoutIdentity
+    allowed_engines: frozenset[str]
+    host: str
+    port: int
+    timeout_s: float = 5.0
+
+
+@dataclass
+class _Peers:
+    """D engines that completed a handshake: their connection and prepared NIXL peer."""
+
+    conns: dict[str, Connection] = field(default_factory=dict)
+    nixl: dict[str, Peer] = field(default_factory=dict)
+
+
+class Producer:
+    def __init__(self, config: ProducerConfig, engine: NixlEngine):
+        self.config = config
+        self.engine = engine
+        self._lock = threading.RLock()
+        self._state = ProducerState(config.timeout_s)
+        self._peers = _Peers()
+        self._inflight: list[_InFlight] = []
+        self._freed: list[str] = []
+        self._records: list[SendRecord] = []
+        self.counters: Counter = Counter()
+        self._reactor = Reactor(f"kvpush-p-{config.engine_id}", self)
+        self.port = self._reactor.listen(config.host, config.port)
+        self._reactor.start()
+
+    # ---- compute thread ----------------------------------------------------------------------
+    def offer(self, transfer_id: str, req_id: str, block_ids: list[int], peer_engine: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if peer_engine not in self.config.allowed_engines:
+                self.counters["refused_peer"] += 1
+                log.error("kvpush: request %s names decode engine %r, which is not in allowed_engines %s; not sending its KV",
+                          req_id, peer_engine, sorted(self.config.allowed_engines))
+                self._freed.append(req_id)
+                return
+            result = self._state.offer(Offer(transfer_id, req_id, tuple(block_ids), peer_engine, now))
+            log.debug("kvpush P offer %s req=%s blocks=%d t=%.6f matched=%s", transfer_id, req_id, len(block_ids), now, result is not None)
+            self._settle(result)
+            if isinstance(result, Match):
+                self._drive(transfer_id)
+        self._reactor.wake()
+
+    def _drive(self, transfer_id: str) -> None:
+        """Complete a WRITE just posted from the compute thread before returning: on a CPU host
+        the copy is CPU work on this instance's cores either way, and finishing it here hands
+        the KV over without waiting for another thread to be scheduled."""
+        deadline = time.monotonic() + SYNC_DRIVE_S
+        for item in [i for i in self._inflight if i.match.offer.transfer_id == transfer_id]:
+            while self.engine.state(item.write) == "PROC" and time.monotonic() < deadline:
+                pass
+        self._poll()
+
+    def accept(self, transfer_ids: list[str]) -> None:
+        """P's scheduler has these requests (queued or prefilling): tell D, whose no-show timer
+        stops, now or when its registration arrives."""
+        with self._lock:
+            for tid in transfer_ids:
+                reg = self._state.accept(tid)
+                if reg is not None:
+                    self._send(reg.peer_engine, wire.Accepted(tid))
+
+    def abort(self, transfer_id: str, reason: str) -> None:
+        """P's request ended before its prefill completed: tell D now or when it registers."""
+        with self._lock:
+            reg = self._state.abort(transfer_id, reason, time.monotonic())
+            if reg is not None:
+                self._send_fail(reg.peer_engine, transfer_id, reason)
+
+    def take_freed(self) -> list[str]:
+        with self._lock:
+            freed, self._freed = self._freed, []
+            return freed
+
+    def take_records(self) -> list[SendRecord]:
+        with self._lock:
+            records, self._records = self._records, []
+            return records
+
+    def close(self) -> None:
+        self._reactor.stop()
+
+    # ---- both threads (under the lock) ---------------------------------------------------------
+    def _settle(self, result: Match | Rejection | None) -> None:
+        if isinstance(result, Rejection):
+            self.counters["rejected"] += 1
+            self._send_fail(result.peer_engine, result.transfer_id, result.reason)
+            if result.req_id is not None:
+                self._freed.append(result.req_id)
+        elif isinstance(result, Match):
+            self._post(result)
+
+    def _post(self, match: Match) -> None:
+        engine_id = match.registration.peer_engine
+        conn, peer = self._peers.conns.get(engine_id), self._peers.nixl.get(engine_id)
+        now = time.monotonic()
+        if conn is None or peer is None or conn.closed:
+            self._finish(match, None, now, now, False, f"decode engine {engine_id} disconnected before the WRITE")
+            return
+        if not match.src_blocks:
+            conn.send(wire.Done(match.offer.transfer_id, 0))
+            self._finish(match, None, now, now, True)
+            return
+        try:
+            write = self.engine.write(peer, match.src_blocks, match.dst_blocks)
+        except TransferError as exc:
+            self._finish(match, conn, now, time.monotonic(), False, str(exc))
+            return
+        log.debug("kvpush P post %s bytes=%d descs=%d wait=%.6f t=%.6f", match.offer.transfer_id,
+                  write.num_bytes, write.num_descriptors, match.wait_s, now)
+        self._inflight.append(_InFlight(match, write, conn, now))
+
+    def _finish(self, match: Match, conn: Connection | None, posted: float, now: float, ok: bool,
+                reason: str = "", num_bytes: int = 0) -> None:
+        tid = match.offer.transfer_id
+        if ok:
+            self.counters["sent"] += 1
+            if conn is not None:
+                conn.send(wire.Done(tid, num_bytes))
+        else:
+            self.counters["failed"] += 1
+            log.warning("kvpush: push %s (request %s) failed: %s", tid, match.offer.req_id, reason)
+            if conn is not None:
+                conn.send(wire.Fail(tid, reason))
+        self._freed.append(match.offer.req_id)
+        self._records.append(SendRecord(tid, match.offer.req_id, ok, num_bytes, match.offer.created,
+                                        match.registration.created, posted, now, reason))
+        log.debug("kvpush P done %s ok=%s bytes=%d prefill_end_to_done=%.6f t=%.6f", tid, ok, num_bytes,
+                  now - match.offer.created, now)
+
+    def _send_fail(self, engine_id: str, transfer_id: str, reason: str) -> None:
+        self._send(engine_id, wire.Fail(transfer_id, reason))
+
+    def _send(self, engine_id: str, msg: wire.Message) -> None:
+        conn = self._peers.conns.get(engine_id)
+        if conn is not None:
+            conn.send(msg)
+
+    # ---- reactor thread --------------------------------------------------------------------------
+    def timeout(self) -> float | None:
+        with self._lock:
+            if self._inflight:
+                return POLL_S
+            deadline = self._state.next_deadline()
+        return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+    def on_tick(self) -> None:
+        with self._lock:
+            self._poll()
+            offers, regs = self._state.expire(time.monotonic())
+            for o in offers:
+                log.warning("kvpush: decode engine %s never registered transfer %s (request %s) within %g s; freeing its blocks",
+                            o.peer_engine, o.transfer_id, o.req_id, self.config.timeout_s)
+                self._freed.append(o.req_id)
+            for r in regs:
+                self._send_fail(r.peer_engine, r.transfer_id, f"prefill {self.config.engine_id} had no request for transfer {r.transfer_id} within {self.config.timeout_s:g} s")
+
+    def _poll(self) -> None:
+        """Finish WRITEs that completed or failed (caller holds the lock)."""
+        if self._inflight:
+            still = []
+            for item in self._inflight:
+                state = self.engine.state(item.write)
+                if state == "PROC":
+                    still.append(item)
+                    continue
+                self.engine.release(item.write)
+                ok = state == "DONE"
+                self._finish(item.match, item.conn, item.posted, time.monotonic(), ok,
+                             "" if ok else f"NIXL WRITE to {item.match.registration.peer_engine} failed",
+                             item.write.num_bytes if ok else 0)
+            self._inflight = still
+
+    def on_malformed(self, conn: Connection, error: str) -> None:
+        self.counters["malformed"] += 1
+        log.warning("kvpush: dropped malformed message from %s: %s", conn.peer, error)
+
+    def on_closed(self, conn: Connection, reason: str) -> None:
+        with self._lock:
+            engine_id = conn.engine_id
+            if engine_id is not None and self._peers.conns.get(engine_id) is conn:
+                del self._peers.conns[engine_id]
+                self._state.peer_gone(engine_id)
+                log.info("kvpush: decode engine %s disconnected (%s)", engine_id, reason)
+
+    def on_message(self, conn: Connection, msg: wire.Message) -> None:
+        if isinstance(msg, wire.Hello):
+            self._on_hello(conn, msg)
+            return
+        if conn.engine_id is None:
+            self.counters["before_handshake"] += 1
+            return
+        now = time.monotonic()
+        with self._lock:
+            if isinstance(msg, wire.Register):
+                log.debug("kvpush P register %s from %s blocks=%d t=%.6f", msg.transfer_id, conn.engine_id, len(msg.block_ids), now)
+                result = self._state.register(Registration(msg.transfer_id, conn.engine_id, msg.block_ids, msg.first_block, now))
+                if result is None and msg.transfer_id in self._state.accepted:
+                    conn.send(wire.Accepted(msg.transfer_id))
+                self._settle(result)
+            elif isinstance(msg, wire.Cancel):
+                offer = self._state.cancel(msg.transfer_id, conn.engine_id, now)
+                if offer is not None:
+                    self._freed.append(offer.req_id)
+                if not any(i.match.offer.transfer_id == msg.transfer_id for i in self._inflight):
+                    conn.send(wire.Fail(msg.transfer_id, "cancelled by decode"))
+            else:
+                self.counters["unexpected"] += 1
+
+    def _on_hello(self, conn: Connection, hello: wire.Hello) -> None:
+        reason = self._check_hello(hello)
+        if reason is None:
+            try:
+                peer = self.engine.add_peer(hello.agent_metadata, hello.regions)
+            except TransferError as exc:
+                reason = str(exc)
+        if reason is not None:
+            self.counters["refused_handshake"] += 1
+            log.error("kvpush: refused handshake from %s (%s): %s", hello.engine_id, conn.peer, reason)
+            conn.send(wire.Refuse(self.config.engine_id, reason))
+            self._reactor.close(conn, "handshake refused")
+            return
+        with self._lock:
+            old = self._peers.conns.get(hello.engine_id)
+            conn.engine_id = hello.engine_id
+            self._peers.conns[hello.engine_id] = conn
+            self._peers.nixl[hello.engine_id] = peer
+        if old is not None and old is not conn:
+            self._reactor.close(old, "replaced by a new connection")
+        conn.send(wire.Welcome(self.config.engine_id))
+        log.info("kvpush: handshake with decode engine %s (%s) done", hello.engine_id, conn.peer)
+
+    def _check_hello(self, hello: wire.Hello) -> str | None:
+        if hello.engine_id not in self.config.allowed_engines:
+            return f"engine {hello.engine_id!r} is not in this prefill's allowed_engines {sorted(self.config.allowed_engines)}"
+        diffs = self.config.identity.mismatches(hello.identity)
+        if diffs:
+            return f"KV layout of prefill {self.config.engine_id} vs decode {hello.engine_id} differs: " + "; ".join(diffs)
+        return None

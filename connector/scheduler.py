@@ -1,0 +1,136 @@
+"""Scheduler-side half of the connector: decides what the worker pushes (P) or registers (D).
+
+P: a producer request whose prefill completes in this step goes into this step's metadata, so
+the worker pushes it right after this very forward pass; its blocks stay held until the worker
+reports the push finished. D: a consumer request's prompt KV is loaded asynchronously; its blocks
+are registered with P as soon as they are allocated. Pure bookkeeping: no sockets, no NIXL.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from .metadata import PushMetadata, RecvSpec, SendSpec
+from .params import ParamsError, PushParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Producing:
+    request: Any
+    params: PushParams
+
+
+class PushScheduler:
+    def __init__(self, block_size: int, is_producer: bool, engine_id: str,
+                 metadata_cls: type[PushMetadata] = PushMetadata):
+        self.metadata_cls = metadata_cls
+        self.block_size = block_size
+        self.is_producer = is_producer
+        self.engine_id = engine_id
+        self.kv_cache_manager: Any = None  # bound by the connector once vLLM built it
+        self._meta = metadata_cls()
+        # P
+        self._producing: dict[str, _Producing] = {}
+        self._promised: set[str] = set()  # pushed from the worker; blocks held until it reports
+        # D
+        self._local_hit: dict[str, int] = {}  # req id -> block-aligned local tokens at lookup
+        self._handled: set[str] = set()  # consumer requests whose load was planned once already
+        self._awaiting: dict[str, str] = {}  # req id -> transfer id, registered with the worker
+
+    @staticmethod
+    def params_of(request: Any) -> PushParams | None:
+        try:
+            return PushParams.parse(request.kv_transfer_params)
+        except ParamsError as exc:
+            log.error("kvpush: request %s: %s; serving it without KV transfer", request.request_id, exc)
+            return None
+
+    def on_new_request(self, request: Any) -> None:
+        params = self.params_of(request) if self.is_producer else None
+        if params is not None and params.role == "producer":
+            # known from arrival on, so an abort while still queued reaches D too
+            self._producing[request.request_id] = _Producing(request, params)
+            self._meta.accepts.append(params.transfer_id)
+
+    # ---- D ------------------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        params = self.params_of(request)
+        if self.is_producer or params is None or params.role != "consumer" or request.request_id in self._handled:
+            return 0, False
+        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        self._local_hit[request.request_id] = num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        params = self.params_of(request)
+        if params is None:
+            return
+        req_id = request.request_id
+        if self.is_producer:
+            if params.role == "producer" and req_id not in self._promised:
+                self._producing[req_id] = _Producing(request, params)
+            return
+        if params.role != "consumer" or req_id in self._handled:
+            return
+        self._handled.add(req_id)
+        local = self._local_hit.pop(req_id, 0)
+        first_block = local // self.block_size
+        if num_external_tokens > 0:
+            block_ids = blocks.get_block_ids()[0]
+            end = -(-(local + num_external_tokens) // self.block_size)
+            spec_blocks, report = tuple(block_ids[first_block:end]), True
+            self._awaiting[req_id] = params.transfer_id
+        else:  # everything was local: P only needs to hear that nothing is to be written
+            spec_blocks, report = (), False
+        self._meta.recvs.append(RecvSpec(req_id, params.transfer_id, params.peer_engine_id, params.peer_host,
+                                         params.peer_port, params.peer_tp_size, spec_blocks, first_block,
+                                         num_external_tokens, report))
+
+    # ---- both ---------------------------------------------------------------------------------
+    def build_connector_meta(self, scheduler_output: Any) -> PushMetadata:
+        if self.is_producer:
+            scheduled = scheduler_output.num_scheduled_tokens
+            for req_id, item in list(self._producing.items()):
+                n = scheduled.get(req_id)
+                if not n or item.request.num_computed_tokens + n < item.request.num_prompt_tokens:
+                    continue
+                block_ids = tuple(self.kv_cache_manager.get_block_ids(req_id)[0])
+                self._meta.sends.append(SendSpec(req_id, item.params.transfer_id, block_ids, item.params.peer_engine_id))
+                self._promised.add(req_id)
+                del self._producing[req_id]
+        meta, self._meta = self._meta, self.metadata_cls()
+        return meta
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        req_id = request.request_id
+        if self.is_producer:
+            item = self._producing.pop(req_id, None)
+            if req_id in self._promised:
+                return True, None
+            if item is not None:
+                self._meta.aborts.append((item.params.transfer_id, f"prefill request ended before its prefill completed ({request.status.name})"))
+            return False, None
+        self._handled.discard(req_id)
+        self._local_hit.pop(req_id, None)
+        tid = self._awaiting.get(req_id)
+        if tid is None:
+            return False, None
+        unsent = [r for r in self._meta.recvs if r.req_id == req_id]
+        if unsent:  # the worker never saw it: nothing can be written into these blocks
+            self._meta.recvs = [r for r in self._meta.recvs if r.req_id != req_id]
+            del self._awaiting[req_id]
+            return False, None
+        self._meta.cancels.append(tid)
+        return True, None
+
+    def update_connector_output(self, finished_sending: set[str] | None, finished_recving: set[str] | None) -> None:
+        for req_id in finished_sending or ():
+            self._promised.discard(req_id)
+        for req_id in finished_recving or ():
+            self._awaiting.pop(req_id, None)
+
+    def has_pending_push_work(self) -> bool:
+        return bool(self._promised)

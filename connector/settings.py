@@ -1,0 +1,59 @@
+"""The connector's settings, read from vLLM's kv_transfer_config, and start-up refusals."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+class UnsupportedDeployment(ValueError):
+    """A configuration kvpush's connector refuses at start-up, with the reason and the fix."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    engine_id: str
+    is_producer: bool
+    backend: str
+    side_channel_host: str
+    side_channel_port: int
+    allowed_engines: frozenset[str]
+    transfer_timeout_s: float
+    buffer_device: str  # "cpu" or "cuda"
+    model: str
+    tp_size: int
+    block_size: int
+    progress_delay_us: int
+
+    @classmethod
+    def from_vllm(cls, vllm_config: Any, kv_cache_config: Any = None) -> "Settings":
+        kv = vllm_config.kv_transfer_config
+        extra = dict(kv.kv_connector_extra_config or {})
+        if kv.kv_role not in ("kv_producer", "kv_consumer"):
+            raise UnsupportedDeployment(f"kvpush: kv_role {kv.kv_role!r} is not supported; use kv_producer (prefill) or kv_consumer (decode)")
+        missing = [k for k in ("side_channel_host", "side_channel_port", "allowed_engines") if k not in extra]
+        if missing:
+            raise UnsupportedDeployment(f"kvpush: kv_connector_extra_config lacks {missing}; generate the config with `kvpush plan`")
+        if getattr(vllm_config.model_config, "use_mla", False):
+            raise UnsupportedDeployment("kvpush: MLA models are not supported yet; use connector type nixl-pull for this model")
+        groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+        if len(groups) > 1:
+            raise UnsupportedDeployment(f"kvpush: models with {len(groups)} KV cache groups (hybrid attention/mamba) are not supported; use connector type nixl-pull")
+        parallel = vllm_config.parallel_config
+        if getattr(parallel, "data_parallel_size", 1) > 1:
+            raise UnsupportedDeployment("kvpush: data_parallel_size > 1 is not supported yet (the router cannot tell which DP rank's side channel holds a request); run one instance per DP rank")
+        if getattr(parallel, "pipeline_parallel_size", 1) > 1:
+            raise UnsupportedDeployment("kvpush: pipeline parallelism is not supported; use tensor parallelism")
+        return cls(
+            engine_id=str(kv.engine_id),
+            is_producer=kv.kv_role == "kv_producer",
+            backend=str(extra.get("backend", "UCX")),
+            side_channel_host=str(extra["side_channel_host"]),
+            side_channel_port=int(extra["side_channel_port"]),
+            allowed_engines=frozenset(str(e) for e in extra["allowed_engines"]),
+            transfer_timeout_s=float(extra.get("transfer_timeout_s", 5.0)),
+            buffer_device=str(kv.kv_buffer_device or "cpu"),
+            model=str(vllm_config.model_config.model),
+            tp_size=int(parallel.tensor_parallel_size),
+            block_size=int(vllm_config.cache_config.block_size),
+            progress_delay_us=int(extra.get("progress_delay_us", 100)),
+        )

@@ -1,0 +1,262 @@
+"""Push protocol state, pure (no vLLM, no NIXL, no sockets): callers pass the time in.
+
+ProducerState (P) matches its finished blocks with D's registration by transfer id, in either
+order. ConsumerState (D) tracks registrations until P reports DONE or FAIL, the peer goes away, or
+they expire. Both count what they drop, so stray or late messages are visible but harmless.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Offer:
+    """P's side of a transfer: the request's blocks, complete after its prefill step."""
+
+    transfer_id: str
+    req_id: str
+    block_ids: tuple[int, ...]
+    peer_engine: str
+    created: float
+
+
+@dataclass(frozen=True)
+class Registration:
+    """D's side of a transfer as P received it."""
+
+    transfer_id: str
+    peer_engine: str
+    block_ids: tuple[int, ...]
+    first_block: int
+    created: float
+
+
+@dataclass(frozen=True)
+class Match:
+    offer: Offer
+    registration: Registration
+    src_blocks: tuple[int, ...]
+    dst_blocks: tuple[int, ...]
+
+    @property
+    def wait_s(self) -> float:
+        """How long the earlier half waited for the later one."""
+        return abs(self.offer.created - self.registration.created)
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """A registration P answers with FAIL (reason), e.g. its request was aborted."""
+
+    transfer_id: str
+    peer_engine: str
+    reason: str
+    req_id: str | None = None  # P's request whose blocks are free again, if an offer was consumed
+
+
+@dataclass
+class ProducerState:
+    timeout_s: float
+    offers: dict[str, Offer] = field(default_factory=dict)
+    registrations: dict[str, Registration] = field(default_factory=dict)
+    # transfer ids that are finished here (matched, aborted, expired): late duplicates are dropped
+    closed: dict[str, float] = field(default_factory=dict)
+    aborted: dict[str, str] = field(default_factory=dict)  # transfer id -> reason, until D asks
+    # requests P's scheduler holds (queued or prefilling): their registrations wait, not expire
+    accepted: set[str] = field(default_factory=set)
+    dropped: Counter = field(default_factory=Counter)
+
+    def accept(self, transfer_id: str) -> Registration | None:
+        """P has the request; returns D's registration if it is already waiting."""
+        if transfer_id not in self.closed:
+            self.accepted.add(transfer_id)
+        return self.registrations.get(transfer_id)
+
+    def offer(self, offer: Offer) -> Match | Rejection | None:
+        tid = offer.transfer_id
+        self.accepted.discard(tid)
+        if tid in self.offers:
+            self.dropped["duplicate_offer"] += 1
+            return None
+        if tid in self.closed:  # D cancelled or its registration expired: release the blocks
+            self.dropped["late_offer"] += 1
+            return Rejection(tid, offer.peer_engine, "decode gave up on this transfer before prefill finished", offer.req_id)
+        reg = self.registrations.pop(tid, None)
+        if reg is None:
+            self.offers[tid] = offer
+            return None
+        return self._match(offer, reg)
+
+    def register(self, reg: Registration) -> Match | Rejection | None:
+        tid = reg.transfer_id
+        if tid in self.aborted:
+            reason = self.aborted.pop(tid)
+            self.closed[tid] = reg.created
+            return Rejection(tid, reg.peer_engine, reason)
+        if tid in self.registrations:
+            self.dropped["duplicate_registration"] += 1
+            return None
+        if tid in self.closed:
+            self.dropped["late_registration"] += 1
+            return Rejection(tid, reg.peer_engine, "prefill no longer holds KV for this transfer (expired, cancelled or already sent)")
+        offer = self.offers.pop(tid, None)
+        if offer is None:
+            self.registrations[tid] = reg
+            return None
+        return self._match(offer, reg)
+
+    def _match(self, offer: Offer, reg: Registration) -> Match | Rejection:
+        self.closed[offer.transfer_id] = max(offer.created, reg.created)
+        if offer.peer_engine != reg.peer_engine:
+            self.dropped["wrong_peer"] += 1
+            return Rejection(offer.transfer_id, reg.peer_engine, f"transfer belongs to engine {offer.peer_engine!r}, not {reg.peer_engine!r}", offer.req_id)
+        end = reg.first_block + len(reg.block_ids)
+        if end > len(offer.block_ids):
+            return Rejection(offer.transfer_id, reg.peer_engine, f"D registered blocks [{reg.first_block}, {end}) but P has {len(offer.block_ids)}", offer.req_id)
+        return Match(offer, reg, offer.block_ids[reg.first_block:end], reg.block_ids)
+
+    def abort(self, transfer_id: str, reason: str, now: float) -> Registration | None:
+        """P's request went away before its blocks were offered. Returns D's waiting registration
+        (to answer FAIL now) or remembers the reason for when it arrives."""
+        self.accepted.discard(transfer_id)
+        reg = self.registrations.pop(transfer_id, None)
+        if reg is not None:
+            self.closed[transfer_id] = now
+            return reg
+        if transfer_id not in self.closed:
+            self.aborted[transfer_id] = reason
+            self.closed[transfer_id] = now
+        return None
+
+    def cancel(self, transfer_id: str, peer_engine: str, now: float) -> Offer | None:
+        """D gave up: drop its registration; return P's unmatched offer so its blocks are freed."""
+        reg = self.registrations.get(transfer_id)
+        if reg is not None and reg.peer_engine == peer_engine:
+            del self.registrations[transfer_id]
+            self.accepted.discard(transfer_id)
+        offer = self.offers.get(transfer_id)
+        if offer is not None and offer.peer_engine == peer_engine:
+            del self.offers[transfer_id]
+            self.closed[transfer_id] = now
+            return offer
+        if transfer_id not in self.closed:
+            self.closed[transfer_id] = now
+        return None
+
+    def peer_gone(self, peer_engine: str) -> None:
+        for tid in [t for t, r in self.registrations.items() if r.peer_engine == peer_engine]:
+            del self.registrations[tid]
+
+    def expire(self, now: float) -> tuple[list[Offer], list[Registration]]:
+        """Unmatched halves older than the timeout: offers (free P's blocks) and registrations
+        (answer D with FAIL). Closed ids are remembered a while longer to drop late duplicates."""
+        cutoff = now - self.timeout_s
+        offers = [o for o in self.offers.values() if o.created < cutoff]
+        regs = [r for r in self.registrations.values() if r.created < cutoff and r.transfer_id not in self.accepted]
+        for o in offers:
+            del self.offers[o.transfer_id]
+            self.closed[o.transfer_id] = now
+        for r in regs:
+            del self.registrations[r.transfer_id]
+            self.closed[r.transfer_id] = now
+        self.dropped["expired_offer"] += len(offers)
+        self.dropped["expired_registration"] += len(regs)
+        forget = now - 10 * self.timeout_s
+        for tid in [t for t, at in self.closed.items() if at < forget]:
+            del self.closed[tid]
+            self.aborted.pop(tid, None)
+        return offers, regs
+
+    def next_deadline(self) -> float | None:
+        created = [o.created for o in self.offers.values()] + [
+            r.created for r in self.registrations.values() if r.transfer_id not in self.accepted]
+        return min(created) + self.timeout_s if created else None
+
+
+@dataclass(frozen=True)
+class Pending:
+    """D's side of a transfer, from registration until an outcome."""
+
+    transfer_id: str
+    req_id: str
+    peer_engine: str
+    block_ids: tuple[int, ...]
+    created: float
+
+
+@dataclass(frozen=True)
+class Outcome:
+    pending: Pending
+    ok: bool
+    reason: str = ""
+    num_bytes: int = 0
+
+
+@dataclass
+class ConsumerState:
+    """A registration expires only while P has not ACCEPTED it: once P holds the request, only
+    P's DONE/FAIL or the connection's loss end it (P bounds its own side)."""
+
+    timeout_s: float
+    accepted_timeout_s: float = 300.0  # safety net for a P that accepted and then hung
+    pending: dict[str, Pending] = field(default_factory=dict)
+    accepted: dict[str, float] = field(default_factory=dict)  # transfer id -> when P accepted
+    dropped: Counter = field(default_factory=Counter)
+
+    def accept(self, transfer_id: str, peer_engine: str, now: float) -> bool:
+        p = self.pending.get(transfer_id)
+        if p is None or p.peer_engine != peer_engine:
+            self.dropped["unknown_accepted"] += 1
+            return False
+        self.accepted.setdefault(transfer_id, now)
+        return True
+
+    def add(self, pending: Pending) -> bool:
+        if pending.transfer_id in self.pending:
+            self.dropped["duplicate_registration"] += 1
+            return False
+        self.pending[pending.transfer_id] = pending
+        return True
+
+    def done(self, transfer_id: str, peer_engine: str, num_bytes: int) -> Outcome | None:
+        p = self._take(transfer_id, peer_engine, "done")
+        return Outcome(p, True, num_bytes=num_bytes) if p else None
+
+    def fail(self, transfer_id: str, peer_engine: str, reason: str) -> Outcome | None:
+        p = self._take(transfer_id, peer_engine, "fail")
+        return Outcome(p, False, reason) if p else None
+
+    def _take(self, transfer_id: str, peer_engine: str, what: str) -> Pending | None:
+        p = self.pending.get(transfer_id)
+        if p is None or p.peer_engine != peer_engine:
+            self.dropped[f"unknown_{what}"] += 1
+            return None
+        self.accepted.pop(transfer_id, None)
+        return self.pending.pop(transfer_id)
+
+    def peer_gone(self, peer_engine: str, reason: str) -> list[Outcome]:
+        gone = [p for p in self.pending.values() if p.peer_engine == peer_engine]
+        for p in gone:
+            del self.pending[p.transfer_id]
+            self.accepted.pop(p.transfer_id, None)
+        return [Outcome(p, False, reason) for p in gone]
+
+    def expire(self, now: float) -> list[Outcome]:
+        out = []
+        for p in list(self.pending.values()):
+            accepted_at = self.accepted.get(p.transfer_id)
+            if accepted_at is None and p.created < now - self.timeout_s:
+                out.append(Outcome(p, False, f"prefill {p.peer_engine} did not accept the transfer within {self.timeout_s:g} s"))
+            elif accepted_at is not None and accepted_at < now - self.accepted_timeout_s:
+                out.append(Outcome(p, False, f"prefill {p.peer_engine} accepted the transfer but sent nothing within {self.accepted_timeout_s:g} s"))
+            else:
+                continue
+            del self.pending[p.transfer_id]
+            self.accepted.pop(p.transfer_id, None)
+        return out
+
+    def next_deadline(self) -> float | None:
+        deadlines = [self.accepted[p.transfer_id] + self.accepted_timeout_s if p.transfer_id in self.accepted
+                     else p.created + self.timeout_s for p in self.pending.values()]
+        return min(deadlines, default=None)

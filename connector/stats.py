@@ -1,0 +1,65 @@
+"""Per-interval transfer stats, shipped from the worker to vLLM's stats logger.
+
+vLLM-free; connector.py derives the KVConnectorStats subclass vLLM handles."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .producer import SendRecord
+from .state import Outcome
+
+_SERIES = ("send_bytes", "prefill_end_to_done_s", "registration_wait_s", "recv_bytes")
+_COUNTS = ("sends_ok", "sends_failed", "recvs_ok", "recvs_failed")
+
+
+def _empty() -> dict[str, Any]:
+    return {**{k: [] for k in _SERIES}, **{k: 0 for k in _COUNTS}}
+
+
+@dataclass
+class PushStats:
+    data: dict[str, Any] = field(default_factory=_empty)
+
+    def record_send(self, rec: SendRecord) -> None:
+        if rec.ok:
+            self.data["sends_ok"] += 1
+            self.data["send_bytes"].append(rec.num_bytes)
+            self.data["prefill_end_to_done_s"].append(rec.finished - rec.offered)
+            self.data["registration_wait_s"].append(abs(rec.offered - rec.registered))
+        else:
+            self.data["sends_failed"] += 1
+
+    def record_recv(self, outcome: Outcome) -> None:
+        if outcome.ok:
+            self.data["recvs_ok"] += 1
+            self.data["recv_bytes"].append(outcome.num_bytes)
+        else:
+            self.data["recvs_failed"] += 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.data
+
+    def reset(self) -> None:
+        self.data = _empty()
+
+    def aggregate(self, other: "PushStats") -> "PushStats":
+        for k in _SERIES:
+            self.data[k] = self.data[k] + list(other.data.get(k, []))
+        for k in _COUNTS:
+            self.data[k] += int(other.data.get(k, 0))
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {k: self.data[k] for k in _COUNTS}
+        for k in _SERIES:
+            values = sorted(self.data[k])
+            if k.endswith("_s"):
+                out[f"{k[:-2]}_p50_ms"] = round(values[len(values) // 2] * 1000, 3) if values else 0.0
+                out[f"{k[:-2]}_max_ms"] = round(values[-1] * 1000, 3) if values else 0.0
+            else:
+                out[f"{k}_total"] = sum(values)
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data[k] for k in _COUNTS)

@@ -1,0 +1,221 @@
+"""The transfer engine over NIXL: one agent, registered KV regions, prepared descriptor lists per
+peer, one WRITE per request. vLLM-free, so tests and benchmarks use it with plain buffers.
+
+All agent calls go through one lock: the worker's compute thread posts WRITEs and the side
+channel's thread polls them.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from .coalesce import Plan
+from .layout import descriptor_indices, descriptor_table, region_spans
+from .wire import Region
+
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL's Python logger prints INFO to stdout
+
+DEFAULT_PROGRESS_DELAY_US = 100
+_create_lock = threading.Lock()
+
+
+class TransferError(RuntimeError):
+    """A NIXL operation failed (backend creation, registration, peer metadata, WRITE)."""
+
+
+def _create_agent(name: str, backend: str, progress_delay_us: int):
+    """Create a nixl_agent whose progress thread sleeps `progress_delay_us` between rounds.
+
+    nixl_agent() hard-codes the delay to 0, i.e. a progress thread spinning a whole core. The
+    delay is a field of the binding's config object, which nixl_agent builds internally, so the
+    config class is swapped for one whose delay setter keeps our value, only while constructing.
+    """
+    from nixl import _api
+
+    binding = _api.nixlBind
+    base = binding.nixlAgentConfig
+
+    class DelayedProgressConfig(base):  # type: ignore[misc, valid-type]
+        @property
+        def pthrDelay(self):  # noqa: N802 (binding's name)
+            return base.pthrDelay.__get__(self)
+
+        @pthrDelay.setter
+        def pthrDelay(self, _ignored):  # noqa: N802
+            base.pthrDelay.__set__(self, progress_delay_us)
+
+    with _create_lock:
+        binding.nixlAgentConfig = DelayedProgressConfig
+        try:
+            return _api.nixl_agent(name, _api.nixl_agent_config(backends=[backend]))
+        except Exception as exc:
+            raise TransferError(f"cannot create NIXL agent {name!r} with backend {backend}: {exc}") from exc
+        finally:
+            binding.nixlAgentConfig = base
+
+
+@dataclass
+class Peer:
+    agent_name: str
+    regions: tuple[Region, ...]
+    dlist: object  # prepared remote descriptor list
+    plan: Plan | None = None  # coalescing against this engine's regions, made on the first coalesced WRITE
+
+
+@dataclass
+class Write:
+    handle: object
+    num_bytes: int
+    num_descriptors: int
+
+
+class NixlEngine:
+    def __init__(self, name: str, regions: Sequence[Region], *, backend: str = "UCX",
+                 mem_type: str = "DRAM", device_id: int = 0,
+                 progress_delay_us: int = DEFAULT_PROGRESS_DELAY_US):
+        self.name = name
+        self.regions = tuple(regions)
+        self.mem_type = mem_type
+        self.device_id = device_id
+        self._lock = threading.Lock()
+        self._agent = _create_agent(name, backend, progress_delay_us)
+        spans = [(base, size, device_id, "") for base, size in region_spans(self.regions)]
+        try:
+            self._registered = self._agent.register_memory(spans, mem_type)
+            self._local_dlist = self._agent.prep_xfer_dlist(
+                "NIXL_INIT_AGENT", descriptor_table(self.regions, device_id), mem_type)
+        except Exception as exc:
+            raise TransferError(f"cannot register {len(spans)} KV regions with NIXL: {exc}") from exc
+        self.metadata: bytes = self._agent.get_agent_metadata()
+        self._peers: dict[str, Peer] = {}
+
+    def add_peer(self, agent_metadata: bytes, regions: Sequence[Region]) -> Peer:
+        """Load a peer's metadata and prepare its descriptor list (once per peer)."""
+        with self._lock:
+            try:
+                name = self._agent.add_remote_agent(agent_metadata)
+                if name in self._peers:  # a restarted peer reuses its name with new memory
+                    self._drop(name, keep_metadata=True)
+                dlist = self._agent.prep_xfer_dlist(name, descriptor_table(regions, self.device_id), self.mem_type)
+                self._agent.make_connection(name)  # wire-up now, not inside the first request's WRITE
+            except Exception as exc:
+                raise TransferError(f"cannot load peer metadata: {exc}") from exc
+            peer = Peer(name, tuple(regions), dlist)
+            self._peers[name] = peer
+            return peer
+
+    def remove_peer(self, agent_name: str) -> None:
+        with self._lock:
+            self._drop(agent_name, keep_metadata=False)
+
+    def _drop(self, agent_name: str, keep_metadata: bool) -> None:
+        peer = self._peers.pop(agent_name, None)
+        if peer is not None:
+            self._agent.release_dlist_handle(peer.dlist)
+        if not keep_metadata:
+            try:
+                self._agent.remove_remote_agent(agent_name)
+            except Exception:  # already gone: nothing to release
+                pass
+
+    def write(self, peer: Peer, src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> Write:
+        """Post one WRITE of src_blocks (here) into dst_blocks (peer), every region."""
+        if len(src_blocks) != len(dst_blocks):
+            raise TransferError(f"{len(src_blocks)} source blocks vs {len(dst_blocks)} destination blocks")
+        local = descriptor_indices(self.regions, src_blocks)
+        remote = descriptor_indices(peer.regions, dst_blocks)
+        num_bytes = len(src_blocks) * sum(r.block_len for r in self.regions)
+        with self._lock:
+            try:
+                handle = self._agent.make_prepped_xfer("WRITE", self._local_dlist, local, peer.dlist, remote)
+                state = self._agent.transfer(handle)
+            except Exception as exc:
+                raise TransferError(f"WRITE to {peer.agent_name} could not be posted: {exc}") from exc
+            if state == "ERR":
+                self._agent.release_xfer_handle(handle)
+                raise TransferError(f"WRITE to {peer.agent_name} failed when posted")
+        return Write(handle, num_bytes, len(local))
+
+    def write_coalesced(self, peer: Peer, src_blocks: Sequence[int], dst_blocks: Sequence[int],
+                        notif: bytes = b"") -> Write:
+        """Post one WRITE of src_blocks (here) into dst_blocks (peer) with descriptors built for this
+        request: one per run of blocks adjacent on both sides, regions adjacent on both sides merged
+        (see coalesce.py). `notif` reaches the peer's agent once every byte has landed."""
+        write = self.prepare_write(peer, src_blocks, dst_blocks, notif)
+        self.post(write, peer.agent_name)
+        return write
+
+    def prepare_write(self, peer: Peer, src_blocks: Sequence[int], dst_blocks: Sequence[int],
+                      notif: bytes = b"") -> Write:
+        """The coalesced WRITE, made but not posted: build it as soon as both block lists are known
+        (P allocates its blocks when it schedules the prefill) so that only `post` remains when the
+        prefill finishes. Release it with `release` if it is never posted."""
+        if peer.plan is None:
+            try:
+                peer.plan = Plan.pair(self.regions, peer.regions, self.device_id, self.device_id)
+            except ValueError as exc:
+                raise TransferError(f"cannot pair KV regions with {peer.agent_name}: {exc}") from exc
+        src = np.asarray(src_blocks, dtype=np.int64)
+        dst = np.asarray(dst_blocks, dtype=np.int64)
+        _check_block_ids(src, self.regions[0].num_blocks, "source")
+        _check_block_ids(dst, peer.regions[0].num_blocks, "destination")
+        try:
+            local, remote = peer.plan.descriptors(src, dst)
+        except ValueError as exc:
+            raise TransferError(f"WRITE to {peer.agent_name}: {exc}") from exc
+        with self._lock:
+            try:
+                handle = self._agent.initialize_xfer(
+                    "WRITE", self._agent.get_xfer_descs(local, self.mem_type),
+                    self._agent.get_xfer_descs(remote, self.mem_type), peer.agent_name, notif)
+            except Exception as exc:
+                raise TransferError(f"WRITE to {peer.agent_name} could not be made: {exc}") from exc
+        return Write(handle, len(src) * peer.plan.bytes_per_block, len(local))
+
+    def post(self, write: Write, agent_name: str = "peer") -> None:
+        """Start a WRITE from prepare_write; on failure its handle is released."""
+        with self._lock:
+            try:
+                state = self._agent.transfer(write.handle)
+            except Exception as exc:
+                state, error = "ERR", f": {exc}"
+            else:
+                error = ""
+            if state == "ERR":
+                self._agent.release_xfer_handle(write.handle)
+                raise TransferError(f"WRITE to {agent_name} could not be posted{error}")
+
+    def state(self, write: Write) -> str:
+        """'DONE', 'PROC' or 'ERR' (a peer that died shows as ERR within milliseconds)."""
+        with self._lock:
+            try:
+                return self._agent.check_xfer_state(write.handle)
+            except Exception:
+                return "ERR"
+
+    def release(self, write: Write) -> None:
+        with self._lock:
+            try:
+                self._agent.release_xfer_handle(write.handle)
+            except Exception:  # a handle NIXL cannot cancel stays with the agent until shutdown
+                pass
+
+    def close(self) -> None:
+        with self._lock:
+            for name in list(self._peers):
+                self._drop(name, keep_metadata=False)
+            try:
+                self._agent.release_dlist_handle(self._local_dlist)
+                self._agent.deregister_memory(self._registered)
+            except Exception:
+                pass
+
+
+def _check_block_ids(ids: np.ndarray, num_blocks: int, side: str) -> None:
+    """A block id out of range would address other registered memory, not fail."""
+    if ids.size and (ids.min() < 0 or ids.max() >= num_blocks):
+        raise TransferError(f"{side} block ids span {ids.min()}..{ids.max()}, outside 0..{num_blocks - 1}")

@@ -1,0 +1,285 @@
+"""Side-channel wire messages between a decode (D) and a prefill (P) worker.
+
+Frames are a 4-byte big-endian length followed by a UTF-8 JSON object with a "type" field.
+D opens one TCP connection per P; over it D sends HELLO, REGISTER and CANCEL and P answers with
+WELCOME/REFUSE, ACCEPTED (P has the request), DONE and FAIL. Decoding validates every field: a malformed frame raises
+WireError, which the receiver counts and drops (it never reaches protocol state).
+"""
+from __future__ import annotations
+
+import base64
+import json
+import struct
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, ClassVar, Union
+
+MAX_FRAME_BYTES = 64 * 1024 * 1024  # agent metadata of large registrations stays far below this
+LENGTH = struct.Struct(">I")
+
+
+class WireError(ValueError):
+    """A frame that is not a valid message."""
+
+
+@dataclass(frozen=True)
+class Region:
+    """One registered KV memory region: `num_blocks` blocks of `block_len` bytes, `stride` apart."""
+
+    base: int
+    block_len: int
+    stride: int
+    num_blocks: int
+
+
+@dataclass(frozen=True)
+class LayoutIdentity:
+    """What must be equal on both sides for block i of one to mean block i of the other."""
+
+    model: str
+    dtype: str
+    block_size: int
+    tp_size: int
+    layer_names: tuple[str, ...]
+    block_lens: tuple[int, ...]  # bytes per block, per region
+
+    def mismatches(self, other: "LayoutIdentity") -> list[str]:
+        """Human-readable differences, naming this side's value first."""
+        out = []
+        for f in fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if mine != theirs:
+                if f.name == "layer_names":
+                    only_mine = sorted(set(mine) - set(theirs))[:3]
+                    only_theirs = sorted(set(theirs) - set(mine))[:3]
+                    out.append(f"layer_names: {len(mine)} layers (only here: {only_mine}) vs {len(theirs)} (only there: {only_theirs})")
+                else:
+                    out.append(f"{f.name}: {mine!r} vs {theirs!r}")
+        return out
+
+
+@dataclass(frozen=True)
+class Hello:
+    type: ClassVar[str] = "hello"
+    engine_id: str
+    tp_rank: int
+    agent_name: str
+    agent_metadata: bytes
+    identity: LayoutIdentity
+    regions: tuple[Region, ...]
+
+
+@dataclass(frozen=True)
+class Welcome:
+    type: ClassVar[str] = "welcome"
+    engine_id: str
+
+
+@dataclass(frozen=True)
+class Refuse:
+    type: ClassVar[str] = "refuse"
+    engine_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Register:
+    """D's blocks for one transfer: P writes its blocks [first_block, first_block+len) into them."""
+
+    type: ClassVar[str] = "register"
+    transfer_id: str
+    block_ids: tuple[int, ...]
+    first_block: int
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class Cancel:
+    type: ClassVar[str] = "cancel"
+    transfer_id: str
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """P has the request for this transfer (queued or prefilling): D stops its no-show timer."""
+
+    type: ClassVar[str] = "accepted"
+    transfer_id: str
+
+
+@dataclass(frozen=True)
+class Done:
+    type: ClassVar[str] = "done"
+    transfer_id: str
+    num_bytes: int
+
+
+@dataclass(frozen=True)
+class Fail:
+    type: ClassVar[str] = "fail"
+    transfer_id: str
+    reason: str
+
+
+Message = Union[Hello, Welcome, Refuse, Register, Cancel, Accepted, Done, Fail]
+_TYPES: dict[str, type] = {cls.type: cls for cls in (Hello, Welcome, Refuse, Register, Cancel, Accepted, Done, Fail)}
+MAX_ID_CHARS = 256
+
+
+def encode(msg: Message) -> bytes:
+    body = asdict(msg)
+    body["type"] = msg.type
+    if isinstance(msg, Hello):
+        body["agent_metadata"] = base64.b64encode(msg.agent_metadata).decode()
+    data = json.dumps(body, separators=(",", ":")).encode()
+    return LENGTH.pack(len(data)) + data
+
+
+def decode(data: bytes) -> Message:
+    """Decode one frame body (without the length prefix); raise WireError if it is not valid."""
+    try:
+        body = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise WireError(f"not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise WireError("frame is not an object")
+    cls = _TYPES.get(body.pop("type", None))
+    if cls is None:
+        raise WireError("unknown message type")
+    try:
+        return _BUILDERS[cls](body)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise WireError(f"bad {cls.type}: {exc}") from None
+
+
+def _exact_keys(body: dict, cls: type) -> None:
+    expected = {f.name for f in fields(cls)}
+    if set(body) != expected:
+        raise WireError(f"fields {sorted(body)} != {sorted(expected)}")
+
+
+def _str(value: Any, what: str) -> str:
+    if not isinstance(value, str) or not value or len(value) > MAX_ID_CHARS:
+        raise WireError(f"{what} must be a non-empty string of at most {MAX_ID_CHARS} chars")
+    return value
+
+
+def _text(value: Any, what: str) -> str:
+    if not isinstance(value, str) or len(value) > 4096:
+        raise WireError(f"{what} must be a string of at most 4096 chars")
+    return value
+
+
+def _int(value: Any, what: str, lo: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise WireError(f"{what} must be an integer >= {lo}")
+    return value
+
+
+def _ints(value: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(value, list):
+        raise WireError(f"{what} must be a list")
+    return tuple(_int(v, what) for v in value)
+
+
+def _identity(body: Any) -> LayoutIdentity:
+    if not isinstance(body, dict):
+        raise WireError("identity must be an object")
+    _exact_keys(body, LayoutIdentity)
+    names = body["layer_names"]
+    if not isinstance(names, list):
+        raise WireError("layer_names must be a list")
+    return LayoutIdentity(
+        model=_text(body["model"], "model"),
+        dtype=_str(body["dtype"], "dtype"),
+        block_size=_int(body["block_size"], "block_size", 1),
+        tp_size=_int(body["tp_size"], "tp_size", 1),
+        layer_names=tuple(_str(n, "layer name") for n in names),
+        block_lens=_ints(body["block_lens"], "block_lens"),
+    )
+
+
+def _region(body: Any) -> Region:
+    if not isinstance(body, dict):
+        raise WireError("region must be an object")
+    _exact_keys(body, Region)
+    return Region(
+        base=_int(body["base"], "base", 1),
+        block_len=_int(body["block_len"], "block_len", 1),
+        stride=_int(body["stride"], "stride", 1),
+        num_blocks=_int(body["num_blocks"], "num_blocks", 1),
+    )
+
+
+def _hello(body: dict) -> Hello:
+    _exact_keys(body, Hello)
+    regions = body["regions"]
+    if not isinstance(regions, list) or not regions:
+        raise WireError("regions must be a non-empty list")
+    try:
+        metadata = base64.b64decode(body["agent_metadata"], validate=True)
+    except (TypeError, ValueError):
+        raise WireError("agent_metadata is not base64") from None
+    identity = _identity(body["identity"])
+    parsed = tuple(_region(r) for r in regions)
+    if tuple(r.block_len for r in parsed) != identity.block_lens:
+        raise WireError("regions' block_len disagree with identity.block_lens")
+    return Hello(
+        engine_id=_str(body["engine_id"], "engine_id"),
+        tp_rank=_int(body["tp_rank"], "tp_rank"),
+        agent_name=_str(body["agent_name"], "agent_name"),
+        agent_metadata=metadata,
+        identity=identity,
+        regions=parsed,
+    )
+
+
+def _register(body: dict) -> Register:
+    _exact_keys(body, Register)
+    block_ids = _ints(body["block_ids"], "block_ids")
+    if len(set(block_ids)) != len(block_ids):
+        raise WireError("block_ids has duplicates")
+    return Register(
+        transfer_id=_str(body["transfer_id"], "transfer_id"),
+        block_ids=block_ids,
+        first_block=_int(body["first_block"], "first_block"),
+        num_tokens=_int(body["num_tokens"], "num_tokens"),
+    )
+
+
+def _simple(cls: type, checks: dict):
+    def build(body: dict):
+        _exact_keys(body, cls)
+        return cls(**{k: check(body[k], k) for k, check in checks.items()})
+    return build
+
+
+_BUILDERS = {
+    Hello: _hello,
+    Register: _register,
+    Welcome: _simple(Welcome, {"engine_id": _str}),
+    Refuse: _simple(Refuse, {"engine_id": _str, "reason": _text}),
+    Cancel: _simple(Cancel, {"transfer_id": _str}),
+    Accepted: _simple(Accepted, {"transfer_id": _str}),
+    Done: _simple(Done, {"transfer_id": _str, "num_bytes": _int}),
+    Fail: _simple(Fail, {"transfer_id": _str, "reason": _text}),
+}
+
+
+@dataclass
+class FrameReader:
+    """Splits a byte stream into frame bodies; a frame over the limit raises WireError."""
+
+    buffer: bytearray = field(default_factory=bytearray)
+
+    def feed(self, data: bytes) -> list[bytes]:
+        self.buffer += data
+        frames = []
+        while len(self.buffer) >= LENGTH.size:
+            (size,) = LENGTH.unpack_from(self.buffer)
+            if size > MAX_FRAME_BYTES:
+                raise WireError(f"frame of {size} bytes exceeds {MAX_FRAME_BYTES}")
+            if len(self.buffer) < LENGTH.size + size:
+                break
+            frames.append(bytes(self.buffer[LENGTH.size:LENGTH.size + size]))
+            del self.buffer[:LENGTH.size + size]
+        return frames

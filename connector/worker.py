@@ -1,0 +1,142 @@
+"""Worker-side half of the connector: owns the NIXL engine and the push service of its role.
+
+P: `save()` (from wait_for_save, right after the forward pass in which prefills completed) offers
+the finished blocks; the Producer WRITEs them as soon as D's registration is there. D: `bind()`
+(before the forward pass) registers newly allocated blocks with P at once.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+from .consumer import Consumer, ConsumerConfig
+from .layout import TensorView, kv_regions
+from .metadata import PushMetadata
+from .producer import Producer, ProducerConfig
+from .settings import Settings
+from .state import Outcome, Pending
+from .stats import PushStats
+from .transfer import NixlEngine
+from .wire import LayoutIdentity
+
+log = logging.getLogger(__name__)
+
+
+class PushWorker:
+    def __init__(self, settings: Settings, num_blocks: int, tp_rank: int):
+        self.settings = settings
+        self.num_blocks = num_blocks
+        self.tp_rank = tp_rank
+        self.engine: NixlEngine | None = None
+        self.producer: Producer | None = None
+        self.consumer: Consumer | None = None
+        # P: requests offered, finished in the scheduler, and pushed (any outcome)
+        self._offered: set[str] = set()
+        self._sched_finished: set[str] = set()
+        self._pushed: set[str] = set()
+        # D
+        self._silent: set[str] = set()  # transfer ids vLLM is not waiting for
+        self._load_errors: set[int] = set()
+        self._refused: list[Outcome] = []
+        self._stats = PushStats()
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        s = self.settings
+        tensors = list(kv_caches.values())
+        regions = kv_regions((TensorView.of(t) for t in tensors), self.num_blocks)
+        identity = LayoutIdentity(s.model, str(tensors[0].dtype).removeprefix("torch."), s.block_size, s.tp_size,
+                                  tuple(sorted(kv_caches)), tuple(r.block_len for r in regions))
+        mem_type = "VRAM" if tensors[0].is_cuda else "DRAM"
+        device_id = tensors[0].device.index or 0 if tensors[0].is_cuda else 0
+        name = f"{s.engine_id}.tp{self.tp_rank}.{os.getpid()}"
+        self.engine = NixlEngine(name, regions, backend=s.backend, mem_type=mem_type, device_id=device_id,
+                                 progress_delay_us=s.progress_delay_us)
+        log.info("kvpush: %s registered %d KV regions (%d blocks x %s bytes) with NIXL %s", name, len(regions),
+                 self.num_blocks, sorted({r.block_len for r in regions}), s.backend)
+        if s.is_producer:
+            port = s.side_channel_port + self.tp_rank
+            try:
+                self.producer = Producer(ProducerConfig(s.engine_id, identity, s.allowed_engines, s.side_channel_host,
+                                                        port, s.transfer_timeout_s), self.engine)
+            except OSError as exc:
+                raise RuntimeError(f"kvpush: prefill {s.engine_id} cannot listen on {s.side_channel_host}:{port} for its "
+                                   f"side channel ({exc}); stop the process holding that port or change side_channel_port") from None
+            log.info("kvpush: prefill %s side channel on %s:%d", s.engine_id, s.side_channel_host, port)
+        else:
+            self.consumer = Consumer(ConsumerConfig(s.engine_id, self.tp_rank, identity, s.allowed_engines,
+                                                    s.transfer_timeout_s), name, self.engine.metadata, tuple(regions))
+
+    # ---- D ------------------------------------------------------------------------------------
+    def bind(self, meta: PushMetadata) -> None:
+        if self.producer is not None and meta.accepts:
+            self.producer.accept(meta.accepts)
+        if self.consumer is None:
+            return
+        for r in meta.recvs:
+            if not r.report:
+                self._silent.add(r.transfer_id)
+            if r.peer_tp_size != self.settings.tp_size:
+                reason = f"prefill {r.peer_engine} runs TP {r.peer_tp_size}, this decode TP {self.settings.tp_size}; kvpush needs equal TP sizes"
+                log.error("kvpush: transfer %s (request %s) refused: %s", r.transfer_id, r.req_id, reason)
+                pending = Pending(r.transfer_id, r.req_id, r.peer_engine, r.block_ids, time.monotonic())
+                self._refused.append(Outcome(pending, False, reason))
+                continue
+            self.consumer.expect(r.req_id, r.transfer_id, r.peer_engine, r.peer_host, r.peer_port + self.tp_rank,
+                                 list(r.block_ids), r.first_block, r.num_tokens)
+        for tid in meta.cancels:
+            self.consumer.cancel(tid)
+
+    # ---- P ------------------------------------------------------------------------------------
+    def save(self, meta: PushMetadata) -> None:
+        if self.producer is None:
+            return
+        for s in meta.sends:
+            self._offered.add(s.req_id)
+            self.producer.offer(s.transfer_id, s.req_id, list(s.block_ids), s.peer_engine)
+        for tid, reason in meta.aborts:
+            self.producer.abort(tid, reason)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self.producer is not None:
+            self._sched_finished |= finished_req_ids & self._offered
+            self._pushed.update(self.producer.take_freed())
+            for rec in self.producer.take_records():
+                self._stats.record_send(rec)
+            ready = self._pushed & self._sched_finished
+            self._pushed -= ready
+            self._sched_finished -= ready
+            self._offered -= ready
+            return (ready or None), None
+        if self.consumer is not None:
+            recving = set()
+            refused, self._refused = self._refused, []
+            for o in refused + self.consumer.take_outcomes():
+                if o.pending.transfer_id in self._silent:
+                    self._silent.discard(o.pending.transfer_id)
+                    continue
+                recving.add(o.pending.req_id)
+                self._stats.record_recv(o)
+                if not o.ok:
+                    self._load_errors.update(o.pending.block_ids)
+            return None, (recving or None)
+        return None, None
+
+    def load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def take_stats(self) -> PushStats | None:
+        if self._stats.is_empty():
+            return None
+        stats, self._stats = self._stats, PushStats()
+        return stats
+
+    def shutdown(self) -> None:
+        for service in (self.producer, self.consumer):
+            if service is not None:
+                service.close()
+        if self.engine is not None:
+            self.engine.close()
+

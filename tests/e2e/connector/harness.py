@@ -1,0 +1,180 @@
+"""Real vLLM (CPU) prefill/decode servers with kvpush's connector, for the connector's e2e tests.
+
+Servers are started from `deploy.plan.build_plan` of a test topology (argv and env exactly as
+`kvpush up` would use them), in their own process groups, and always killed at the end.
+The two legs of a request are sent the way the router contract says.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvpush.deploy.plan import ProcessPlan, build_plan
+from kvpush.deploy.tiny_model import make_tiny_model
+from kvpush.deploy.topology import TinyModelSpec, parse_topology
+
+PORTS = {"prefill_http": 17100, "decode_http": 17101, "reference_http": 17102,
+         "prefill_side": 17200, "decode_side": 17210, "router": 17000}
+
+TOPOLOGY = """
+name: kvpush-connector-e2e
+platform: cpu
+model: {{path: {model}, served_name: tiny, max_model_len: 2048}}
+connector: {{type: kvpush, backend: UCX, transfer_timeout_s: 5}}
+hosts:
+  local: {{address: 127.0.0.1, workdir: {workdir}}}
+prefill: [{{cpu_cores: "0", kv_cache_gib: 1, http_port: {prefill_http}, side_channel_port: {prefill_side}}}]
+decode: [{{cpu_cores: "1", kv_cache_gib: 1, http_port: {decode_http}, side_channel_port: {decode_side}}}]
+router: {{port: {router}}}
+env: {{UCX_MODULES: "^ib", UCX_MEM_EVENTS: "no", VLLM_LOGGING_LEVEL: "DEBUG"}}
+"""
+
+
+def deployment_plan(model_dir: Path, workdir: Path):
+    topo = parse_topology(TOPOLOGY.format(model=model_dir, workdir=workdir, **PORTS))
+    return topo, build_plan(topo)
+
+
+def ensure_model(model_dir: Path) -> Path:
+    make_tiny_model(model_dir, TinyModelSpec(seed=0))
+    return model_dir
+
+
+def reference_of(decode: ProcessPlan) -> tuple[list[str], dict[str, str]]:
+    """A plain server with the decode server's exact settings, minus the KV connector."""
+    argv = list(decode.argv)
+    i = argv.index("--kv-transfer-config")
+    del argv[i:i + 2]
+    argv[argv.index("--port") + 1] = str(PORTS["reference_http"])
+    return argv, dict(decode.env)
+
+
+class Server:
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], port: int, log_dir: Path):
+        self.name, self.port = name, port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = log_dir / f"{name}.log"
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(argv, env={**os.environ, **env}, stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def wait_healthy(self, timeout_s: float = 300) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; see {self.log_path}:\n{self.tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"{self.name} not healthy after {timeout_s} s; see {self.log_path}")
+
+    def tail(self, n: int = 40) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait(timeout=30)
+        self._log.close()
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+            return r.read().decode()
+
+    def metric(self, name: str, labels: str = "") -> float:
+        total = 0.0
+        for line in self.metrics().splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                if labels in line:
+                    total += float(line.rsplit(" ", 1)[1])
+        return total
+
+
+def post(url: str, body: dict, timeout_s: float = 120) -> tuple[int, dict]:
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, {"error": e.read().decode(errors="replace")}
+    except (urllib.error.URLError, ConnectionError, OSError) as e:  # e.g. the server was killed
+        return 0, {"error": f"{type(e).__name__}: {e}"}
+
+
+def completion_body(prompt: list[int] | str, max_tokens: int) -> dict:
+    return {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+
+
+@dataclass
+class Legs:
+    prefill_status: int
+    prefill: dict
+    decode_status: int
+    decode: dict
+    seconds: float
+    decode_done_at: float  # time.monotonic() when the decode leg answered
+
+    @property
+    def text(self) -> str | None:
+        return self.decode["choices"][0]["text"] if self.decode_status == 200 else None
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.decode["choices"][0]["finish_reason"] if self.decode_status == 200 else None
+
+
+def push_request(prefill_url: str, decode_url: str, plan, body: dict, pool: ThreadPoolExecutor) -> Legs:
+    """Both legs at once, exactly as the router contract says."""
+    p = plan.process("prefill-0")
+    d = plan.process("decode-0")
+    p_engine, d_engine = "kvpush-connector-e2e.prefill-0", "kvpush-connector-e2e.decode-0"
+    tid = uuid.uuid4().hex
+    p_body = {**body, "max_tokens": 1, "stream": False,
+              "kv_transfer_params": {"kvpush_role": "producer", "transfer_id": tid, "peer_engine_id": d_engine,
+                                     "peer_host": "127.0.0.1", "peer_port": d.side_channel_ports[0]}}
+    d_body = {**body, "kv_transfer_params": {"kvpush_role": "consumer", "transfer_id": tid, "peer_engine_id": p_engine,
+                                             "peer_host": "127.0.0.1", "peer_port": p.side_channel_ports[0],
+                                             "peer_tp_size": 1}}
+    def timed_post(url: str, body: dict) -> tuple[int, dict, float]:
+        status, answer = post(url, body)
+        return status, answer, time.monotonic()
+
+    started = time.monotonic()
+    fp = pool.submit(timed_post, prefill_url, p_body)
+    fd = pool.submit(timed_post, decode_url, d_body)
+    (ps, pr, _), (ds, dr, d_done) = fp.result(), fd.result()
+    return Legs(ps, pr, ds, dr, time.monotonic() - started, d_done)
+
+
+def random_prompts(n: int, max_len: int, seed: int = 0, vocab: int = 2800) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    lengths = [1, 2, 127, 128, 129, 255, 256, 257, max_len] + [rng.randint(1, max_len) for _ in range(n)]
+    return [[rng.randint(10, vocab - 1) for _ in range(k)] for k in lengths[:n]]
+
+
+def kv_usage(server: Server) -> float:
+    return server.metric("vllm:kv_cache_usage_perc")
+
+
+def grep_log(server: Server, pattern: str) -> list[str]:
+    return [l for l in server.log_path.read_text(errors="replace").splitlines() if re.search(pattern, l)]

@@ -1,0 +1,99 @@
+"""A prefill-side push peer in its own process, driven over stdin/stdout by the tests.
+
+Commands (one JSON object per line): {"offer": [tid, req, [blocks], peer]}, {"accept": [tids]},
+{"abort": [tid, reason]},
+{"freed": true} -> prints {"freed": [...], "records": [...]}. Prints {"port": P} once ready.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from kvpush.connector.layout import TensorView, kv_regions
+from kvpush.connector.producer import Producer, ProducerConfig
+from kvpush.connector.transfer import NixlEngine
+from kvpush.connector.wire import LayoutIdentity
+
+
+def kv_buffer(num_blocks: int, block_shape: tuple[int, ...], seed: int | None) -> np.ndarray:
+    shape = (num_blocks, *block_shape)
+    if seed is None:
+        return np.zeros(shape, dtype=np.uint8)
+    return np.random.default_rng(seed).integers(0, 256, size=shape, dtype=np.uint8)
+
+
+def view_of(arr: np.ndarray) -> TensorView:
+    return TensorView(arr.ctypes.data, arr.shape, tuple(s // arr.itemsize for s in arr.strides), arr.itemsize)
+
+
+def identity(arr: np.ndarray, model: str = "test-model") -> LayoutIdentity:
+    block_len = int(np.prod(arr.shape[1:])) * arr.itemsize
+    return LayoutIdentity(model, "uint8", 16, 1, ("layer0",), (block_len,))
+
+
+class PeerProcess:
+    """Launcher side: runs this file as a child process and talks to it."""
+
+    def __init__(self, engine_id: str, allowed: list[str], *, num_blocks: int, block_shape: tuple[int, ...],
+                 seed: int | None, **extra):
+        cfg = {"engine_id": engine_id, "allowed": allowed, "num_blocks": num_blocks,
+               "block_shape": list(block_shape), "seed": seed, **extra}
+        env = {**os.environ, "UCX_MODULES": "^ib", "UCX_MEM_EVENTS": "no", "NIXL_LOG_LEVEL": "WARN"}
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__)), json.dumps(cfg)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env=env)
+        self.port = json.loads(self.proc.stdout.readline())["port"]
+
+    def send(self, **cmd) -> None:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+
+    def status(self) -> dict:
+        self.send(freed=True)
+        return json.loads(self.proc.stdout.readline())
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=10)
+
+
+def wait_outcomes(consumer, n: int, timeout_s: float = 5.0) -> list:
+    got, deadline = [], time.monotonic() + timeout_s
+    while len(got) < n and time.monotonic() < deadline:
+        got += consumer.take_outcomes()
+        time.sleep(0.001)
+    return got
+
+
+def main() -> None:
+    cfg = json.loads(sys.argv[1])
+    arr = kv_buffer(cfg["num_blocks"], tuple(cfg["block_shape"]), cfg["seed"])
+    regions = kv_regions([view_of(arr)], cfg["num_blocks"])
+    engine = NixlEngine(cfg["engine_id"], regions)
+    producer = Producer(ProducerConfig(cfg["engine_id"], identity(arr, cfg.get("model", "test-model")),
+                                       frozenset(cfg["allowed"]), "127.0.0.1", cfg.get("port", 0),
+                                       cfg.get("timeout_s", 5.0)), engine)
+    print(json.dumps({"port": producer.port}), flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if "offer" in cmd:
+            producer.offer(*cmd["offer"])
+        elif "accept" in cmd:
+            producer.accept(cmd["accept"])
+        elif "abort" in cmd:
+            producer.abort(*cmd["abort"])
+        elif "freed" in cmd:
+            recs = [r.__dict__ for r in producer.take_records()]
+            print(json.dumps({"freed": producer.take_freed(), "records": recs,
+                              "counters": dict(producer.counters)}), flush=True)
+    producer.close()
+
+
+if __name__ == "__main__":
+    main()

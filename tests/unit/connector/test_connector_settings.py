@@ -1,0 +1,46 @@
+"""Settings from vLLM's kv_transfer_config, and start-up refusals with a clear message."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from kvpush.connector.settings import Settings, UnsupportedDeployment
+
+
+def vllm_config(role="kv_consumer", extra=None, use_mla=False, dp=1, pp=1):
+    kv = SimpleNamespace(kv_role=role, engine_id="dep.decode-0", kv_buffer_device="cpu",
+                         kv_connector_extra_config={"side_channel_host": "127.0.0.1", "side_channel_port": 9,
+                                                    "allowed_engines": ["dep.prefill-0"], **(extra or {})})
+    return SimpleNamespace(kv_transfer_config=kv, model_config=SimpleNamespace(model="/m", use_mla=use_mla),
+                           parallel_config=SimpleNamespace(tensor_parallel_size=1, data_parallel_size=dp, pipeline_parallel_size=pp),
+                           cache_config=SimpleNamespace(block_size=128))
+
+
+def test_settings_from_config():
+    s = Settings.from_vllm(vllm_config(extra={"transfer_timeout_s": 2}))
+    assert not s.is_producer and s.allowed_engines == {"dep.prefill-0"} and s.transfer_timeout_s == 2.0
+    assert Settings.from_vllm(vllm_config("kv_producer")).is_producer
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"role": "kv_both"}, "kv_role"),
+    ({"use_mla": True}, "MLA"),
+    ({"dp": 2}, "data_parallel_size"),
+    ({"pp": 2}, "pipeline"),
+])
+def test_unsupported_is_refused_with_reason(kwargs, words):
+    with pytest.raises(UnsupportedDeployment, match=words):
+        Settings.from_vllm(vllm_config(**kwargs))
+
+
+def test_hybrid_kv_groups_refused():
+    with pytest.raises(UnsupportedDeployment, match="KV cache groups"):
+        Settings.from_vllm(vllm_config(), SimpleNamespace(kv_cache_groups=[1, 2]))
+
+
+def test_missing_extra_config_names_keys():
+    cfg = vllm_config()
+    cfg.kv_transfer_config.kv_connector_extra_config = {}
+    with pytest.raises(UnsupportedDeployment, match="side_channel_host"):
+        Settings.from_vllm(cfg)

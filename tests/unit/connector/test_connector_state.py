@@ -1,0 +1,153 @@
+"""Protocol state: matching in both orders, duplicates, expiry, failures, aborts, cancels."""
+from __future__ import annotations
+
+from kvpush.connector.state import ConsumerState, Match, Offer, Pending, ProducerState, Registration, Rejection
+
+D, OTHER = "D.e", "D.x"
+
+
+def offer(tid="t", blocks=(10, 11, 12), peer=D, at=0.0):
+    return Offer(tid, "req-" + tid, tuple(blocks), peer, at)
+
+
+def reg(tid="t", blocks=(1, 2, 3), first=0, peer=D, at=0.0):
+    return Registration(tid, peer, tuple(blocks), first, at)
+
+
+def test_offer_then_registration_matches():
+    s = ProducerState(5.0)
+    assert s.offer(offer(at=1.0)) is None
+    m = s.register(reg(at=1.5))
+    assert isinstance(m, Match) and m.src_blocks == (10, 11, 12) and m.dst_blocks == (1, 2, 3)
+    assert m.wait_s == 0.5 and not s.offers and not s.registrations
+
+
+def test_registration_then_offer_matches_with_local_prefix():
+    s = ProducerState(5.0)
+    assert s.register(reg(blocks=(7, 8), first=1)) is None
+    m = s.offer(offer())
+    assert isinstance(m, Match) and m.src_blocks == (11, 12) and m.dst_blocks == (7, 8)
+
+
+def test_duplicates_are_dropped_and_counted():
+    s = ProducerState(5.0)
+    s.register(reg())
+    assert s.register(reg()) is None
+    s.offer(offer())
+    assert isinstance(s.register(reg()), Rejection)  # late: transfer already closed
+    assert s.dropped["duplicate_registration"] == 1 and s.dropped["late_registration"] == 1
+
+
+def test_registration_from_wrong_engine_is_rejected_and_frees_blocks():
+    s = ProducerState(5.0)
+    s.offer(offer(peer=D))
+    r = s.register(reg(peer=OTHER))
+    assert isinstance(r, Rejection) and r.req_id == "req-t" and "D.e" in r.reason
+
+
+def test_registration_beyond_prefill_blocks_is_rejected():
+    s = ProducerState(5.0)
+    s.offer(offer(blocks=(1,)))
+    assert isinstance(s.register(reg(blocks=(1, 2))), Rejection)
+
+
+def test_expiry_of_unmatched_halves():
+    s = ProducerState(5.0)
+    s.offer(offer("a", at=0.0))
+    s.register(reg("b", at=3.0))
+    offers, regs = s.expire(now=5.5)
+    assert [o.transfer_id for o in offers] == ["a"] and regs == []
+    offers, regs = s.expire(now=8.5)
+    assert [r.transfer_id for r in regs] == ["b"]
+    assert s.next_deadline() is None
+    assert isinstance(s.offer(offer("a", at=9.0)), Rejection)  # late offer frees its blocks at once
+
+
+def test_abort_before_registration_answers_it_with_failure():
+    s = ProducerState(5.0)
+    assert s.abort("t", "aborted", now=1.0) is None
+    r = s.register(reg())
+    assert isinstance(r, Rejection) and r.reason == "aborted" and r.req_id is None
+
+
+def test_abort_after_registration_returns_it():
+    s = ProducerState(5.0)
+    s.register(reg())
+    assert s.abort("t", "aborted", now=1.0).transfer_id == "t"
+
+
+def test_cancel_frees_unmatched_offer():
+    s = ProducerState(5.0)
+    s.offer(offer())
+    assert s.cancel("t", D, now=1.0).req_id == "req-t"
+    assert s.cancel("t", D, now=1.0) is None
+
+
+def test_cancel_before_offer_makes_late_offer_free_blocks():
+    s = ProducerState(5.0)
+    s.register(reg())
+    assert s.cancel("t", D, now=1.0) is None
+    assert isinstance(s.offer(offer()), Rejection)
+
+
+def test_peer_gone_drops_its_registrations():
+    s = ProducerState(5.0)
+    s.register(reg("a"))
+    s.register(reg("b", peer=OTHER))
+    s.peer_gone(D)
+    assert list(s.registrations) == ["b"]
+
+
+def pending(tid="t", peer="P.e", at=0.0):
+    return Pending(tid, "req-" + tid, peer, (1, 2), at)
+
+
+def test_consumer_done_and_fail_outcomes():
+    c = ConsumerState(5.0)
+    c.add(pending("a"))
+    c.add(pending("b"))
+    assert c.done("a", "P.e", 100).ok
+    out = c.fail("b", "P.e", "why")
+    assert not out.ok and out.reason == "why"
+    assert c.done("a", "P.e", 100) is None and c.dropped["unknown_done"] == 1
+
+
+def test_consumer_ignores_outcomes_from_other_engine():
+    c = ConsumerState(5.0)
+    c.add(pending())
+    assert c.done("t", "P.other", 1) is None and "t" in c.pending
+
+
+def test_consumer_duplicate_registration_dropped():
+    c = ConsumerState(5.0)
+    assert c.add(pending()) and not c.add(pending())
+
+
+def test_consumer_peer_gone_fails_its_transfers():
+    c = ConsumerState(5.0)
+    c.add(pending("a"))
+    c.add(pending("b", peer="P.x"))
+    assert [o.pending.transfer_id for o in c.peer_gone("P.e", "lost")] == ["a"]
+
+
+def test_consumer_short_expiry_only_until_accepted():
+    c = ConsumerState(5.0, accepted_timeout_s=100.0)
+    c.add(pending("a", at=0.0))
+    c.add(pending("b", at=0.0))
+    assert c.accept("b", "P.e", now=1.0) and not c.accept("zzz", "P.e", now=1.0)
+    assert c.next_deadline() == 5.0
+    assert [o.pending.transfer_id for o in c.expire(6.0)] == ["a"]
+    assert c.next_deadline() == 101.0 and "b" in c.pending
+    [late] = c.expire(102.0)
+    assert not late.ok and "accepted" in late.reason and not c.pending
+
+
+def test_accepted_registration_waits_past_the_timeout():
+    s = ProducerState(5.0)
+    s.register(reg("a", at=0.0))
+    assert s.accept("a").transfer_id == "a"
+    assert s.accept("b") is None  # accepted before D registered
+    s.register(reg("b", at=0.0))
+    assert s.expire(now=60.0) == ([], []) and s.next_deadline() is None
+    assert isinstance(s.offer(offer("a", at=61.0)), Match)
+    assert "a" not in s.accepted

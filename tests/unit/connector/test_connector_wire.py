@@ -1,0 +1,80 @@
+"""Wire messages: round trips, and every kind of malformed frame is a WireError (never a crash)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvpush.connector import wire
+
+IDENTITY = wire.LayoutIdentity("m", "bfloat16", 128, 1, ("l0", "l1"), (65536, 65536))
+REGIONS = (wire.Region(4096, 65536, 65536, 10), wire.Region(1 << 30, 65536, 65536, 10))
+MESSAGES = [
+    wire.Hello("D.e", 0, "agent", b"\x00\xffmeta", IDENTITY, REGIONS),
+    wire.Welcome("P.e"), wire.Refuse("P.e", "no"),
+    wire.Register("t1", (5, 3, 9), 1, 300), wire.Cancel("t1"), wire.Accepted("t1"),
+    wire.Done("t1", 4096), wire.Fail("t1", "boom"),
+]
+
+
+@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: m.type)
+def test_round_trip(msg):
+    frame = wire.encode(msg)
+    [body] = wire.FrameReader().feed(frame)
+    assert wire.decode(body) == msg
+
+
+def test_frame_reader_splits_and_joins_partial_frames():
+    data = b"".join(wire.encode(m) for m in MESSAGES)
+    reader, got = wire.FrameReader(), []
+    for i in range(0, len(data), 7):
+        got += reader.feed(data[i:i + 7])
+    assert [wire.decode(b) for b in got] == MESSAGES
+
+
+def test_oversized_frame_is_refused():
+    with pytest.raises(wire.WireError):
+        wire.FrameReader().feed(wire.LENGTH.pack(wire.MAX_FRAME_BYTES + 1))
+
+
+def body_of(msg) -> dict:
+    return json.loads(wire.encode(msg)[4:])
+
+
+@pytest.mark.parametrize("mutate", [
+    lambda b: b"not json",
+    lambda b: b"[1, 2]",
+    lambda b: json.dumps({**b, "type": "nope"}).encode(),
+    lambda b: json.dumps({**b, "extra": 1}).encode(),
+    lambda b: json.dumps({k: v for k, v in b.items() if k != "block_ids"}).encode(),
+    lambda b: json.dumps({**b, "block_ids": [1, -2]}).encode(),
+    lambda b: json.dumps({**b, "block_ids": [1, 1]}).encode(),
+    lambda b: json.dumps({**b, "block_ids": "1,2"}).encode(),
+    lambda b: json.dumps({**b, "first_block": True}).encode(),
+    lambda b: json.dumps({**b, "transfer_id": ""}).encode(),
+    lambda b: json.dumps({**b, "transfer_id": "x" * 1000}).encode(),
+    lambda b: b"\xff\xfe",
+])
+def test_malformed_register_is_wire_error(mutate):
+    with pytest.raises(wire.WireError):
+        wire.decode(mutate(body_of(wire.Register("t", (1, 2), 0, 10))))
+
+
+@pytest.mark.parametrize("mutate", [
+    lambda b: {**b, "agent_metadata": "***"},
+    lambda b: {**b, "regions": []},
+    lambda b: {**b, "regions": [{"base": 0, "block_len": 1, "stride": 1, "num_blocks": 1}]},
+    lambda b: {**b, "identity": {**b["identity"], "block_lens": [1]}},
+    lambda b: {**b, "identity": "x"},
+])
+def test_malformed_hello_is_wire_error(mutate):
+    with pytest.raises(wire.WireError):
+        wire.decode(json.dumps(mutate(body_of(MESSAGES[0]))).encode())
+
+
+def test_identity_mismatch_names_both_values():
+    other = wire.LayoutIdentity("m2", "float16", 16, 1, ("l0", "l2"), (65536, 65536))
+    diffs = " ".join(IDENTITY.mismatches(other))
+    assert "model: 'm' vs 'm2'" in diffs and "'bfloat16' vs 'float16'" in diffs and "128 vs 16" in diffs
+    assert "l1" in diffs and "l2" in diffs
+    assert IDENTITY.mismatches(IDENTITY) == []

@@ -1,0 +1,107 @@
+"""Worker-side bookkeeping with stand-in push services: when vLLM hears finished/failed."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from kvpush.connector.metadata import PushMetadata, RecvSpec, SendSpec
+from kvpush.connector.state import Outcome, Pending
+from kvpush.connector.stats import PushStats
+from kvpush.connector.worker import PushWorker
+
+
+class FakeProducer:
+    def __init__(self):
+        self.offers, self.freed, self.accepted = [], [], []
+
+    def offer(self, *args):
+        self.offers.append(args)
+
+    def abort(self, *args):
+        pass
+
+    def accept(self, tids):
+        self.accepted += tids
+
+    def take_freed(self):
+        freed, self.freed = self.freed, []
+        return freed
+
+    def take_records(self):
+        return []
+
+
+class FakeConsumer:
+    def __init__(self):
+        self.expected, self.outcomes = [], []
+
+    def expect(self, *args):
+        self.expected.append(args)
+
+    def cancel(self, tid):
+        pass
+
+    def take_outcomes(self):
+        out, self.outcomes = self.outcomes, []
+        return out
+
+
+def worker(producer: bool) -> PushWorker:
+    settings = SimpleNamespace(tp_size=1, is_producer=producer)
+    w = PushWorker(settings, num_blocks=10, tp_rank=0)
+    if producer:
+        w.producer = FakeProducer()
+    else:
+        w.consumer = FakeConsumer()
+    return w
+
+
+def test_prefill_reports_sent_only_after_scheduler_finished_it():
+    w = worker(True)
+    w.save(PushMetadata(sends=[SendSpec("r", "t", (1, 2), "D")]))
+    w.producer.freed.append("r")
+    assert w.get_finished(set()) == (None, None)  # pushed, but vLLM has not finished it yet
+    assert w.get_finished({"r", "other"}) == ({"r"}, None)
+    assert w.get_finished({"r"}) == (None, None)
+
+
+def test_prefill_reports_when_push_ends_after_finish():
+    w = worker(True)
+    w.bind(PushMetadata(accepts=["t"]))
+    assert w.producer.accepted == ["t"]
+    w.save(PushMetadata(sends=[SendSpec("r", "t", (1,), "D")]))
+    assert w.get_finished({"r"}) == (None, None)
+    w.producer.freed.append("r")
+    assert w.get_finished(set()) == ({"r"}, None)
+
+
+def test_decode_failure_reports_blocks_and_finished():
+    w = worker(False)
+    w.bind(PushMetadata(recvs=[RecvSpec("r", "t", "P", "h", 5, 1, (3, 4), 0, 200)]))
+    assert w.consumer.expected[0][:2] == ("r", "t")
+    w.consumer.outcomes.append(Outcome(Pending("t", "r", "P", (3, 4), 0.0), False, "gone"))
+    assert w.get_finished(set()) == (None, {"r"})
+    assert w.load_errors() == {3, 4} and w.load_errors() == set()
+    assert w.take_stats().data["recvs_failed"] == 1
+
+
+def test_decode_notify_only_transfer_is_not_reported():
+    w = worker(False)
+    w.bind(PushMetadata(recvs=[RecvSpec("r", "t", "P", "h", 5, 1, (), 2, 0, report=False)]))
+    w.consumer.outcomes.append(Outcome(Pending("t", "r", "P", (), 0.0), True))
+    assert w.get_finished(set()) == (None, None)
+
+
+def test_decode_tp_mismatch_fails_request_without_transfer():
+    w = worker(False)
+    w.bind(PushMetadata(recvs=[RecvSpec("r", "t", "P", "h", 5, 2, (3,), 0, 100)]))
+    assert w.consumer.expected == []
+    assert w.get_finished(set()) == (None, {"r"}) and w.load_errors() == {3}
+
+
+def test_stats_reduce_and_aggregate():
+    a, b = PushStats(), PushStats()
+    a.data["sends_ok"], a.data["send_bytes"], a.data["prefill_end_to_done_s"] = 1, [100], [0.002]
+    b.data["sends_failed"] = 1
+    merged = a.aggregate(b).reduce()
+    assert merged["sends_ok"] == 1 and merged["sends_failed"] == 1 and merged["send_bytes_total"] == 100
+    assert merged["prefill_end_to_done_p50_ms"] == 2.0 and not a.is_empty() and PushStats().is_empty()
