@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from .changes import Changes, diff_deployment, is_running, launch_digest
 from .errors import KvpushError
 from .hosts import connected
-from .plan import HostPlan, Plan, ProcessPlan, build_plan
+from .plan import HostPlan, Plan, build_plan
 from .provision import ProvisionResult, WheelSource, local_digest, provision_host
-from .runners import HostError, Runner, SshOptions, fan_out, values_or_raise
+from .runners import Runner, SshOptions, fan_out, values_or_raise
 from .state import DeploymentState, HostRecord, ProcessRecord, load_state, locked, remove_state, save_state
 from .tiny_model import MARKER as TINY_MODEL_MARKER
 from .topology import Topology

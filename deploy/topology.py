@@ -7,7 +7,6 @@ per-field checks, on the fully defaulted topology.
 from __future__ import annotations
 
 import re
-from collections import defaultdict
 from pathlib import Path
 from typing import Any, Literal
 

@@ -18,7 +18,7 @@ def decide_transfer(outcome: TransferOutcome, platform: str, backend: str) -> Ch
     ev = Evidence(outcome.command, outcome.evidence)
     if not outcome.ok:
         return fail("transfer", subject, f"NIXL WRITE {outcome.source} -> {outcome.target} failed: {outcome.error}",
-                    f"fix the failing checks above (nixl-backend, reachability, memlock), then rerun with --transfer",
+                    "fix the failing checks above (nixl-backend, reachability, memlock), then rerun with --transfer",
                     ev, scope="pair")
     if not outcome.byte_exact:
         return fail("transfer", subject, f"WRITE completed but the bytes differ: {outcome.error}",

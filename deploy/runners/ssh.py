@@ -10,7 +10,6 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 
 import paramiko

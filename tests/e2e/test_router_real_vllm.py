@@ -8,10 +8,7 @@ settings gives the reference greedy answers. Heavy: run under `flock /tmp/kvpush
 from __future__ import annotations
 
 import json
-import os
 import random
-import signal
-import subprocess
 import sys
 import time
 import urllib.error
@@ -25,6 +22,7 @@ from kvpush.deploy.plan import build_plan
 from kvpush.deploy.tiny_model import make_tiny_model
 from kvpush.deploy.topology import TinyModelSpec, parse_topology
 from kvpush.deploy.vllm_metrics import PROMPT_TOKENS_BY_SOURCE, metric_sum
+from server_process import ServerProcess
 
 PORTS = {"prefill_http": 18300, "decode_http": 18301, "reference_http": 18302, "router": 18310,
          "prefill_side": 18400, "decode_side": 18410}
@@ -52,46 +50,6 @@ def _prompt(seed: int) -> list[int]:
 
 
 PROMPTS = [_prompt(i) for i in range(N_PROMPTS)]
-
-
-class Process:
-    """One server in its own process group, logging to a file; always killed at teardown."""
-
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], url: str, log_dir: Path):
-        self.name, self.url = name, url
-        self.log_path = log_dir / f"{name}.log"
-        self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(argv, env={**os.environ, **env}, stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
-
-    def wait_healthy(self, timeout_s: float = 300) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; see {self.log_path}:\n{self.tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"{self.name} not healthy after {timeout_s} s; see {self.log_path}:\n{self.tail()}")
-
-    def tail(self, n: int = 30) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.proc.wait(timeout=30)
-        self._log.close()
 
 
 def get(url: str, timeout_s: float = 10) -> tuple[int, str]:
@@ -148,7 +106,7 @@ def reference_answers(model_dir, tmp_path_factory) -> list[str]:
     del argv[i:i + 2]
     argv[argv.index("--port") + 1] = str(PORTS["reference_http"])
     env = {k: v for k, v in decode.env.items() if not k.startswith("VLLM_NIXL")}
-    server = Process("reference", argv, env, f"http://127.0.0.1:{PORTS['reference_http']}", workdir)
+    server = ServerProcess("reference", argv, env, f"http://127.0.0.1:{PORTS['reference_http']}", workdir)
     try:
         server.wait_healthy()
         return [answer_text(*complete(server.url, p, stream=False), stream=False) for p in PROMPTS]
@@ -157,7 +115,7 @@ def reference_answers(model_dir, tmp_path_factory) -> list[str]:
 
 
 class Deployment:
-    def __init__(self, protocol: str, prefill: Process, decode: Process, router: Process):
+    def __init__(self, protocol: str, prefill: ServerProcess, decode: ServerProcess, router: ServerProcess):
         self.protocol, self.prefill, self.decode, self.router = protocol, prefill, decode, router
 
     def decode_tokens(self, source: str) -> float:
@@ -172,16 +130,16 @@ def deployment(request, model_dir, reference_answers, tmp_path_factory):
     protocol = request.param
     workdir = tmp_path_factory.mktemp(protocol)
     plan = make_plan(protocol, model_dir, workdir)
-    started: list[Process] = []
+    started: list[ServerProcess] = []
     try:
         for name in ("prefill-0", "decode-0"):
             proc = plan.process(name)
-            started.append(Process(name, proc.argv, proc.env, proc.health_url.rsplit("/", 1)[0], workdir))
+            started.append(ServerProcess(name, proc.argv, proc.env, proc.health_url.rsplit("/", 1)[0], workdir))
         router_plan = plan.process("router")
         config_file = plan.host(router_plan.host).files[0]
         config_path = workdir / "router.json"
         config_path.write_text(config_file.content)
-        started.append(Process("router", [sys.executable, "-m", "kvpush.router", "--config", str(config_path)],
+        started.append(ServerProcess("router", [sys.executable, "-m", "kvpush.router", "--config", str(config_path)],
                                router_plan.env, router_plan.health_url.rsplit("/", 1)[0], workdir))
         for proc in started:
             proc.wait_healthy()

@@ -4,7 +4,6 @@ from __future__ import annotations
 import asyncio
 import json
 
-import aiohttp
 import pytest
 from router_harness import MODEL, deployment, eventually
 

@@ -1,7 +1,6 @@
 """Topology validation: every mistake gives one line naming file:line:col and the field."""
 from __future__ import annotations
 
-import textwrap
 
 import pytest
 

@@ -7,10 +7,7 @@ The two legs of a request are sent the way the router contract says.
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -20,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvpush.deploy.plan import ProcessPlan, build_plan
+from server_process import ServerProcess
 from kvpush.deploy.tiny_model import make_tiny_model
 from kvpush.deploy.topology import TinyModelSpec, parse_topology
 
@@ -59,52 +57,8 @@ def reference_of(decode: ProcessPlan) -> tuple[list[str], dict[str, str]]:
     return argv, dict(decode.env)
 
 
-class Server:
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], port: int, log_dir: Path):
-        self.name, self.port = name, port
-        self.url = f"http://127.0.0.1:{port}"
-        self.log_path = log_dir / f"{name}.log"
-        self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(argv, env={**os.environ, **env}, stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
-
-    def wait_healthy(self, timeout_s: float = 300) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; see {self.log_path}:\n{self.tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"{self.name} not healthy after {timeout_s} s; see {self.log_path}")
-
-    def tail(self, n: int = 40) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.proc.wait(timeout=30)
-        self._log.close()
-
-    def metrics(self) -> str:
-        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
-            return r.read().decode()
-
-    def metric(self, name: str, labels: str = "") -> float:
-        total = 0.0
-        for line in self.metrics().splitlines():
-            if line.startswith(name + "{") or line.startswith(name + " "):
-                if labels in line:
-                    total += float(line.rsplit(" ", 1)[1])
-        return total
+def Server(name: str, argv: list[str], env: dict[str, str], port: int, log_dir: Path) -> ServerProcess:
+    return ServerProcess(name, argv, env, f"http://127.0.0.1:{port}", log_dir)
 
 
 def post(url: str, body: dict, timeout_s: float = 120) -> tuple[int, dict]:
