@@ -78,13 +78,14 @@ def register(app: typer.Typer) -> None:
         known_hosts: str = KNOWN_HOSTS,
         connect_timeout: float = CONNECT_TIMEOUT,
         no_provision: bool = typer.Option(False, "--no-provision", help="Skip checking/installing kvpush on the hosts."),
+        skip_doctor: bool = typer.Option(False, "--skip-doctor", help="Launch even if doctor's fast checks fail."),
         timeout: float = typer.Option(600.0, "--timeout", help="Seconds each process may take to become ready."),
     ) -> None:
         """Start the deployment (only what changed), wait until ready, and prove KV moves through the router."""
         topo, source = resolve_topology(file)
         note(f"topology: {source}")
         options = LifecycleOptions(ssh=_ssh_options(accept_new_host_keys, known_hosts, connect_timeout),
-                                   ready_timeout_s=timeout, provision=not no_provision)
+                                   ready_timeout_s=timeout, provision=not no_provision, doctor=not skip_doctor)
         columns = [SpinnerColumn(), TextColumn("[bold]{task.description}"), TextColumn("{task.fields[status]}"), TimeElapsedColumn()]
         with Progress(*columns, console=err, transient=False) as progress:
             result = up(topo, options, _ProgressEvents(progress))

@@ -32,6 +32,7 @@ class LifecycleOptions:
     stop_timeout_s: float = 20.0
     provision: bool = True
     prove: bool = True  # send one request through the router and check KV moved
+    doctor: bool = True  # run doctor's fast checks first and refuse to launch on a failure
 
 
 class Events:
@@ -234,6 +235,17 @@ def prove_kv_transfer(runners: dict[str, Runner], plan: Plan, timeout_s: float =
 # -- up / down ---------------------------------------------------------------------------------
 
 
+def _doctor_gate(topo: Topology, runners: dict[str, Runner], running: frozenset[str], events: Events) -> None:
+    """Doctor's fast checks on every host before anything stops or starts."""
+    from .doctor import fast_checks
+
+    events.process("doctor", "checking hosts")
+    report = fast_checks(topo, runners, running=running)
+    if report.failed:
+        raise KvpushError(f"doctor: {report.first_failure_line()}; nothing was started (fix it, or pass --skip-doctor)")
+    events.process("doctor", f"{len(report.results)} checks passed in {report.seconds:.1f} s", done=True)
+
+
 def up(topo: Topology, options: LifecycleOptions = LifecycleOptions(), events: Events = Events()) -> UpResult:
     begun = time.monotonic()
     plan = build_plan(topo)
@@ -263,6 +275,8 @@ def up(topo: Topology, options: LifecycleOptions = LifecycleOptions(), events: E
                 return result
             for line in changes.lines():
                 events.note(line)
+            if options.doctor:
+                _doctor_gate(topo, runners, frozenset(n for n, alive in running.items() if alive), events)
 
             # Stop what is removed or changed, and clear records of processes that died.
             old = [state.processes[n] for n in changes.stop + changes.restart + changes.revive]

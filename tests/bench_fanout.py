@@ -80,7 +80,7 @@ def main() -> int:
             half = (n - 1) // 2
             topo = topology_for(cluster, "bench", python, work, prefill=list(range(half)),
                                 decode=list(range(half, n - 1)), router=n - 1, port_base=args.port_base)
-            options = LifecycleOptions(ssh=ssh, provision=False, ready_timeout_s=60, stop_timeout_s=10)
+            options = LifecycleOptions(ssh=ssh, provision=False, doctor=False, ready_timeout_s=60, stop_timeout_s=10)
             result = timed(f"up: {n} stand-in processes on {n} hosts, ready + proof", lambda: up(topo, options))
             print(f"{'  slowest process ready after':<58} {max(result.ready_s.values()):6.2f} s", flush=True)
             for attempt in (1, 2, 3):

@@ -24,6 +24,7 @@ def options(cluster, **kw) -> LifecycleOptions:
     kw.setdefault("ready_timeout_s", 120)  # generous: this machine is shared and often loaded
     kw.setdefault("stop_timeout_s", 5)
     kw.setdefault("provision", False)  # stand-ins run the shared dev venv: never install into it
+    kw.setdefault("doctor", False)  # stand-in hosts have no vLLM: doctor's software check would refuse them
     return LifecycleOptions(ssh=SshOptions(known_hosts=str(cluster.known_hosts), connect_timeout_s=5), **kw)
 
 

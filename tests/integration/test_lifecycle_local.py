@@ -23,7 +23,7 @@ def test_local_host_up_status_down(tmp_path, state_dir):
         "router": {"port": 19604},
     }))
     assert topo.hosts["local"].is_local
-    opts = LifecycleOptions(ssh=SshOptions(known_hosts=str(tmp_path / "none")), provision=False, ready_timeout_s=30)
+    opts = LifecycleOptions(ssh=SshOptions(known_hosts=str(tmp_path / "none")), provision=False, doctor=False, ready_timeout_s=30)
     try:
         result = up(topo, opts)
         assert result.proof.external_kv_tokens > 0

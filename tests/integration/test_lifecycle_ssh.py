@@ -148,9 +148,12 @@ def test_cli_up_and_down_exit_codes(deploy, sshd_cluster, tmp_path, capsys):
     path.write_text(yaml.safe_dump(topo.model_dump(mode="json", exclude_none=True)))
     kh = ["--known-hosts", str(sshd_cluster.known_hosts)]
     code, out, err = _cli(["up", str(path), "--no-provision", "--timeout", "30", *kh], capsys)
+    assert code == 1 and "doctor:" in err and "--skip-doctor" in err  # stand-in hosts have no vLLM
+    assert load_state(topo.name) is None or not load_state(topo.name).processes
+    code, out, err = _cli(["up", str(path), "--no-provision", "--skip-doctor", "--timeout", "30", *kh], capsys)
     assert code == 0, err
     assert "ready; slowest process" in out and "decode received" in out
-    code, out, _ = _cli(["up", str(path), "--no-provision", *kh], capsys)
+    code, out, _ = _cli(["up", str(path), "--no-provision", "--skip-doctor", *kh], capsys)
     assert code == 0 and "unchanged, nothing to do" in out
     code, out, _ = _cli(["down", str(path), *kh], capsys)
     assert code == 0 and "stopped" in out
