@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import json
 import shlex
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Protocol, TypeVar
+
+from kvpush.deploy.runners.fanout import fan_out
 
 from .facts import HostFacts, NixlProbe
 
@@ -37,28 +38,10 @@ class ProbeFailure:
 
 
 def in_parallel(jobs: Mapping[str, Callable[[], T]], timeout: float, shown_timeout: float | None = None) -> dict[str, T | ProbeFailure]:
-    """Run every job in its own daemon thread; a job still running at the deadline is reported as
-    a timeout and abandoned (a daemon thread cannot keep the command from exiting)."""
-    results: dict[str, T | ProbeFailure] = {}
-    done = {key: threading.Event() for key in jobs}
-
-    def call(key: str, fn: Callable[[], T]) -> None:
-        try:
-            results[key] = fn()
-        except Exception as exc:  # a runner's HostError, paramiko surprises: one line per host
-            message = str(exc) or type(exc).__name__
-            results[key] = ProbeFailure(key, message if key in message else f"host {key}: {message}")
-        finally:
-            done[key].set()
-
-    for key, fn in jobs.items():
-        threading.Thread(target=call, args=(key, fn), daemon=True, name=f"doctor-{key}").start()
-    deadline = time.monotonic() + timeout
-    for key, event in done.items():
-        if not event.wait(max(0.0, deadline - time.monotonic())):
-            shown = timeout if shown_timeout is None else shown_timeout
-            results[key] = ProbeFailure(key, f"host {key}: no answer within {shown:g} s (check cut off)", timed_out=True)
-    return {key: results[key] for key in jobs}
+    """Every job at once, each cut off at the deadline (runners' fan_out); failures as ProbeFailure."""
+    results = fan_out(list(jobs), lambda key: jobs[key](), timeout_s=timeout, shown_timeout_s=shown_timeout)
+    return {key: r.value if r.ok else ProbeFailure(key, r.error or f"host {key}: failed", timed_out=r.timed_out)
+            for key, r in results.items()}
 
 
 def shell_path(path: str) -> str:
