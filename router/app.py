@@ -24,7 +24,9 @@ log = logging.getLogger("kvpush.router")
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 GUARDED_PREFIX = "/v1"  # vLLM's --api-key guards exactly these paths
-UPSTREAM_KEEPALIVE_S = 4.0
+# Far below vLLM's (uvicorn's) 5 s keep-alive: on a loaded host the two timers drift, and a leg
+# sent on a connection the server is closing that instant fails with a reset (seen at 4 s).
+UPSTREAM_KEEPALIVE_S = 2.0
 MAX_BODY_BYTES_PER_CHAR = 8  # JSON escapes can inflate a prompt; the prompt limit is checked after parsing
 
 ROUTER_KEY = web.AppKey("router", "Router")
