@@ -1,4 +1,4 @@
-"""Block address math from KV tensors' shapes and strides, and coalescing of block runs.
+"""Block address math from KV tensors' shapes and strides (coalescing lives in coalesce.py).
 
 A KV tensor holds `num_blocks` blocks along one dimension (the block dimension). Every index of
 the dimensions before it is one region (e.g. K and V of a `[2, num_blocks, ...]` CUDA layout);
@@ -106,31 +106,3 @@ def descriptor_indices(regions: Sequence[Region], block_ids: Sequence[int]) -> n
     blocks = np.asarray(block_ids, dtype=np.int64)
     offsets = np.cumsum([0] + [r.num_blocks for r in regions[:-1]])
     return (offsets[:, None] + blocks[None, :]).reshape(-1).astype(np.int32)
-
-
-def coalesce(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
-    """Runs (src_start, dst_start, length) where consecutive pairs are adjacent on both sides."""
-    if len(src) != len(dst):
-        raise ValueError(f"{len(src)} source blocks vs {len(dst)} destination blocks")
-    runs: list[tuple[int, int, int]] = []
-    for s, d in zip(src, dst):
-        if runs:
-            s0, d0, n = runs[-1]
-            if s == s0 + n and d == d0 + n:
-                runs[-1] = (s0, d0, n + 1)
-                continue
-        runs.append((s, d, 1))
-    return runs
-
-
-def run_descriptors(regions: Sequence[Region], runs: Sequence[tuple[int, int]], device_id: int = 0) -> np.ndarray:
-    """Nx3 rows for (first block, length in blocks) runs in every region; a run is one row only
-    where blocks are packed (stride == block_len), else one row per block."""
-    rows = []
-    for r in regions:
-        for start, n in runs:
-            if r.stride == r.block_len:
-                rows.append((r.base + start * r.stride, n * r.block_len, device_id))
-            else:
-                rows.extend((r.base + (start + i) * r.stride, r.block_len, device_id) for i in range(n))
-    return np.asarray(rows, dtype=np.int64).reshape(-1, 3)

@@ -1,12 +1,11 @@
-"""Block addresses from shapes/strides (CPU and CUDA layouts), and coalescing."""
+"""Block addresses from shapes/strides (CPU and CUDA layouts)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from kvpush.connector.layout import (
-    LayoutError, TensorView, block_dim, coalesce, descriptor_indices, descriptor_table, kv_regions, regions_of,
-    run_descriptors,
+    LayoutError, TensorView, block_dim, descriptor_indices, descriptor_table, kv_regions, regions_of,
 )
 
 
@@ -71,17 +70,3 @@ def test_descriptor_table_and_indices_agree():
     idx = descriptor_indices(regions, [3, 1])
     assert table[idx][:, 0].tolist() == [1000 + 3 * 16, 1000 + 16, 5000 + 3 * 16, 5000 + 16]
     assert (table[:, 1] == 16).all() and idx.dtype == np.int32
-
-
-def test_coalesce_runs():
-    assert coalesce([1, 2, 3, 7, 8], [10, 11, 12, 4, 9]) == [(1, 10, 3), (7, 4, 1), (8, 9, 1)]
-    assert coalesce([], []) == []
-    with pytest.raises(ValueError):
-        coalesce([1], [])
-
-
-def test_run_descriptors_merge_only_packed_blocks():
-    packed = kv_regions([contiguous((10, 8), ptr=0x1000)], 10)
-    assert run_descriptors(packed, [(2, 3)]).tolist() == [[0x1000 + 32, 48, 0]]
-    strided = kv_regions([TensorView(0x1000, (10, 8), (16, 1), 2)], 10)  # gaps between blocks
-    assert len(run_descriptors(strided, [(2, 3)])) == 3
