@@ -9,11 +9,13 @@ import logging
 import selectors
 import socket
 import threading
+import time
 from typing import Callable, Protocol
 
 from . import wire
 
 log = logging.getLogger(__name__)
+_SELECT_RESOLUTION_S = 0.001
 
 
 class Handler(Protocol):
@@ -119,7 +121,7 @@ class Reactor:
     def _run(self) -> None:
         while not self._stop:
             try:
-                events = self._sel.select(self.handler.timeout())
+                events = self._wait(self.handler.timeout())
             except Exception:
                 log.exception("side channel select failed")
                 continue
@@ -146,6 +148,17 @@ class Reactor:
                 fn()
             except Exception:
                 log.exception("side channel call failed")
+
+    def _wait(self, timeout: float | None) -> list:
+        if timeout is None or timeout <= 0 or timeout >= _SELECT_RESOLUTION_S:
+            return self._sel.select(timeout)
+        # epoll and poll round a timeout up to whole milliseconds, which would make the producer's
+        # 0.2 ms completion polling 1 ms; a short wait sleeps instead (a message waits that long at most)
+        events = self._sel.select(0)
+        if not events:
+            time.sleep(timeout)
+            events = self._sel.select(0)
+        return events
 
     def _dispatch(self, key: selectors.SelectorKey) -> None:
         if key.data is None:

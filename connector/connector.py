@@ -13,6 +13,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from .cache_layout import required_layout
 from .metadata import PushMetadata
 from .scheduler import PushScheduler
 from .settings import Settings
@@ -61,6 +62,18 @@ class KVPushConnector(KVConnectorBase_V1):
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             self._worker = PushWorker(self.settings, kv_cache_config.num_blocks, get_tensor_model_parallel_rank())
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        """On CUDA, a block-outermost layout: one block of every layer is one range, so a run of
+        blocks is one descriptor (cache_layout.py). vLLM falls back, with a warning, when the
+        attention backend cannot use it; the worker then logs what that costs."""
+        model_config = getattr(vllm_config, "model_config", None)
+        device_type = str(getattr(getattr(vllm_config, "device_config", None), "device_type", "") or "")
+        layout = required_layout(device_type, bool(getattr(model_config, "use_mla", False)))
+        if layout is not None:
+            log.info("kvpush: asking vLLM for the %s KV cache layout (one descriptor per run of blocks)", layout)
+        return layout
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from . import wire
 from .channel import Connection, Reactor
+from .liveness import DEFAULT_SILENCE_S, PeerLiveness
 from .state import ConsumerState, Outcome, Pending
 
 log = logging.getLogger(__name__)
@@ -28,14 +29,18 @@ class ConsumerConfig:
     allowed_engines: frozenset[str]
     timeout_s: float = 5.0
     connect_timeout_s: float = 1.0
+    peer_silence_s: float = DEFAULT_SILENCE_S  # a P waited on that answers no ping this long is gone
 
 
 class Consumer:
-    def __init__(self, config: ConsumerConfig, agent_name: str, agent_metadata: bytes, regions: tuple[wire.Region, ...]):
+    def __init__(self, config: ConsumerConfig, agent_name: str, agent_metadata: bytes, regions: tuple[wire.Region, ...],
+                 device_id: int = 0):
         self.config = config
-        self._hello = wire.Hello(config.engine_id, config.tp_rank, agent_name, agent_metadata, config.identity, regions)
+        self._hello = wire.Hello(config.engine_id, config.tp_rank, agent_name, agent_metadata, config.identity, regions,
+                                 device_id)
         self._lock = threading.Lock()
         self._state = ConsumerState(config.timeout_s)
+        self._liveness = PeerLiveness(silence_s=config.peer_silence_s)  # reactor thread only
         self._conns: dict[str, Connection] = {}
         self._outcomes: list[Outcome] = []
         self.counters: Counter = Counter()
@@ -100,15 +105,27 @@ class Consumer:
         if lost:
             log.warning("kvpush: %d transfer(s) from %s failed: %s", len(lost), peer_engine, reason)
 
+    def _busy_peers(self) -> set[str]:
+        """P engines with a transfer pending and a connection to ask them on (lock held)."""
+        return {p.peer_engine for p in self._state.pending.values() if p.peer_engine in self._conns}
+
     def timeout(self) -> float | None:
         with self._lock:
-            deadline = self._state.next_deadline()
-        return None if deadline is None else max(0.0, deadline - time.monotonic())
+            deadlines = [d for d in (self._state.next_deadline(), self._liveness.next_deadline(self._busy_peers()))
+                         if d is not None]
+        return None if not deadlines else max(0.0, min(deadlines) - time.monotonic())
 
     def on_tick(self) -> None:
+        now = time.monotonic()
         with self._lock:
-            late = self._state.expire(time.monotonic())
+            late = self._state.expire(now)
             self._outcomes.extend(late)
+            to_ping, silent = self._liveness.due(self._busy_peers(), now)
+        for engine_id in silent:
+            self._reactor.close(self._conns[engine_id],
+                                f"no answer on the side channel for {self._liveness.silence_s:g} s; prefill is dead or hung")
+        for engine_id in to_ping:
+            self._send_existing(engine_id, wire.Ping())
         for o in late:
             log.warning("kvpush: transfer %s (request %s) failed: %s", o.pending.transfer_id, o.pending.req_id, o.reason)
         for o in late:  # let P free its side if it is still holding it
@@ -121,11 +138,15 @@ class Consumer:
     def on_closed(self, conn: Connection, reason: str) -> None:
         if conn.engine_id is not None and self._conns.get(conn.engine_id) is conn:
             del self._conns[conn.engine_id]
+            self._liveness.forget(conn.engine_id)
             self._peer_failed(conn.engine_id, f"side channel to prefill {conn.engine_id} lost ({reason})")
 
     def on_message(self, conn: Connection, msg: wire.Message) -> None:
         now = time.monotonic()
         engine_id = conn.engine_id or ""
+        self._liveness.heard(engine_id)
+        if isinstance(msg, wire.Pong):
+            return
         if isinstance(msg, wire.Welcome):
             if msg.engine_id != engine_id:
                 self._reactor.close(conn, f"peer says it is {msg.engine_id!r}")

@@ -1,8 +1,10 @@
 """P's push service: accepts D's handshakes and registrations on the side channel, matches them
 with finished blocks, WRITEs with NIXL and tells D DONE or FAIL.
 
-`offer()` is called from the compute thread at the end of the step in which a request's prefill
-completed; if D's registration is already here, the WRITE is posted right there. Everything that
+`prepare()` is called from the compute thread while a GPU still runs the forward pass in which a
+request's prefill completes: if D's registration is already here, the request's coalesced WRITE is
+made then (see transfer.prepare_write), off the critical path. `offer()` is called once the forward
+is done; if D's registration is here, the WRITE (made ahead, or now) is posted right there. Everything that
 arrives later is handled on the reactor thread. `take_freed()` hands back the requests whose
 blocks P may free (WRITE done or failed, or never matched before the timeout).
 """
@@ -34,9 +36,11 @@ class SendRecord:
     num_bytes: int
     offered: float  # prefill step end (monotonic)
     registered: float  # D's registration arrival
-    posted: float
+    posted: float  # WRITE started (after NIXL's post returned)
     finished: float
     reason: str = ""
+    num_descriptors: int = 0
+    prepared_ahead: bool = False  # the WRITE was made before the prefill ended
 
 
 @dataclass
@@ -45,6 +49,18 @@ class _InFlight:
     write: Write
     conn: Connection
     posted: float
+    prepared_ahead: bool
+
+
+@dataclass
+class _Prepared:
+    """A WRITE made before its prefill ended, for exactly these blocks and this peer."""
+
+    engine_id: str
+    peer: Peer
+    src_blocks: tuple[int, ...]
+    dst_blocks: tuple[int, ...]
+    write: Write
 
 
 @dataclass
@@ -55,6 +71,9 @@ class ProducerConfig:
     host: str
     port: int
     timeout_s: float = 5.0
+    # DRAM: the copy is CPU work, so the compute thread that posted a WRITE completes it at once.
+    # VRAM: the GPU's copy engines do it; the compute thread returns to vLLM.
+    drive_writes: bool = True
 
 
 @dataclass
@@ -73,6 +92,7 @@ class Producer:
         self._state = ProducerState(config.timeout_s)
         self._peers = _Peers()
         self._inflight: list[_InFlight] = []
+        self._prepared: dict[str, _Prepared] = {}  # transfer id ->
         self._freed: list[str] = []
         self._records: list[SendRecord] = []
         self.counters: Counter = Counter()
@@ -81,6 +101,36 @@ class Producer:
         self._reactor.start()
 
     # ---- compute thread ----------------------------------------------------------------------
+    def prepare(self, transfer_id: str, block_ids: list[int] | tuple[int, ...], peer_engine: str) -> bool:
+        """Make the WRITE of a request whose prefill is about to complete, if D's registration and
+        connection are here; `offer` then only posts it. False if nothing was made."""
+        with self._lock:
+            reg = self._state.registrations.get(transfer_id)
+            peer = self._peers.nixl.get(peer_engine)
+            if reg is None or peer is None or reg.peer_engine != peer_engine or transfer_id in self._prepared:
+                return False
+            end = reg.first_block + len(reg.block_ids)
+            if not reg.block_ids or end > len(block_ids):
+                return False  # offer() answers these without a WRITE
+            src = tuple(block_ids[reg.first_block:end])
+            try:
+                write = self.engine.prepare_write(peer, src, reg.block_ids)
+            except TransferError as exc:
+                log.debug("kvpush P could not make %s ahead: %s", transfer_id, exc)
+                return False
+            self._prepared[transfer_id] = _Prepared(peer_engine, peer, src, reg.block_ids, write)
+            return True
+
+    def peer(self, engine_id: str) -> Peer | None:
+        """The NIXL peer of a decode engine that completed its handshake."""
+        with self._lock:
+            return self._peers.nixl.get(engine_id)
+
+    def has_registration(self, transfer_id: str) -> bool:
+        """D's registration for this transfer is here and not yet matched."""
+        with self._lock:
+            return transfer_id in self._state.registrations
+
     def offer(self, transfer_id: str, req_id: str, block_ids: list[int], peer_engine: str) -> None:
         now = time.monotonic()
         with self._lock:
@@ -93,7 +143,7 @@ class Producer:
             result = self._state.offer(Offer(transfer_id, req_id, tuple(block_ids), peer_engine, now))
             log.debug("kvpush P offer %s req=%s blocks=%d t=%.6f matched=%s", transfer_id, req_id, len(block_ids), now, result is not None)
             self._settle(result)
-            if isinstance(result, Match):
+            if isinstance(result, Match) and self.config.drive_writes:
                 self._drive(transfer_id)
         self._reactor.wake()
 
@@ -135,6 +185,9 @@ class Producer:
 
     def close(self) -> None:
         self._reactor.stop()
+        with self._lock:
+            for tid in list(self._prepared):
+                self.engine.release(self._prepared.pop(tid).write)
 
     # ---- both threads (under the lock) ---------------------------------------------------------
     def _settle(self, result: Match | Rejection | None) -> None:
@@ -157,17 +210,38 @@ class Producer:
             conn.send(wire.Done(match.offer.transfer_id, 0))
             self._finish(match, None, now, now, True)
             return
+        write = self._take_prepared(match, engine_id, peer)
+        ahead = write is not None
         try:
-            write = self.engine.write(peer, match.src_blocks, match.dst_blocks)
+            if write is None:
+                write = self.engine.prepare_write(peer, match.src_blocks, match.dst_blocks)
+            self.engine.post(write, engine_id)
         except TransferError as exc:
             self._finish(match, conn, now, time.monotonic(), False, str(exc))
             return
-        log.debug("kvpush P post %s bytes=%d descs=%d wait=%.6f t=%.6f", match.offer.transfer_id,
-                  write.num_bytes, write.num_descriptors, match.wait_s, now)
-        self._inflight.append(_InFlight(match, write, conn, now))
+        posted = time.monotonic()
+        log.debug("kvpush P post %s bytes=%d descs=%d ahead=%s wait=%.6f t=%.6f", match.offer.transfer_id,
+                  write.num_bytes, write.num_descriptors, ahead, match.wait_s, now)
+        self._inflight.append(_InFlight(match, write, conn, posted, ahead))
+
+    def _take_prepared(self, match: Match, engine_id: str, peer: Peer) -> Write | None:
+        """The WRITE made ahead for this match, if it still fits (same peer connection and blocks)."""
+        prepared = self._prepared.pop(match.offer.transfer_id, None)
+        if prepared is None:
+            return None
+        if (prepared.peer is peer and prepared.engine_id == engine_id and prepared.src_blocks == tuple(match.src_blocks)
+                and prepared.dst_blocks == tuple(match.dst_blocks)):
+            return prepared.write
+        self.engine.release(prepared.write)
+        return None
+
+    def _release_stale_prepared(self) -> None:
+        """WRITEs made ahead whose registration went away (cancelled, expired, peer gone)."""
+        for tid in [t for t in self._prepared if t not in self._state.registrations]:
+            self.engine.release(self._prepared.pop(tid).write)
 
     def _finish(self, match: Match, conn: Connection | None, posted: float, now: float, ok: bool,
-                reason: str = "", num_bytes: int = 0) -> None:
+                reason: str = "", num_bytes: int = 0, write: Write | None = None, ahead: bool = False) -> None:
         tid = match.offer.transfer_id
         if ok:
             self.counters["sent"] += 1
@@ -180,7 +254,8 @@ class Producer:
                 conn.send(wire.Fail(tid, reason))
         self._freed.append(match.offer.req_id)
         self._records.append(SendRecord(tid, match.offer.req_id, ok, num_bytes, match.offer.created,
-                                        match.registration.created, posted, now, reason))
+                                        match.registration.created, posted, now, reason,
+                                        write.num_descriptors if write is not None else 0, ahead))
         log.debug("kvpush P done %s ok=%s bytes=%d prefill_end_to_done=%.6f t=%.6f", tid, ok, num_bytes,
                   now - match.offer.created, now)
 
@@ -204,6 +279,8 @@ class Producer:
         with self._lock:
             self._poll()
             offers, regs = self._state.expire(time.monotonic())
+            if self._prepared:
+                self._release_stale_prepared()
             for o in offers:
                 log.warning("kvpush: decode engine %s never registered transfer %s (request %s) within %g s; freeing its blocks",
                             o.peer_engine, o.transfer_id, o.req_id, self.config.timeout_s)
@@ -224,7 +301,7 @@ class Producer:
                 ok = state == "DONE"
                 self._finish(item.match, item.conn, item.posted, time.monotonic(), ok,
                              "" if ok else f"NIXL WRITE to {item.match.registration.peer_engine} failed",
-                             item.write.num_bytes if ok else 0)
+                             item.write.num_bytes if ok else 0, item.write, item.prepared_ahead)
             self._inflight = still
 
     def on_malformed(self, conn: Connection, error: str) -> None:
@@ -245,6 +322,9 @@ class Producer:
             return
         if conn.engine_id is None:
             self.counters["before_handshake"] += 1
+            return
+        if isinstance(msg, wire.Ping):  # answered here, never behind the compute thread's lock
+            conn.send(wire.Pong())
             return
         now = time.monotonic()
         with self._lock:
@@ -267,7 +347,7 @@ class Producer:
         reason = self._check_hello(hello)
         if reason is None:
             try:
-                peer = self.engine.add_peer(hello.agent_metadata, hello.regions)
+                peer = self.engine.add_peer(hello.agent_metadata, hello.regions, hello.device_id)
             except TransferError as exc:
                 reason = str(exc)
         if reason is not None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .liveness import DEFAULT_SILENCE_S
+
 
 class UnsupportedDeployment(ValueError):
     """A configuration kvpush's connector refuses at start-up, with the reason and the fix."""
@@ -18,11 +20,13 @@ class Settings:
     side_channel_port: int
     allowed_engines: frozenset[str]
     transfer_timeout_s: float
+    peer_silence_s: float  # D: a prefill peer that answers no side-channel ping this long is gone
     buffer_device: str  # "cpu" or "cuda"
     model: str
     tp_size: int
     block_size: int
     progress_delay_us: int
+    kv_cache_layout: str | None = None  # as vLLM resolved it (e.g. BLHNC), None before vLLM 0.32
 
     @classmethod
     def from_vllm(cls, vllm_config: Any, kv_cache_config: Any = None) -> "Settings":
@@ -50,10 +54,13 @@ class Settings:
             side_channel_host=str(extra["side_channel_host"]),
             side_channel_port=int(extra["side_channel_port"]),
             allowed_engines=frozenset(str(e) for e in extra["allowed_engines"]),
-            transfer_timeout_s=float(extra.get("transfer_timeout_s", 5.0)),
+            transfer_timeout_s=float(extra.get("transfer_timeout_s", 30.0)),
+            peer_silence_s=float(extra.get("peer_silence_s", DEFAULT_SILENCE_S)),
             buffer_device=str(kv.kv_buffer_device or "cpu"),
             model=str(vllm_config.model_config.model),
             tp_size=int(parallel.tensor_parallel_size),
             block_size=int(vllm_config.cache_config.block_size),
             progress_delay_us=int(extra.get("progress_delay_us", 100)),
+            kv_cache_layout=(getattr(kv_cache_config, "kv_cache_layout", None)
+                             or getattr(vllm_config.cache_config, "kv_cache_layout", None)),
         )

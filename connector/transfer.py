@@ -1,5 +1,12 @@
-"""The transfer engine over NIXL: one agent, registered KV regions, prepared descriptor lists per
-peer, one WRITE per request. vLLM-free, so tests and benchmarks use it with plain buffers.
+"""The transfer engine over NIXL: one agent, registered KV regions, a coalescing plan per peer
+(made at handshake), one WRITE per request. vLLM-free, so tests and benchmarks use it with plain
+buffers.
+
+A request's WRITE is made by `prepare_write` (descriptors: one per run of blocks adjacent on both
+sides, per segment of regions adjacent on both sides; see coalesce.py) and started by `post`, so a
+caller that knows both block lists early makes it ahead and only posts it when the prefill ends.
+`write` is the uncoalesced baseline (one descriptor per block and region, through per-block lists
+NIXL prepares on first use); the connector does not use it, benchmarks compare against it.
 
 All agent calls go through one lock: the worker's compute thread posts WRITEs and the side
 channel's thread polls them.
@@ -8,8 +15,9 @@ from __future__ import annotations
 
 import os
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -27,12 +35,14 @@ class TransferError(RuntimeError):
     """A NIXL operation failed (backend creation, registration, peer metadata, WRITE)."""
 
 
-def _create_agent(name: str, backend: str, progress_delay_us: int):
-    """Create a nixl_agent whose progress thread sleeps `progress_delay_us` between rounds.
+@contextmanager
+def progress_thread_delay(delay_us: int) -> Iterator[None]:
+    """While inside, every NIXL agent created in this process gets a progress thread that sleeps
+    `delay_us` between rounds.
 
     nixl_agent() hard-codes the delay to 0, i.e. a progress thread spinning a whole core. The
     delay is a field of the binding's config object, which nixl_agent builds internally, so the
-    config class is swapped for one whose delay setter keeps our value, only while constructing.
+    config class is swapped for one whose delay setter keeps our value, only while inside.
     """
     from nixl import _api
 
@@ -46,24 +56,33 @@ def _create_agent(name: str, backend: str, progress_delay_us: int):
 
         @pthrDelay.setter
         def pthrDelay(self, _ignored):  # noqa: N802
-            base.pthrDelay.__set__(self, progress_delay_us)
+            base.pthrDelay.__set__(self, delay_us)
 
     with _create_lock:
         binding.nixlAgentConfig = DelayedProgressConfig
         try:
+            yield
+        finally:
+            binding.nixlAgentConfig = base
+
+
+def _create_agent(name: str, backend: str, progress_delay_us: int):
+    from nixl import _api
+
+    with progress_thread_delay(progress_delay_us):
+        try:
             return _api.nixl_agent(name, _api.nixl_agent_config(backends=[backend]))
         except Exception as exc:
             raise TransferError(f"cannot create NIXL agent {name!r} with backend {backend}: {exc}") from exc
-        finally:
-            binding.nixlAgentConfig = base
 
 
 @dataclass
 class Peer:
     agent_name: str
     regions: tuple[Region, ...]
-    dlist: object  # prepared remote descriptor list
-    plan: Plan | None = None  # coalescing against this engine's regions, made on the first coalesced WRITE
+    device_id: int
+    plan: Plan  # coalescing of this engine's regions against the peer's, made at handshake
+    dlist: object = None  # per-block remote descriptor list, prepared on the first `write`
 
 
 @dataclass
@@ -86,25 +105,28 @@ class NixlEngine:
         spans = [(base, size, device_id, "") for base, size in region_spans(self.regions)]
         try:
             self._registered = self._agent.register_memory(spans, mem_type)
-            self._local_dlist = self._agent.prep_xfer_dlist(
-                "NIXL_INIT_AGENT", descriptor_table(self.regions, device_id), mem_type)
         except Exception as exc:
             raise TransferError(f"cannot register {len(spans)} KV regions with NIXL: {exc}") from exc
+        self._local_dlist = None  # per-block, prepared on the first `write`
         self.metadata: bytes = self._agent.get_agent_metadata()
         self._peers: dict[str, Peer] = {}
 
-    def add_peer(self, agent_metadata: bytes, regions: Sequence[Region]) -> Peer:
-        """Load a peer's metadata and prepare its descriptor list (once per peer)."""
+    def add_peer(self, agent_metadata: bytes, regions: Sequence[Region], device_id: int = 0) -> Peer:
+        """Load a peer's metadata, pair its regions with ours and connect (once per peer).
+        `device_id` is the GPU the peer's regions live on (0 for DRAM)."""
+        try:
+            plan = Plan.pair(self.regions, regions, self.device_id, device_id)
+        except ValueError as exc:
+            raise TransferError(f"cannot pair KV regions with the peer's: {exc}") from exc
         with self._lock:
             try:
                 name = self._agent.add_remote_agent(agent_metadata)
                 if name in self._peers:  # a restarted peer reuses its name with new memory
                     self._drop(name, keep_metadata=True)
-                dlist = self._agent.prep_xfer_dlist(name, descriptor_table(regions, self.device_id), self.mem_type)
                 self._agent.make_connection(name)  # wire-up now, not inside the first request's WRITE
             except Exception as exc:
                 raise TransferError(f"cannot load peer metadata: {exc}") from exc
-            peer = Peer(name, tuple(regions), dlist)
+            peer = Peer(name, tuple(regions), device_id, plan)
             self._peers[name] = peer
             return peer
 
@@ -114,7 +136,7 @@ class NixlEngine:
 
     def _drop(self, agent_name: str, keep_metadata: bool) -> None:
         peer = self._peers.pop(agent_name, None)
-        if peer is not None:
+        if peer is not None and peer.dlist is not None:
             self._agent.release_dlist_handle(peer.dlist)
         if not keep_metadata:
             try:
@@ -123,7 +145,9 @@ class NixlEngine:
                 pass
 
     def write(self, peer: Peer, src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> Write:
-        """Post one WRITE of src_blocks (here) into dst_blocks (peer), every region."""
+        """Post one uncoalesced WRITE of src_blocks (here) into dst_blocks (peer): one descriptor per
+        block and region, from per-block lists prepared on first use (the baseline benchmarks
+        compare prepare_write against)."""
         if len(src_blocks) != len(dst_blocks):
             raise TransferError(f"{len(src_blocks)} source blocks vs {len(dst_blocks)} destination blocks")
         local = descriptor_indices(self.regions, src_blocks)
@@ -131,6 +155,12 @@ class NixlEngine:
         num_bytes = len(src_blocks) * sum(r.block_len for r in self.regions)
         with self._lock:
             try:
+                if self._local_dlist is None:
+                    self._local_dlist = self._agent.prep_xfer_dlist(
+                        "NIXL_INIT_AGENT", descriptor_table(self.regions, self.device_id), self.mem_type)
+                if peer.dlist is None:
+                    peer.dlist = self._agent.prep_xfer_dlist(
+                        peer.agent_name, descriptor_table(peer.regions, peer.device_id), self.mem_type)
                 handle = self._agent.make_prepped_xfer("WRITE", self._local_dlist, local, peer.dlist, remote)
                 state = self._agent.transfer(handle)
             except Exception as exc:
@@ -154,11 +184,6 @@ class NixlEngine:
         """The coalesced WRITE, made but not posted: build it as soon as both block lists are known
         (P allocates its blocks when it schedules the prefill) so that only `post` remains when the
         prefill finishes. Release it with `release` if it is never posted."""
-        if peer.plan is None:
-            try:
-                peer.plan = Plan.pair(self.regions, peer.regions, self.device_id, self.device_id)
-            except ValueError as exc:
-                raise TransferError(f"cannot pair KV regions with {peer.agent_name}: {exc}") from exc
         src = np.asarray(src_blocks, dtype=np.int64)
         dst = np.asarray(dst_blocks, dtype=np.int64)
         _check_block_ids(src, self.regions[0].num_blocks, "source")
@@ -209,7 +234,8 @@ class NixlEngine:
             for name in list(self._peers):
                 self._drop(name, keep_metadata=False)
             try:
-                self._agent.release_dlist_handle(self._local_dlist)
+                if self._local_dlist is not None:
+                    self._agent.release_dlist_handle(self._local_dlist)
                 self._agent.deregister_memory(self._registered)
             except Exception:
                 pass

@@ -1,8 +1,8 @@
 """Side-channel wire messages between a decode (D) and a prefill (P) worker.
 
 Frames are a 4-byte big-endian length followed by a UTF-8 JSON object with a "type" field.
-D opens one TCP connection per P; over it D sends HELLO, REGISTER and CANCEL and P answers with
-WELCOME/REFUSE, ACCEPTED (P has the request), DONE and FAIL. Decoding validates every field: a malformed frame raises
+D opens one TCP connection per P; over it D sends HELLO, REGISTER, CANCEL and PING and P answers with
+WELCOME/REFUSE, ACCEPTED (P has the request), DONE, FAIL and PONG. Decoding validates every field: a malformed frame raises
 WireError, which the receiver counts and drops (it never reaches protocol state).
 """
 from __future__ import annotations
@@ -66,6 +66,7 @@ class Hello:
     agent_metadata: bytes
     identity: LayoutIdentity
     regions: tuple[Region, ...]
+    device_id: int = 0  # the GPU the regions live on (NIXL descriptors name it); 0 for DRAM
 
 
 @dataclass(frozen=True)
@@ -120,8 +121,20 @@ class Fail:
     reason: str
 
 
-Message = Union[Hello, Welcome, Refuse, Register, Cancel, Accepted, Done, Fail]
-_TYPES: dict[str, type] = {cls.type: cls for cls in (Hello, Welcome, Refuse, Register, Cancel, Accepted, Done, Fail)}
+@dataclass(frozen=True)
+class Ping:
+    """D, while it waits on P: are you still there? (see liveness.py)"""
+
+    type: ClassVar[str] = "ping"
+
+
+@dataclass(frozen=True)
+class Pong:
+    type: ClassVar[str] = "pong"
+
+
+Message = Union[Hello, Welcome, Refuse, Register, Cancel, Accepted, Done, Fail, Ping, Pong]
+_TYPES: dict[str, type] = {cls.type: cls for cls in (Hello, Welcome, Refuse, Register, Cancel, Accepted, Done, Fail, Ping, Pong)}
 MAX_ID_CHARS = 256
 
 
@@ -230,6 +243,7 @@ def _hello(body: dict) -> Hello:
         agent_metadata=metadata,
         identity=identity,
         regions=parsed,
+        device_id=_int(body["device_id"], "device_id"),
     )
 
 
@@ -262,6 +276,8 @@ _BUILDERS = {
     Accepted: _simple(Accepted, {"transfer_id": _str}),
     Done: _simple(Done, {"transfer_id": _str, "num_bytes": _int}),
     Fail: _simple(Fail, {"transfer_id": _str, "reason": _text}),
+    Ping: _simple(Ping, {}),
+    Pong: _simple(Pong, {}),
 }
 
 

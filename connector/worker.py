@@ -1,16 +1,19 @@
 """Worker-side half of the connector: owns the NIXL engine and the push service of its role.
 
-P: `save()` (from wait_for_save, right after the forward pass in which prefills completed) offers
-the finished blocks; the Producer WRITEs them as soon as D's registration is there. D: `bind()`
-(before the forward pass) registers newly allocated blocks with P at once.
+P: `save()` (from wait_for_save, right after the forward pass in which prefills complete was
+launched) makes the WRITEs whose registration from D is already there, while a GPU still runs the
+forward's kernels, then waits for them and offers the finished blocks: the Producer posts them at
+once or when D's registration comes.
+D: `bind()` registers newly allocated blocks with P at once.
 """
 from __future__ import annotations
 
 import logging
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
+from .cache_layout import layout_cost_note
 from .consumer import Consumer, ConsumerConfig
 from .layout import TensorView, kv_regions
 from .metadata import PushMetadata
@@ -41,6 +44,7 @@ class PushWorker:
         self._load_errors: set[int] = set()
         self._refused: list[Outcome] = []
         self._stats = PushStats()
+        self._sync_device: Callable[[], None] | None = None  # CUDA: wait for the forward pass's kernels
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         s = self.settings
@@ -48,8 +52,14 @@ class PushWorker:
         regions = kv_regions((TensorView.of(t) for t in tensors), self.num_blocks)
         identity = LayoutIdentity(s.model, str(tensors[0].dtype).removeprefix("torch."), s.block_size, s.tp_size,
                                   tuple(sorted(kv_caches)), tuple(r.block_len for r in regions))
-        mem_type = "VRAM" if tensors[0].is_cuda else "DRAM"
-        device_id = tensors[0].device.index or 0 if tensors[0].is_cuda else 0
+        on_gpu = bool(tensors[0].is_cuda)
+        mem_type = "VRAM" if on_gpu else "DRAM"
+        device_id = (tensors[0].device.index or 0) if on_gpu else 0
+        if on_gpu:
+            self._sync_device = _cuda_device_sync(tensors[0].device)
+        note = layout_cost_note(s.kv_cache_layout, regions, on_gpu)
+        if note is not None:
+            (log.warning if on_gpu else log.info)(note)
         name = f"{s.engine_id}.tp{self.tp_rank}.{os.getpid()}"
         self.engine = NixlEngine(name, regions, backend=s.backend, mem_type=mem_type, device_id=device_id,
                                  progress_delay_us=s.progress_delay_us)
@@ -59,14 +69,16 @@ class PushWorker:
             port = s.side_channel_port + self.tp_rank
             try:
                 self.producer = Producer(ProducerConfig(s.engine_id, identity, s.allowed_engines, s.side_channel_host,
-                                                        port, s.transfer_timeout_s), self.engine)
+                                                        port, s.transfer_timeout_s, drive_writes=not on_gpu),
+                                         self.engine)
             except OSError as exc:
                 raise RuntimeError(f"kvpush: prefill {s.engine_id} cannot listen on {s.side_channel_host}:{port} for its "
                                    f"side channel ({exc}); stop the process holding that port or change side_channel_port") from None
             log.info("kvpush: prefill %s side channel on %s:%d", s.engine_id, s.side_channel_host, port)
         else:
             self.consumer = Consumer(ConsumerConfig(s.engine_id, self.tp_rank, identity, s.allowed_engines,
-                                                    s.transfer_timeout_s), name, self.engine.metadata, tuple(regions))
+                                                    s.transfer_timeout_s, peer_silence_s=s.peer_silence_s), name, self.engine.metadata, tuple(regions),
+                                     device_id)
 
     # ---- D ------------------------------------------------------------------------------------
     def bind(self, meta: PushMetadata) -> None:
@@ -92,6 +104,12 @@ class PushWorker:
     def save(self, meta: PushMetadata) -> None:
         if self.producer is None:
             return
+        if meta.sends and self._sync_device is not None:
+            # the forward's kernels are still running: make the WRITEs meanwhile, then wait for the
+            # KV they write (UCX copies on its own streams, unordered with the compute stream)
+            for s in meta.sends:
+                self.producer.prepare(s.transfer_id, s.block_ids, s.peer_engine)
+            self._sync_device()
         for s in meta.sends:
             self._offered.add(s.req_id)
             self.producer.offer(s.transfer_id, s.req_id, list(s.block_ids), s.peer_engine)
@@ -140,3 +158,9 @@ class PushWorker:
         if self.engine is not None:
             self.engine.close()
 
+
+def _cuda_device_sync(device: Any) -> Callable[[], None]:
+    import torch
+
+    # the whole device, not the current stream: vLLM may write KV from a stream of its own
+    return lambda: torch.cuda.synchronize(device)

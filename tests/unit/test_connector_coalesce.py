@@ -224,3 +224,11 @@ def test_block_major_views_give_one_region_per_layer():
     assert len(regions) == L and {r.stride for r in regions} == {L * page * 2}
     (segment,) = pair_segments(regions, regions)
     assert segment.packed and segment.block_len == L * page * 2
+
+
+def test_descriptors_name_each_side_its_own_device():
+    """P on GPU 0 writing into D on GPU 3 of the same host: remote rows must name device 3."""
+    here = block_major_regions(1 << 30, 4, 16, 8 * KIB)
+    there = block_major_regions(1 << 34, 4, 16, 8 * KIB)
+    local, remote = Plan.pair(here, there, local_device=0, remote_device=3).descriptors([1, 2, 7], [4, 5, 9])
+    assert set(local[:, 2].tolist()) == {0} and set(remote[:, 2].tolist()) == {3}

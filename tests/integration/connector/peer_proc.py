@@ -1,7 +1,7 @@
 """A prefill-side push peer in its own process, driven over stdin/stdout by the tests.
 
 Commands (one JSON object per line): {"offer": [tid, req, [blocks], peer]}, {"accept": [tids]},
-{"abort": [tid, reason]},
+{"abort": [tid, reason]}, {"prepare": [tid, [blocks], peer]} (prints {"prepared": bool}),
 {"freed": true} -> prints {"freed": [...], "records": [...]}. Prints {"port": P} once ready.
 """
 from __future__ import annotations
@@ -32,9 +32,19 @@ def view_of(arr: np.ndarray) -> TensorView:
     return TensorView(arr.ctypes.data, arr.shape, tuple(s // arr.itemsize for s in arr.strides), arr.itemsize)
 
 
-def identity(arr: np.ndarray, model: str = "test-model") -> LayoutIdentity:
-    block_len = int(np.prod(arr.shape[1:])) * arr.itemsize
-    return LayoutIdentity(model, "uint8", 16, 1, ("layer0",), (block_len,))
+def layer_views(arr: np.ndarray, layers: int) -> list[TensorView]:
+    """layers=0: the buffer is one region. Else `arr` is block-major `[blocks, layers, ...]` (vLLM's
+    BLHNC) and each layer is a strided view, as vLLM hands the connector one per layer."""
+    if not layers:
+        return [view_of(arr)]
+    return [view_of(arr[:, layer]) for layer in range(layers)]
+
+
+def identity(arr: np.ndarray, model: str = "test-model", layers: int = 0) -> LayoutIdentity:
+    if not layers:
+        return LayoutIdentity(model, "uint8", 16, 1, ("layer0",), (int(np.prod(arr.shape[1:])) * arr.itemsize,))
+    block_len = int(np.prod(arr.shape[2:])) * arr.itemsize
+    return LayoutIdentity(model, "uint8", 16, 1, tuple(f"layer{i}" for i in range(layers)), (block_len,) * layers)
 
 
 class PeerProcess:
@@ -74,9 +84,10 @@ def wait_outcomes(consumer, n: int, timeout_s: float = 5.0) -> list:
 def main() -> None:
     cfg = json.loads(sys.argv[1])
     arr = kv_buffer(cfg["num_blocks"], tuple(cfg["block_shape"]), cfg["seed"])
-    regions = kv_regions([view_of(arr)], cfg["num_blocks"])
+    layers = cfg.get("layers", 0)
+    regions = kv_regions(layer_views(arr, layers), cfg["num_blocks"])
     engine = NixlEngine(cfg["engine_id"], regions)
-    producer = Producer(ProducerConfig(cfg["engine_id"], identity(arr, cfg.get("model", "test-model")),
+    producer = Producer(ProducerConfig(cfg["engine_id"], identity(arr, cfg.get("model", "test-model"), layers),
                                        frozenset(cfg["allowed"]), "127.0.0.1", cfg.get("port", 0),
                                        cfg.get("timeout_s", 5.0)), engine)
     print(json.dumps({"port": producer.port}), flush=True)
@@ -88,6 +99,8 @@ def main() -> None:
             producer.accept(cmd["accept"])
         elif "abort" in cmd:
             producer.abort(*cmd["abort"])
+        elif "prepare" in cmd:
+            print(json.dumps({"prepared": producer.prepare(*cmd["prepare"])}), flush=True)
         elif "freed" in cmd:
             recs = [r.__dict__ for r in producer.take_records()]
             print(json.dumps({"freed": producer.take_freed(), "records": recs,

@@ -3,7 +3,9 @@ random non-contiguous block sets into this process's Consumer buffers, byte-exac
 refusing peer turns into a failure outcome fast."""
 from __future__ import annotations
 
+import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -12,7 +14,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from peer_proc import PeerProcess, identity, kv_buffer, view_of, wait_outcomes  # noqa: E402
+from peer_proc import PeerProcess, identity, kv_buffer, layer_views, view_of, wait_outcomes  # noqa: E402
 
 from kvpush.connector.consumer import Consumer, ConsumerConfig
 from kvpush.connector.layout import kv_regions
@@ -120,6 +122,26 @@ def test_dead_peer_fails_fast_not_hang(decode_side):
     assert not outcome.ok and time.monotonic() - started < 1.0
 
 
+def test_hung_peer_holding_an_accepted_transfer_fails_fast(decode_side):
+    """A stopped P keeps its connection open (no FIN, no RST): D's pings notice it within ~1 s,
+    where nothing else would end an accepted transfer for minutes."""
+    _, consumer = decode_side
+    peer = PeerProcess("P.other", ["D.test"], num_blocks=NUM_BLOCKS, block_shape=BLOCK_SHAPE, seed=SEED)
+    try:
+        peer.send(accept=["t-hung"])
+        consumer.expect("rq", "t-hung", "P.other", "127.0.0.1", peer.port, [11, 12], 0, 32)
+        assert wait_outcomes(consumer, 1, timeout_s=1.5) == []  # P answers pings: alive, nothing fails
+        stopped = time.monotonic()
+        os.kill(peer.proc.pid, signal.SIGSTOP)
+        [outcome] = wait_outcomes(consumer, 1, timeout_s=3.0)
+        latency = time.monotonic() - stopped
+        print(f"\nhung peer -> failure outcome in {latency * 1000:.0f} ms: {outcome.reason}")
+        assert not outcome.ok and "no answer" in outcome.reason and latency < 1.6
+    finally:
+        os.kill(peer.proc.pid, signal.SIGCONT)
+        peer.kill()
+
+
 def test_unmatched_registration_expires(decode_side, producer_proc):
     _, consumer = decode_side
     consumer.expect("rq", "t-never", "P.test", "127.0.0.1", producer_proc.port, [7], 0, 16)
@@ -155,3 +177,45 @@ def test_accepted_transfer_outlives_the_no_show_timeout(decode_side):
         assert np.array_equal(arr[[9, 10]], kv_buffer(NUM_BLOCKS, BLOCK_SHAPE, SEED)[[1, 2]])
     finally:
         peer.kill()
+
+
+LAYERS, LAYER_SHAPE = 4, (2, 8, 32)  # block-major [blocks, layers, 512 B]: vLLM's BLHNC on a GPU
+
+
+def test_block_major_layers_go_as_one_descriptor_per_run_made_ahead():
+    """The connector's path end to end: D registers, P makes the WRITE before its prefill ends
+    (prepare, as the GPU worker does while the forward runs), offer posts it. All layers of a run of
+    blocks are one range on both sides, so a run is one descriptor; every layer's bytes arrive."""
+    shape = (LAYERS, *LAYER_SHAPE)
+    arr = kv_buffer(NUM_BLOCKS, shape, None)
+    regions = kv_regions(layer_views(arr, LAYERS), NUM_BLOCKS)
+    engine = NixlEngine("D.layers", regions)
+    consumer = Consumer(ConsumerConfig("D.layers", 0, identity(arr, layers=LAYERS), frozenset({"P.layers"}), timeout_s=5.0),
+                        engine.name, engine.metadata, tuple(regions))
+    peer = PeerProcess("P.layers", ["D.layers"], num_blocks=NUM_BLOCKS, block_shape=shape, seed=SEED, layers=LAYERS)
+    expected = kv_buffer(NUM_BLOCKS, shape, SEED)
+    cases = [("contiguous", list(range(10, 20)), list(range(30, 40)), 1),
+             ("two-runs", [1, 2, 3, 20, 21], [5, 6, 7, 40, 41], 2),
+             ("scattered", [50, 8, 60], [2, 12, 22], 3)]
+    try:
+        for tid, src, dst, runs in cases:
+            arr[dst] = 0
+            consumer.expect("rq", tid, "P.layers", "127.0.0.1", peer.port, dst, 0, 16 * len(dst))
+            deadline = time.monotonic() + 5
+            while True:  # until D's registration reached P
+                peer.send(prepare=[tid, src, "D.layers"])
+                if json.loads(peer.proc.stdout.readline())["prepared"] or time.monotonic() > deadline:
+                    break
+                time.sleep(0.02)
+            peer.send(offer=[tid, "pr", src, "D.layers"])
+            [outcome] = wait_outcomes(consumer, 1)
+            assert outcome.ok, outcome.reason
+            assert np.array_equal(arr[dst], expected[src]), tid
+            [record] = peer.status()["records"]
+            assert record["ok"] and record["prepared_ahead"], record
+            assert record["num_descriptors"] == runs, (tid, record["num_descriptors"])
+            assert record["num_bytes"] == len(src) * LAYERS * int(np.prod(LAYER_SHAPE))
+    finally:
+        peer.kill()
+        consumer.close()
+        engine.close()

@@ -44,3 +44,11 @@ def test_missing_extra_config_names_keys():
     cfg.kv_transfer_config.kv_connector_extra_config = {}
     with pytest.raises(UnsupportedDeployment, match="side_channel_host"):
         Settings.from_vllm(cfg)
+
+
+def test_resolved_kv_cache_layout_is_read_from_the_kv_cache_config_or_cache_config():
+    cfg = vllm_config()
+    assert Settings.from_vllm(cfg).kv_cache_layout is None
+    cfg.cache_config.kv_cache_layout = "LBHNC"
+    assert Settings.from_vllm(cfg).kv_cache_layout == "LBHNC"
+    assert Settings.from_vllm(cfg, SimpleNamespace(kv_cache_layout="BLHNC", kv_cache_groups=[])).kv_cache_layout == "BLHNC"

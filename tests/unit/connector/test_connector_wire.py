@@ -11,6 +11,7 @@ IDENTITY = wire.LayoutIdentity("m", "bfloat16", 128, 1, ("l0", "l1"), (65536, 65
 REGIONS = (wire.Region(4096, 65536, 65536, 10), wire.Region(1 << 30, 65536, 65536, 10))
 MESSAGES = [
     wire.Hello("D.e", 0, "agent", b"\x00\xffmeta", IDENTITY, REGIONS),
+    wire.Hello("D.e", 1, "agent", b"meta", IDENTITY, REGIONS, device_id=3),
     wire.Welcome("P.e"), wire.Refuse("P.e", "no"),
     wire.Register("t1", (5, 3, 9), 1, 300), wire.Cancel("t1"), wire.Accepted("t1"),
     wire.Done("t1", 4096), wire.Fail("t1", "boom"),

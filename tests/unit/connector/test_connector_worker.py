@@ -10,11 +10,18 @@ from kvpush.connector.worker import PushWorker
 
 
 class FakeProducer:
-    def __init__(self):
-        self.offers, self.freed, self.accepted = [], [], []
+    def __init__(self, log=None):
+        self.offers, self.freed, self.accepted, self.prepared = [], [], [], []
+        self.log = log if log is not None else []
+
+    def prepare(self, *args):
+        self.prepared.append(args)
+        self.log.append("prepare")
+        return True
 
     def offer(self, *args):
         self.offers.append(args)
+        self.log.append("offer")
 
     def abort(self, *args):
         pass
@@ -72,6 +79,31 @@ def test_prefill_reports_when_push_ends_after_finish():
     assert w.get_finished({"r"}) == (None, None)
     w.producer.freed.append("r")
     assert w.get_finished(set()) == ({"r"}, None)
+
+
+def test_gpu_prefill_makes_writes_while_the_forward_runs_and_offers_after_it_finished():
+    w = worker(True)
+    log = w.producer.log
+    w._sync_device = lambda: log.append("sync")
+    meta = PushMetadata(sends=[SendSpec("r", "t", (1, 2), "D")])
+    w.bind(meta)  # before the forward pass: nothing to do for P's sends yet
+    assert log == []
+    w.save(meta)  # wait_for_save: kernels queued; the KV must be written before UCX copies it
+    assert log == ["prepare", "sync", "offer"] and w.producer.prepared == [("t", (1, 2), "D")]
+
+
+def test_cpu_prefill_offers_at_once():
+    w = worker(True)  # no device to wait for: offer makes and posts the WRITE itself
+    w.save(PushMetadata(sends=[SendSpec("r", "t", (1, 2), "D")]))
+    assert w.producer.log == ["offer"]
+
+
+def test_prefill_without_sends_does_not_wait_for_the_device():
+    w = worker(True)
+    w._sync_device = lambda: (_ for _ in ()).throw(AssertionError("synced for nothing"))
+    w.bind(PushMetadata(accepts=["t"]))
+    w.save(PushMetadata())
+    assert w.producer.prepared == [] and w.producer.offers == []
 
 
 def test_decode_failure_reports_blocks_and_finished():

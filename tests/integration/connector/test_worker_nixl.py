@@ -1,0 +1,44 @@
+"""PushWorker.register_kv_caches with real NIXL on CPU tensors: the KV layout's cost is logged
+when a run of blocks needs more than one descriptor, and not when it needs one."""
+from __future__ import annotations
+
+import logging
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvpush.connector.worker import PushWorker
+
+os.environ.update({"UCX_MODULES": "^ib", "UCX_MEM_EVENTS": "no", "NIXL_LOG_LEVEL": "WARN"})
+LAYERS, BLOCKS, PAGE_ELEMS = 3, 16, 1024
+
+
+def settings(layout: str) -> SimpleNamespace:
+    return SimpleNamespace(engine_id="D.w", is_producer=False, backend="UCX", side_channel_host="127.0.0.1",
+                           side_channel_port=0, allowed_engines=frozenset({"P.w"}), transfer_timeout_s=1.0, peer_silence_s=1.0,
+                           model="m", tp_size=1, block_size=16, progress_delay_us=100, kv_cache_layout=layout)
+
+
+def caches(block_outermost: bool) -> dict[str, torch.Tensor]:
+    if block_outermost:  # one [B, L, page] buffer, a strided view per layer
+        raw = torch.zeros(BLOCKS, LAYERS, PAGE_ELEMS, dtype=torch.bfloat16)
+        return {f"layer{i}": raw[:, i] for i in range(LAYERS)}
+    return {f"layer{i}": torch.zeros(BLOCKS, PAGE_ELEMS, dtype=torch.bfloat16) for i in range(LAYERS)}
+
+
+@pytest.mark.parametrize("block_outermost, layout", [(False, "LBHNC"), (True, "BLHNC")])
+def test_layout_cost_is_logged_only_when_a_run_needs_several_descriptors(caplog, block_outermost, layout):
+    worker = PushWorker(settings(layout), num_blocks=BLOCKS, tp_rank=0)
+    with caplog.at_level(logging.INFO, logger="kvpush.connector"):
+        worker.register_kv_caches(caches(block_outermost))
+    try:
+        notes = [r.getMessage() for r in caplog.records if "descriptors per run" in r.getMessage()]
+        if block_outermost:
+            assert notes == []
+        else:
+            assert len(notes) == 1 and f"{layout}" in notes[0] and f"{LAYERS} NIXL descriptors per run" in notes[0]
+        assert worker.consumer._hello.device_id == 0 and worker._sync_device is None  # CPU tensors
+    finally:
+        worker.shutdown()

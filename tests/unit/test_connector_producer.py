@@ -1,0 +1,197 @@
+"""The prefill-side push service with a stand-in engine: WRITEs made ahead by prepare() are the
+ones offer() posts, made at prefill end otherwise, released when their registration goes away;
+the compute thread drives WRITEs on DRAM only; the peer's device id reaches the engine."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvpush.connector import wire
+from kvpush.connector.producer import Producer, ProducerConfig
+from kvpush.connector.transfer import TransferError, Write
+
+pytestmark = pytest.mark.unit
+
+IDENTITY = wire.LayoutIdentity("m", "bfloat16", 16, 1, ("l0",), (4096,))
+REGIONS = (wire.Region(1 << 20, 4096, 4096, 64),)
+
+
+class FakeEngine:
+    """Records what the producer asks of NIXL; a WRITE completes `latency_s` after its post."""
+
+    def __init__(self, latency_s: float = 0.0):
+        self.latency_s = latency_s
+        self.peers: list[tuple] = []
+        self.prepared: list[tuple] = []
+        self.posted: list[Write] = []
+        self.released: list[Write] = []
+        self.state_calls = 0
+        self._posted_at: dict[int, float] = {}
+
+    def add_peer(self, metadata, regions, device_id=0):
+        self.peers.append((metadata, tuple(regions), device_id))
+        return object()
+
+    def prepare_write(self, peer, src, dst, notif=b""):
+        write = Write(object(), 4096 * len(src), 1 + len(src) // 4)
+        self.prepared.append((tuple(src), tuple(dst), write))
+        return write
+
+    def post(self, write, agent_name="peer"):
+        self.posted.append(write)
+        self._posted_at[id(write)] = time.monotonic()
+
+    def state(self, write):
+        self.state_calls += 1
+        done = time.monotonic() - self._posted_at[id(write)] >= self.latency_s
+        return "DONE" if done else "PROC"
+
+    def release(self, write):
+        self.released.append(write)
+
+
+class FakeConn:
+    def __init__(self):
+        self.closed = False
+        self.engine_id = None
+        self.peer = "127.0.0.1:1"
+        self.sent: list = []
+
+    def send(self, msg):
+        self.sent.append(msg)
+
+
+@pytest.fixture
+def setup():
+    made = []
+
+    def make(latency_s: float = 0.0, drive_writes: bool = True):
+        engine = FakeEngine(latency_s)
+        producer = Producer(ProducerConfig("P", IDENTITY, frozenset({"D"}), "127.0.0.1", 0, 5.0,
+                                           drive_writes=drive_writes), engine)
+        made.append(producer)
+        conn = FakeConn()
+        producer.on_message(conn, wire.Hello("D", 0, "agent-D", b"meta", IDENTITY, REGIONS, device_id=5))
+        return producer, engine, conn
+
+    yield make
+    for p in made:
+        p.close()
+
+
+def register(producer, conn, tid, blocks, first=0):
+    producer.on_message(conn, wire.Register(tid, tuple(blocks), first, 16 * len(blocks)))
+
+
+def wait_record(producer, timeout_s=2.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        records = producer.take_records()
+        if records:
+            return records[0]
+        time.sleep(0.0005)
+    raise AssertionError("no send record")
+
+
+def test_handshake_hands_the_peer_device_id_to_the_engine(setup):
+    _, engine, conn = setup()
+    assert engine.peers == [(b"meta", REGIONS, 5)]
+    assert isinstance(conn.sent[-1], wire.Welcome)
+
+
+def test_write_made_ahead_is_the_one_posted_at_prefill_end(setup):
+    producer, engine, conn = setup()
+    register(producer, conn, "t1", [7, 8, 9], first=1)
+    assert producer.prepare("t1", [1, 2, 3, 4], "D")
+    [(src, dst, made)] = engine.prepared
+    assert (src, dst) == ((2, 3, 4), (7, 8, 9)) and not engine.posted
+    producer.offer("t1", "r1", [1, 2, 3, 4], "D")
+    assert engine.posted == [made] and len(engine.prepared) == 1
+    record = wait_record(producer)
+    assert record.ok and record.prepared_ahead and record.num_descriptors == made.num_descriptors
+    assert record.offered <= record.posted <= record.finished
+    assert any(isinstance(m, wire.Done) and m.transfer_id == "t1" for m in conn.sent)
+
+
+def test_without_registration_nothing_is_made_ahead_and_offer_makes_it(setup):
+    producer, engine, conn = setup()
+    assert not producer.prepare("t2", [1, 2], "D")
+    producer.offer("t2", "r2", [1, 2], "D")
+    assert not engine.posted  # waits for D
+    register(producer, conn, "t2", [5, 6])
+    record = wait_record(producer)
+    assert record.ok and not record.prepared_ahead
+    assert [p[:2] for p in engine.prepared] == [((1, 2), (5, 6))] and len(engine.posted) == 1
+
+
+def test_prepare_is_refused_for_another_engine_or_too_few_blocks(setup):
+    producer, engine, conn = setup()
+    register(producer, conn, "t3", [5, 6, 7])
+    assert not producer.prepare("t3", [1, 2, 3], "E")
+    assert not producer.prepare("t3", [1, 2], "D")  # offer() will answer FAIL without a WRITE
+    assert not engine.prepared
+
+
+def test_write_made_ahead_is_released_when_decode_cancels(setup):
+    producer, engine, conn = setup()
+    register(producer, conn, "t4", [5])
+    assert producer.prepare("t4", [1], "D")
+    made = engine.prepared[0][2]
+    producer.on_message(conn, wire.Cancel("t4"))
+    producer._reactor.wake()
+    deadline = time.monotonic() + 2
+    while made not in engine.released and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert made in engine.released and not engine.posted
+
+
+def test_a_failed_prepare_falls_back_to_making_it_at_prefill_end(setup):
+    producer, engine, conn = setup()
+    register(producer, conn, "t5", [5])
+    original = engine.prepare_write
+    engine.prepare_write = lambda *a, **k: (_ for _ in ()).throw(TransferError("busy"))
+    assert not producer.prepare("t5", [1], "D")
+    engine.prepare_write = original
+    producer.offer("t5", "r5", [1], "D")
+    assert wait_record(producer).ok and len(engine.posted) == 1
+
+
+def test_dram_offer_completes_the_write_on_the_calling_thread(setup):
+    producer, engine, conn = setup(latency_s=0.02, drive_writes=True)
+    register(producer, conn, "t6", [5])
+    producer.offer("t6", "r6", [1], "D")
+    assert producer.take_freed() == ["r6"]  # done before offer returned
+
+
+def test_gpu_offer_returns_at_once_and_the_side_channel_thread_completes_it(setup):
+    producer, engine, conn = setup(latency_s=0.05, drive_writes=False)
+    register(producer, conn, "t7", [5])
+    t0 = time.monotonic()
+    producer.offer("t7", "r7", [1], "D")
+    assert time.monotonic() - t0 < 0.04
+    record = wait_record(producer)
+    assert record.ok and record.finished - record.posted >= 0.05
+
+
+def test_short_poll_waits_are_not_rounded_up_to_a_millisecond(monkeypatch):
+    """The side-channel thread polls in-flight WRITEs every 0.2 ms; epoll rounds a timeout up to
+    whole milliseconds, which made every GPU push ~1 ms longer. Short waits sleep instead."""
+    from kvpush.connector import channel
+
+    asked, slept = [], []
+
+    class Selector:
+        def select(self, timeout=None):
+            asked.append(timeout)
+            return []
+
+    reactor = channel.Reactor.__new__(channel.Reactor)
+    reactor._sel = Selector()
+    monkeypatch.setattr(channel.time, "sleep", slept.append)
+    reactor._wait(0.0002)
+    assert slept == [0.0002] and all(t == 0 for t in asked)
+    asked.clear()
+    reactor._wait(0.5)
+    reactor._wait(None)
+    assert asked == [0.5, None] and slept == [0.0002]
