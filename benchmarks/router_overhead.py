@@ -1,12 +1,20 @@
 """Router overhead: TTFT p50 calling a fake decode instance directly vs through the router.
 
-Each side runs in its own process (fake decode, fake prefill for push protocols, the router started
-as `python -m kvpush.router --config FILE`), the client here. `--concurrency` streams run at once;
-rounds alternate direct and routed so drift hits both equally. The defaults model decode-like
-streams (64 tokens, 20 ms apart); `--tokens 8 --token-delay-ms 5` is a stress test in which the
-router's own CPU is the bottleneck.
+Each side runs in its own process (fake decode, fake prefill for the disaggregated protocols, the
+router started as `python -m kvpush.router --config FILE`), the client here. `--concurrency` streams
+run at once; rounds alternate direct and routed so drift hits both equally. The defaults model
+decode-like streams (64 tokens, 20 ms apart); `--tokens 8 --token-delay-ms 5` is a stress test in
+which the router's own CPU is the bottleneck.
 
-    python benchmarks/router_overhead.py [--protocol colocated|kvpush|nixl-push] [--concurrency 64]
+The direct side calls the decode instance alone, except for nixl-pull, where it is what a client
+would do without a router: the prefill call, then the decode call carrying prefill's
+kv_transfer_params, timed from the first. `--arrivals burst` (the default) starts each round's
+streams at once, and since all have the same length the later ones start in step: bursts of
+`--concurrency` arrivals. `--arrivals staggered` spreads the first ones over one stream's duration:
+a steady state of as many streams, arriving evenly.
+
+    python benchmarks/router_overhead.py [--protocol colocated|kvpush|nixl-push|nixl-pull]
+        [--concurrency 64] [--arrivals burst|staggered]
 """
 from __future__ import annotations
 
@@ -21,10 +29,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Awaitable, Callable
 
 import aiohttp
 
 from kvpush.router.config import RouterConfig, Upstream
+from kvpush.router.protocols import pull_decode_leg, pull_prefill_leg
 
 
 def run_async(coro):
@@ -50,7 +60,7 @@ def serve_fake(port: int, token_delay_s: float) -> None:
     run_async(main())
 
 
-async def wait_healthy(url: str, timeout_s: float = 20.0) -> None:
+async def wait_healthy(url: str, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     async with aiohttp.ClientSession() as session:
         while time.monotonic() < deadline:
@@ -64,8 +74,9 @@ async def wait_healthy(url: str, timeout_s: float = 20.0) -> None:
     raise RuntimeError(f"{url} did not become healthy")
 
 
-async def one_stream(session: aiohttp.ClientSession, url: str, body: dict) -> float:
-    start = time.perf_counter()
+async def one_stream(session: aiohttp.ClientSession, url: str, body: dict, start: float | None = None) -> float:
+    """Seconds from `start` (default: now) to the first token of one streamed completion."""
+    start = time.perf_counter() if start is None else start
     async with session.post(url + "/v1/completions", json=body) as resp:
         assert resp.status == 200, await resp.text()
         ttft = None
@@ -76,36 +87,88 @@ async def one_stream(session: aiohttp.ClientSession, url: str, body: dict) -> fl
         return ttft
 
 
-async def round_of(session: aiohttp.ClientSession, url: str, concurrency: int, requests: int, body: dict) -> list[float]:
+async def pulled_stream(session: aiohttp.ClientSession, prefill: str, decode: str, body: dict) -> float:
+    """nixl-pull without a router: the client asks prefill for the KV's whereabouts, then streams
+    from decode with them (the same two legs the router builds); timed from the first request."""
+    start = time.perf_counter()
+    async with session.post(prefill + "/v1/completions", json=pull_prefill_leg(body, chat=False)) as resp:
+        assert resp.status == 200, await resp.text()
+        answer = await resp.json()
+    decode_body = pull_decode_leg(body, answer)
+    assert decode_body is not None, "prefill answered no kv_transfer_params"
+    return await one_stream(session, decode, decode_body, start)
+
+
+Side = Callable[[aiohttp.ClientSession, dict], Awaitable[float]]
+
+
+def direct_side(protocol: str, decode: str, prefill: str) -> Side:
+    if protocol == "nixl-pull":
+        return lambda session, body: pulled_stream(session, prefill, decode, body)
+    return lambda session, body: one_stream(session, decode, body)
+
+
+def routed_side(router: str) -> Side:
+    return lambda session, body: one_stream(session, router, body)
+
+
+async def round_of(session: aiohttp.ClientSession, side: Side, concurrency: int, requests: int, body: dict,
+                   spread_s: float = 0.0) -> list[float]:
+    """`requests` streams, `concurrency` at a time; the first `concurrency` start `spread_s / concurrency`
+    apart (0: all at once), and each later one starts when one ends."""
     gate = asyncio.Semaphore(concurrency)
 
-    async def limited() -> float:
+    async def limited(index: int) -> float:
+        if index < concurrency and spread_s:
+            await asyncio.sleep(spread_s * index / concurrency)
         async with gate:
-            return await one_stream(session, url, body)
+            return await side(session, body)
 
-    return await asyncio.gather(*(limited() for _ in range(requests)))
+    return await asyncio.gather(*(limited(i) for i in range(requests)))
 
 
-async def measure(direct: str, routed: str, concurrency: int, requests: int, rounds: int, tokens: int) -> dict:
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU a process has used so far (Linux /proc); None elsewhere."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def measure(direct: Side, routed: Side, concurrency: int, requests: int, rounds: int, tokens: int,
+                  spread_s: float, router_pid: int) -> dict:
+    """Median TTFT per side in ms, and the router's CPU per routed request in ms: unlike TTFT, that
+    hardly moves with what else the machine runs."""
     body = {"model": "fake", "prompt": "hello", "max_tokens": tokens, "stream": True}
     results: dict[str, list[float]] = {"direct": [], "router": []}
+    router_cpu = 0.0
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         await round_of(session, direct, concurrency, concurrency, body)  # warm connections
         await round_of(session, routed, concurrency, concurrency, body)
         for _ in range(rounds):
-            results["direct"] += await round_of(session, direct, concurrency, requests, body)
-            results["router"] += await round_of(session, routed, concurrency, requests, body)
-    return {k: statistics.median(v) * 1000 for k, v in results.items()}
+            results["direct"] += await round_of(session, direct, concurrency, requests, body, spread_s)
+            before = cpu_seconds(router_pid)
+            results["router"] += await round_of(session, routed, concurrency, requests, body, spread_s)
+            after = cpu_seconds(router_pid)
+            router_cpu += (after - before) if before is not None and after is not None else float("nan")
+    p50 = {k: statistics.median(v) * 1000 for k, v in results.items()}
+    p50["router_cpu_per_request"] = router_cpu / (rounds * requests) * 1000
+    return p50
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--protocol", default="colocated", choices=["colocated", "kvpush", "nixl-push"])
+    parser.add_argument("--protocol", default="colocated", choices=["colocated", "kvpush", "nixl-push", "nixl-pull"],
+                        help="nixl-pull's direct side is the client's own two calls: prefill, then decode")
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--requests", type=int, default=320, help="requests per round and side")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=64, help="tokens per answer")
     parser.add_argument("--token-delay-ms", type=float, default=20.0, help="the fake decode's time per output token")
+    parser.add_argument("--arrivals", default="burst", choices=["burst", "staggered"],
+                        help="burst: each round's first streams start at once (and later ones in step as those end); "
+                             "staggered: they start spread over one stream's duration, a steady state")
     parser.add_argument("--base-port", type=int, default=18100, help="fake decode, fake prefill, router: base+0..2")
     parser.add_argument("--serve-fake", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -116,14 +179,18 @@ def main() -> int:
     decode_port, prefill_port, router_port = args.base_port, args.base_port + 1, args.base_port + 2
     procs: list[subprocess.Popen] = []
 
-    def spawn(argv: list[str]) -> None:
+    def spawn(argv: list[str]) -> subprocess.Popen:
         procs.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+        return procs[-1]
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a killed run still stops what it started
 
     def upstream(name: str, port: int) -> Upstream:
         return Upstream(name=name, url=f"http://127.0.0.1:{port}", engine_id=name, side_channel_host="127.0.0.1",
                         side_channel_port=port + 500)
 
     push = args.protocol != "colocated"
+    spread_s = args.tokens * args.token_delay_ms / 1000 if args.arrivals == "staggered" else 0.0
     config = RouterConfig(protocol=args.protocol, served_model_name="fake", port=router_port,
                           prefill=[upstream("p0", prefill_port)] if push else [], decode=[upstream("d0", decode_port)])
     with tempfile.TemporaryDirectory() as tmp:
@@ -133,11 +200,13 @@ def main() -> int:
             spawn([sys.executable, __file__, "--serve-fake", str(decode_port), "--token-delay-ms", str(args.token_delay_ms)])
             if push:
                 spawn([sys.executable, __file__, "--serve-fake", str(prefill_port), "--token-delay-ms", "0"])
-            spawn([sys.executable, "-m", "kvpush.router", "--config", str(config_path), "--log-level", "WARNING"])
+            router = spawn([sys.executable, "-m", "kvpush.router", "--config", str(config_path), "--log-level", "WARNING"])
             run_async(wait_healthy(f"http://127.0.0.1:{decode_port}"))
             run_async(wait_healthy(f"http://127.0.0.1:{router_port}"))
-            p50 = run_async(measure(f"http://127.0.0.1:{decode_port}", f"http://127.0.0.1:{router_port}",
-                                      args.concurrency, args.requests, args.rounds, args.tokens))
+            run_async(wait_healthy(f"http://127.0.0.1:{prefill_port}") if push else asyncio.sleep(0))
+            direct = direct_side(args.protocol, f"http://127.0.0.1:{decode_port}", f"http://127.0.0.1:{prefill_port}")
+            p50 = run_async(measure(direct, routed_side(f"http://127.0.0.1:{router_port}"), args.concurrency,
+                                    args.requests, args.rounds, args.tokens, spread_s, router.pid))
         finally:
             for proc in procs:
                 proc.send_signal(signal.SIGTERM)
@@ -148,9 +217,12 @@ def main() -> int:
                     proc.kill()
                     proc.wait()
     added = p50["router"] - p50["direct"]
-    print(json.dumps({"protocol": args.protocol, "concurrency": args.concurrency, "cpus": os.cpu_count(),
+    print(json.dumps({"protocol": args.protocol, "concurrency": args.concurrency, "arrivals": args.arrivals,
+                      "cpus": os.cpu_count(),
                       "ttft_p50_direct_ms": round(p50["direct"], 3), "ttft_p50_router_ms": round(p50["router"], 3),
-                      "added_ms": round(added, 3), "ratio": round(p50["router"] / p50["direct"], 3)}))
+                      "added_ms": round(added, 3), "ratio": round(p50["router"] / p50["direct"], 3),
+                      "router_cpu_ms_per_request": round(p50["router_cpu_per_request"], 3),
+                      "load_avg_1m": os.getloadavg()[0]}))
     return 0
 
 

@@ -2,8 +2,10 @@
 
 Modules: config (RouterConfig, written by the plan), protocols (leg bodies per transfer protocol;
 the kvpush connector contract), pool (selection and health bookkeeping), dispatch (legs, retry,
-cancellation, streaming), validation, errors (vLLM-shaped error bodies), metrics, app (HTTP front
-and background probing/scraping), fake_upstream (an in-process fake vLLM for tests and benchmarks).
+cancellation, streaming), upstream_http (the lean HTTP/1.1 client every call to an instance goes
+through), relay (the decode stream after its first token, socket to socket), validation, errors
+(vLLM-shaped error bodies), metrics, app (HTTP front and background probing/scraping),
+fake_upstream (an in-process fake vLLM for tests and benchmarks).
 
 Failure policy: until the decode leg's first token reaches the client, a failed leg (connection
 error, 5xx/408/429, timeout, an error reported by vLLM such as a failed KV load) ends the attempt,

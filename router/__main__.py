@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import sys
 
@@ -40,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="router config JSON written by `kvpush plan`/`up`")
     parser.add_argument("--log-level", default="INFO", help="Python logging level (default INFO)")
     args = parser.parse_args(argv)
+    faulthandler.enable()  # a crash in native code (uvloop, NIXL-free but C-heavy) leaves a trace in the log
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return run_router(args.config)
 

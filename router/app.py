@@ -9,7 +9,6 @@ import secrets
 import signal
 import time
 
-import aiohttp
 from aiohttp import web
 
 from .config import RouterConfig
@@ -17,6 +16,7 @@ from .dispatch import Dispatcher, RequestContext
 from .errors import error_response
 from .metrics import CLIENT_ERROR, RouterMetrics
 from .pool import Pool, parse_load
+from .upstream_http import UpstreamClient, UpstreamError
 from .validation import RequestRejected, parse_request
 
 log = logging.getLogger("kvpush.router")
@@ -52,7 +52,7 @@ class Router:
         self.metrics = RouterMetrics()
         self.prefill = Pool("prefill", config.prefill, config.policy, config.eject_after_failures, self.metrics)
         self.decode = Pool("decode", config.decode, config.policy, config.eject_after_failures, self.metrics)
-        self.session: aiohttp.ClientSession | None = None
+        self.upstream: UpstreamClient | None = None
         self.dispatcher: Dispatcher | None = None
         self._background: list[asyncio.Task] = []
 
@@ -61,9 +61,8 @@ class Router:
     async def start(self) -> None:
         # Idle upstream connections are dropped before vLLM's (uvicorn's) 5 s keep-alive closes them,
         # so a leg never goes out on a connection the server is closing at that moment.
-        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=UPSTREAM_KEEPALIVE_S)
-        self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
-        self.dispatcher = Dispatcher(self.config, self.prefill, self.decode, self.metrics, self.session, self.api_key)
+        self.upstream = UpstreamClient(keepalive_s=UPSTREAM_KEEPALIVE_S)
+        self.dispatcher = Dispatcher(self.config, self.prefill, self.decode, self.metrics, self.upstream, self.api_key)
         # Instances enter rotation on their first healthy answer: one round now, so a router
         # started beside ready instances serves at once, and one started beside loading ones
         # reports 503 on /health until they are up (never sends them legs while they load).
@@ -80,16 +79,19 @@ class Router:
                 await task
         if self.dispatcher is not None:
             await self.dispatcher.close()
-        if self.session is not None:
-            await self.session.close()
+        if self.upstream is not None:
+            self.upstream.close()
 
     def pools(self) -> list[Pool]:
         return [self.prefill, self.decode]
 
-    async def _get(self, url: str, timeout_s: float) -> tuple[int, str]:
-        assert self.session is not None
-        async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-            return resp.status, await resp.text()
+    async def _get(self, base_url: str, path: str, timeout_s: float) -> tuple[int, str]:
+        assert self.upstream is not None
+        resp = await self.upstream.request("GET", base_url, path, {}, None, timeout_s, timeout_s)
+        try:
+            return resp.status, (await resp.read()).decode(errors="replace")
+        finally:
+            resp.close()
 
     async def _probe_loop(self) -> None:
         """Every instance's /health, every probe_interval_s: a failing answer counts like a failed
@@ -103,8 +105,8 @@ class Router:
     async def _probe_all(self) -> None:
         async def probe(pool: Pool, inst) -> None:
             try:
-                status, _ = await self._get(inst.upstream.url + "/health", self.config.timeouts.connect_s)
-            except (aiohttp.ClientError, asyncio.TimeoutError):
+                status, _ = await self._get(inst.upstream.url, "/health", self.config.timeouts.connect_s)
+            except (UpstreamError, asyncio.TimeoutError):
                 status = None
             if inst.in_rotation and status != 200:
                 pool.failed(inst, "health")
@@ -119,8 +121,8 @@ class Router:
 
         async def scrape(pool: Pool, inst) -> None:
             try:
-                status, text = await self._get(inst.upstream.url + "/metrics", timeout)
-            except (aiohttp.ClientError, asyncio.TimeoutError):
+                status, text = await self._get(inst.upstream.url, "/metrics", timeout)
+            except (UpstreamError, asyncio.TimeoutError):
                 pool.observe_load(inst, None)
                 return
             pool.observe_load(inst, parse_load(text) if status == 200 else None)
@@ -148,28 +150,31 @@ class Router:
         except RequestRejected as exc:
             return self._rejected(endpoint, exc)
         assert self.dispatcher is not None
-        ctx = RequestContext(request, endpoint, body, bool(body.get("stream")), started)
+        ctx = RequestContext(request, endpoint, body, raw, bool(body.get("stream")), started)
         return await self.dispatcher.handle(ctx)
 
     def _rejected(self, endpoint: str, exc: RequestRejected) -> web.Response:
-        self.metrics.requests.labels(endpoint, CLIENT_ERROR).inc()
+        self.metrics.request_done(endpoint, CLIENT_ERROR)
         return error_response(exc.status, exc.message, exc.param)
 
     async def _forward(self, request: web.Request) -> web.Response | None:
         """The request as-is to the first decode instance that answers; None if none does."""
-        assert self.session is not None
+        assert self.upstream is not None
         headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
         body = await request.read()
-        timeout = aiohttp.ClientTimeout(total=self.config.timeouts.decode_s, sock_connect=self.config.timeouts.connect_s)
+        timeouts = self.config.timeouts
         for inst in self.decode.available():
             try:
-                async with self.session.request(request.method, inst.upstream.url + request.path, data=body or None,
-                                                headers=headers, timeout=timeout) as resp:
+                resp = await self.upstream.request(request.method, inst.upstream.url, request.path, headers,
+                                                   body or None, timeouts.connect_s, timeouts.decode_s)
+                try:
                     return web.Response(status=resp.status, body=await resp.read(),
-                                        headers={"Content-Type": resp.headers.get("Content-Type", "application/json")})
-            except (aiohttp.ClientError, asyncio.TimeoutError):
+                                        headers={"Content-Type": resp.header("content-type", "application/json")})
+                finally:
+                    resp.close()
+            except (UpstreamError, asyncio.TimeoutError):
                 continue
         return None
 
@@ -266,8 +271,12 @@ async def serve(config: RouterConfig, api_key: str | None) -> None:
              config.bind, config.port, config.protocol, config.policy, len(config.prefill), len(config.decode))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    def stop_on(sig: signal.Signals) -> None:
+        log.info("kvpush router stopping on %s", sig.name)
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, stop_on, sig)
     try:
         await stop.wait()
     finally:

@@ -16,7 +16,6 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-import aiohttp
 from aiohttp import web
 
 from . import metrics as M
@@ -24,6 +23,8 @@ from .config import RouterConfig
 from .errors import error_response, sse_error_event
 from .pool import Instance, Pool
 from .protocols import CONCURRENT_PROTOCOLS, concurrent_legs, new_transfer_id, pull_decode_leg, pull_prefill_leg
+from .relay import StreamRelay
+from .upstream_http import UpstreamClient, UpstreamError, UpstreamResponse
 
 log = logging.getLogger("kvpush.router")
 
@@ -52,6 +53,7 @@ class RequestContext:
     request: web.Request
     endpoint: str  # "/v1/completions" or "/v1/chat/completions"
     body: dict
+    raw: bytes  # the client's body as sent: legs that change nothing forward it without re-encoding
     stream: bool
     started: float = field(default_factory=time.perf_counter)
 
@@ -65,7 +67,7 @@ class DecodeHead:
     """The decode leg up to its first token: what was read so far, ready to hand to the client."""
 
     leg: "Leg"
-    resp: aiohttp.ClientResponse | None  # None once fully read
+    resp: UpstreamResponse | None  # None once fully read
     held: bytes
     content_type: str
     first_token_at: float
@@ -101,7 +103,7 @@ class Leg:
             return
         if failure is None:
             self.pool.succeeded(self.inst)
-            self.metrics.leg_latency.labels(self.role).observe(time.perf_counter() - self.started)
+            self.pool.leg_latency.observe(time.perf_counter() - self.started)
         else:
             self.pool.failed(self.inst, failure)
 
@@ -144,12 +146,12 @@ def _error_message(payload: bytes) -> str:
 
 class Dispatcher:
     def __init__(self, config: RouterConfig, prefill: Pool, decode: Pool, metrics: M.RouterMetrics,
-                 session: aiohttp.ClientSession, api_key: str | None):
+                 upstream: UpstreamClient, api_key: str | None):
         self.config = config
         self.prefill = prefill
         self.decode = decode
         self.metrics = metrics
-        self.session = session
+        self.upstream = upstream
         self.api_key = api_key
         self._detached: set[asyncio.Task] = set()
 
@@ -164,7 +166,7 @@ class Dispatcher:
             outcome = M.CANCELLED
             raise
         finally:
-            self.metrics.requests.labels(ctx.endpoint, outcome).inc()
+            self.metrics.request_done(ctx.endpoint, outcome)
             self.metrics.latency.observe(time.perf_counter() - ctx.started)
 
     async def _handle_with_retry(self, ctx: RequestContext) -> tuple[web.StreamResponse, str]:
@@ -213,10 +215,10 @@ class Dispatcher:
     async def _attempt(self, ctx: RequestContext, prefill: Instance | None, decode: Instance) -> DecodeHead:
         protocol = self.config.protocol
         if protocol == "colocated":
-            return await self._decode_head(ctx, decode, ctx.body, self._headers(ctx.request.headers.get("X-Request-Id")))
+            return await self._decode_head(ctx, decode, ctx.raw, self._headers(ctx.request.headers.get("X-Request-Id")))
         if prefill is None:  # every prefill instance is out: decode computes the prompt itself
             self.metrics.fallbacks.inc()
-            return await self._decode_head(ctx, decode, ctx.body, self._headers(new_transfer_id()))
+            return await self._decode_head(ctx, decode, ctx.raw, self._headers(new_transfer_id()))
         transfer_id = new_transfer_id()
         headers = self._headers(transfer_id)
         if protocol in CONCURRENT_PROTOCOLS:
@@ -234,8 +236,9 @@ class Dispatcher:
 
     async def _concurrent(self, ctx: RequestContext, prefill: Instance, prefill_body: dict,
                           decode: Instance, decode_body: dict, headers: dict) -> DecodeHead:
-        prefill_task = asyncio.ensure_future(self._prefill_leg(ctx, prefill, prefill_body, headers))
+        # decode's leg goes out first: its first token is what the client waits for
         decode_task = asyncio.ensure_future(self._decode_head(ctx, decode, decode_body, headers))
+        prefill_task = asyncio.ensure_future(self._prefill_leg(ctx, prefill, prefill_body, headers))
         try:
             done, _ = await asyncio.wait({prefill_task, decode_task}, return_when=asyncio.FIRST_COMPLETED)
             if prefill_task in done:
@@ -287,31 +290,31 @@ class Dispatcher:
 
     # --- legs --------------------------------------------------------------------------------
 
-    async def _post(self, leg: Leg, path: str, body: dict, headers: dict, timeout_s: float) -> aiohttp.ClientResponse:
-        timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=self.config.timeouts.connect_s)
+    async def _post(self, leg: Leg, path: str, body: dict | bytes, headers: dict, timeout_s: float) -> UpstreamResponse:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
         try:
-            return await self.session.post(leg.inst.upstream.url + path, data=json.dumps(body), headers=headers,
-                                           timeout=timeout)
+            return await self.upstream.request("POST", leg.inst.upstream.url, path, headers, data,
+                                               self.config.timeouts.connect_s, timeout_s)
         except asyncio.TimeoutError:
             raise self._fail(leg, "timeout", f"no answer within {timeout_s:g} s") from None
-        except aiohttp.ClientError as exc:
-            raise self._fail(leg, "connect", f"{type(exc).__name__}: {exc}") from None
+        except UpstreamError as exc:
+            raise self._fail(leg, "connect", str(exc)) from None
 
     def _fail(self, leg: Leg, reason: str, detail: str) -> LegFailure:
         leg.end(reason)
         return LegFailure(leg.role, leg.name, reason, detail)
 
-    async def _read_error(self, leg: Leg, resp: aiohttp.ClientResponse) -> Exception:
+    async def _read_error(self, leg: Leg, resp: UpstreamResponse) -> Exception:
         """A non-200 answer: 4xx goes to the client verbatim, anything else is a leg failure."""
         try:
             body = await resp.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+        except (UpstreamError, asyncio.TimeoutError):
             body = b""
         finally:
             resp.close()
         if 400 <= resp.status < 500 and resp.status not in (408, 429):
             leg.end()
-            return UpstreamClientError(resp.status, body, resp.headers.get("Content-Type", "application/json"))
+            return UpstreamClientError(resp.status, body, resp.header("content-type", "application/json"))
         return self._fail(leg, f"http_{resp.status}", f"HTTP {resp.status}: {_error_message(body)}")
 
     async def _prefill_leg(self, ctx: RequestContext, inst: Instance, body: dict, headers: dict) -> tuple[dict, float]:
@@ -324,8 +327,8 @@ class Dispatcher:
                 raw = await resp.read()
             except asyncio.TimeoutError:
                 raise self._fail(leg, "timeout", f"no answer within {self.config.timeouts.prefill_s:g} s") from None
-            except aiohttp.ClientError as exc:
-                raise self._fail(leg, "connect", f"{type(exc).__name__}: {exc}") from None
+            except UpstreamError as exc:
+                raise self._fail(leg, "connect", str(exc)) from None
             finally:
                 resp.close()
             answered_at = time.perf_counter()
@@ -339,14 +342,14 @@ class Dispatcher:
             leg.end(cancelled=True)
             raise
 
-    async def _decode_head(self, ctx: RequestContext, inst: Instance, body: dict, headers: dict) -> DecodeHead:
+    async def _decode_head(self, ctx: RequestContext, inst: Instance, body: dict | bytes, headers: dict) -> DecodeHead:
         leg = Leg(self.decode, inst, self.metrics)
-        resp: aiohttp.ClientResponse | None = None
+        resp: UpstreamResponse | None = None
         try:
             resp = await self._post(leg, ctx.endpoint, body, headers, self.config.timeouts.decode_s)
             if resp.status != 200:
                 raise await self._read_error(leg, resp)
-            content_type = resp.headers.get("Content-Type", "application/json")
+            content_type = resp.header("content-type", "application/json")
             if not ctx.stream:
                 raw = await resp.read()
                 resp.release()
@@ -354,7 +357,7 @@ class Dispatcher:
             held = bytearray()
             scanned = 0
             while True:
-                chunk = await resp.content.readany()
+                chunk = await resp.readany()
                 if not chunk:  # ended before any token: hand over what came, the client sees it as is
                     resp.release()
                     return DecodeHead(leg, None, bytes(held), content_type, time.perf_counter())
@@ -371,8 +374,8 @@ class Dispatcher:
                         return DecodeHead(leg, resp, bytes(held), content_type, time.perf_counter())
         except asyncio.TimeoutError:
             raise self._fail(leg, "timeout", f"no first token within {self.config.timeouts.decode_s:g} s") from None
-        except aiohttp.ClientError as exc:
-            raise self._fail(leg, "connect", f"{type(exc).__name__}: {exc}") from None
+        except UpstreamError as exc:
+            raise self._fail(leg, "connect", str(exc)) from None
         except asyncio.CancelledError:
             leg.end(cancelled=True)
             raise
@@ -395,19 +398,30 @@ class Dispatcher:
             self.metrics.ttft.observe(time.perf_counter() - ctx.started)
             tail = head.held[-len(DONE_EVENT):]
             if resp is not None:
-                read, write, keep = resp.content.readany, client.write, len(DONE_EVENT)
+                transport = ctx.request.transport
+                if transport is None:
+                    raise ConnectionResetError("the client went away")
+                chunked = client.headers.get("Transfer-Encoding") == "chunked"  # as aiohttp chose in prepare()
+                relay = StreamRelay(transport, chunked, tail, len(DONE_EVENT))
+                resp.forward(relay)
                 try:
-                    while chunk := await read():
-                        await write(chunk)
-                        if b'{"error"' in chunk:
-                            outcome = M.FAILED_MID_STREAM
-                        tail = chunk[-keep:] if len(chunk) >= keep else (tail + chunk)[-keep:]
-                except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
-                        asyncio.TimeoutError) as exc:
-                    detail = "timeout" if isinstance(exc, asyncio.TimeoutError) else f"{type(exc).__name__}: {exc}"
+                    while not await resp.wait_end():  # paused: the client reads slower than tokens come
+                        await relay.drained()
+                        if relay.client_gone:
+                            raise ConnectionResetError("the client went away")
+                        resp.resume()
+                except (UpstreamError, asyncio.TimeoutError) as exc:
+                    if relay.client_gone:
+                        raise ConnectionResetError("the client went away") from None
+                    detail = "timeout" if isinstance(exc, asyncio.TimeoutError) else str(exc)
                     head.leg.end("mid_stream")
                     await client.write(sse_error_event(502, f"decode leg on instance {head.leg.name} failed mid-stream: {detail}"))
                     return client, M.FAILED_MID_STREAM
+                if relay.client_gone:
+                    raise ConnectionResetError("the client went away")
+                tail = relay.tail
+                if relay.saw_error:
+                    outcome = M.FAILED_MID_STREAM
             if tail != DONE_EVENT:  # the upstream closed cleanly but early
                 head.leg.end("mid_stream")
                 await client.write(sse_error_event(502, f"decode leg on instance {head.leg.name} ended its stream early"))

@@ -41,6 +41,15 @@ class RouterMetrics:
         self.inflight = Gauge("kvpush_router_inflight", "Legs in flight per instance.", ["instance", "role"], registry=r)
         self.in_rotation = Gauge("kvpush_router_instance_in_rotation", "1 if the instance receives new legs.",
                                  ["instance", "role"], registry=r)
+        self._request_counts: dict[tuple[str, str], Counter] = {}
+
+    def request_done(self, endpoint: str, outcome: str) -> None:
+        """Count one request; each label pair's child is looked up once (labels() takes a lock and
+        builds a tuple on every call)."""
+        child = self._request_counts.get((endpoint, outcome))
+        if child is None:
+            child = self._request_counts[(endpoint, outcome)] = self.requests.labels(endpoint, outcome)
+        child.inc()
 
     def exposition(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

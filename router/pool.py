@@ -67,6 +67,7 @@ class Pool:
         self.eject_after = eject_after
         self.metrics = metrics
         self._turn = itertools.count()
+        self.leg_latency = metrics.leg_latency.labels(role)  # this role's child of kvpush_router_leg_seconds
         for inst in self.instances:
             metrics.in_rotation.labels(inst.name, role).set(0)
             inst.inflight_gauge = metrics.inflight.labels(inst.name, role)

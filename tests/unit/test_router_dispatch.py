@@ -71,6 +71,44 @@ def test_streaming_passes_upstream_bytes_through_unchanged():
     run(scenario())
 
 
+def test_long_streams_reach_http11_and_http10_clients_whole():
+    """After the first token the stream is written straight into the client's socket: framed as
+    chunks for HTTP/1.1, unframed (until close) for HTTP/1.0, and byte-identical either way."""
+
+    async def raw_request(url: str, version: str, body: bytes) -> tuple[bytes, bytes]:
+        host, port = url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(f"POST /v1/completions HTTP/{version}\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\nX-Request-Id: fixed-id\r\nConnection: close\r\n\r\n".encode() + body)
+        answer = await reader.read(-1)
+        writer.close()
+        head, _, rest = answer.partition(b"\r\n\r\n")
+        return head, rest
+
+    def unchunk(data: bytes) -> bytes:
+        out = b""
+        while True:
+            size_line, _, data = data.partition(b"\r\n")
+            size = int(size_line, 16)
+            if not size:
+                return out
+            out, data = out + data[:size], data[size + 2:]
+
+    async def scenario():
+        async with deployment("colocated") as dep:
+            body = json.dumps({**COMPLETION, "max_tokens": 300, "stream": True}).encode()
+            async with dep.session.post(dep.decode[0].url + "/v1/completions", data=body,
+                                        headers={"X-Request-Id": "fixed-id"}) as resp:
+                direct = await resp.read()
+            head11, rest11 = await raw_request(dep.url, "1.1", body)
+            head10, rest10 = await raw_request(dep.url, "1.0", body)
+            assert b"transfer-encoding: chunked" in head11.lower() and unchunk(rest11) == direct
+            assert b"transfer-encoding" not in head10.lower() and rest10 == direct
+            assert len(events(direct)) == 301
+
+    run(scenario())
+
+
 def test_push_protocols_send_both_legs_before_prefill_answers():
     async def scenario():
         async with deployment("kvpush") as dep:
