@@ -122,6 +122,12 @@ def rate_table(runs: list[ModeRun], rate: float, baseline: str) -> Table:
     return table
 
 
+def phases_text(phases_s: dict[str, float]) -> str:
+    """Where a mode's wall time went, e.g. 'up 92 s, prove 1.2 s, rate 0.5 17 s, ..., down 4.1 s (134 s)'."""
+    parts = [f"{name} {seconds:.0f} s" if seconds >= 10 else f"{name} {seconds:.1f} s" for name, seconds in phases_s.items()]
+    return f"{', '.join(parts)} ({sum(phases_s.values()):.0f} s)"
+
+
 def render(report: BenchReport) -> None:
     # Piped or redirected output gets room for every column instead of a squeezed 80-column table.
     tables = out if out.is_terminal else Console(width=TABLE_WIDTH, soft_wrap=True)
@@ -131,6 +137,8 @@ def render(report: BenchReport) -> None:
         if run.idle_cores:
             idle = ", ".join(f"{name} {cores:.2f}" for name, cores in run.idle_cores.items())
             note(f"{run.mode}: started in {run.up_s or 0:.0f} s; CPU while idle (cores): {idle}")
+        if run.phases_s:
+            note(f"{run.mode}: {phases_text(run.phases_s)}")
         if run.error:
             err.print(f"[red]{run.mode}:[/red] {run.error}", highlight=False)
     model = report.configuration["model"]
@@ -138,6 +146,8 @@ def render(report: BenchReport) -> None:
         note(f"model: {model['description']}")
     note("times in ms; handoff = prefill leg's answer to decode's first token, at the router "
          "(estimated from the router's histogram buckets)")
+    if report.finished_at is not None:
+        note(f"whole bench: {(report.finished_at - report.started_at) / 60:.1f} min")
     for path in report.files:
         out.print(f"wrote {path}", highlight=False)
 

@@ -1,8 +1,10 @@
-"""Drive the router with vLLM's own benchmark client, `vllm bench serve`, one process per rate."""
+"""Drive the router with vLLM's own benchmark client, `vllm bench serve`: its CLI entry point, run
+once per rate inside one warm process (client_worker.py), so vLLM's import is paid once per bench."""
 from __future__ import annotations
 
+import json
 import os
-import shutil
+import selectors
 import signal
 import subprocess
 import sys
@@ -36,21 +38,10 @@ class LoadSpec:
         return Path(self.result_dir) / self.result_filename
 
 
-def bench_command() -> list[str]:
-    """The `vllm` console script of this Python environment (the venv's bin/, then PATH)."""
-    beside = Path(sys.executable).with_name("vllm")
-    if beside.is_file():
-        return [str(beside)]
-    found = shutil.which("vllm")
-    if found:
-        return [found]
-    raise KvpushError("the `vllm` command was not found beside this Python or on PATH; install vLLM "
-                      "(scripts/setup.sh) in the environment that runs kvpush bench")
-
-
 def bench_serve_argv(load: LoadSpec, command: list[str] | None = None) -> list[str]:
+    """The `vllm bench serve` command line for one load level (program name first, `vllm` by default)."""
     return [
-        *(command if command is not None else bench_command()), "bench", "serve",
+        *(command if command is not None else ["vllm"]), "bench", "serve",
         "--backend", "openai",
         "--base-url", load.base_url,
         "--endpoint", "/v1/completions",
@@ -76,39 +67,121 @@ def bench_serve_argv(load: LoadSpec, command: list[str] | None = None) -> list[s
     ]
 
 
-def run_bench_serve(load: LoadSpec, log_path: Path, timeout_s: float, command: list[str] | None = None) -> Path:
-    """Run one load level; returns the result JSON. The client is killed on timeout or Ctrl-C."""
-    argv = bench_serve_argv(load, command)
-    Path(load.result_dir).mkdir(parents=True, exist_ok=True)
-    load.result_path.unlink(missing_ok=True)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                start_new_session=True)
+WORKER_MODULE = "kvpush.deploy.bench.client_worker"
+
+
+class BenchClient:
+    """A warm `vllm bench serve` process serving every load level of a bench, one at a time.
+
+    `start()` spawns it early (vLLM's import then overlaps the first deployment's start); `run()`
+    waits for it, runs one level and returns the result file. A level past its timeout, a Ctrl-C
+    or a dead worker kill the worker; the next `run()` starts a fresh one."""
+
+    def __init__(self, log_path: Path, command: list[str] | None = None):
+        self.log_path = log_path  # the worker's own output (vLLM's import warnings, crashes)
+        self.command = command if command is not None else [sys.executable, "-m", WORKER_MODULE]
+        self._proc: subprocess.Popen | None = None
+        self._ready = False
+
+    def start(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            return
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        with open(self.log_path, "ab") as log:
+            self._proc = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                                          env=env, start_new_session=True)
+        self._ready = False
+
+    def run(self, load: LoadSpec, log_path: Path, timeout_s: float) -> Path:
+        """Run one load level; returns the result JSON."""
+        Path(load.result_dir).mkdir(parents=True, exist_ok=True)
+        load.result_path.unlink(missing_ok=True)
+        deadline = time.monotonic() + timeout_s
+        self.start()
         try:
-            rc = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            raise KvpushError(f"`vllm bench serve` at {load.rate:g} req/s did not finish within {timeout_s:.0f} s; "
-                              f"its output is {log_path}; lower --num-prompts or raise --client-timeout") from None
+            if not self._ready:
+                answer = self._answer(deadline, load, log_path, timeout_s)
+                if "error" in answer:
+                    raise KvpushError(f"`vllm bench serve` could not start: {answer['error']}; its output is {self.log_path}")
+                self._ready = True
+            job = {"argv": bench_serve_argv(load), "log": str(log_path)}
+            assert self._proc is not None and self._proc.stdin is not None
+            self._proc.stdin.write((json.dumps(job) + "\n").encode())
+            self._proc.stdin.flush()
+            rc = int(self._answer(deadline, load, log_path, timeout_s).get("rc", 1))
         except BaseException:
-            _kill_group(proc)
+            self.close()
             raise
-    if rc != 0 or not load.result_path.is_file():
-        tail = log_path.read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
-        raise KvpushError(f"`vllm bench serve` at {load.rate:g} req/s failed (exit {rc}): {tail[0][:200]}; "
-                          f"full output in {log_path}")
-    return load.result_path
+        if rc != 0 or not load.result_path.is_file():
+            text = log_path.read_text(errors="replace") if log_path.is_file() else ""
+            tail = text.strip().splitlines()[-1:] or ["no output"]
+            raise KvpushError(f"`vllm bench serve` at {load.rate:g} req/s failed (exit {rc}): {tail[0][:200]}; "
+                              f"full output in {log_path}")
+        return load.result_path
+
+    def _answer(self, deadline: float, load: LoadSpec, log_path: Path, timeout_s: float) -> dict:
+        """The worker's next JSON line, or an error once the deadline passes or the worker dies."""
+        assert self._proc is not None and self._proc.stdout is not None
+        with selectors.DefaultSelector() as selector:
+            selector.register(self._proc.stdout, selectors.EVENT_READ)
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise KvpushError(f"`vllm bench serve` at {load.rate:g} req/s did not finish within {timeout_s:.0f} s; "
+                                      f"its output is {log_path}; lower --num-prompts or raise --client-timeout")
+                if selector.select(timeout=min(left, 1.0)):
+                    line = self._proc.stdout.readline()
+                    if not line:
+                        rc = self._proc.wait()
+                        raise KvpushError(f"the `vllm bench serve` process exited (status {rc}) at {load.rate:g} req/s; "
+                                          f"its output is {self.log_path} and {log_path}")
+                    try:
+                        return json.loads(line)
+                    except ValueError:
+                        continue  # not one of ours
+
+    def close(self) -> None:
+        """Stop the worker (end of stdin, then signals); safe to call twice."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        if proc.poll() is None and proc.stdin is not None:
+            try:
+                proc.stdin.close()
+                proc.wait(timeout=2.0)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        _kill_group(proc)
+        for stream in (proc.stdin, proc.stdout):
+            if stream is not None:
+                try:
+                    stream.close()
+                except OSError:
+                    pass
+
+    def __enter__(self) -> "BenchClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
     for sig, wait_s in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+        if proc.poll() is not None:
+            break
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
-            return
+            break
         end = time.monotonic() + wait_s
         while time.monotonic() < end:
             if proc.poll() is not None:
-                return
+                break
             time.sleep(0.1)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # anything the client left in its group
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()

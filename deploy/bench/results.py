@@ -111,6 +111,7 @@ class ModeRun:
     error: str | None = None  # why this mode stopped early, if it did
     up_s: float | None = None
     idle_cores: dict[str, float] = field(default_factory=dict)  # per instance, with no request in flight
+    phases_s: dict[str, float] = field(default_factory=dict)  # where the bench's wall time went: up, prove, rate 1, down...
 
 
 def figure(point: RatePoint, name: str) -> float | None:

@@ -22,7 +22,7 @@ from ..state import HostRecord, load_state
 from ..tiny_model import describe, make_tiny_model
 from ..topology import Topology
 from . import environment
-from .client import LoadSpec, run_bench_serve
+from .client import BenchClient, LoadSpec
 from .idle_cpu import idle_cores
 from .modes import DEFAULT_BASELINE, bench_topology, kv_bytes_per_token, topology_hash
 from .plots import write_plots
@@ -103,7 +103,7 @@ class BenchReport:
                         "port_base": o.port_base},
             "configuration": self.configuration,
             "runs": [{"mode": r.mode, "topology_hash": r.topology_hash, "up_s": r.up_s, "error": r.error,
-                      "idle_cores": r.idle_cores,
+                      "idle_cores": r.idle_cores, "phases_s": r.phases_s,
                       "points": [point_to_dict(p) for p in r.points]} for r in self.runs],
             "ratios_vs_baseline": {m: {f"{rate:g}": v for rate, v in by_rate.items()}
                                    for m, by_rate in ratios_vs_baseline(self.runs, o.baseline).items()},
@@ -126,7 +126,8 @@ def configuration(topo: Topology, options: BenchOptions) -> dict:
                   "dtype": model.dtype, "tiny": model.tiny.model_dump() if model.tiny else None,
                   "description": describe(model.tiny) if model.tiny else None,
                   "kv_bytes_per_token": kv_bytes_per_token(model.tiny) if model.tiny else None},
-        "client": {"tool": "vllm bench serve", "dataset": "random", "arrivals": "poisson", "ignore_eos": True,
+        "client": {"tool": "vllm bench serve", "process": "one warm process runs its CLI entry point for every rate",
+                   "dataset": "random", "arrivals": "poisson", "ignore_eos": True,
                    "temperature": 0, "seeds": {f"{r:g}": seed_for(options.seed, i) for i, r in enumerate(options.rates)}},
     }
     per_token = config["model"]["kv_bytes_per_token"]
@@ -246,13 +247,26 @@ def _no_interrupts() -> Iterator[None]:
 # -- the bench ----------------------------------------------------------------------------------
 
 
-def _run_mode(topo: Topology, options: BenchOptions, events: BenchEvents, run: ModeRun) -> None:
+@contextmanager
+def timed(run: ModeRun, phase: str) -> Iterator[None]:
+    """Record how long a phase of a mode took (also when it fails)."""
     started = time.monotonic()
+    try:
+        yield
+    finally:
+        run.phases_s[phase] = round(time.monotonic() - started, 2)
+
+
+def _run_mode(topo: Topology, options: BenchOptions, events: BenchEvents, run: ModeRun, client: BenchClient,
+              doctor: bool = True) -> None:
     events.mode(run.mode, "starting the deployment")
     # `up` proves KV moves right after every /health is 200, but the router takes instances it
     # ejected while they started back only at its next probe: prove once the router has them.
-    up(topo, dataclasses.replace(options.lifecycle, prove=False), events.lifecycle())
-    run.up_s = time.monotonic() - started
+    # Doctor's checks (~5 s) look at the hosts, which every mode shares: once per bench is enough.
+    lifecycle = dataclasses.replace(options.lifecycle, prove=False, doctor=options.lifecycle.doctor and doctor)
+    with timed(run, "up"):
+        up(topo, lifecycle, events.lifecycle())
+    run.up_s = run.phases_s["up"]
     endpoints = _endpoints(topo.name)
     router = next(e for e in endpoints if e.role == "router")
     state = load_state(topo.name)
@@ -265,14 +279,18 @@ def _run_mode(topo: Topology, options: BenchOptions, events: BenchEvents, run: M
     with connected({h: state.hosts[h] for h in {e.host for e in endpoints}}, options.lifecycle.ssh) as (runners, unreachable):
         if unreachable:
             raise KvpushError("cannot reach " + "; ".join(unreachable.values()))
-        _wait_in_rotation(runners[router.host], router, ROTATION_TIMEOUT_S)
+        with timed(run, "rotation"):
+            _wait_in_rotation(runners[router.host], router, ROTATION_TIMEOUT_S)
         if options.lifecycle.prove and topo.connector.type != "colocated":
             events.mode(run.mode, "proving KV moves")
-            prove_kv_transfer(runners, build_plan(topo))
+            with timed(run, "prove"):
+                prove_kv_transfer(runners, build_plan(topo))
         events.mode(run.mode, "warming up")
-        _warm_up(runners[router.host], base_url, topo.model.name)
+        with timed(run, "warm_up"):
+            _warm_up(runners[router.host], base_url, topo.model.name)
         events.mode(run.mode, "sampling idle CPU")
-        run.idle_cores = _idle_cores(runners, state)
+        with timed(run, "idle_cpu"):
+            run.idle_cores = _idle_cores(runners, state)
         for index, rate in enumerate(options.rates):
             seed = seed_for(options.seed, index)
             load = LoadSpec(base_url=base_url, served_model=topo.model.name, tokenizer=tokenizer, rate=rate,
@@ -280,12 +298,13 @@ def _run_mode(topo: Topology, options: BenchOptions, events: BenchEvents, run: M
                             seed=seed, result_dir=str(raw_dir), result_filename=f"{run.mode}-rate{rate:g}.json")
             before = _scrape(runners, endpoints)
             events.rate_started(run.mode, rate, options.num_prompts / rate)
-            path = run_bench_serve(load, logs_dir / f"{run.mode}-rate{rate:g}.log", options.client_timeout_s)
+            with timed(run, f"rate {rate:g}"):
+                path = client.run(load, logs_dir / f"{run.mode}-rate{rate:g}.log", options.client_timeout_s)
             after = _scrape(runners, endpoints)
             (raw_dir / f"{run.mode}-rate{rate:g}-metrics.json").write_text(json.dumps({"before": before, "after": after}))
-            client: ClientResult = parse_client_result(path.read_text(), str(path))
+            measured: ClientResult = parse_client_result(path.read_text(), str(path))
             point = RatePoint(
-                mode=run.mode, rate=rate, seed=seed, client=client,
+                mode=run.mode, rate=rate, seed=seed, client=measured,
                 router=router_figures(before[router.name], after[router.name]),
                 instances=[instance_figures(e.name, e.role, before[e.name], after[e.name])
                            for e in endpoints if e.role != "router"],
@@ -298,20 +317,25 @@ def run_bench(topo: Topology, options: BenchOptions, events: BenchEvents = Bench
     options.validate()
     options.out_dir.mkdir(parents=True, exist_ok=True)
     report = BenchReport(options, configuration(topo, options))
+    client = BenchClient(options.out_dir / "logs" / "client.log")
     try:
+        client.start()  # vLLM's import overlaps the first deployment's start
+        hosts_checked = False
         for mode in options.modes:
             mode_topo = bench_topology(topo, mode, kv_heavy=options.kv_heavy, port_base=options.port_base)
             run = ModeRun(mode, topology_hash(mode_topo))
             report.runs.append(run)
             try:
-                _run_mode(mode_topo, options, events, run)
+                _run_mode(mode_topo, options, events, run, client, doctor=not hosts_checked)
             except KvpushError as exc:
                 run.error = str(exc)
                 events.mode_failed(mode, run.error)
             finally:
+                hosts_checked = hosts_checked or run.up_s is not None  # `up` returned: doctor passed
                 events.mode(mode, "stopping the deployment")
                 with _no_interrupts():
-                    result = down(mode_topo.name, options.lifecycle)
+                    with timed(run, "down"):
+                        result = down(mode_topo.name, options.lifecycle)
                     try:
                         save_logs(mode_topo, options, mode)
                     except KvpushError as exc:
@@ -323,6 +347,7 @@ def run_bench(topo: Topology, options: BenchOptions, events: BenchEvents = Bench
     except KeyboardInterrupt:
         report.interrupted = True
     finally:
+        client.close()
         report.finished_at = time.time()
         write_outputs(report)
     return report

@@ -1,12 +1,16 @@
-"""kvpush.deploy.bench.client: the exact `vllm bench serve` command, and how a client run ends."""
+"""kvpush.deploy.bench.client: the exact `vllm bench serve` command, and how the warm client process
+runs load levels, fails and ends. The worker here is a small stand-in speaking the same line protocol;
+tests/integration/test_bench_warm_client.py runs the real one with vLLM's client."""
 from __future__ import annotations
 
+import json
+import os
 import sys
 import time
 
 import pytest
 
-from kvpush.deploy.bench.client import LoadSpec, bench_serve_argv, run_bench_serve
+from kvpush.deploy.bench.client import BenchClient, LoadSpec, bench_serve_argv
 from kvpush.deploy.errors import KvpushError
 
 
@@ -23,7 +27,7 @@ def _option(argv: list[str], name: str) -> str:
 
 
 def test_argv_drives_the_router_with_fresh_random_prompts(tmp_path):
-    argv = bench_serve_argv(_load(tmp_path), command=["vllm"])
+    argv = bench_serve_argv(_load(tmp_path))
     assert argv[:3] == ["vllm", "bench", "serve"]
     assert _option(argv, "--base-url") == "http://127.0.0.1:15000"
     assert _option(argv, "--dataset-name") == "random"
@@ -38,15 +42,82 @@ def test_argv_drives_the_router_with_fresh_random_prompts(tmp_path):
     assert "--ready-check-timeout-sec" not in argv
 
 
-def test_a_failing_client_is_a_one_line_error_naming_its_log(tmp_path):
-    fail = [sys.executable, "-c", "print('connection refused by router'); raise SystemExit(3)"]
-    with pytest.raises(KvpushError, match=r"at 2 req/s failed \(exit 3\): connection refused by router; full output in"):
-        run_bench_serve(_load(tmp_path), tmp_path / "client.log", timeout_s=60, command=fail)
+# A stand-in worker: ready line, then per job writes the result file named by the argv (or not),
+# prints into the job's log and answers the exit status the job's seed asks for.
+FAKE_WORKER = r'''
+import json, os, sys
+print(json.dumps({"ready": True, "pid": os.getpid()}), flush=True)
+for line in sys.stdin:
+    job = json.loads(line)
+    argv = job["argv"]
+    opt = lambda name: argv[argv.index(name) + 1]
+    seed = int(opt("--seed"))
+    if seed == 666:
+        import time; time.sleep(60)
+    if seed == 13:
+        os._exit(9)
+    with open(job["log"], "w") as log:
+        log.write("connection refused by router\n" if seed == 3 else "ok\n")
+    if seed != 3:
+        with open(os.path.join(opt("--result-dir"), opt("--result-filename")), "w") as f:
+            json.dump({"completed": 1, "pid": os.getpid(), "rate": opt("--request-rate")}, f)
+    print(json.dumps({"rc": 3 if seed == 3 else 0}), flush=True)
+'''
 
 
-def test_a_client_past_its_timeout_is_killed(tmp_path):
-    hang = [sys.executable, "-c", "import time; time.sleep(60)"]
-    started = time.monotonic()
-    with pytest.raises(KvpushError, match="did not finish within 1 s"):
-        run_bench_serve(_load(tmp_path), tmp_path / "client.log", timeout_s=1, command=hang)
-    assert time.monotonic() - started < 15
+def _client(tmp_path) -> BenchClient:
+    return BenchClient(tmp_path / "worker.log", command=[sys.executable, "-c", FAKE_WORKER])
+
+
+def test_one_worker_process_serves_every_load_level(tmp_path):
+    with _client(tmp_path) as client:
+        first = client.run(_load(tmp_path, rate=1.0, result_filename="a.json"), tmp_path / "a.log", timeout_s=30)
+        second = client.run(_load(tmp_path, rate=4.0, result_filename="b.json"), tmp_path / "b.log", timeout_s=30)
+        a, b = json.loads(first.read_text()), json.loads(second.read_text())
+    assert a["pid"] == b["pid"]  # the same warm process
+    assert (a["rate"], b["rate"]) == ("1", "4")
+    assert (tmp_path / "b.log").read_text() == "ok\n"
+
+
+def test_a_failing_level_is_a_one_line_error_naming_its_log_and_the_worker_goes_on(tmp_path):
+    with _client(tmp_path) as client:
+        with pytest.raises(KvpushError, match=r"at 2 req/s failed \(exit 3\): connection refused by router; full output in"):
+            client.run(_load(tmp_path, seed=3), tmp_path / "client.log", timeout_s=30)
+        assert client.run(_load(tmp_path), tmp_path / "next.log", timeout_s=30).is_file()
+
+
+def test_a_level_past_its_timeout_kills_the_worker_and_the_next_level_gets_a_fresh_one(tmp_path):
+    with _client(tmp_path) as client:
+        client.start()
+        first_pid = client._proc.pid
+        started = time.monotonic()
+        with pytest.raises(KvpushError, match="did not finish within 1 s"):
+            client.run(_load(tmp_path, seed=666), tmp_path / "client.log", timeout_s=1)
+        assert time.monotonic() - started < 15
+        with pytest.raises(ProcessLookupError):
+            os.kill(first_pid, 0)
+        result = client.run(_load(tmp_path), tmp_path / "next.log", timeout_s=30)
+        assert json.loads(result.read_text())["pid"] != first_pid
+
+
+def test_a_worker_that_dies_is_an_error_not_a_hang(tmp_path):
+    with _client(tmp_path) as client:
+        with pytest.raises(KvpushError, match=r"process exited \(status 9\) at 2 req/s"):
+            client.run(_load(tmp_path, seed=13), tmp_path / "client.log", timeout_s=30)
+
+
+def test_a_worker_that_cannot_import_vllm_says_so(tmp_path):
+    broken = [sys.executable, "-c", "import json; print(json.dumps({'error': 'cannot import vLLM: No module named vllm'}))"]
+    with BenchClient(tmp_path / "worker.log", command=broken) as client:
+        with pytest.raises(KvpushError, match="could not start: cannot import vLLM: No module named vllm"):
+            client.run(_load(tmp_path), tmp_path / "client.log", timeout_s=30)
+
+
+def test_close_stops_the_worker(tmp_path):
+    client = _client(tmp_path)
+    client.start()
+    pid = client._proc.pid
+    client.close()
+    client.close()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)

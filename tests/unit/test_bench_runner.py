@@ -30,7 +30,23 @@ def calls(monkeypatch):
 
     monkeypatch.setattr(bench_runner, "down", fake_down)
     monkeypatch.setattr(bench_runner, "save_logs", lambda topo, options, mode: None)
+    monkeypatch.setattr(bench_runner, "BenchClient", _NoClient)
     return log
+
+
+class _NoClient:
+    """Stands in for the warm `vllm bench serve` process (no vLLM import in unit tests)."""
+
+    closed = 0
+
+    def __init__(self, log_path):
+        self.log_path = log_path
+
+    def start(self):
+        pass
+
+    def close(self):
+        _NoClient.closed += 1
 
 
 def _options(tmp_path, modes):
@@ -39,7 +55,7 @@ def _options(tmp_path, modes):
 
 
 def test_a_failed_mode_is_recorded_torn_down_and_the_next_mode_runs(topo, tmp_path, calls, monkeypatch):
-    def fake_run_mode(mode_topo, options, events, run):
+    def fake_run_mode(mode_topo, options, events, run, client, doctor=True):
         calls.append(("run", mode_topo.connector.type))
         if mode_topo.connector.type == "kvpush":
             raise KvpushError("process prefill-0 on host local exited before it became ready")
@@ -54,18 +70,19 @@ def test_a_failed_mode_is_recorded_torn_down_and_the_next_mode_runs(topo, tmp_pa
 
 
 def test_ctrl_c_tears_down_stops_the_bench_and_keeps_partial_results(topo, tmp_path, calls, monkeypatch):
-    def fake_run_mode(mode_topo, options, events, run):
+    def fake_run_mode(mode_topo, options, events, run, client, doctor=True):
         calls.append(("run", mode_topo.connector.type))
         raise KeyboardInterrupt
 
     monkeypatch.setattr(bench_runner, "_run_mode", fake_run_mode)
     report = run_bench(topo, _options(tmp_path, ["nixl-pull", "colocated"]))
     assert calls == [("run", "nixl-pull"), ("down", "local-cpu-bench")]  # colocated never started
-    assert report.interrupted
+    assert report.interrupted and _NoClient.closed >= 1  # the client process is stopped too
     assert json.loads((tmp_path / "bench.json").read_text())["interrupted"] is True
 
 
 def test_a_deployment_that_does_not_stop_is_an_error(topo, tmp_path, monkeypatch):
+    monkeypatch.setattr(bench_runner, "BenchClient", _NoClient)
     monkeypatch.setattr(bench_runner, "_run_mode", lambda *a: None)
     monkeypatch.setattr(bench_runner, "save_logs", lambda topo, options, mode: None)
     monkeypatch.setattr(bench_runner, "down", lambda name, options=None: DownResult(left_running=["decode-0"]))
@@ -88,3 +105,31 @@ def test_seeds_differ_per_rate_and_match_across_modes():
     assert len(set(seeds)) == 4
     assert seed_for(7, 2) == seed_for(7, 2)
     assert seed_for(0, 0) != seed_for(1, 0)
+
+
+def test_where_the_time_went_is_recorded_per_mode_also_for_a_failed_mode(topo, tmp_path, calls, monkeypatch):
+    def fake_run_mode(mode_topo, options, events, run, client, doctor=True):
+        with bench_runner.timed(run, "up"):
+            pass
+        with bench_runner.timed(run, "prove"):
+            raise KvpushError("the proof request was answered, but no decode instance received prompt tokens")
+
+    monkeypatch.setattr(bench_runner, "_run_mode", fake_run_mode)
+    run_bench(topo, _options(tmp_path, ["kvpush"]))
+    phases = json.loads((tmp_path / "bench.json").read_text())["runs"][0]["phases_s"]
+    assert set(phases) == {"up", "prove", "down"}
+    assert all(v >= 0 for v in phases.values())
+
+
+def test_doctor_checks_the_hosts_until_one_mode_started(topo, tmp_path, calls, monkeypatch):
+    seen = []
+
+    def fake_run_mode(mode_topo, options, events, run, client, doctor=True):
+        seen.append((mode_topo.connector.type, doctor))
+        if mode_topo.connector.type == "kvpush":
+            raise KvpushError("doctor: ucx-env failed")  # `up` refused: nothing started, no up_s
+        run.up_s = 60.0
+
+    monkeypatch.setattr(bench_runner, "_run_mode", fake_run_mode)
+    run_bench(topo, _options(tmp_path, ["kvpush", "nixl-pull", "colocated"]))
+    assert seen == [("kvpush", True), ("nixl-pull", True), ("colocated", False)]

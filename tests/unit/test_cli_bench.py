@@ -66,3 +66,10 @@ def test_sigterm_becomes_an_interrupt_only_inside_the_bench():
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(2)  # the handler raises before this ends
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_phases_say_where_a_modes_time_went():
+    from kvpush.cli.bench_cmd import phases_text
+
+    text = phases_text({"up": 92.4, "prove": 1.23, "rate 0.5": 17.0, "down": 4.06})
+    assert text == "up 92 s, prove 1.2 s, rate 0.5 17 s, down 4.1 s (115 s)"

@@ -1,0 +1,98 @@
+"""One warm process that runs vLLM's `vllm bench serve` entry point once per job.
+
+Importing vLLM's benchmark client costs 15-50 s of CPU on a loaded 2-core machine; a bench runs it
+16 times. This process imports it once and then, for each JSON line on stdin
+(`{"argv": ["vllm", "bench", "serve", ...], "log": PATH}`), runs vLLM's own CLI `main()` with that
+argv, its stdout and stderr going to PATH, and answers one JSON line (`{"rc": N}`) on its original
+stdout. It prints `{"ready": true}` once the import is done. Run as
+`python -m kvpush.deploy.bench.client_worker`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from typing import Callable, TextIO
+
+READY = {"ready": True}
+
+
+def run_job(entry: Callable[[], object], argv: list[str], log_path: str) -> int:
+    """Run `entry` as if started with `argv`, fds 1 and 2 sent to log_path; its exit status."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    previous = sys.argv, sys.stdout, sys.stderr
+    try:
+        os.dup2(log_fd, 1)
+        os.dup2(log_fd, 2)
+        sys.argv = list(argv)
+        # Streams replaced by a host (pytest) would bypass fds 1 and 2.
+        sys.stdout = open(1, "w", closefd=False)
+        sys.stderr = open(2, "w", closefd=False)
+        try:
+            entry()
+            return 0
+        except SystemExit as exc:  # argparse errors, sys.exit() inside the client
+            code = exc.code
+            if code is None:
+                return 0
+            if not isinstance(code, int):
+                print(code)
+                return 1
+            return code
+        except Exception:
+            traceback.print_exc()
+            return 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        sys.argv, sys.stdout, sys.stderr = previous
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (*saved, log_fd):
+            os.close(fd)
+
+
+def serve(entry: Callable[[], object], jobs: TextIO, answers: TextIO) -> None:
+    """Answer each job line until stdin closes."""
+    answers.write(json.dumps(READY) + "\n")
+    answers.flush()
+    for line in jobs:
+        if not line.strip():
+            continue
+        job = json.loads(line)
+        rc = run_job(entry, job["argv"], job["log"])
+        answers.write(json.dumps({"rc": rc}) + "\n")
+        answers.flush()
+
+
+def _vllm_entry() -> Callable[[], object]:
+    from vllm.entrypoints.cli.main import main
+
+    # What `vllm bench serve` imports on its first run, done before the first job's clock starts.
+    import vllm.benchmarks.serve  # noqa: F401
+    import vllm.entrypoints.cli.benchmark.main  # noqa: F401
+    import vllm.entrypoints.cli.benchmark.serve  # noqa: F401
+    return main
+
+
+def main() -> None:
+    # Answers go on a private copy of stdout: anything vLLM prints lands in the jobs' logs.
+    answers = os.fdopen(os.dup(1), "w")
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.close(devnull)
+    try:
+        entry = _vllm_entry()
+    except Exception as exc:  # reported to the bench as one line
+        answers.write(json.dumps({"error": f"cannot import vLLM's benchmark client: {type(exc).__name__}: {exc}"}) + "\n")
+        answers.flush()
+        raise SystemExit(1)
+    serve(entry, sys.stdin, answers)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+"""kvpush.deploy.bench.client_worker: each job runs the entry point with its argv, output into its
+log, exit status answered; the answers channel carries nothing else."""
+from __future__ import annotations
+
+import io
+import json
+import sys
+
+from kvpush.deploy.bench.client_worker import run_job, serve
+
+
+def _entry():
+    print("running", " ".join(sys.argv[1:]))
+    if "--fail" in sys.argv:
+        raise SystemExit(4)
+    if "--crash" in sys.argv:
+        raise RuntimeError("boom")
+
+
+def test_jobs_run_with_their_argv_and_log_and_answer_their_status(tmp_path, capfd):
+    jobs = io.StringIO("\n".join(json.dumps({"argv": ["vllm", *args], "log": str(tmp_path / f"{i}.log")})
+                                 for i, args in enumerate((["bench", "serve"], ["--fail"], ["--crash"]))) + "\n")
+    answers = io.StringIO()
+    argv_before = list(sys.argv)
+    serve(_entry, jobs, answers)
+    lines = [json.loads(line) for line in answers.getvalue().splitlines()]
+    assert lines == [{"ready": True}, {"rc": 0}, {"rc": 4}, {"rc": 1}]
+    assert (tmp_path / "0.log").read_text() == "running bench serve\n"
+    assert "RuntimeError: boom" in (tmp_path / "2.log").read_text()
+    assert sys.argv == argv_before
+    assert "running" not in capfd.readouterr().out  # nothing leaked to the real stdout
+
+
+def test_exit_with_a_message_is_status_1_and_the_message_is_logged(tmp_path):
+    def entry():
+        raise SystemExit("usage: vllm bench serve: bad option")
+    assert run_job(entry, ["vllm"], str(tmp_path / "x.log")) == 1
+    assert "bad option" in (tmp_path / "x.log").read_text()
