@@ -1,9 +1,18 @@
 """The connector's KV transfer engine between two processes, on GPU (VRAM) or CPU (DRAM) memory.
 
 A prefill writer (this process) and a decode receiver (a child process) each allocate a KV cache
-in one of vLLM's attention layouts (gpu_kv_layouts.py), register it through kvpush's NixlEngine
-and exchange agent metadata over a pipe. For each request size and block pattern the writer
-pushes its blocks in each mode and the receiver checks every byte after each push:
+in one of vLLM's attention layouts (gpu_kv_layouts.py) and register it through kvpush's NixlEngine.
+The writer runs the connector's prefill-side push service (producer.Producer), the receiver its
+decode-side one (consumer.Consumer), which shakes hands over the side channel (agent metadata,
+regions, device id) and registers its blocks for each push, as in a deployment. For each request
+size and block pattern the writer pushes its blocks in each mode and the receiver checks every
+byte after each push:
+- producer: the connector's path on a GPU. D's Consumer registers its blocks; Producer.prepare
+  makes the WRITE (the worker calls it in wait_for_save while the forward's kernels still run);
+  the clock starts at Producer.offer (prefill finished: after the worker waited for the kernels) and the Producer's own
+  records give "posted" and "DONE" (its side-channel thread polls completion every 0.2 ms);
+- producer-late: the same without Producer.prepare (D registered after the forward pass started):
+  offer makes and posts the WRITE;
 - per-block: NixlEngine.write, prepared per-block descriptor lists (the engine before coalescing);
 - coalesced: NixlEngine.write_coalesced, descriptors built per request from coalesced runs;
 - prepared: the same WRITE made by NixlEngine.prepare_write before the clock starts (both block
@@ -54,19 +63,27 @@ def _import_connector():
         pkg = types.ModuleType("kvpush")
         pkg.__path__ = [str(REPO)]
         sys.modules["kvpush"] = pkg
-    from kvpush.connector import coalesce, layout, transfer
+    from kvpush.connector import coalesce, consumer, layout, producer, transfer, wire
 
-    return coalesce, layout, transfer
+    return coalesce, consumer, layout, producer, transfer, wire
 
 
-coalesce_mod, layout_mod, transfer_mod = _import_connector()
+coalesce_mod, consumer_mod, layout_mod, producer_mod, transfer_mod, wire_mod = _import_connector()
+WRITER_ENGINE, RECEIVER_ENGINE = "bench.prefill", "bench.decode"
+
+
+def _identity(shape, regions) -> "wire_mod.LayoutIdentity":
+    """What both sides' push services compare at handshake."""
+    return wire_mod.LayoutIdentity("bench-model", str(shape.dtype).removeprefix("torch."), shape.block_size, 1,
+                                   tuple(f"layer{i}" for i in range(shape.num_layers)),
+                                   tuple(r.block_len for r in regions))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_kv_layouts as kvl  # noqa: E402
 
 
 # ---- receiver (decode side, child process) -------------------------------------------------------
 def receiver_main(conn, device: str) -> None:
-    cache = engine = None
+    cache = engine = consumer = None
     try:
         while True:
             msg = conn.recv()
@@ -81,8 +98,26 @@ def receiver_main(conn, device: str) -> None:
                     regions = layout_mod.kv_regions((layout_mod.TensorView.of(t) for t in cache.layers), shape.num_blocks)
                     engine = transfer_mod.NixlEngine(f"bench-decode-{layout_name}-{os.getpid()}", regions,
                                                      mem_type=_mem_type(device), device_id=_device_id(device))
+                    consumer = consumer_mod.Consumer(
+                        consumer_mod.ConsumerConfig(RECEIVER_ENGINE, 0, _identity(shape, regions),
+                                                    frozenset({WRITER_ENGINE}), timeout_s=60.0),
+                        engine.name, engine.metadata, tuple(regions), _device_id(device))
                     _sync(device)
                     conn.send(("ready", engine.metadata, tuple(regions)))
+                elif op == "expect":  # D allocated blocks for a request: register them with P
+                    _, tid, dst, port = msg
+                    consumer.expect(f"req-{tid}", tid, WRITER_ENGINE, "127.0.0.1", port, list(dst), 0,
+                                    len(dst) * 16)
+                    conn.send(("ok",))
+                elif op == "outcome":  # wait for P's DONE/FAIL of a push
+                    _, tid, timeout_s = msg
+                    deadline = time.monotonic() + timeout_s
+                    outcome = None
+                    while outcome is None and time.monotonic() < deadline:
+                        outcome = next((o for o in consumer.take_outcomes() if o.pending.transfer_id == tid), None)
+                        time.sleep(0.0005)
+                    conn.send(("outcome", outcome is not None and outcome.ok,
+                               "timed out" if outcome is None else outcome.reason))
                 elif op == "poison":
                     kvl.poison(cache)
                     _sync(device)
@@ -92,8 +127,9 @@ def receiver_main(conn, device: str) -> None:
                     verdict = kvl.verify(cache, torch.as_tensor(src, device=device), torch.as_tensor(dst, device=device))
                     conn.send(("verdict", verdict))
                 elif op == "teardown":
+                    consumer.close()
                     engine.close()
-                    engine = cache = None
+                    engine = cache = consumer = None
                     _empty_cache(device)
                     conn.send(("ok",))
                 else:
@@ -101,6 +137,8 @@ def receiver_main(conn, device: str) -> None:
             except Exception:
                 conn.send(("error", traceback.format_exc()))
     finally:
+        if consumer is not None:
+            consumer.close()
         if engine is not None:
             engine.close()
 
@@ -197,6 +235,7 @@ class Sample:
 
 
 ENGINE_MODES = ("per-block", "coalesced", "prepared")
+PRODUCER_MODES = ("producer", "producer-late")
 RAW_VARIANTS = {
     # name: (progress thread delay in us or None for no progress thread, UCX backend num_threads)
     "raw": (None, 0),
@@ -271,6 +310,51 @@ def engine_write(engine, peer, mode: str, src, dst):
     return prepare_s, t1 - t0, t2 - t1, w.num_descriptors
 
 
+class ProducerPush:
+    """The connector's prefill-side push service on the writer's engine, pushing to the receiver's
+    Consumer over the side channel."""
+
+    def __init__(self, engine, shape, regions, device: str):
+        config = producer_mod.ProducerConfig(WRITER_ENGINE, _identity(shape, regions), frozenset({RECEIVER_ENGINE}),
+                                             "127.0.0.1", 0, timeout_s=60.0,
+                                             drive_writes=not device.startswith("cuda"))
+        self.producer = producer_mod.Producer(config, engine)
+        self.count = 0
+
+    def push(self, receiver: "Receiver", mode: str, src: list[int], dst: list[int]):
+        """(seconds of Producer.prepare, offer -> posted, posted -> DONE at P, descriptors)."""
+        self.count += 1
+        tid = f"{mode}-{self.count}"
+        receiver.call("expect", tid, dst, self.producer.port)
+        deadline = time.monotonic() + 30
+        while not self.producer.has_registration(tid):  # D's registration travels the side channel
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no registration from the receiver for {tid}")
+            time.sleep(0.0002)
+        prepare_s = 0.0
+        if mode == "producer":  # the worker's save() while the forward's kernels run
+            t = time.perf_counter()
+            if not self.producer.prepare(tid, src, RECEIVER_ENGINE):
+                raise RuntimeError(f"Producer.prepare made no WRITE for {tid}")
+            prepare_s = time.perf_counter() - t
+        self.producer.offer(tid, f"req-{tid}", src, RECEIVER_ENGINE)  # wait_for_save: prefill finished
+        record = None
+        while record is None:
+            record = next((r for r in self.producer.take_records() if r.transfer_id == tid), None)
+            if record is None:
+                time.sleep(0.0001)
+        _, ok, reason = receiver.call("outcome", tid, 60.0)
+        if not (record.ok and ok):
+            raise RuntimeError(f"{mode} push {tid} failed: P: {record.reason or 'ok'}; D: {reason or 'ok'}")
+        if record.prepared_ahead != (mode == "producer"):
+            raise RuntimeError(f"{mode} push {tid}: prepared_ahead={record.prepared_ahead}")
+        self.producer.take_freed()
+        return prepare_s, record.posted - record.offered, record.finished - record.posted, record.num_descriptors
+
+    def close(self) -> None:
+        self.producer.close()
+
+
 def copy_seconds(device: str, src: torch.Tensor, dst: torch.Tensor, nbytes: int, repeats: int = 5) -> float:
     """Median time of a plain copy of nbytes (the device's own ceiling for moving these bytes)."""
     a, b = src[:nbytes], dst[:nbytes]
@@ -313,7 +397,13 @@ def run_layout(args, receiver: Receiver, layout_name: str, rng: np.random.Genera
                                      mem_type=_mem_type(device), device_id=_device_id(device),
                                      progress_delay_us=args.progress_delay_us)
     _, peer_meta, peer_regions = receiver.call("setup", layout_name, shape)
-    peer = engine.add_peer(peer_meta, peer_regions)
+    pusher = ProducerPush(engine, shape, regions, device) if set(args.modes) & set(PRODUCER_MODES) else None
+    if pusher is not None:  # the side channel's handshake adds the receiver as the engine's peer
+        everything = np.arange(shape.num_blocks, dtype=np.int64).tolist()
+        pusher.push(receiver, "producer", everything, everything)
+        peer = pusher.producer.peer(RECEIVER_ENGINE)
+    else:
+        peer = engine.add_peer(peer_meta, peer_regions, _device_id(device))
     raws = {m: RawNixl(f"bench-{m}-{layout_name}-{os.getpid()}", m, cache.buffers, _mem_type(device),
                        _device_id(device), peer_meta) for m in args.modes if m in RAW_VARIANTS}
     plan = coalesce_mod.Plan.pair(regions, peer_regions, _device_id(device), _device_id(device))
@@ -356,6 +446,9 @@ def run_layout(args, receiver: Receiver, layout_name: str, rng: np.random.Genera
                         if mode in raws:
                             setup_s, wait_s = raws[mode].write(local, remote)
                             sample.descriptors = len(local)
+                        elif mode in PRODUCER_MODES:
+                            prepare_s, setup_s, wait_s, sample.descriptors = pusher.push(receiver, mode, src_list, dst_list)
+                            sample.prepare_s.append(prepare_s)
                         else:
                             prepare_s, setup_s, wait_s, sample.descriptors = engine_write(engine, peer, mode, src_list, dst_list)
                             sample.prepare_s.append(prepare_s)
@@ -366,7 +459,8 @@ def run_layout(args, receiver: Receiver, layout_name: str, rng: np.random.Genera
                         sample.verified_bytes += verdict.checked_bytes
                         if not verdict.ok:
                             print(f"   !! {mode}: {verdict.wrong_elements} wrong, {verdict.stray_elements} stray elements", flush=True)
-                    made_s = statistics.median(sample.prepare_s) if mode == "prepared" else prep_s if mode == "coalesced" else 0.0
+                    made_s = (statistics.median(sample.prepare_s) if mode in ("prepared", "producer")
+                              else prep_s if mode in ("coalesced", "producer-late") else 0.0)
                     record = _record(layout_name, tokens, n, pattern_name, mode, len(regions), len(segments), runs,
                                      nbytes, copy_s, made_s, sample)
                     out.append(record)
@@ -375,6 +469,8 @@ def run_layout(args, receiver: Receiver, layout_name: str, rng: np.random.Genera
     finally:
         for raw in raws.values():
             raw.close()
+        if pusher is not None:
+            pusher.close()
         engine.close()
         receiver.call("teardown")
         del cache, copy_src, copy_dst
@@ -415,25 +511,25 @@ def _print_targets(layout_name: str, rows: list[dict], tokens: int) -> None:
     def pick(pattern, mode):
         return next((r for r in rows if r["tokens"] == tokens and r["pattern"] == pattern and r["mode"] == mode), None)
 
-    c, f, fr = pick("contiguous", "coalesced"), pick("fragmented", "coalesced"), pick("fragmented", "raw")
-    cp, fp = pick("contiguous", "prepared"), pick("fragmented", "prepared")
-    print(f"-- targets, {layout_name}, {tokens} tokens (WRITE = call -> DONE; setup = call -> posted):")
-    if c:
-        print(f"   contiguous WRITE {c['gbps']:.0f} GB/s = {c['pct_copy']:.1f}% of device copy (target >= 25%): "
-              f"{_pf(c['pct_copy'] >= 25)}")
-        print(f"   contiguous setup {c['setup_ms']:.3f} ms (target < 1 ms): {_pf(c['setup_ms'] < 1.0)}")
-    if cp:
-        print(f"   prepared ahead: contiguous setup {cp['setup_ms']:.3f} ms ({_pf(cp['setup_ms'] < 1.0)}), WRITE "
-              f"{cp['pct_copy']:.1f}% of device copy ({_pf(cp['pct_copy'] >= 25)})")
-    if f:
-        print(f"   fragmented descriptors {f['descriptors']} = runs {f['runs']} x segments "
-              f"({f['expected_descriptors']}): {_pf(f['descriptors'] == f['expected_descriptors'])}")
-    if f and fr:
-        ratio = f["total_ms"] / fr["total_ms"]
-        print(f"   fragmented WRITE {f['total_ms']:.2f} ms = {ratio:.2f}x raw NIXL's {fr['total_ms']:.2f} ms "
-              f"(target <= 1.5x): {_pf(ratio <= 1.5)}")
-        if fp:
-            print(f"   prepared ahead: fragmented WRITE {fp['total_ms']:.2f} ms = {fp['total_ms'] / fr['total_ms']:.2f}x raw")
+    print(f"-- targets, {layout_name}, {tokens} tokens (WRITE = prefill finished -> DONE; setup = -> posted):")
+    # the connector's own path first; the engine-level modes where the producer ones did not run
+    for mode, note in (("producer", "connector, WRITE made ahead"), ("producer-late", "connector, WRITE made at prefill end"),
+                       ("coalesced", "engine alone")):
+        c, f, fr = pick("contiguous", mode), pick("fragmented", mode), pick("fragmented", "raw")
+        if not (c or f):
+            continue
+        print(f"   [{mode}: {note}]")
+        if c:
+            print(f"   contiguous WRITE {c['gbps']:.0f} GB/s = {c['pct_copy']:.1f}% of device copy (target >= 25%): "
+                  f"{_pf(c['pct_copy'] >= 25)}")
+            print(f"   contiguous setup {c['setup_ms']:.3f} ms (target < 1 ms): {_pf(c['setup_ms'] < 1.0)}")
+        if f:
+            print(f"   fragmented descriptors {f['descriptors']} = runs {f['runs']} x segments "
+                  f"({f['expected_descriptors']}): {_pf(f['descriptors'] == f['expected_descriptors'])}")
+        if f and fr:
+            ratio = f["total_ms"] / fr["total_ms"]
+            print(f"   fragmented WRITE {f['total_ms']:.2f} ms = {ratio:.2f}x raw NIXL's {fr['total_ms']:.2f} ms "
+                  f"(target <= 1.5x): {_pf(ratio <= 1.5)}")
     print(f"   bytes verified on every run: {_pf(all(r['verified'] for r in rows))}", flush=True)
 
 
@@ -453,8 +549,8 @@ def parse_args(argv=None):
     p.add_argument("--num-blocks", type=int, default=None, help="per side (default: 2x the largest request + 64)")
     p.add_argument("--max-run", type=int, default=8, help="fragmented ids come in runs of 1..max-run blocks")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--modes", default="per-block,coalesced,prepared,raw",
-                   help="comma list of " + ", ".join(ENGINE_MODES + tuple(RAW_VARIANTS)))
+    p.add_argument("--modes", default="producer,producer-late,per-block,coalesced,raw",
+                   help="comma list of " + ", ".join(PRODUCER_MODES + ENGINE_MODES + tuple(RAW_VARIANTS)))
     p.add_argument("--skip-per-block-over", type=int, default=0,
                    help="skip the per-block mode above this many per-block descriptors (0: never)")
     p.add_argument("--progress-delay-us", type=int, default=transfer_mod.DEFAULT_PROGRESS_DELAY_US,
@@ -467,7 +563,7 @@ def parse_args(argv=None):
     args.layers = args.layers or (64 if on_gpu else 4)
     args.layouts = args.layouts.split(",")
     args.modes = args.modes.split(",")
-    bad_modes = [m for m in args.modes if m not in ENGINE_MODES + tuple(RAW_VARIANTS)]
+    bad_modes = [m for m in args.modes if m not in PRODUCER_MODES + ENGINE_MODES + tuple(RAW_VARIANTS)]
     if bad_modes:
         p.error(f"unknown modes {bad_modes}")
     unknown = [name for name in args.layouts if name not in kvl.LAYOUTS]
@@ -508,6 +604,8 @@ def main(argv=None) -> int:
         for layout_name in args.layouts:
             try:
                 run_layout(args, receiver, layout_name, rng, records)
+                if args.json:  # after each layout, so a run cut short keeps what it measured
+                    Path(args.json).write_text(json.dumps(records, indent=1))
             except Exception:  # report it, then carry on with the next layout and a fresh receiver
                 traceback.print_exc()
                 failed.append(layout_name)

@@ -139,8 +139,9 @@ def _probe_health(runner: Runner, records: list[ProcessRecord]) -> dict[str, str
     infos = runner.inspect([r.pid for r in records])
     out = {}
     for r in records:
-        if not is_running(r, infos.get(r.pid)):
-            out[r.name] = "dead"
+        info = infos.get(r.pid)
+        if not is_running(r, info):
+            out[r.name] = "dead: " + _why_not_running(r, info)
             continue
         try:
             status = runner.http("GET", r.health_url, timeout=3).status
@@ -148,6 +149,14 @@ def _probe_health(runner: Runner, records: list[ProcessRecord]) -> dict[str, str
         except OSError as exc:  # refused while the server is still loading; anything else is shown
             out[r.name] = "starting" if isinstance(exc, ConnectionError) else f"waiting ({exc or type(exc).__name__})"
     return out
+
+
+def _why_not_running(record: ProcessRecord, info) -> str:
+    if info is None or info.state == "dead":
+        return f"pid {record.pid} is gone"
+    if info.state != "alive":
+        return f"pid {record.pid} is a {info.state}"
+    return f"pid {record.pid} now belongs to a process started at {info.start_time}, not {record.start_time}"
 
 
 def _wait_ready(runners: dict[str, Runner], records: list[ProcessRecord], timeout_s: float, events: Events,
@@ -163,10 +172,10 @@ def _wait_ready(runners: dict[str, Runner], records: list[ProcessRecord], timeou
         for host_states in results.values():
             for name, status in host_states.items():
                 record = pending[name]
-                if status == "dead":
+                if status.startswith("dead"):
                     events.log_tail(name, record.host, runners[record.host].tail(record.log_path, LOG_TAIL_LINES))
-                    raise StartFailure(f"process {name} on host {record.host} exited before it became ready; "
-                                       f"its log is {record.log_path} (last lines above)")
+                    raise StartFailure(f"process {name} on host {record.host} exited before it became ready "
+                                       f"({status[len('dead: '):]}); its log is {record.log_path} (last lines above)")
                 if status == "ready":
                     ready[name] = time.monotonic() - since
                     events.process(name, f"ready after {ready[name]:.1f} s", done=True)

@@ -21,6 +21,9 @@ VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 ROUTER_MODULE = "kvpush.router"
 KVPUSH_CONNECTOR_CLASS = "KVPushConnector"
 KVPUSH_CONNECTOR_MODULE = "kvpush.connector"
+# vLLM's NIXL connectors with a sleeping progress thread and no re-pinning (see the module): on a
+# CPU host those two cost a core each; on GPU hosts vLLM's stock classes run unchanged.
+VLLM_NIXL_CPU_MODULE = "kvpush.connector.vllm_nixl"
 
 # Environment every vLLM process gets, whatever the topology says.
 BASE_VLLM_ENV = {
@@ -142,13 +145,16 @@ def kv_transfer_config(topo: Topology, role: Role, spec: InstanceSpec) -> dict |
             "engine_id": engine_id(topo, spec),
             "kv_connector_extra_config": extra,
         }
-    return {
+    config = {
         "kv_connector": "NixlPushConnector" if kind == "nixl-push" else "NixlConnector",
         "kv_role": "kv_both",
         "kv_buffer_device": buffer_device,
         "engine_id": engine_id(topo, spec),
         "kv_connector_extra_config": {"backends": [topo.connector.backend], **topo.connector.extra_config},
     }
+    if topo.platform == "cpu":
+        config["kv_connector_module_path"] = VLLM_NIXL_CPU_MODULE
+    return config
 
 
 def _vllm_process(topo: Topology, role: Role, spec: InstanceSpec) -> ProcessPlan:
@@ -191,6 +197,12 @@ def _vllm_process(topo: Topology, role: Role, spec: InstanceSpec) -> ProcessPlan
     else:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in spec.devices)
     env.update(spec.env)
+
+    if topo.platform == "cpu" and spec.cpu_cores is not None:
+        # The whole instance on its cores, not only vLLM's OpenMP threads: otherwise its API server
+        # and engine loop float onto the other instance's core. Measured: a decode engine stepping
+        # every ms while it waits for pushed KV took half of prefill's core (docs/benchmarks.md).
+        argv = ["taskset", "--cpu-list", spec.cpu_cores, *argv]
 
     from .topology import side_channel_ports  # local import keeps the public surface small
 

@@ -69,8 +69,10 @@ class ModelSpec(_Model):
 class ConnectorSpec(_Model):
     type: ConnectorType = "kvpush"
     backend: Backend = "UCX"
-    # Seconds after which a registration or finished-block set that never matched is failed.
-    transfer_timeout_s: float = Field(5.0, gt=0)
+    # Seconds after which a registration or finished-block set that never matched is failed. A
+    # backstop for a leg that never reached the other side: a dead or hung prefill is noticed in
+    # ~1 s by the side channel's ping, and a busy one may hold a request queued for many seconds.
+    transfer_timeout_s: float = Field(30.0, gt=0)
     extra_config: dict[str, Any] = Field(default_factory=dict)
 
 

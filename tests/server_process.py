@@ -9,6 +9,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from kvpush.deploy.vllm_metrics import metric_sum
+
 
 class ServerProcess:
     def __init__(self, name: str, argv: list[str], env: dict[str, str], url: str, log_dir: Path):
@@ -34,6 +36,14 @@ class ServerProcess:
 
     def tail(self, n: int = 40) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+            return r.read().decode()
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of the samples of `name` with these labels on the server's /metrics page; 0 when absent."""
+        return metric_sum(self.metrics(), name, **labels) or 0.0
 
     def alive(self) -> bool:
         return self.proc.poll() is None

@@ -1,7 +1,8 @@
 """`kvpush bench` for real: the local CPU deployment (real vLLM, router), two modes, two rates, few prompts.
 
 Heavy (two ~3 GB vLLM servers per mode, started twice): run under `flock /tmp/kvpush-vllm.lock`.
-KVPUSH_BENCH_E2E_MODES adds modes (e.g. `kvpush,nixl-pull,colocated`) once their connector works.
+Push against pull by default; KVPUSH_BENCH_E2E_MODES picks others (e.g. `kvpush,nixl-push,nixl-pull,colocated`).
+Servers run eager (no torch.compile warm-up): the bench, not the model's speed, is under test.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from kvpush.deploy.topology import parse_topology
 from kvpush.templates import DEFAULT_TEMPLATE, template_text
 
 PORT_BASE = 15100  # this test's range: 15100-15104
-MODES = os.environ.get("KVPUSH_BENCH_E2E_MODES", "nixl-pull,colocated").split(",")
+MODES = os.environ.get("KVPUSH_BENCH_E2E_MODES", "kvpush,nixl-pull").split(",")
 
 
 def _port_free(port: int) -> bool:
@@ -34,6 +35,7 @@ def _port_free(port: int) -> bool:
 
 def test_short_real_bench_measures_every_mode_and_tears_down(tmp_path, state_dir):
     topo = parse_topology(template_text(DEFAULT_TEMPLATE))
+    topo = topo.model_copy(update={"model": topo.model.model_copy(update={"enforce_eager": True})})
     options = BenchOptions(modes=MODES, rates=[1.0, 2.0], input_len=256, output_len=8, num_prompts=4,
                            out_dir=tmp_path / "bench", port_base=PORT_BASE, client_timeout_s=300,
                            baseline="nixl-pull" if "nixl-pull" in MODES else MODES[0],

@@ -85,7 +85,10 @@ def test_1p1d_over_ssh_matches_a_single_server_and_moves_kv(e2e_hosts, tmp_path,
     opts = options(sshd_cluster, ready_timeout_s=400, stop_timeout_s=15)
     events = RecordingEvents()
     try:
-        result = up(topo, opts, events)
+        try:
+            result = up(topo, opts, events)
+        except Exception as exc:
+            pytest.fail(f"up failed: {exc}\nnotes: {events.notes}\nlog tails: {events.tails}")
         print(f"\nready after (s): {result.ready_s}; slowest {max(result.ready_s.values()):.1f}, "
               f"sum {sum(result.ready_s.values()):.1f}; whole up {result.total_s:.1f} s", file=sys.stderr)
         assert result.proof is not None and result.proof.external_kv_tokens > 0  # up proved KV moved

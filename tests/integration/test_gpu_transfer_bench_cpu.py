@@ -1,5 +1,6 @@
 """benchmarks/gpu_transfer.py on CPU memory: two real processes, real NIXL (UCX on DRAM), the
-connector's NixlEngine per-block and coalesced WRITEs and a raw NIXL WRITE, every byte checked."""
+connector's push services (Producer/Consumer over the side channel, WRITE made ahead or at prefill
+end), its NixlEngine per-block and coalesced WRITEs and a raw NIXL WRITE, every byte checked."""
 from __future__ import annotations
 
 import json
@@ -13,7 +14,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "benchmarks" / "gpu_transfer.py"
-MODES = ("per-block", "coalesced", "prepared", "raw")
+MODES = ("producer", "producer-late", "per-block", "coalesced", "raw")
 
 
 @pytest.fixture(scope="module")
@@ -64,3 +65,6 @@ def test_coalescing_cuts_descriptors_to_runs_times_segments(bench_run):
                   if r["mode"] == "coalesced" and r["pattern"] == "contiguous" and r["tokens"] == 256}
     assert contiguous["nhd"]["descriptors"] == 4  # K and V of 2 layers, one run each
     assert contiguous["blnhc"]["descriptors"] == 1  # block-major: every layer of the run in one range
+    through_producer = {(r["layout"], r["tokens"], r["pattern"]): r["descriptors"] for r in records if r["mode"] == "producer"}
+    through_engine = {(r["layout"], r["tokens"], r["pattern"]): r["descriptors"] for r in records if r["mode"] == "coalesced"}
+    assert through_producer == through_engine  # the connector's push uses the coalesced WRITE

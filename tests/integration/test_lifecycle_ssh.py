@@ -63,7 +63,7 @@ def test_up_status_down_across_three_hosts(deploy, sshd_cluster, tmp_path, capsy
 
     code, out, _ = _cli(["status", "--deployment", "t", "--json", "--known-hosts", str(sshd_cluster.known_hosts)], capsys)
     doc = json.loads(out)
-    assert code == 0 and doc["healthy"] and [p["health"] for p in doc["processes"]] == ["ok", "ok", "ok"]
+    assert code == 0 and doc["healthy"] and [p["health"] for p in doc["processes"]] == ["ok", "ok", "ok"], doc
     assert doc["processes"][0]["kv_usage"] == 0.25
 
     code, out, _ = _cli(["logs", "router", "--deployment", "t", "-n", "5", "--known-hosts", str(sshd_cluster.known_hosts)], capsys)

@@ -35,7 +35,10 @@ def test_plan_is_deterministic():
 def test_vllm_argv_and_env_for_kvpush():
     plan = plan_for("kvpush")
     prefill = plan.process("prefill-0")
-    assert prefill.host == "a" and prefill.argv[:3] == ["/opt/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    # CPU cores given: the whole instance runs on them (taskset), not only vLLM's OpenMP threads
+    assert prefill.host == "a" and prefill.argv[:6] == ["taskset", "--cpu-list", "0", "/opt/venv/bin/python", "-m",
+                                                        "vllm.entrypoints.openai.api_server"]
+    assert plan.process("decode-0").argv[:3] == ["taskset", "--cpu-list", "1"]
     argv = prefill.argv
     assert argv[argv.index("--port") + 1] == "8100"
     assert argv[argv.index("--host") + 1] == "127.0.0.2"
@@ -62,6 +65,18 @@ def test_vllm_connectors(connector, name):
     config = json.loads(decode.argv[decode.argv.index("--kv-transfer-config") + 1])
     assert config["kv_connector"] == name and config["kv_role"] == "kv_both"
     assert decode.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == str(decode.side_channel_ports[0])
+
+
+@pytest.mark.parametrize("platform,module", [("cpu", "kvpush.connector.vllm_nixl"), ("cuda", None)])
+def test_vllm_connectors_on_cpu_load_kvpush_quiet_subclasses(platform, module):
+    """Same class names (vLLM keys behaviour on them); on CPU from kvpush's module, on GPU stock."""
+    text = TWO_HOSTS % "nixl-push"
+    if platform == "cuda":
+        text = "platform: cuda\n" + text.replace('cpu_cores: "0", kv_cache_gib: 1', "devices: [0]").replace('cpu_cores: "1"', "devices: [0]")
+    decode = build_plan(parse_topology(text)).process("decode-0")
+    config = json.loads(decode.argv[decode.argv.index("--kv-transfer-config") + 1])
+    assert config["kv_connector"] == "NixlPushConnector"
+    assert config.get("kv_connector_module_path") == module
 
 
 def test_colocated_has_no_connector_and_router_spreads_over_all():

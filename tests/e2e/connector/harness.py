@@ -27,7 +27,7 @@ PORTS = {"prefill_http": 17100, "decode_http": 17101, "reference_http": 17102,
 TOPOLOGY = """
 name: kvpush-connector-e2e
 platform: cpu
-model: {{path: {model}, served_name: tiny, max_model_len: 2048}}
+model: {{path: {model}, served_name: tiny, max_model_len: 2048, enforce_eager: true}}
 connector: {{type: kvpush, backend: UCX, transfer_timeout_s: 5}}
 hosts:
   local: {{address: 127.0.0.1, workdir: {workdir}}}

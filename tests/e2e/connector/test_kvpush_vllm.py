@@ -82,8 +82,8 @@ def test_greedy_outputs_equal_single_server(cluster, pool):
 
 def test_decode_metrics_show_external_kv(cluster):
     d = cluster["decode"]
-    external = d.metric("vllm:prompt_tokens_by_source_total", 'source="external_kv_transfer"')
-    local = d.metric("vllm:prompt_tokens_by_source_total", 'source="local_compute"')
+    external = d.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+    local = d.metric("vllm:prompt_tokens_by_source_total", source="local_compute")
     total = sum(len(p) for p in cluster["prompts"]["sequential"])
     print(f"\ndecode prompt tokens: external {external:.0f}, local {local:.0f} (of {total})")
     assert external >= 0.95 * total
