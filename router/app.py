@@ -7,7 +7,9 @@ import logging
 import os
 import secrets
 import signal
+import threading
 import time
+from pathlib import Path
 
 from aiohttp import web
 
@@ -264,30 +266,42 @@ async def start_site(app: web.Application, host: str, port: int) -> web.AppRunne
     return runner
 
 
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
+def _describe_process(pid: int) -> str:
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        cmdline = "already gone"
+    return f"pid {pid} ({cmdline[:200]})"
+
+
 async def serve(config: RouterConfig, api_key: str | None) -> None:
-    """Run in the foreground until SIGINT or SIGTERM."""
+    """Run in the foreground until SIGINT or SIGTERM (blocked by `run`, awaited on a thread)."""
     runner = await start_site(build_app(config, api_key), config.bind, config.port)
     log.info("kvpush router on http://%s:%d: protocol %s, policy %s, %d prefill, %d decode",
              config.bind, config.port, config.protocol, config.policy, len(config.prefill), len(config.decode))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    def stop_on(sig: signal.Signals) -> None:
-        log.info("kvpush router stopping on %s", sig.name)
-        stop.set()
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop_on, sig)
+    def wait_for_stop_signal() -> None:
+        info = signal.sigwaitinfo(STOP_SIGNALS)
+        # Who sent it: a stray group kill by another tool looks exactly like `kvpush down` otherwise.
+        log.info("kvpush router stopping on %s from %s", signal.Signals(info.si_signo).name, _describe_process(info.si_pid))
+        loop.call_soon_threadsafe(stop.set)
+
+    threading.Thread(target=wait_for_stop_signal, name="kvpush-router-signals", daemon=True).start()
     try:
         await stop.wait()
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
         await runner.cleanup()
 
 
 def run(config: RouterConfig, api_key: str | None) -> None:
     """Serve in the foreground, on uvloop when it is installed (vLLM ships it): about half the
     per-request CPU of the default loop."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # every thread: only serve's waiter takes them
     try:
         import uvloop
     except ImportError:
