@@ -163,7 +163,9 @@ class SshRunner(Runner):
                     out += chan.recv(65536)
                 while chan.recv_stderr_ready():
                     err += chan.recv_stderr(65536)
-                if chan.exit_status_ready() and not chan.recv_ready() and not chan.recv_stderr_ready():
+                # Done at end of output, not at the exit status: sshd may send the status before
+                # the last of stdout (an inspect that lost its last line read a live process as gone).
+                if chan.eof_received and not chan.recv_ready() and not chan.recv_stderr_ready():
                     break
                 if deadline.expired():
                     raise HostError(f"{self._where()}: command timed out after {timeout:.0f} s: {command[:80]}")
