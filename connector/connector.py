@@ -10,11 +10,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from .cache_layout import required_layout
 from .metadata import PushMetadata
+from .prom import PushPromMetrics
 from .scheduler import PushScheduler
 from .settings import Settings
 from .stats import PushStats
@@ -34,6 +35,18 @@ class KVPushMetadata(PushMetadata, KVConnectorMetadata):
 @dataclass
 class KVPushStats(PushStats, KVConnectorStats):
     """PushStats as the type vLLM's stats logger aggregates and reduces."""
+
+
+class KVPushPromMetrics(KVConnectorPromMetrics):
+    """vLLM's per-connector Prometheus hook, backed by PushPromMetrics."""
+
+    def __init__(self, vllm_config: Any, metric_types: dict[type, type], labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._push = PushPromMetrics(self._counter_cls, self._histogram_cls, labelnames, per_engine_labelvalues)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        self._push.observe(transfer_stats_data, engine_idx)
 
 
 def _log_through_vllm() -> None:
@@ -119,6 +132,11 @@ class KVPushConnector(KVConnectorBase_V1):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVPushStats | None:
         return KVPushStats(data=data) if data is not None else KVPushStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[type, type], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVPushPromMetrics:
+        return KVPushPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -1,0 +1,55 @@
+"""Prometheus series for the push connector, fed by the PushStats dicts vLLM ships from the
+worker to the API server's stats logger (vLLM calls `observe` once per logging interval).
+
+Kept free of vLLM imports: vLLM hands over the metric classes (its multiprocess-aware
+wrappers) and the label values per engine."""
+from __future__ import annotations
+
+from typing import Any
+
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_BYTES_BUCKETS = tuple(float(2 ** p) for p in range(12, 36, 2))  # 4 KiB .. 16 GiB
+
+# stats key -> (metric name, help); each failure counts once on the instance that saw it
+_COUNTERS = {
+    "sends_ok": ("vllm:kvpush_pushes_sent", "Pushes this prefill instance completed (WRITE done)."),
+    "recvs_ok": ("vllm:kvpush_pushes_received", "Pushes this decode instance received complete."),
+    "sends_failed": ("vllm:kvpush_failed_transfers", "Pushes that failed on this instance."),
+    "recvs_failed": ("vllm:kvpush_failed_transfers", "Pushes that failed on this instance."),
+}
+# Histogram sums are the byte totals (one name per side, so a transfer is never counted twice
+# within one instance).
+_HISTOGRAMS = {
+    "send_bytes": ("vllm:kvpush_sent_bytes", "KV bytes per push written to a decode instance.", _BYTES_BUCKETS),
+    "recv_bytes": ("vllm:kvpush_received_bytes", "KV bytes per push received from a prefill instance.",
+                   _BYTES_BUCKETS),
+    "prefill_end_to_done_s": ("vllm:kvpush_prefill_end_to_write_done_seconds",
+                              "Prefill step end to WRITE completion, per push.", _LATENCY_BUCKETS),
+    "registration_wait_s": ("vllm:kvpush_registration_wait_seconds",
+                            "Gap between decode's block registration and prefill's finished blocks "
+                            "(whichever came first), per push.", _LATENCY_BUCKETS),
+}
+
+
+class PushPromMetrics:
+    """Counters and histograms per engine; `observe` takes one interval's PushStats.data."""
+
+    def __init__(self, counter_cls: Any, histogram_cls: Any, labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        def per_engine(metric: Any) -> dict[int, Any]:
+            return {idx: metric.labels(*values) for idx, values in per_engine_labelvalues.items()}
+
+        by_name = {name: per_engine(counter_cls(name=name, documentation=doc, labelnames=labelnames))
+                   for name, doc in dict(_COUNTERS.values()).items()}
+        self._counters = {key: by_name[name] for key, (name, _) in _COUNTERS.items()}
+        self._histograms = {key: per_engine(histogram_cls(name=name, documentation=doc, buckets=list(buckets),
+                                                          labelnames=labelnames))
+                            for key, (name, doc, buckets) in _HISTOGRAMS.items()}
+
+    def observe(self, data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key in _COUNTERS:
+            if data.get(key):
+                self._counters[key][engine_idx].inc(int(data[key]))
+        for key, histogram in self._histograms.items():
+            for value in data.get(key, ()):
+                histogram[engine_idx].observe(value)

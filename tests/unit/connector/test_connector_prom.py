@@ -1,0 +1,45 @@
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+from kvpush.connector.prom import PushPromMetrics
+from kvpush.connector.stats import PushStats
+from kvpush.deploy.bench.scrape import instance_figures
+
+
+def _metrics(registry: CollectorRegistry) -> PushPromMetrics:
+    def counter(**kw):
+        return Counter(registry=registry, **kw)
+
+    def histogram(**kw):
+        return Histogram(registry=registry, **kw)
+
+    return PushPromMetrics(counter, histogram, ["model_name", "engine"], {0: ["tiny", "0"]})
+
+
+def _interval(sent: list[int], received: list[int], failed: int) -> dict:
+    stats = PushStats()
+    stats.data.update(send_bytes=sent, recv_bytes=received, sends_ok=len(sent), recvs_ok=len(received),
+                      sends_failed=failed, prefill_end_to_done_s=[0.002] * len(sent),
+                      registration_wait_s=[0.01] * len(sent))
+    return stats.to_dict()
+
+
+def test_observe_exports_bytes_counts_and_latencies():
+    registry = CollectorRegistry()
+    metrics = _metrics(registry)
+    metrics.observe(_interval([1024, 3072], [], failed=1))
+    metrics.observe(_interval([4096], [], failed=0))
+    page = generate_latest(registry).decode()
+    assert 'vllm:kvpush_sent_bytes_sum{engine="0",model_name="tiny"} 8192.0' in page
+    assert 'vllm:kvpush_pushes_sent_total{engine="0",model_name="tiny"} 3.0' in page
+    assert 'vllm:kvpush_failed_transfers_total{engine="0",model_name="tiny"} 1.0' in page
+    assert 'vllm:kvpush_prefill_end_to_write_done_seconds_count{engine="0",model_name="tiny"} 3.0' in page
+
+
+def test_bench_scrape_reads_kvpush_bytes_once():
+    registry = CollectorRegistry()
+    metrics = _metrics(registry)
+    before = generate_latest(registry).decode()
+    metrics.observe(_interval([], [2048, 2048], failed=2))
+    figures = instance_figures("d", "decode", before, generate_latest(registry).decode())
+    assert sum(figures.kv_bytes.values()) == 4096
+    assert figures.failed_transfers == 2
