@@ -253,11 +253,14 @@ def _router_process(topo: Topology) -> tuple[ProcessPlan, FilePlan]:
     workdir = deployment_dir(topo, host)
     config_path = f"{workdir}/router.json"
     env = {"PYTHONUNBUFFERED": "1", **topo.env}
+    argv = [host.interpreter, "-m", ROUTER_MODULE, "--config", config_path]
+    if topo.router.cpu_cores is not None:
+        argv = ["taskset", "--cpu-list", topo.router.cpu_cores, *argv]
     proc = ProcessPlan(
         name="router",
         role="router",
         host=topo.router.host,
-        argv=[host.interpreter, "-m", ROUTER_MODULE, "--config", config_path],
+        argv=argv,
         env=env,
         cwd=workdir,
         log_path=f"{workdir}/logs/router.log",

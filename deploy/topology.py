@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .errors import UsageError
 from .yaml_source import SourceDocument, YamlSyntaxError, load_yaml_file, parse_yaml
@@ -102,11 +102,19 @@ class HostSpec(_Model):
         return "python3"
 
 
+def _valid_core_list(value: str) -> str:
+    parse_core_list(value)  # raises ValueError with the reason
+    return value
+
+
+CoreList = Annotated[str, AfterValidator(_valid_core_list)]  # "0-3,8"
+
+
 class InstanceSpec(_Model):
     name: str | None = None
     host: str | None = None
     devices: list[int] = Field(default_factory=list, description="GPU indices (platform cuda)")
-    cpu_cores: str | None = Field(None, description="cores for VLLM_CPU_OMP_THREADS_BIND (platform cpu)")
+    cpu_cores: CoreList | None = Field(None, description="cores for VLLM_CPU_OMP_THREADS_BIND (platform cpu)")
     kv_cache_gib: int | None = Field(None, ge=1, description="VLLM_CPU_KVCACHE_SPACE (platform cpu)")
     tensor_parallel_size: int = Field(1, ge=1)
     data_parallel_size: int = Field(1, ge=1)
@@ -129,13 +137,6 @@ class InstanceSpec(_Model):
             raise ValueError("GPU indices start at 0")
         return value
 
-    @field_validator("cpu_cores")
-    @classmethod
-    def _cpu_cores_syntax(cls, value: str | None) -> str | None:
-        if value is not None:
-            parse_core_list(value)
-        return value
-
 
 class RouterSpec(_Model):
     host: str | None = None
@@ -147,6 +148,7 @@ class RouterSpec(_Model):
     decode_timeout_s: float = Field(600.0, gt=0)
     connect_timeout_s: float = Field(5.0, gt=0)
     max_prompt_chars: int = Field(4_000_000, ge=1)
+    cpu_cores: CoreList | None = Field(None, description="cores the router process runs on (taskset); may share an instance's")
 
 
 class Topology(_Model):

@@ -77,9 +77,11 @@ class BenchClient:
     waits for it, runs one level and returns the result file. A level past its timeout, a Ctrl-C
     or a dead worker kill the worker; the next `run()` starts a fresh one."""
 
-    def __init__(self, log_path: Path, command: list[str] | None = None):
+    def __init__(self, log_path: Path, command: list[str] | None = None, cpu_cores: str | None = None):
         self.log_path = log_path  # the worker's own output (vLLM's import warnings, crashes)
         self.command = command if command is not None else [sys.executable, "-m", WORKER_MODULE]
+        if cpu_cores is not None:
+            self.command = ["taskset", "--cpu-list", cpu_cores, *self.command]
         self._proc: subprocess.Popen | None = None
         self._ready = False
 

@@ -313,11 +313,17 @@ def _run_mode(topo: Topology, options: BenchOptions, events: BenchEvents, run: M
             events.rate_done(run.mode, point)
 
 
+def client_cores(topo: Topology) -> str | None:
+    """The load generator runs beside the router when the router is on this machine and pinned:
+    on a small host it then never takes compute from a prefill instance, in any mode."""
+    return topo.router.cpu_cores if topo.hosts[topo.router.host].is_local else None
+
+
 def run_bench(topo: Topology, options: BenchOptions, events: BenchEvents = BenchEvents()) -> BenchReport:
     options.validate()
     options.out_dir.mkdir(parents=True, exist_ok=True)
     report = BenchReport(options, configuration(topo, options))
-    client = BenchClient(options.out_dir / "logs" / "client.log")
+    client = BenchClient(options.out_dir / "logs" / "client.log", cpu_cores=client_cores(topo))
     try:
         client.start()  # vLLM's import overlaps the first deployment's start
         hosts_checked = False

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import time
 
@@ -121,3 +122,15 @@ def test_close_stops_the_worker(tmp_path):
     client.close()
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+def test_a_pinned_client_runs_on_the_given_cores(tmp_path):
+    if shutil.which("taskset") is None:
+        pytest.skip("taskset (util-linux) not installed")
+    client = BenchClient(tmp_path / "worker.log", command=[sys.executable, "-c", FAKE_WORKER], cpu_cores="0")
+    assert client.command[:3] == ["taskset", "--cpu-list", "0"]
+    with client:
+        result = client.run(_load(tmp_path, rate=1.0, result_filename="a.json"), tmp_path / "a.log", timeout_s=30)
+        pid = json.loads(result.read_text())["pid"]
+        assert os.sched_getaffinity(pid) == {0}
+

@@ -38,9 +38,11 @@ class _NoClient:
     """Stands in for the warm `vllm bench serve` process (no vLLM import in unit tests)."""
 
     closed = 0
+    cpu_cores: str | None = None
 
-    def __init__(self, log_path):
+    def __init__(self, log_path, cpu_cores=None):
         self.log_path = log_path
+        _NoClient.cpu_cores = cpu_cores
 
     def start(self):
         pass
@@ -133,3 +135,12 @@ def test_doctor_checks_the_hosts_until_one_mode_started(topo, tmp_path, calls, m
     monkeypatch.setattr(bench_runner, "_run_mode", fake_run_mode)
     run_bench(topo, _options(tmp_path, ["kvpush", "nixl-pull", "colocated"]))
     assert seen == [("kvpush", True), ("nixl-pull", True), ("colocated", False)]
+
+
+def test_the_client_runs_beside_a_pinned_local_router(topo, tmp_path, calls, monkeypatch):
+    monkeypatch.setattr(bench_runner, "_run_mode", lambda *a, **k: None)
+    run_bench(topo, _options(tmp_path, ["kvpush"]))
+    assert _NoClient.cpu_cores == topo.router.cpu_cores == "1"
+    remote = topo.model_copy(update={"hosts": {"local": topo.hosts["local"].model_copy(update={"address": "10.0.0.9"})}})
+    run_bench(remote, _options(tmp_path, ["kvpush"]))
+    assert _NoClient.cpu_cores is None  # a router on another machine says nothing about this one's cores

@@ -144,3 +144,15 @@ def test_xpyd_spreads_over_four_hosts():
 def test_kv_transfer_config_none_for_colocated():
     topo = parse_topology((TWO_HOSTS % "colocated"))
     assert kv_transfer_config(topo, "prefill", topo.prefill[0]) is None
+
+
+def test_pinned_router_runs_under_taskset_beside_an_instance():
+    plan = build_plan(parse_topology(TWO_HOSTS.replace("router: {host: a, port: 9000}",
+                                                       "router: {host: a, port: 9000, cpu_cores: '0'}") % "kvpush"))
+    assert plan.process("router").argv[:4] == ["taskset", "--cpu-list", "0", "/opt/venv/bin/python"]
+
+
+def test_local_cpu_template_keeps_router_off_the_prefill_core():
+    topo = parse_topology(template_text("local-cpu"))
+    assert topo.router.cpu_cores == topo.decode[0].cpu_cores != topo.prefill[0].cpu_cores
+
