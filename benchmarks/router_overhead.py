@@ -14,7 +14,7 @@ streams at once, and since all have the same length the later ones start in step
 a steady state of as many streams, arriving evenly.
 
     python benchmarks/router_overhead.py [--protocol colocated|kvpush|nixl-push|nixl-pull]
-        [--concurrency 64] [--arrivals burst|staggered]
+        [--concurrency 64] [--arrivals burst|staggered] [--router-cores 1]
 """
 from __future__ import annotations
 
@@ -169,6 +169,8 @@ def main() -> int:
     parser.add_argument("--arrivals", default="burst", choices=["burst", "staggered"],
                         help="burst: each round's first streams start at once (and later ones in step as those end); "
                              "staggered: they start spread over one stream's duration, a steady state")
+    parser.add_argument("--router-cores", help="e.g. '1': the router runs on these cores and the client and fake "
+                                               "instances on the others, as when the router has a host of its own")
     parser.add_argument("--base-port", type=int, default=18100, help="fake decode, fake prefill, router: base+0..2")
     parser.add_argument("--serve-fake", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -189,6 +191,13 @@ def main() -> int:
         return Upstream(name=name, url=f"http://127.0.0.1:{port}", engine_id=name, side_channel_host="127.0.0.1",
                         side_channel_port=port + 500)
 
+    if args.router_cores:
+        from kvpush.deploy.topology import parse_core_list
+
+        others = os.sched_getaffinity(0) - parse_core_list(args.router_cores)
+        if not others:
+            parser.error(f"--router-cores {args.router_cores} leaves no core for the client and the fake instances")
+        os.sched_setaffinity(0, others)  # inherited by the fakes spawned below
     push = args.protocol != "colocated"
     spread_s = args.tokens * args.token_delay_ms / 1000 if args.arrivals == "staggered" else 0.0
     config = RouterConfig(protocol=args.protocol, served_model_name="fake", port=router_port,
@@ -200,7 +209,10 @@ def main() -> int:
             spawn([sys.executable, __file__, "--serve-fake", str(decode_port), "--token-delay-ms", str(args.token_delay_ms)])
             if push:
                 spawn([sys.executable, __file__, "--serve-fake", str(prefill_port), "--token-delay-ms", "0"])
-            router = spawn([sys.executable, "-m", "kvpush.router", "--config", str(config_path), "--log-level", "WARNING"])
+            router_argv = [sys.executable, "-m", "kvpush.router", "--config", str(config_path), "--log-level", "WARNING"]
+            if args.router_cores:
+                router_argv = ["taskset", "--cpu-list", args.router_cores, *router_argv]
+            router = spawn(router_argv)
             run_async(wait_healthy(f"http://127.0.0.1:{decode_port}"))
             run_async(wait_healthy(f"http://127.0.0.1:{router_port}"))
             run_async(wait_healthy(f"http://127.0.0.1:{prefill_port}") if push else asyncio.sleep(0))
@@ -218,7 +230,7 @@ def main() -> int:
                     proc.wait()
     added = p50["router"] - p50["direct"]
     print(json.dumps({"protocol": args.protocol, "concurrency": args.concurrency, "arrivals": args.arrivals,
-                      "cpus": os.cpu_count(),
+                      "cpus": os.cpu_count(), "router_cores": args.router_cores,
                       "ttft_p50_direct_ms": round(p50["direct"], 3), "ttft_p50_router_ms": round(p50["router"], 3),
                       "added_ms": round(added, 3), "ratio": round(p50["router"] / p50["direct"], 3),
                       "router_cpu_ms_per_request": round(p50["router_cpu_per_request"], 3),
