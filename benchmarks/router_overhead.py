@@ -33,8 +33,12 @@ from typing import Awaitable, Callable
 
 import aiohttp
 
+from kvpush.deploy.bench.scrape import histogram
 from kvpush.router.config import RouterConfig, Upstream
 from kvpush.router.protocols import pull_decode_leg, pull_prefill_leg
+
+
+OWN_LATENCY = "kvpush_router_own_latency_seconds"
 
 
 def run_async(coro):
@@ -136,24 +140,34 @@ def cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+async def router_metrics(session: aiohttp.ClientSession, router_url: str) -> str:
+    async with session.get(router_url + "/metrics") as resp:
+        return await resp.text()
+
+
 async def measure(direct: Side, routed: Side, concurrency: int, requests: int, rounds: int, tokens: int,
-                  spread_s: float, router_pid: int) -> dict:
-    """Median TTFT per side in ms, and the router's CPU per routed request in ms: unlike TTFT, that
-    hardly moves with what else the machine runs."""
+                  spread_s: float, router_pid: int, router_url: str) -> dict:
+    """Median TTFT per side in ms, the router's CPU per routed request in ms (unlike TTFT, that
+    hardly moves with what else the machine runs), and the median of the router's own part of
+    TTFT from its /metrics: what it adds however slow the client and the instances are."""
     body = {"model": "fake", "prompt": "hello", "max_tokens": tokens, "stream": True}
     results: dict[str, list[float]] = {"direct": [], "router": []}
     router_cpu = 0.0
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         await round_of(session, direct, concurrency, concurrency, body)  # warm connections
         await round_of(session, routed, concurrency, concurrency, body)
+        metrics_before = await router_metrics(session, router_url)
         for _ in range(rounds):
             results["direct"] += await round_of(session, direct, concurrency, requests, body, spread_s)
             before = cpu_seconds(router_pid)
             results["router"] += await round_of(session, routed, concurrency, requests, body, spread_s)
             after = cpu_seconds(router_pid)
             router_cpu += (after - before) if before is not None and after is not None else float("nan")
+        metrics_after = await router_metrics(session, router_url)
     p50 = {k: statistics.median(v) * 1000 for k, v in results.items()}
     p50["router_cpu_per_request"] = router_cpu / (rounds * requests) * 1000
+    own = histogram(metrics_after, OWN_LATENCY).minus(histogram(metrics_before, OWN_LATENCY)).quantile(0.5)
+    p50["router_own"] = own * 1000 if own is not None else float("nan")
     return p50
 
 
@@ -218,7 +232,8 @@ def main() -> int:
             run_async(wait_healthy(f"http://127.0.0.1:{prefill_port}") if push else asyncio.sleep(0))
             direct = direct_side(args.protocol, f"http://127.0.0.1:{decode_port}", f"http://127.0.0.1:{prefill_port}")
             p50 = run_async(measure(direct, routed_side(f"http://127.0.0.1:{router_port}"), args.concurrency,
-                                    args.requests, args.rounds, args.tokens, spread_s, router.pid))
+                                    args.requests, args.rounds, args.tokens, spread_s, router.pid,
+                                    f"http://127.0.0.1:{router_port}"))
         finally:
             for proc in procs:
                 proc.send_signal(signal.SIGTERM)
@@ -234,6 +249,7 @@ def main() -> int:
                       "ttft_p50_direct_ms": round(p50["direct"], 3), "ttft_p50_router_ms": round(p50["router"], 3),
                       "added_ms": round(added, 3), "ratio": round(p50["router"] / p50["direct"], 3),
                       "router_cpu_ms_per_request": round(p50["router_cpu_per_request"], 3),
+                      "router_own_p50_ms": round(p50["router_own"], 3),
                       "load_avg_1m": os.getloadavg()[0]}))
     return 0
 

@@ -395,7 +395,10 @@ class Dispatcher:
         try:
             await client.prepare(ctx.request)
             await client.write(head.held)
-            self.metrics.ttft.observe(time.perf_counter() - ctx.started)
+            now = time.perf_counter()
+            self.metrics.ttft.observe(now - ctx.started)
+            # what the router itself adds, whatever the instances and the transfer took
+            self.metrics.own_latency.observe((head.leg.started - ctx.started) + (now - head.first_token_at))
             tail = head.held[-len(DONE_EVENT):]
             if resp is not None:
                 transport = ctx.request.transport

@@ -7,6 +7,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
 
+_OWN_BUCKETS = (0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.025,
+                0.05, 0.1)
+
 # outcome label values of kvpush_router_requests_total
 OK = "success"
 CLIENT_ERROR = "client_error"  # 4xx: the request was wrong (router or upstream said so)
@@ -24,6 +27,10 @@ class RouterMetrics:
                                 ["endpoint", "outcome"], registry=r)
         self.ttft = Histogram("kvpush_router_ttft_seconds", "Router receipt to first token sent (streaming).",
                               buckets=_LATENCY_BUCKETS, registry=r)
+        self.own_latency = Histogram(
+            "kvpush_router_own_latency_seconds",
+            "The router's own part of TTFT (streaming): receipt to the decode leg's start, plus decode's first "
+            "token received to written to the client.", buckets=_OWN_BUCKETS, registry=r)
         self.latency = Histogram("kvpush_router_e2e_latency_seconds", "Router receipt to response end.",
                                  buckets=_LATENCY_BUCKETS, registry=r)
         self.leg_latency = Histogram("kvpush_router_leg_seconds", "One leg: sent to answered (decode: to last byte).",

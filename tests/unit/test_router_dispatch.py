@@ -502,6 +502,8 @@ def test_metrics_exposition_covers_the_request_path():
             assert sample(m, "kvpush_router_requests_total", endpoint="/v1/completions", outcome="success") == 1
             assert sample(m, "kvpush_router_requests_total", endpoint="/v1/chat/completions", outcome="success") == 1
             assert sample(m, "kvpush_router_ttft_seconds_count") == 1
+            assert sample(m, "kvpush_router_own_latency_seconds_count") == 1
+            assert 0 < sample(m, "kvpush_router_own_latency_seconds_sum") <= sample(m, "kvpush_router_ttft_seconds_sum")
             assert sample(m, "kvpush_router_e2e_latency_seconds_count") == 2
             assert sample(m, "kvpush_router_leg_seconds_count", leg="prefill") == 2
             assert sample(m, "kvpush_router_leg_seconds_count", leg="decode") == 2
