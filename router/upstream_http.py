@@ -361,6 +361,16 @@ class _Connection(asyncio.Protocol):
             self.transport.abort()
 
 
+async def answer_head(response: UpstreamResponse) -> UpstreamResponse:
+    """Wait for the head of a sent request's answer; the answer is closed if that fails or is cancelled."""
+    try:
+        await response.head()
+    except BaseException:
+        response.close()
+        raise
+    return response
+
+
 class UpstreamClient:
     """Connections to the instances, kept alive for at most `keepalive_s` idle."""
 
@@ -399,6 +409,17 @@ class UpstreamClient:
             conn.abort()
         return None
 
+    def start(self, method: str, base_url: str, path: str, headers: dict[str, str], body: bytes | None,
+              total_s: float) -> UpstreamResponse | None:
+        """Send one request now, without yielding, on an idle keep-alive connection; None when
+        there is none (then `request` connects). Wait for the answer with `answer_head`."""
+        loop = asyncio.get_running_loop()
+        target = self._target(base_url)
+        conn = self._take_idle((target.host, target.port))
+        if conn is None:
+            return None
+        return self._send(conn, target, method, path, headers, body, loop, loop.time() + total_s)
+
     async def request(self, method: str, base_url: str, path: str, headers: dict[str, str], body: bytes | None,
                       connect_s: float, total_s: float) -> UpstreamResponse:
         """Send one request and wait for the head of its answer.
@@ -418,6 +439,11 @@ class UpstreamClient:
                     min(connect_s, total_s))
             except OSError as exc:
                 raise UpstreamError(f"Cannot connect to host {target.host_header}: {exc.strerror or exc}") from None
+        return await answer_head(self._send(conn, target, method, path, headers, body, loop, deadline))
+
+    @staticmethod
+    def _send(conn: _Connection, target: _Target, method: str, path: str, headers: dict[str, str], body: bytes | None,
+              loop: asyncio.AbstractEventLoop, deadline: float) -> UpstreamResponse:
         lines = [f"{method} {path} HTTP/1.1\r\nHost: {target.host_header}\r\n"]
         lines.extend(f"{name}: {value}\r\n" for name, value in headers.items())
         if body is not None:
@@ -428,11 +454,6 @@ class UpstreamClient:
         assert conn.transport is not None
         head = "".join(lines).encode()
         conn.transport.write(head + body if body else head)
-        try:
-            await response.head()
-        except BaseException:
-            response.close()
-            raise
         return response
 
     def close(self) -> None:

@@ -512,3 +512,61 @@ def test_metrics_exposition_covers_the_request_path():
             assert sample(m, "kvpush_router_instance_in_rotation", instance="p0", role="prefill") == 1
 
     run(scenario())
+
+
+def test_a_leg_task_cancelled_before_its_first_step_ends_its_leg_and_closes_its_answer():
+    from kvpush.router.dispatch import Dispatcher
+
+    class Stub:
+        def __init__(self):
+            self.calls = []
+
+        def end(self, failure=None, cancelled=False):
+            self.calls.append(("end", cancelled))
+
+        def close(self):
+            self.calls.append(("close",))
+
+    async def scenario():
+        leg, sent = Stub(), Stub()
+        ran = []
+
+        async def body():
+            ran.append(True)
+
+        task = Dispatcher._leg_task(body(), leg, sent)
+        task.cancel()  # before the loop ran its first step: body() never starts
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0)  # done callbacks run on the next loop turn
+        assert ran == [] and leg.calls == [("end", True)] and sent.calls == [("close",)]
+
+        finished_leg, finished_sent = Stub(), Stub()
+        done = Dispatcher._leg_task(body(), finished_leg, finished_sent)
+        await done
+        await asyncio.sleep(0)
+        assert finished_leg.calls == [] and finished_sent.calls == []  # a leg that ran cleans up itself
+
+    run(scenario())
+
+
+def test_push_legs_on_pooled_connections_are_sent_without_a_connect_step():
+    async def scenario():
+        async with deployment("kvpush") as dep:
+            client = dep.router.upstream
+            connects = []
+            original = client.request
+
+            async def counting_request(*args, **kwargs):
+                connects.append(args[1])
+                return await original(*args, **kwargs)
+
+            client.request = counting_request
+            status, _ = await dep.post("/v1/completions", {**COMPLETION, "stream": True})
+            assert status == 200
+            await eventually(lambda: len([v for v in client._idle.values() if v]) == 2)  # one per instance
+            connects.clear()
+            status, _ = await dep.post("/v1/completions", {**COMPLETION, "stream": True})
+            assert status == 200 and connects == []  # both legs went out on pooled connections
+
+    run(scenario())
