@@ -34,6 +34,7 @@ from typing import Awaitable, Callable
 import aiohttp
 
 from kvpush.deploy.bench.scrape import histogram
+from kvpush.deploy.plan import on_cores
 from kvpush.router.config import RouterConfig, Upstream
 from kvpush.router.protocols import pull_decode_leg, pull_prefill_leg
 
@@ -223,10 +224,8 @@ def main() -> int:
             spawn([sys.executable, __file__, "--serve-fake", str(decode_port), "--token-delay-ms", str(args.token_delay_ms)])
             if push:
                 spawn([sys.executable, __file__, "--serve-fake", str(prefill_port), "--token-delay-ms", "0"])
-            router_argv = [sys.executable, "-m", "kvpush.router", "--config", str(config_path), "--log-level", "WARNING"]
-            if args.router_cores:
-                router_argv = ["taskset", "--cpu-list", args.router_cores, *router_argv]
-            router = spawn(router_argv)
+            router = spawn(on_cores(args.router_cores, [sys.executable, "-m", "kvpush.router", "--config",
+                                                        str(config_path), "--log-level", "WARNING"]))
             run_async(wait_healthy(f"http://127.0.0.1:{decode_port}"))
             run_async(wait_healthy(f"http://127.0.0.1:{router_port}"))
             run_async(wait_healthy(f"http://127.0.0.1:{prefill_port}") if push else asyncio.sleep(0))

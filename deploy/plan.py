@@ -104,6 +104,12 @@ class Plan:
         return json.dumps(self.to_dict(), indent=2)
 
 
+def on_cores(cores: str | None, argv: list[str]) -> list[str]:
+    """`argv` run on the given cores ("0-3,8") with taskset, so every process and thread it
+    starts stays there; unchanged when no cores are given."""
+    return argv if cores is None else ["taskset", "--cpu-list", cores, *argv]
+
+
 def _digest(obj: object) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -202,7 +208,7 @@ def _vllm_process(topo: Topology, role: Role, spec: InstanceSpec) -> ProcessPlan
         # The whole instance on its cores, not only vLLM's OpenMP threads: otherwise its API server
         # and engine loop float onto the other instance's core. Measured: a decode engine stepping
         # every ms while it waits for pushed KV took half of prefill's core (docs/benchmarks.md).
-        argv = ["taskset", "--cpu-list", spec.cpu_cores, *argv]
+        argv = on_cores(spec.cpu_cores, argv)
 
     from .topology import side_channel_ports  # local import keeps the public surface small
 
@@ -253,14 +259,11 @@ def _router_process(topo: Topology) -> tuple[ProcessPlan, FilePlan]:
     workdir = deployment_dir(topo, host)
     config_path = f"{workdir}/router.json"
     env = {"PYTHONUNBUFFERED": "1", **topo.env}
-    argv = [host.interpreter, "-m", ROUTER_MODULE, "--config", config_path]
-    if topo.router.cpu_cores is not None:
-        argv = ["taskset", "--cpu-list", topo.router.cpu_cores, *argv]
     proc = ProcessPlan(
         name="router",
         role="router",
         host=topo.router.host,
-        argv=argv,
+        argv=on_cores(topo.router.cpu_cores, [host.interpreter, "-m", ROUTER_MODULE, "--config", config_path]),
         env=env,
         cwd=workdir,
         log_path=f"{workdir}/logs/router.log",

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import KvpushError
+from ..plan import on_cores
 
 PERCENTILE_METRICS = "ttft,tpot,itl,e2el"
 PERCENTILES = "50,90,99"
@@ -79,9 +80,7 @@ class BenchClient:
 
     def __init__(self, log_path: Path, command: list[str] | None = None, cpu_cores: str | None = None):
         self.log_path = log_path  # the worker's own output (vLLM's import warnings, crashes)
-        self.command = command if command is not None else [sys.executable, "-m", WORKER_MODULE]
-        if cpu_cores is not None:
-            self.command = ["taskset", "--cpu-list", cpu_cores, *self.command]
+        self.command = on_cores(cpu_cores, command if command is not None else [sys.executable, "-m", WORKER_MODULE])
         self._proc: subprocess.Popen | None = None
         self._ready = False
 
