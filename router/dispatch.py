@@ -11,6 +11,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -39,6 +40,16 @@ class LegFailure(Exception):
     def __init__(self, role: str, instance: str, reason: str, detail: str):
         super().__init__(f"{role} leg on instance {instance} failed: {detail}")
         self.role, self.instance, self.reason = role, instance, reason
+
+
+class OtherLegFailed(Exception):
+    """What a leg's answer is failed with when the other leg of its attempt failed first."""
+
+
+def _fail_if_failed(resp: UpstreamResponse, task: asyncio.Task) -> None:
+    """Done callback of a leg's task: its failure ends the wait on the other leg's answer `resp`."""
+    if not task.cancelled() and task.exception() is not None:
+        resp.fail(OtherLegFailed())
 
 
 class UpstreamClientError(Exception):
@@ -215,58 +226,66 @@ class Dispatcher:
 
     async def _attempt(self, ctx: RequestContext, prefill: Instance | None, decode: Instance) -> DecodeHead:
         protocol = self.config.protocol
+        decode_s = self.config.timeouts.decode_s
         if protocol == "colocated":
-            return await self._decode_head(ctx, decode, ctx.raw, self._headers(ctx.request.headers.get("X-Request-Id")))
+            headers = self._headers(ctx.request.headers.get("X-Request-Id"))
+            return await self._decode_head(ctx, *self._send(self.decode, decode, ctx.endpoint, ctx.raw, headers, decode_s))
         if prefill is None:  # every prefill instance is out: decode computes the prompt itself
             self.metrics.fallbacks.inc()
-            return await self._decode_head(ctx, decode, ctx.raw, self._headers(new_transfer_id()))
+            headers = self._headers(new_transfer_id())
+            return await self._decode_head(ctx, *self._send(self.decode, decode, ctx.endpoint, ctx.raw, headers, decode_s))
         transfer_id = new_transfer_id()
         headers = self._headers(transfer_id)
         if protocol in CONCURRENT_PROTOCOLS:
             legs = concurrent_legs(protocol, ctx.body, ctx.chat, transfer_id, prefill.upstream, decode.upstream)
             return await self._concurrent(ctx, prefill, legs.prefill, decode, legs.decode, headers)
-        answer, answered_at = await self._prefill_leg(ctx, prefill, pull_prefill_leg(ctx.body, ctx.chat), headers)
+        prefill_leg, prefill_resp = self._send(self.prefill, prefill, ctx.endpoint, pull_prefill_leg(ctx.body, ctx.chat),
+                                               headers, self.config.timeouts.prefill_s)
+        answer, answered_at = await self._prefill_answer(prefill_leg, prefill_resp)
         decode_body = pull_decode_leg(ctx.body, answer)
         if decode_body is None:
             Leg(self.prefill, prefill, self.metrics).end("no_kv_transfer_params")
             raise LegFailure("prefill", prefill.name, "no_kv_transfer_params",
                              "answer carried no kv_transfer_params (is the instance started with NixlConnector?)")
-        head = await self._decode_head(ctx, decode, decode_body, headers)
+        head = await self._decode_head(ctx, *self._send(self.decode, decode, ctx.endpoint, decode_body, headers, decode_s))
         self.metrics.handoff_gap.observe(max(0.0, head.first_token_at - answered_at))
         return head
 
     async def _concurrent(self, ctx: RequestContext, prefill: Instance, prefill_body: dict,
                           decode: Instance, decode_body: dict, headers: dict) -> DecodeHead:
-        # Both legs are written to their instances here, before this coroutine yields, where a
-        # pooled connection allows: a new task's first step waits behind every callback already
-        # queued (at 64 streams that cost ~1 ms of TTFT). Decode's goes first: its first token is
-        # what the client waits for.
-        decode_leg, decode_sent, decode_data = self._send_now(self.decode, decode, ctx.endpoint, decode_body,
-                                                              headers, self.config.timeouts.decode_s)
-        decode_task = self._leg_task(self._decode_head(ctx, decode, decode_data, headers, decode_leg, decode_sent),
-                                     decode_leg, decode_sent)
-        prefill_leg, prefill_sent, prefill_data = self._send_now(self.prefill, prefill, ctx.endpoint, prefill_body,
-                                                                 headers, self.config.timeouts.prefill_s)
-        prefill_task = self._leg_task(self._prefill_leg(ctx, prefill, prefill_data, headers, prefill_leg, prefill_sent),
-                                      prefill_leg, prefill_sent)
+        """Both legs at once. Both are written to their instances before this coroutine yields
+        (decode's first: its first token is what the client waits for), and decode's answer is read
+        right here, as colocated reads its one leg: every task step in between (a leg's own, then the
+        wake-up of whoever waits for it) waits behind all callbacks already queued, ~1 ms at 64
+        streams. Prefill's answer is read by a task; its failure ends the wait for decode's first
+        token at once (decode is cancelled, and the attempt fails with prefill's failure)."""
+        timeouts = self.config.timeouts
+        decode_leg, decode_resp = self._send(self.decode, decode, ctx.endpoint, decode_body, headers, timeouts.decode_s)
+        prefill_leg, prefill_resp = self._send(self.prefill, prefill, ctx.endpoint, prefill_body, headers,
+                                               timeouts.prefill_s)
+        prefill_task = self._leg_task(self._prefill_answer(prefill_leg, prefill_resp), prefill_leg, prefill_resp)
+        end_decode_wait = functools.partial(_fail_if_failed, decode_resp)
+        prefill_task.add_done_callback(end_decode_wait)
         try:
-            done, _ = await asyncio.wait({prefill_task, decode_task}, return_when=asyncio.FIRST_COMPLETED)
-            if prefill_task in done:
-                _, answered_at = prefill_task.result()  # raises the prefill failure: decode is cancelled below
-                head = await decode_task
+            head = await self._decode_head(ctx, decode_leg, decode_resp)
+            if prefill_task.done():
+                _, answered_at = prefill_task.result()  # a prefill failure wins over the token that came with it
                 self.metrics.handoff_gap.observe(max(0.0, head.first_token_at - answered_at))
                 return head
-            head = decode_task.result()
-            # Decode's first token came before prefill's HTTP answer (the KV already arrived): let the
-            # prefill leg finish on its own; it frees nothing the client waits for.
-            self.metrics.handoff_gap.observe(0.0)
-            self._detach(prefill_task)
-            return head
-        finally:
-            for task in (prefill_task, decode_task):
-                if not task.done() and task not in self._detached:
-                    task.cancel()
-            await self._settle(prefill_task, decode_task)
+        except BaseException as exc:
+            decode_leg.end(cancelled=True)  # a no-op where decode's own failure ended it
+            decode_resp.close()
+            prefill_task.cancel()
+            await self._settle(prefill_task)
+            if isinstance(exc, OtherLegFailed):
+                raise prefill_task.exception() from None
+            raise
+        # Decode's first token came before prefill's HTTP answer (the KV already arrived): let the
+        # prefill leg finish on its own; it frees nothing the client waits for.
+        prefill_task.remove_done_callback(end_decode_wait)
+        self.metrics.handoff_gap.observe(0.0)
+        self._detach(prefill_task)
+        return head
 
     async def _settle(self, *tasks: asyncio.Task) -> None:
         """Wait for cancelled legs to close their connections; their own outcome is already recorded."""
@@ -282,23 +301,24 @@ class Dispatcher:
             if not task.cancelled():
                 task.exception()  # mark retrieved
 
-    def _send_now(self, pool: Pool, inst: Instance, path: str, body: dict, headers: dict,
-                  timeout_s: float) -> tuple[Leg, UpstreamResponse | None, bytes]:
+    def _send(self, pool: Pool, inst: Instance, path: str, body: dict | bytes, headers: dict,
+              timeout_s: float) -> tuple[Leg, UpstreamResponse]:
+        """Count the leg and send it: written now on a pooled connection, else once connected."""
         leg = Leg(pool, inst, self.metrics)
-        data = json.dumps(body).encode()
-        return leg, self.upstream.start("POST", inst.upstream.url, path, headers, data, timeout_s), data
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        return leg, self.upstream.start("POST", inst.upstream.url, path, headers, data,
+                                        self.config.timeouts.connect_s, timeout_s)
 
     @staticmethod
-    def _leg_task(coro: Any, leg: Leg, sent: UpstreamResponse | None) -> asyncio.Task:
-        """A task for a leg already counted (and maybe sent): one cancelled before its first step
-        never runs its own clean-up, so the leg is ended and its answer closed here."""
+    def _leg_task(coro: Any, leg: Leg, resp: UpstreamResponse) -> asyncio.Task:
+        """A task for a leg already counted and sent: one cancelled before its first step never
+        runs its own clean-up, so the leg is ended and its answer closed here."""
         task = asyncio.ensure_future(coro)
 
         def cleanup(t: asyncio.Task) -> None:
             if t.cancelled():
                 leg.end(cancelled=True)
-                if sent is not None:
-                    sent.close()
+                resp.close()
 
         task.add_done_callback(cleanup)
         return task
@@ -321,15 +341,9 @@ class Dispatcher:
 
     # --- legs --------------------------------------------------------------------------------
 
-    async def _post(self, leg: Leg, path: str, body: dict | bytes, headers: dict, timeout_s: float,
-                    sent: UpstreamResponse | None = None) -> UpstreamResponse:
-        """The answer's head; `sent` is the same request already written by `_send_now`."""
-        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    async def _answer_head(self, leg: Leg, resp: UpstreamResponse, timeout_s: float) -> UpstreamResponse:
         try:
-            if sent is not None:
-                return await answer_head(sent)
-            return await self.upstream.request("POST", leg.inst.upstream.url, path, headers, data,
-                                               self.config.timeouts.connect_s, timeout_s)
+            return await answer_head(resp)
         except asyncio.TimeoutError:
             raise self._fail(leg, "timeout", f"no answer within {timeout_s:g} s") from None
         except UpstreamError as exc:
@@ -352,17 +366,17 @@ class Dispatcher:
             return UpstreamClientError(resp.status, body, resp.header("content-type", "application/json"))
         return self._fail(leg, f"http_{resp.status}", f"HTTP {resp.status}: {_error_message(body)}")
 
-    async def _prefill_leg(self, ctx: RequestContext, inst: Instance, body: dict | bytes, headers: dict,
-                           leg: Leg | None = None, sent: UpstreamResponse | None = None) -> tuple[dict, float]:
-        leg = leg if leg is not None else Leg(self.prefill, inst, self.metrics)
+    async def _prefill_answer(self, leg: Leg, resp: UpstreamResponse) -> tuple[dict, float]:
+        """Prefill's whole (JSON) answer, and when it came."""
+        timeout_s = self.config.timeouts.prefill_s
         try:
-            resp = await self._post(leg, ctx.endpoint, body, headers, self.config.timeouts.prefill_s, sent)
+            await self._answer_head(leg, resp, timeout_s)
             if resp.status != 200:
                 raise await self._read_error(leg, resp)
             try:
                 raw = await resp.read()
             except asyncio.TimeoutError:
-                raise self._fail(leg, "timeout", f"no answer within {self.config.timeouts.prefill_s:g} s") from None
+                raise self._fail(leg, "timeout", f"no answer within {timeout_s:g} s") from None
             except UpstreamError as exc:
                 raise self._fail(leg, "connect", str(exc)) from None
             finally:
@@ -378,12 +392,12 @@ class Dispatcher:
             leg.end(cancelled=True)
             raise
 
-    async def _decode_head(self, ctx: RequestContext, inst: Instance, body: dict | bytes, headers: dict,
-                           leg: Leg | None = None, sent: UpstreamResponse | None = None) -> DecodeHead:
-        leg = leg if leg is not None else Leg(self.decode, inst, self.metrics)
-        resp: UpstreamResponse | None = None
+    async def _decode_head(self, ctx: RequestContext, leg: Leg, resp: UpstreamResponse) -> DecodeHead:
+        """Decode's answer up to its first token (streaming) or whole; a failure before the first
+        token is a LegFailure, which another attempt may fix."""
+        timeout_s = self.config.timeouts.decode_s
         try:
-            resp = await self._post(leg, ctx.endpoint, body, headers, self.config.timeouts.decode_s, sent)
+            await self._answer_head(leg, resp, timeout_s)
             if resp.status != 200:
                 raise await self._read_error(leg, resp)
             content_type = resp.header("content-type", "application/json")
@@ -404,20 +418,18 @@ class Dispatcher:
                     scanned = end + 2
                     kind = classify_event(event)
                     if kind == "error":  # e.g. the KV transfer failed: vLLM finishes the request with an error
-                        resp.close()
-                        resp = None
                         raise self._fail(leg, "generation_error", f"stream error before the first token: {_error_message(event)}")
                     if kind in ("token", "done"):
                         return DecodeHead(leg, resp, bytes(held), content_type, time.perf_counter())
         except asyncio.TimeoutError:
-            raise self._fail(leg, "timeout", f"no first token within {self.config.timeouts.decode_s:g} s") from None
+            raise self._fail(leg, "timeout", f"no first token within {timeout_s:g} s") from None
         except UpstreamError as exc:
             raise self._fail(leg, "connect", str(exc)) from None
         except asyncio.CancelledError:
             leg.end(cancelled=True)
             raise
         finally:
-            if resp is not None and leg.ended:
+            if leg.ended:
                 resp.close()
 
     # --- answering the client ----------------------------------------------------------------

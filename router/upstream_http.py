@@ -37,8 +37,9 @@ class _Target:
 class UpstreamResponse:
     """One answer: status and headers once the head arrived, then the body as it comes."""
 
-    def __init__(self, connection: "_Connection", loop: asyncio.AbstractEventLoop, deadline: float):
-        self._conn: _Connection | None = connection
+    def __init__(self, connection: "_Connection | None", loop: asyncio.AbstractEventLoop, deadline: float):
+        self._conn: _Connection | None = connection  # None while connecting, and once done with
+        self._connecting: asyncio.Task | None = None
         self._loop = loop
         self.status = 0
         self.headers: dict[str, str] = {}
@@ -131,11 +132,40 @@ class UpstreamResponse:
     def close(self) -> None:
         """Done with the answer; the connection is dropped unless the answer already ended cleanly."""
         self._timer.cancel()
+        self._stop_connecting()
         conn, self._conn = self._conn, None
         if conn is not None:
             conn.abort()
         if self._error is None and self._mode != "done":
             self._error = UpstreamError("the answer was closed before it ended")
+
+    def fail(self, exc: BaseException) -> None:
+        """End the answer with `exc`, which a reader waiting for it (or calling later) raises; the
+        connection is dropped. Nothing happens to an answer that already ended."""
+        if self._mode == "done" or self._error is not None:
+            return
+        self._error = exc
+        self._timer.cancel()
+        self._stop_connecting()
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.abort()
+        self._wake()
+
+    # --- connecting (when no kept-alive connection was idle) ----------------------------------
+
+    def _stop_connecting(self) -> None:
+        task, self._connecting = self._connecting, None
+        if task is not None:
+            task.cancel()
+
+    def _connected(self, conn: "_Connection", request: bytes) -> None:
+        self._connecting = None
+        if self._error is not None:  # closed, failed or timed out while connecting
+            conn.abort()
+            return
+        self._conn = conn
+        conn.send(self, request)
 
     # --- parsing (the connection's side) -----------------------------------------------------
 
@@ -144,13 +174,7 @@ class UpstreamResponse:
             self._waiter.set_result(None)
 
     def _timed_out(self) -> None:
-        if self._mode == "done" or self._error is not None:
-            return
-        self._error = asyncio.TimeoutError()
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            conn.abort()
-        self._wake()
+        self.fail(asyncio.TimeoutError())
 
     def feed(self, data: bytes) -> None:
         if self._pending:
@@ -158,7 +182,7 @@ class UpstreamResponse:
         try:
             self._pending = self._parse(data)
         except UpstreamError as exc:
-            self._fail(exc)
+            self.fail(exc)
             return
         if self._sink is not None:  # one write per read from the socket, however many chunks it held
             if self._body:
@@ -178,17 +202,7 @@ class UpstreamResponse:
         if self._mode == "until_eof":
             self._finish(reusable=False)
         elif self._mode != "done":
-            self._fail(UpstreamError("the instance closed the connection before its answer ended"))
-
-    def _fail(self, exc: BaseException) -> None:
-        if self._mode == "done" or self._error is not None:
-            return
-        self._error = exc
-        self._timer.cancel()
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            conn.abort()
-        self._wake()
+            self.fail(UpstreamError("the instance closed the connection before its answer ended"))
 
     def _finish(self, reusable: bool) -> None:
         self._mode = "done"
@@ -343,9 +357,14 @@ class _Connection(asyncio.Protocol):
         response, self.response = self.response, None
         if response is not None:
             if exc is not None:
-                response._fail(UpstreamError(f"connection lost: {exc}"))
+                response.fail(UpstreamError(f"connection lost: {exc}"))
             else:
                 response.feed_eof()
+
+    def send(self, response: UpstreamResponse, request: bytes) -> None:
+        self.response = response
+        assert self.transport is not None
+        self.transport.write(request)
 
     def answer_ended(self, reusable: bool) -> None:
         self.response = None
@@ -369,6 +388,16 @@ async def answer_head(response: UpstreamResponse) -> UpstreamResponse:
         response.close()
         raise
     return response
+
+
+def _encode_request(target: _Target, method: str, path: str, headers: dict[str, str], body: bytes | None) -> bytes:
+    lines = [f"{method} {path} HTTP/1.1\r\nHost: {target.host_header}\r\n"]
+    lines.extend(f"{name}: {value}\r\n" for name, value in headers.items())
+    if body is not None:
+        lines.append(f"Content-Length: {len(body)}\r\n")
+    lines.append("\r\n")
+    head = "".join(lines).encode()
+    return head + body if body else head
 
 
 class UpstreamClient:
@@ -410,51 +439,47 @@ class UpstreamClient:
         return None
 
     def start(self, method: str, base_url: str, path: str, headers: dict[str, str], body: bytes | None,
-              total_s: float) -> UpstreamResponse | None:
-        """Send one request now, without yielding, on an idle keep-alive connection; None when
-        there is none (then `request` connects). Wait for the answer with `answer_head`."""
+              connect_s: float, total_s: float) -> UpstreamResponse:
+        """Send one request and return its answer, to wait for with `answer_head`. On an idle
+        kept-alive connection the request is written now, before the caller yields; otherwise a
+        connection is made first, in the background (the answer fails with UpstreamError if none
+        is made within connect_s). total_s bounds the whole answer, body included."""
         loop = asyncio.get_running_loop()
         target = self._target(base_url)
-        conn = self._take_idle((target.host, target.port))
-        if conn is None:
-            return None
-        return self._send(conn, target, method, path, headers, body, loop, loop.time() + total_s)
+        key = (target.host, target.port)
+        request = _encode_request(target, method, path, headers, body)
+        conn = self._take_idle(key)
+        response = UpstreamResponse(None, loop, loop.time() + total_s)
+        if conn is not None:
+            response._connected(conn, request)
+        else:
+            response._connecting = loop.create_task(self._connect_then_send(response, target, key, request, connect_s))
+        return response
 
     async def request(self, method: str, base_url: str, path: str, headers: dict[str, str], body: bytes | None,
                       connect_s: float, total_s: float) -> UpstreamResponse:
         """Send one request and wait for the head of its answer.
 
-        Raises UpstreamError (connection refused, reset, closed, malformed answer) or
-        asyncio.TimeoutError (no connection within connect_s, or no answer head within total_s;
-        total_s also bounds reading the body afterwards)."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + total_s
-        target = self._target(base_url)
-        key = (target.host, target.port)
-        conn = self._take_idle(key)
-        if conn is None:
-            try:
-                _, conn = await asyncio.wait_for(
-                    loop.create_connection(lambda: _Connection(self, key), target.host, target.port),
-                    min(connect_s, total_s))
-            except OSError as exc:
-                raise UpstreamError(f"Cannot connect to host {target.host_header}: {exc.strerror or exc}") from None
-        return await answer_head(self._send(conn, target, method, path, headers, body, loop, deadline))
+        Raises UpstreamError (no connection within connect_s, connection refused, reset, closed,
+        malformed answer) or asyncio.TimeoutError (no answer head within total_s, which also
+        bounds reading the body afterwards)."""
+        return await answer_head(self.start(method, base_url, path, headers, body, connect_s, total_s))
 
-    @staticmethod
-    def _send(conn: _Connection, target: _Target, method: str, path: str, headers: dict[str, str], body: bytes | None,
-              loop: asyncio.AbstractEventLoop, deadline: float) -> UpstreamResponse:
-        lines = [f"{method} {path} HTTP/1.1\r\nHost: {target.host_header}\r\n"]
-        lines.extend(f"{name}: {value}\r\n" for name, value in headers.items())
-        if body is not None:
-            lines.append(f"Content-Length: {len(body)}\r\n")
-        lines.append("\r\n")
-        response = UpstreamResponse(conn, loop, deadline)
-        conn.response = response
-        assert conn.transport is not None
-        head = "".join(lines).encode()
-        conn.transport.write(head + body if body else head)
-        return response
+    async def _connect_then_send(self, response: UpstreamResponse, target: _Target, key: tuple[str, int],
+                                 request: bytes, connect_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            _, conn = await asyncio.wait_for(
+                loop.create_connection(lambda: _Connection(self, key), target.host, target.port), connect_s)
+        except asyncio.TimeoutError:  # before OSError, of which it is a subclass
+            response.fail(UpstreamError(f"Cannot connect to host {target.host_header}: "
+                                        f"no connection within {connect_s:g} s"))
+        except OSError as exc:
+            response.fail(UpstreamError(f"Cannot connect to host {target.host_header}: {exc.strerror or exc}"))
+        except Exception as exc:  # anything else is the reader's to raise, not to wait out total_s for
+            response.fail(exc)
+        else:
+            response._connected(conn, request)
 
     def close(self) -> None:
         idle_lists, self._idle = list(self._idle.values()), {}

@@ -403,6 +403,7 @@ def test_no_prefill_in_rotation_falls_back_to_decode_alone():
     async def scenario():
         async with deployment("kvpush", eject_after_failures=1, probe_interval_s=30) as dep:
             await dep.prefill[0].stop()
+            dep.decode[0].behavior.first_token_delay_s = 0.1  # a consumer waits for its KV first
             # the first attempt's prefill leg is refused and p0 leaves rotation; the retry has no prefill
             for _ in range(2):
                 assert (await dep.post("/v1/completions", COMPLETION))[0] == 200
@@ -553,20 +554,95 @@ def test_a_leg_task_cancelled_before_its_first_step_ends_its_leg_and_closes_its_
 def test_push_legs_on_pooled_connections_are_sent_without_a_connect_step():
     async def scenario():
         async with deployment("kvpush") as dep:
-            client = dep.router.upstream
+            loop = asyncio.get_running_loop()
+            instance_ports = {int(f.url.rsplit(":", 1)[1]) for f in dep.prefill + dep.decode}
             connects = []
-            original = client.request
+            original = loop.create_connection
 
-            async def counting_request(*args, **kwargs):
-                connects.append(args[1])
-                return await original(*args, **kwargs)
+            async def counting_create_connection(factory, host=None, port=None, **kwargs):
+                if port in instance_ports:
+                    connects.append(port)
+                return await original(factory, host, port, **kwargs)
 
-            client.request = counting_request
+            loop.create_connection = counting_create_connection
             status, _ = await dep.post("/v1/completions", {**COMPLETION, "stream": True})
             assert status == 200
-            await eventually(lambda: len([v for v in client._idle.values() if v]) == 2)  # one per instance
+            await eventually(lambda: len([v for v in dep.router.upstream._idle.values() if v]) == 2)  # one per instance
             connects.clear()
             status, _ = await dep.post("/v1/completions", {**COMPLETION, "stream": True})
             assert status == 200 and connects == []  # both legs went out on pooled connections
+
+    run(scenario())
+
+
+# --- push protocols: decode's answer read inline, prefill's in a task ----------------------------
+
+
+def test_failing_prefill_is_retried_and_its_decode_leg_is_cancelled_not_failed():
+    async def scenario():
+        async with deployment("kvpush", n_prefill=2, eject_after_failures=100) as dep:
+            dep.prefill[0].behavior.fail_status = 500
+            dep.decode[0].behavior.first_token_delay_s = 0.2  # waits for KV while prefill fails
+            status, raw = await dep.post("/v1/completions", {**COMPLETION, "stream": True})
+            assert status == 200 and events(raw)[-1] == "data: [DONE]"
+            assert len(dep.decode[0].received) == 2 and len(dep.prefill[1].received) == 1  # retried on p1
+            await eventually(lambda: dep.decode[0].abandoned == 1)  # the first decode leg was closed
+            m = await dep.metrics()
+            assert sample(m, "kvpush_router_retries_total", reason="http_500") == 1
+            assert sample(m, "kvpush_router_leg_failures_total", instance="p0", reason="http_500") == 1
+            assert sample(m, "kvpush_router_leg_failures_total", role="decode") == 0
+            assert dep.router.decode.instances[0].consecutive_failures == 0  # not decode's fault
+            assert sample(m, "kvpush_router_inflight", role="decode") == 0
+            assert sample(m, "kvpush_router_inflight", role="prefill") == 0
+
+    run(scenario())
+
+
+def test_prefill_4xx_reaches_the_client_and_cancels_the_waiting_decode_leg():
+    async def scenario():
+        async with deployment("kvpush") as dep:
+            dep.prefill[0].behavior.fail_status = 400
+            dep.decode[0].behavior.first_token_delay_s = 5
+            status, raw = await dep.post("/v1/completions", {**COMPLETION, "stream": True})
+            assert status == 400 and json.loads(raw)["error"]["message"] == "fake failure"
+            await eventually(lambda: dep.decode[0].abandoned == 1)
+            assert dep.router.decode.instances[0].inflight == 0
+            assert dep.router.decode.instances[0].consecutive_failures == 0
+
+    run(scenario())
+
+
+def test_prefill_failing_after_decodes_first_token_leaves_the_stream_whole():
+    async def scenario():
+        async with deployment("kvpush", eject_after_failures=100,
+                              timeouts=Timeouts(connect_s=1, prefill_s=0.1, decode_s=5)) as dep:
+            dep.prefill[0].behavior.hang = True  # times out while decode streams
+            dep.decode[0].behavior.token_delay_s = 0.05
+            status, raw = await dep.post("/v1/completions", {**COMPLETION, "stream": True})
+            assert status == 200
+            evs = events(raw)
+            assert evs[-1] == "data: [DONE]" and len(evs) == 5 and "error" not in raw.decode()
+            m = await dep.metrics()
+            assert sample(m, "kvpush_router_requests_total", outcome="success") == 1
+            assert sample(m, "kvpush_router_handoff_gap_seconds_sum") == 0  # decode's token came first
+            await eventually(lambda: dep.router.prefill.instances[0].consecutive_failures == 1)
+
+    run(scenario())
+
+
+def test_decode_failing_before_its_first_token_is_retried_while_prefill_still_runs():
+    async def scenario():
+        async with deployment("kvpush", n_decode=2, eject_after_failures=100) as dep:
+            dep.prefill[0].behavior.first_token_delay_s = 0.3
+            dep.decode[0].behavior.transfer_error = True  # an error event before any token
+            status, raw = await dep.post("/v1/chat/completions", {**CHAT, "stream": True})
+            assert status == 200 and events(raw)[-1] == "data: [DONE]"
+            assert len(dep.decode[1].received) == 1
+            await eventually(lambda: len(dep.prefill[0].received) == 2)
+            await eventually(lambda: dep.prefill[0].abandoned == 1)  # the first attempt's prefill leg was closed
+            m = await dep.metrics()
+            assert sample(m, "kvpush_router_retries_total", reason="generation_error") == 1
+            assert sample(m, "kvpush_router_leg_failures_total", role="prefill") == 0
+            assert sample(m, "kvpush_router_handoff_gap_seconds_count") == 1  # the retry's
 
     run(scenario())

@@ -6,7 +6,7 @@ import asyncio
 import pytest
 from aiohttp import web
 
-from kvpush.router.upstream_http import UpstreamClient, UpstreamError, UpstreamResponse
+from kvpush.router.upstream_http import UpstreamClient, UpstreamError, UpstreamResponse, answer_head
 
 CHUNKED = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
            b"6\r\ndata: \r\n3;ext=1\r\nabc\r\n0\r\nX-Trailer: 1\r\n\r\n")
@@ -244,5 +244,72 @@ def test_only_plain_http_urls_are_accepted():
     async def scenario():
         with pytest.raises(UpstreamError, match="not http://host:port"):
             await UpstreamClient(keepalive_s=1).request("GET", "https://h:1", "/health", {}, None, 1, 1)
+
+    run(scenario())
+
+
+class _OtherLegFailed(Exception):
+    pass
+
+
+def test_an_answer_failed_while_its_connection_is_made_sends_nothing():
+    async def scenario():
+        runner, url, peers = await _server(_echo)
+        client = UpstreamClient(keepalive_s=10)
+        try:
+            resp = client.start("POST", url, "/x", {}, b"{}", 1, 5)  # no idle connection: connects in the background
+            resp.fail(_OtherLegFailed())
+            with pytest.raises(_OtherLegFailed):
+                await answer_head(resp)
+            await asyncio.sleep(0.1)
+            assert peers == []
+        finally:
+            client.close()
+            await runner.cleanup()
+
+    run(scenario())
+
+
+def test_failing_an_answer_wakes_its_reader_and_drops_the_connection():
+    async def scenario():
+        dropped = asyncio.Event()
+
+        async def slow(request: web.Request) -> web.StreamResponse:
+            resp = web.StreamResponse()
+            await resp.prepare(request)
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                dropped.set()
+                raise
+            return resp
+
+        runner, url, _ = await _server(slow)
+        client = UpstreamClient(keepalive_s=10)
+        try:
+            resp = await client.request("POST", url, "/x", {}, b"{}", 1, 5)
+            reader = asyncio.ensure_future(resp.readany())
+            await asyncio.sleep(0.05)
+            resp.fail(_OtherLegFailed())
+            with pytest.raises(_OtherLegFailed):
+                await reader
+            await asyncio.wait_for(dropped.wait(), 2)  # the instance saw its client go
+        finally:
+            client.close()
+            await runner.cleanup()
+
+    run(scenario())
+
+
+def test_no_connection_within_connect_s_is_an_upstream_error():
+    async def scenario():
+        loop = asyncio.get_running_loop()
+
+        async def never_connects(*args, **kwargs):
+            await asyncio.sleep(30)
+
+        loop.create_connection = never_connects  # type: ignore[method-assign]
+        with pytest.raises(UpstreamError, match="no connection within 0.1 s"):
+            await UpstreamClient(keepalive_s=10).request("GET", "http://127.0.0.1:1", "/health", {}, None, 0.1, 5)
 
     run(scenario())
