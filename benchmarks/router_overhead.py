@@ -40,6 +40,7 @@ from kvpush.router.protocols import pull_decode_leg, pull_prefill_leg
 
 
 OWN_LATENCY = "kvpush_router_own_latency_seconds"
+ROUTER_TTFT = "kvpush_router_ttft_seconds"
 
 
 def run_async(coro):
@@ -147,10 +148,12 @@ async def router_metrics(session: aiohttp.ClientSession, router_url: str) -> str
 
 
 async def measure(direct: Side, routed: Side, concurrency: int, requests: int, rounds: int, tokens: int,
-                  spread_s: float, router_pid: int, router_url: str) -> dict:
+                  spread_s: float, router_pid: int, router_url: str) -> tuple[dict, dict]:
     """Median TTFT per side in ms, the router's CPU per routed request in ms (unlike TTFT, that
     hardly moves with what else the machine runs), and the median of the router's own part of
-    TTFT from its /metrics: what it adds however slow the client and the instances are."""
+    TTFT from its /metrics: what it adds however slow the client and the instances are. Also each
+    side's TTFT deciles, and the means of the router's own part and of its TTFT (receipt to first
+    token written): their difference is how long decode's first token took to reach the router."""
     body = {"model": "fake", "prompt": "hello", "max_tokens": tokens, "stream": True}
     results: dict[str, list[float]] = {"direct": [], "router": []}
     router_cpu = 0.0
@@ -167,9 +170,17 @@ async def measure(direct: Side, routed: Side, concurrency: int, requests: int, r
         metrics_after = await router_metrics(session, router_url)
     p50 = {k: statistics.median(v) * 1000 for k, v in results.items()}
     p50["router_cpu_per_request"] = router_cpu / (rounds * requests) * 1000
-    own = histogram(metrics_after, OWN_LATENCY).minus(histogram(metrics_before, OWN_LATENCY)).quantile(0.5)
-    p50["router_own"] = own * 1000 if own is not None else float("nan")
-    return p50
+    own = histogram(metrics_after, OWN_LATENCY).minus(histogram(metrics_before, OWN_LATENCY))
+    ttft = histogram(metrics_after, ROUTER_TTFT).minus(histogram(metrics_before, ROUTER_TTFT))
+    p50["router_own"] = ms(own.quantile(0.5))
+    p50["router_own_mean"] = ms(own.mean)
+    p50["router_ttft_mean"] = ms(ttft.mean)
+    deciles = {side: [round(q * 1000, 2) for q in statistics.quantiles(v, n=10)] for side, v in results.items()}
+    return p50, deciles
+
+
+def ms(seconds: float | None) -> float:
+    return seconds * 1000 if seconds is not None else float("nan")
 
 
 def main() -> int:
@@ -230,7 +241,7 @@ def main() -> int:
             run_async(wait_healthy(f"http://127.0.0.1:{router_port}"))
             run_async(wait_healthy(f"http://127.0.0.1:{prefill_port}") if push else asyncio.sleep(0))
             direct = direct_side(args.protocol, f"http://127.0.0.1:{decode_port}", f"http://127.0.0.1:{prefill_port}")
-            p50 = run_async(measure(direct, routed_side(f"http://127.0.0.1:{router_port}"), args.concurrency,
+            p50, deciles = run_async(measure(direct, routed_side(f"http://127.0.0.1:{router_port}"), args.concurrency,
                                     args.requests, args.rounds, args.tokens, spread_s, router.pid,
                                     f"http://127.0.0.1:{router_port}"))
         finally:
@@ -249,6 +260,9 @@ def main() -> int:
                       "added_ms": round(added, 3), "ratio": round(p50["router"] / p50["direct"], 3),
                       "router_cpu_ms_per_request": round(p50["router_cpu_per_request"], 3),
                       "router_own_p50_ms": round(p50["router_own"], 3),
+                      "router_own_mean_ms": round(p50["router_own_mean"], 3),
+                      "router_ttft_mean_ms": round(p50["router_ttft_mean"], 3),
+                      "ttft_deciles_direct_ms": deciles["direct"], "ttft_deciles_router_ms": deciles["router"],
                       "load_avg_1m": os.getloadavg()[0]}))
     return 0
 
