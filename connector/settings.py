@@ -26,6 +26,7 @@ class Settings:
     tp_size: int
     block_size: int
     progress_delay_us: int
+    huge_pages: bool = True  # CPU: collapse the KV cache into 2 MiB pages before registering it (hugepages.py)
     kv_cache_layout: str | None = None  # as vLLM resolved it (e.g. BLHNC), None before vLLM 0.32
 
     @classmethod
@@ -61,6 +62,13 @@ class Settings:
             tp_size=int(parallel.tensor_parallel_size),
             block_size=int(vllm_config.cache_config.block_size),
             progress_delay_us=int(extra.get("progress_delay_us", 100)),
+            huge_pages=_flag(extra.get("huge_pages", True), "huge_pages"),
             kv_cache_layout=(getattr(kv_cache_config, "kv_cache_layout", None)
                              or getattr(vllm_config.cache_config, "kv_cache_layout", None)),
         )
+
+
+def _flag(value: Any, key: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise UnsupportedDeployment(f"kvpush: kv_connector_extra_config.{key} must be true or false, not {value!r}")

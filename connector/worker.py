@@ -15,7 +15,8 @@ from typing import Any, Callable
 
 from .cache_layout import layout_cost_note
 from .consumer import Consumer, ConsumerConfig
-from .layout import TensorView, kv_regions
+from .hugepages import back_with_huge_pages
+from .layout import TensorView, kv_regions, region_spans
 from .metadata import PushMetadata
 from .producer import Producer, ProducerConfig
 from .settings import Settings
@@ -60,6 +61,10 @@ class PushWorker:
         note = layout_cost_note(s.kv_cache_layout, regions, on_gpu)
         if note is not None:
             (log.warning if on_gpu else log.info)(note)
+        if not on_gpu and s.huge_pages:
+            huge = back_with_huge_pages(region_spans(regions))
+            if huge.requested_bytes:
+                log.info("kvpush: %s", huge.describe())
         name = f"{s.engine_id}.tp{self.tp_rank}.{os.getpid()}"
         self.engine = NixlEngine(name, regions, backend=s.backend, mem_type=mem_type, device_id=device_id,
                                  progress_delay_us=s.progress_delay_us)

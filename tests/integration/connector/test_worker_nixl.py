@@ -1,9 +1,11 @@
 """PushWorker.register_kv_caches with real NIXL on CPU tensors: the KV layout's cost is logged
-when a run of blocks needs more than one descriptor, and not when it needs one."""
+when a run of blocks needs more than one descriptor, and not when it needs one; a CPU cache is
+collapsed into huge pages and the log says how much."""
 from __future__ import annotations
 
 import logging
 import os
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -18,7 +20,8 @@ LAYERS, BLOCKS, PAGE_ELEMS = 3, 16, 1024
 def settings(layout: str) -> SimpleNamespace:
     return SimpleNamespace(engine_id="D.w", is_producer=False, backend="UCX", side_channel_host="127.0.0.1",
                            side_channel_port=0, allowed_engines=frozenset({"P.w"}), transfer_timeout_s=1.0, peer_silence_s=1.0,
-                           model="m", tp_size=1, block_size=16, progress_delay_us=100, kv_cache_layout=layout)
+                           model="m", tp_size=1, block_size=16, progress_delay_us=100, kv_cache_layout=layout,
+                           huge_pages=True)
 
 
 def caches(block_outermost: bool) -> dict[str, torch.Tensor]:
@@ -40,5 +43,20 @@ def test_layout_cost_is_logged_only_when_a_run_needs_several_descriptors(caplog,
         else:
             assert len(notes) == 1 and f"{layout}" in notes[0] and f"{LAYERS} NIXL descriptors per run" in notes[0]
         assert worker.consumer._hello.device_id == 0 and worker._sync_device is None  # CPU tensors
+    finally:
+        worker.shutdown()
+
+
+def test_a_cpu_cache_is_put_on_huge_pages_and_keeps_its_bytes(caplog):
+    kv = {f"layer{i}": torch.arange(4 * 1024 * 1024, dtype=torch.int32).view(BLOCKS, -1) for i in range(LAYERS)}
+    expected = {name: t.clone() for name, t in kv.items()}
+    worker = PushWorker(settings("LBHNC"), num_blocks=BLOCKS, tp_rank=0)
+    with caplog.at_level(logging.INFO, logger="kvpush.connector"):
+        worker.register_kv_caches(kv)
+    try:
+        [note] = [r.getMessage() for r in caplog.records if "2 MiB pages" in r.getMessage()]
+        collapsed, requested = map(int, re.search(r"(\d+) of (\d+) MiB", note).groups())
+        assert LAYERS * 14 <= requested <= LAYERS * 16 and collapsed <= requested  # whole 2 MiB pages inside 16 MiB each
+        assert all(torch.equal(kv[name], expected[name]) for name in kv)
     finally:
         worker.shutdown()

@@ -23,6 +23,13 @@ def test_settings_from_config():
     assert Settings.from_vllm(vllm_config("kv_producer")).is_producer
 
 
+def test_huge_pages_default_on_and_switchable_with_a_boolean_only():
+    assert Settings.from_vllm(vllm_config()).huge_pages is True
+    assert Settings.from_vllm(vllm_config(extra={"huge_pages": False})).huge_pages is False
+    with pytest.raises(UnsupportedDeployment, match="huge_pages must be true or false"):
+        Settings.from_vllm(vllm_config(extra={"huge_pages": "no"}))
+
+
 @pytest.mark.parametrize("kwargs, words", [
     ({"role": "kv_both"}, "kv_role"),
     ({"use_mla": True}, "MLA"),
