@@ -52,11 +52,11 @@ def run_async(coro):
     return uvloop.run(coro)
 
 
-def serve_fake(port: int, token_delay_s: float) -> None:
+def serve_fake(port: int, token_delay_s: float, first_token_delay_s: float) -> None:
     from kvpush.router.fake_upstream import Behavior, FakeVllm
 
     async def main() -> None:
-        fake = FakeVllm(model="fake", behavior=Behavior(token_delay_s=token_delay_s))
+        fake = FakeVllm(model="fake", behavior=Behavior(first_token_delay_s=first_token_delay_s, token_delay_s=token_delay_s))
         await fake.start("127.0.0.1", port)
         stop = asyncio.Event()
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
@@ -155,14 +155,18 @@ async def measure(direct: Side, routed: Side, concurrency: int, requests: int, r
     side's TTFT deciles, and the means of the router's own part and of its TTFT (receipt to first
     token written): their difference is how long decode's first token took to reach the router."""
     body = {"model": "fake", "prompt": "hello", "max_tokens": tokens, "stream": True}
+    # Each side's round starts on warm connections, as steady traffic keeps them: the router drops
+    # upstream connections idle for 2 s and the other side's round lasts longer than that, while the
+    # client keeps its own for 15 s. Unstreamed, so the router's TTFT histograms leave them out.
+    warm = dict(body, max_tokens=1, stream=False)
     results: dict[str, list[float]] = {"direct": [], "router": []}
     router_cpu = 0.0
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        await round_of(session, direct, concurrency, concurrency, body)  # warm connections
-        await round_of(session, routed, concurrency, concurrency, body)
         metrics_before = await router_metrics(session, router_url)
         for _ in range(rounds):
+            await round_of(session, direct, concurrency, concurrency, warm)
             results["direct"] += await round_of(session, direct, concurrency, requests, body, spread_s)
+            await round_of(session, routed, concurrency, concurrency, warm)
             before = cpu_seconds(router_pid)
             results["router"] += await round_of(session, routed, concurrency, requests, body, spread_s)
             after = cpu_seconds(router_pid)
@@ -192,6 +196,10 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=64, help="tokens per answer")
     parser.add_argument("--token-delay-ms", type=float, default=20.0, help="the fake decode's time per output token")
+    parser.add_argument("--decode-first-token-ms", type=float, default=0.0,
+                        help="the fake decode's wait before its first token (both sides see it). In a push deployment "
+                             "decode's first token follows prefill's answer (it needs the KV); with 0 the fake prefill's "
+                             "answers reach the router together with decode's first tokens")
     parser.add_argument("--arrivals", default="burst", choices=["burst", "staggered"],
                         help="burst: each round's first streams start at once (and later ones in step as those end); "
                              "staggered: they start spread over one stream's duration, a steady state")
@@ -201,7 +209,7 @@ def main() -> int:
     parser.add_argument("--serve-fake", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_fake:
-        serve_fake(args.serve_fake, args.token_delay_ms / 1000)
+        serve_fake(args.serve_fake, args.token_delay_ms / 1000, args.decode_first_token_ms / 1000)
         return 0
 
     decode_port, prefill_port, router_port = args.base_port, args.base_port + 1, args.base_port + 2
@@ -232,7 +240,8 @@ def main() -> int:
         config_path = Path(tmp) / "router.json"
         config_path.write_text(config.model_dump_json())
         try:
-            spawn([sys.executable, __file__, "--serve-fake", str(decode_port), "--token-delay-ms", str(args.token_delay_ms)])
+            spawn([sys.executable, __file__, "--serve-fake", str(decode_port), "--token-delay-ms", str(args.token_delay_ms),
+                   "--decode-first-token-ms", str(args.decode_first_token_ms)])
             if push:
                 spawn([sys.executable, __file__, "--serve-fake", str(prefill_port), "--token-delay-ms", "0"])
             router = spawn(on_cores(args.router_cores, [sys.executable, "-m", "kvpush.router", "--config",
@@ -255,7 +264,7 @@ def main() -> int:
                     proc.wait()
     added = p50["router"] - p50["direct"]
     print(json.dumps({"protocol": args.protocol, "concurrency": args.concurrency, "arrivals": args.arrivals,
-                      "cpus": os.cpu_count(), "router_cores": args.router_cores,
+                      "cpus": os.cpu_count(), "router_cores": args.router_cores, "decode_first_token_ms": args.decode_first_token_ms,
                       "ttft_p50_direct_ms": round(p50["direct"], 3), "ttft_p50_router_ms": round(p50["router"], 3),
                       "added_ms": round(added, 3), "ratio": round(p50["router"] / p50["direct"], 3),
                       "router_cpu_ms_per_request": round(p50["router_cpu_per_request"], 3),
