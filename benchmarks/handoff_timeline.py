@@ -79,6 +79,10 @@ class Timeline:
         return None if total is None or self.tokens < 2 else total / (self.tokens - 1)
 
 
+# With TP > 1 every rank logs each transfer: a push is done when its last rank is, and began with its first.
+LAST_RANK_EVENTS = {"P_done", "D_outcome"}
+
+
 def join_connector_lines(lines: Iterable[str], timelines: dict[str, Timeline]) -> int:
     """Add the connector's `kvpush P|D <event> <transfer id> ... t=<monotonic>` stamps; returns how many."""
     joined = 0
@@ -86,7 +90,8 @@ def join_connector_lines(lines: Iterable[str], timelines: dict[str, Timeline]) -
         m = CONNECTOR_LINE.search(line)
         if m is None or m["tid"] not in timelines:
             continue
-        timelines[m["tid"]].at.setdefault(f"{m['side']}_{m['event']}", float(m["t"]))
+        event, t, at = f"{m['side']}_{m['event']}", float(m["t"]), timelines[m["tid"]].at
+        at[event] = (max if event in LAST_RANK_EVENTS else min)(at.get(event, t), t)
         joined += 1
     return joined
 
@@ -175,12 +180,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout-s", type=float, default=600.0)
     ap.add_argument("--json", type=Path, help="write every timestamp here")
     args = ap.parse_args(argv)
+    if args.repeat_prompt and args.rate > 0:
+        ap.error("--repeat-prompt sends one request at a time (each must find the last one cached); drop --rate")
     timelines = asyncio.run(run_requests(args))
     print("ms since prefill's step end (its offer); handoff = D first - P answer; D path = D first - D outcome")
     print(HEADER)
     for t in timelines:
         print(format_row(t))
-    medians = summary(timelines)
+    # with a repeated prompt the first request still moves everything: the floor is the others'
+    medians = summary(timelines[1:] if args.repeat_prompt and len(timelines) > 1 else timelines)
     print("median: " + ", ".join(f"{k} {v}" for k, v in medians.items()))
     if args.json is not None:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "median_ms": medians,

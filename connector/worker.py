@@ -62,8 +62,9 @@ class PushWorker:
         if note is not None:
             (log.warning if on_gpu else log.info)(note)
         if not on_gpu and s.huge_pages:
+            log.info("kvpush: putting the CPU KV cache on huge pages (connector extra config huge_pages: false skips this)")
             huge = back_with_huge_pages(region_spans(regions))
-            if huge.requested_bytes:
+            if huge.requested_bytes or huge.error:
                 log.info("kvpush: %s", huge.describe())
         name = f"{s.engine_id}.tp{self.tp_rank}.{os.getpid()}"
         self.engine = NixlEngine(name, regions, backend=s.backend, mem_type=mem_type, device_id=device_id,

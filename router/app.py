@@ -280,7 +280,12 @@ def _describe_process(pid: int) -> str:
 
 async def serve(config: RouterConfig, api_key: str | None) -> None:
     """Run in the foreground until SIGINT or SIGTERM (blocked by `run`, awaited on a thread)."""
-    runner = await start_site(build_app(config, api_key), config.bind, config.port)
+    app = build_app(config, api_key)
+    # Everything built so far lives as long as the router: keep it out of the collector's full
+    # passes, whose walk over the imported modules' objects otherwise stalls every request in flight.
+    gc.collect()
+    gc.freeze()
+    runner = await start_site(app, config.bind, config.port)
     log.info("kvpush router on http://%s:%d: protocol %s, policy %s, %d prefill, %d decode",
              config.bind, config.port, config.protocol, config.policy, len(config.prefill), len(config.decode))
     stop = asyncio.Event()
@@ -293,10 +298,6 @@ async def serve(config: RouterConfig, api_key: str | None) -> None:
         loop.call_soon_threadsafe(stop.set)
 
     threading.Thread(target=wait_for_stop_signal, name="kvpush-router-signals", daemon=True).start()
-    # Everything built so far lives as long as the router: keep it out of the collector's full
-    # passes, whose walk over the imported modules' objects otherwise stalls every request in flight.
-    gc.collect()
-    gc.freeze()
     try:
         await stop.wait()
     finally:

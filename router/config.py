@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 Protocol = Literal["kvpush", "nixl-push", "nixl-pull", "colocated"]
 Policy = Literal["round-robin", "least-loaded"]
@@ -27,6 +28,14 @@ class Upstream(_Model):
     side_channel_port: int
     tp_size: int = 1
     pp_size: int = 1
+
+    @field_validator("url")
+    @classmethod
+    def _plain_http_base(cls, url: str) -> str:
+        parts = urlsplit(url)
+        if parts.scheme != "http" or not parts.hostname or parts.path not in ("", "/") or parts.query:
+            raise ValueError(f"{url!r} is not an instance base URL; write http://host:port")
+        return url.rstrip("/")
 
 
 class Timeouts(_Model):

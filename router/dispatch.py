@@ -261,8 +261,13 @@ class Dispatcher:
         token at once (decode is cancelled, and the attempt fails with prefill's failure)."""
         timeouts = self.config.timeouts
         decode_leg, decode_resp = self._send(self.decode, decode, ctx.endpoint, decode_body, headers, timeouts.decode_s)
-        prefill_leg, prefill_resp = self._send(self.prefill, prefill, ctx.endpoint, prefill_body, headers,
-                                               timeouts.prefill_s)
+        try:
+            prefill_leg, prefill_resp = self._send(self.prefill, prefill, ctx.endpoint, prefill_body, headers,
+                                                   timeouts.prefill_s)
+        except LegFailure:  # decode's leg is out already: it must not hold its blocks for nothing
+            decode_leg.end(cancelled=True)
+            decode_resp.close()
+            raise
         prefill_task = self._leg_task(self._prefill_answer(prefill_leg, prefill_resp), prefill_leg, prefill_resp)
         end_decode_wait = functools.partial(_fail_if_failed, decode_resp)
         prefill_task.add_done_callback(end_decode_wait)
@@ -306,8 +311,11 @@ class Dispatcher:
         """Count the leg and send it: written now on a pooled connection, else once connected."""
         leg = Leg(pool, inst, self.metrics)
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
-        return leg, self.upstream.start("POST", inst.upstream.url, path, headers, data,
-                                        self.config.timeouts.connect_s, timeout_s)
+        try:
+            return leg, self.upstream.start("POST", inst.upstream.url, path, headers, data,
+                                            self.config.timeouts.connect_s, timeout_s)
+        except UpstreamError as exc:  # e.g. an unusable URL: counted and ended like a refused connection
+            raise self._fail(leg, "connect", str(exc)) from None
 
     @staticmethod
     def _leg_task(coro: Any, leg: Leg, resp: UpstreamResponse) -> asyncio.Task:

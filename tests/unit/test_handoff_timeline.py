@@ -60,3 +60,11 @@ def test_summary_is_the_median_over_requests_that_have_the_figure():
     medians = ht.summary([a, b, partial])
     assert medians["handoff"] == pytest.approx(55.0)
     assert medians["P_done since step end"] == pytest.approx(50.0)
+
+
+def test_with_several_ranks_a_push_spans_from_the_first_offer_to_the_last_done():
+    t = ht.Timeline(0, TID)
+    ranks = [f"kvpush P offer {TID} req=a t=101.0", f"kvpush P offer {TID} req=a t=100.0",
+             f"kvpush P done {TID} ok=True t=100.04", f"kvpush P done {TID} ok=True t=100.06"]
+    ht.join_connector_lines(ranks, {TID: t})
+    assert t.at["P_offer"] == 100.0 and t.at["P_done"] == 100.06

@@ -646,3 +646,18 @@ def test_decode_failing_before_its_first_token_is_retried_while_prefill_still_ru
             assert sample(m, "kvpush_router_handoff_gap_seconds_count") == 1  # the retry's
 
     run(scenario())
+
+
+def test_a_prefill_leg_that_cannot_be_sent_fails_the_attempt_and_cancels_the_decode_leg_already_out():
+    async def scenario():
+        async with deployment("kvpush", max_retries=0) as dep:
+            dep.decode[0].behavior.first_token_delay_s = 5  # would wait for KV
+            prefill = dep.router.prefill.instances[0]
+            prefill.upstream = prefill.upstream.model_copy(update={"url": "ftp://p0"})  # past config validation
+            status, raw = await dep.post("/v1/completions", COMPLETION)
+            assert status == 502 and "prefill leg on instance p0" in json.loads(raw)["error"]["message"]
+            await eventually(lambda: dep.decode[0].abandoned == 1)
+            assert prefill.inflight == dep.router.decode.instances[0].inflight == 0
+            assert sample(await dep.metrics(), "kvpush_router_leg_failures_total", instance="p0", reason="connect") == 1
+
+    run(scenario())

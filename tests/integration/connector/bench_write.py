@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args(argv)
     for res in run(args.mib, args.block_kib, args.rounds):
-        print(f"{res['pattern']:>10} {res['bytes'] / 2**20:.0f} MiB in {res['write_s'] * 1000:.1f} ms: "
+        print(f"{res['pattern']:>10} {res['bytes'] / 2**20:.0f} MiB, offer to done {res['write_s'] * 1000:.1f} ms: "
               f"WRITE {res['write_gbps']:.2f} GB/s | memcpy {res['memcpy_gbps']:.2f} GB/s "
               f"(same block pattern {res['memcpy_same_pattern_gbps']:.2f}) -> "
               f"{100 * res['write_gbps'] / res['memcpy_gbps']:.0f}% of memcpy", flush=True)

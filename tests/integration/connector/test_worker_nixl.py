@@ -47,16 +47,18 @@ def test_layout_cost_is_logged_only_when_a_run_needs_several_descriptors(caplog,
         worker.shutdown()
 
 
-def test_a_cpu_cache_is_put_on_huge_pages_and_keeps_its_bytes(caplog):
+def test_a_cpu_cache_is_put_on_huge_pages_where_the_kernel_allows_and_keeps_its_bytes(caplog):
     kv = {f"layer{i}": torch.arange(4 * 1024 * 1024, dtype=torch.int32).view(BLOCKS, -1) for i in range(LAYERS)}
     expected = {name: t.clone() for name, t in kv.items()}
     worker = PushWorker(settings("LBHNC"), num_blocks=BLOCKS, tp_rank=0)
     with caplog.at_level(logging.INFO, logger="kvpush.connector"):
         worker.register_kv_caches(kv)
     try:
-        [note] = [r.getMessage() for r in caplog.records if "2 MiB pages" in r.getMessage()]
+        [note] = [r.getMessage() for r in caplog.records if "of the KV cache on" in r.getMessage()]
         collapsed, requested = map(int, re.search(r"(\d+) of (\d+) MiB", note).groups())
-        assert LAYERS * 14 <= requested <= LAYERS * 16 and collapsed <= requested  # whole 2 MiB pages inside 16 MiB each
+        assert LAYERS * 14 <= requested <= LAYERS * 16  # whole 2 MiB pages inside 16 MiB each
+        if "stays on base pages" not in note:  # the kernel agreed: all of it
+            assert collapsed == requested
         assert all(torch.equal(kv[name], expected[name]) for name in kv)
     finally:
         worker.shutdown()

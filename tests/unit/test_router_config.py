@@ -1,0 +1,25 @@
+"""router/config.py: what the router accepts as an instance's address."""
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from kvpush.router.config import Upstream
+
+pytestmark = pytest.mark.unit
+
+
+def upstream(url: str) -> Upstream:
+    return Upstream(name="d0", url=url, engine_id="dep.d0", side_channel_host="127.0.0.1", side_channel_port=5600)
+
+
+def test_a_base_url_is_kept_without_its_trailing_slash():
+    assert upstream("http://10.0.0.2:8100/").url == "http://10.0.0.2:8100"
+    assert upstream("http://decode-0:8100").url == "http://decode-0:8100"
+
+
+@pytest.mark.parametrize("url", ["https://d:8100", "ftp://d", "http://", "http://d:8100/v1", "d:8100", "http://d:8100?x=1"])
+def test_anything_but_a_plain_http_base_url_is_refused_naming_the_field(url):
+    with pytest.raises(ValidationError, match="url") as info:
+        upstream(url)
+    assert "http://host:port" in str(info.value)
