@@ -14,7 +14,7 @@ streams at once, and since all have the same length the later ones start in step
 a steady state of as many streams, arriving evenly.
 
     python benchmarks/router_overhead.py [--protocol colocated|kvpush|nixl-push|nixl-pull]
-        [--concurrency 64] [--arrivals burst|staggered] [--router-cores 1]
+        [--concurrency 64] [--arrivals burst|staggered] [--router-cores 1] [--router-workers 1]
 """
 from __future__ import annotations
 
@@ -134,12 +134,15 @@ async def round_of(session: aiohttp.ClientSession, side: Side, concurrency: int,
 
 
 def cpu_seconds(pid: int) -> float | None:
-    """User + system CPU a process has used so far (Linux /proc); None elsewhere."""
+    """User + system CPU a process and its live children (a router's workers) have used so far
+    (Linux /proc); None elsewhere."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
     except OSError:
         return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    own = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return own + sum(cpu_seconds(int(child)) or 0.0 for child in children)
 
 
 async def router_metrics(session: aiohttp.ClientSession, router_url: str) -> str:
@@ -205,6 +208,8 @@ def main() -> int:
                              "staggered: they start spread over one stream's duration, a steady state")
     parser.add_argument("--router-cores", help="e.g. '1': the router runs on these cores and the client and fake "
                                                "instances on the others, as when the router has a host of its own")
+    parser.add_argument("--router-workers", type=int, default=1,
+                        help="router processes sharing the port (the topology's router.workers); give as many --router-cores")
     parser.add_argument("--base-port", type=int, default=18100, help="fake decode, fake prefill, router: base+0..2")
     parser.add_argument("--serve-fake", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -234,7 +239,7 @@ def main() -> int:
         os.sched_setaffinity(0, others)  # inherited by the fakes spawned below
     push = args.protocol != "colocated"
     spread_s = args.tokens * args.token_delay_ms / 1000 if args.arrivals == "staggered" else 0.0
-    config = RouterConfig(protocol=args.protocol, served_model_name="fake", port=router_port,
+    config = RouterConfig(protocol=args.protocol, served_model_name="fake", port=router_port, workers=args.router_workers,
                           prefill=[upstream("p0", prefill_port)] if push else [], decode=[upstream("d0", decode_port)])
     with tempfile.TemporaryDirectory() as tmp:
         config_path = Path(tmp) / "router.json"
@@ -264,7 +269,7 @@ def main() -> int:
                     proc.wait()
     added = p50["router"] - p50["direct"]
     print(json.dumps({"protocol": args.protocol, "concurrency": args.concurrency, "arrivals": args.arrivals,
-                      "cpus": os.cpu_count(), "router_cores": args.router_cores, "decode_first_token_ms": args.decode_first_token_ms,
+                      "cpus": os.cpu_count(), "router_cores": args.router_cores, "router_workers": args.router_workers, "decode_first_token_ms": args.decode_first_token_ms,
                       "ttft_p50_direct_ms": round(p50["direct"], 3), "ttft_p50_router_ms": round(p50["router"], 3),
                       "added_ms": round(added, 3), "ratio": round(p50["router"] / p50["direct"], 3),
                       "router_cpu_ms_per_request": round(p50["router_cpu_per_request"], 3),

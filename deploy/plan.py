@@ -248,6 +248,7 @@ def router_config(topo: Topology) -> RouterConfig:
         served_model_name=topo.model.name,
         api_key_env=r.api_key_env,
         max_prompt_chars=r.max_prompt_chars,
+        workers=r.workers,
         timeouts=Timeouts(connect_s=r.connect_timeout_s, prefill_s=r.prefill_timeout_s, decode_s=r.decode_timeout_s),
         prefill=[] if colocated else [upstream(s) for s in topo.prefill],
         decode=[upstream(s) for _, _, s in topo.instances()] if colocated else [upstream(s) for s in topo.decode],

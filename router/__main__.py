@@ -7,8 +7,11 @@ import logging
 import sys
 
 
-def run_router(config_path: str) -> int:
-    """Load the config and serve until SIGINT/SIGTERM; user errors become one line and an exit code."""
+def run_router(config_path: str, worker_fd: int | None = None) -> int:
+    """Load the config and serve until SIGINT/SIGTERM; user errors become one line and an exit code.
+    A worker (`worker_fd`: the listening socket its supervisor handed over) serves on that socket."""
+    import socket
+
     from pydantic import ValidationError
 
     from kvpush.deploy.errors import KvpushError
@@ -18,7 +21,8 @@ def run_router(config_path: str) -> int:
 
     try:
         config = RouterConfig.from_file(config_path)
-        run(config, resolve_api_key(config))
+        listen_socket = socket.socket(fileno=worker_fd) if worker_fd is not None else None
+        run(config, resolve_api_key(config), listen_socket)
     except KvpushError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
@@ -40,10 +44,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvpush.router", description="kvpush's push-aware P/D router")
     parser.add_argument("--config", required=True, help="router config JSON written by `kvpush plan`/`up`")
     parser.add_argument("--log-level", default="INFO", help="Python logging level (default INFO)")
+    parser.add_argument("--worker-index", type=int, help=argparse.SUPPRESS)  # set by the supervisor (workers.py)
+    parser.add_argument("--worker-fd", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     faulthandler.enable()  # a crash in native code (uvloop, NIXL-free but C-heavy) leaves a trace in the log
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return run_router(args.config)
+    who = "" if args.worker_index is None else f"[worker {args.worker_index}]"
+    logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s %(levelname)s %(name)s{who}: %(message)s")
+    if args.worker_fd is not None:
+        import signal
+
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})  # inherited from the supervisor's mask
+    return run_router(args.config, args.worker_fd)
 
 
 if __name__ == "__main__":

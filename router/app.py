@@ -8,6 +8,7 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import threading
 import time
 from pathlib import Path
@@ -259,11 +260,16 @@ def build_app(config: RouterConfig, api_key: str | None) -> web.Application:
     return app
 
 
-async def start_site(app: web.Application, host: str, port: int) -> web.AppRunner:
-    """Start serving; handler cancellation on so a client that leaves cancels both legs."""
+async def start_site(app: web.Application, host: str, port: int,
+                     listen_socket: socket.socket | None = None) -> web.AppRunner:
+    """Start serving, on host:port or on a socket already listening (a worker's); handler
+    cancellation on so a client that leaves cancels both legs."""
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, host, port, backlog=1024).start()
+    if listen_socket is not None:
+        await web.SockSite(runner, listen_socket).start()
+    else:
+        await web.TCPSite(runner, host, port, backlog=1024).start()
     return runner
 
 
@@ -278,14 +284,14 @@ def _describe_process(pid: int) -> str:
     return f"pid {pid} ({cmdline[:200]})"
 
 
-async def serve(config: RouterConfig, api_key: str | None) -> None:
+async def serve(config: RouterConfig, api_key: str | None, listen_socket: socket.socket | None = None) -> None:
     """Run in the foreground until SIGINT or SIGTERM (blocked by `run`, awaited on a thread)."""
     app = build_app(config, api_key)
     # Everything built so far lives as long as the router: keep it out of the collector's full
     # passes, whose walk over the imported modules' objects otherwise stalls every request in flight.
     gc.collect()
     gc.freeze()
-    runner = await start_site(app, config.bind, config.port)
+    runner = await start_site(app, config.bind, config.port, listen_socket)
     log.info("kvpush router on http://%s:%d: protocol %s, policy %s, %d prefill, %d decode",
              config.bind, config.port, config.protocol, config.policy, len(config.prefill), len(config.decode))
     stop = asyncio.Event()
@@ -304,13 +310,19 @@ async def serve(config: RouterConfig, api_key: str | None) -> None:
         await runner.cleanup()
 
 
-def run(config: RouterConfig, api_key: str | None) -> None:
+def run(config: RouterConfig, api_key: str | None, listen_socket: socket.socket | None = None) -> None:
     """Serve in the foreground, on uvloop when it is installed (vLLM ships it): about half the
-    per-request CPU of the default loop."""
+    per-request CPU of the default loop. With `workers` > 1 this process supervises that many
+    router processes instead; a worker is given the socket it serves on."""
+    if config.workers > 1 and listen_socket is None:
+        from .workers import supervise
+
+        supervise(config, logging.getLevelName(logging.getLogger().getEffectiveLevel()))
+        return
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # every thread: only serve's waiter takes them
     try:
         import uvloop
     except ImportError:
-        asyncio.run(serve(config, api_key))
+        asyncio.run(serve(config, api_key, listen_socket))
     else:
-        uvloop.run(serve(config, api_key))
+        uvloop.run(serve(config, api_key, listen_socket))

@@ -57,6 +57,7 @@ class RouterConfig(_Model):
     max_retries: int = Field(1, ge=0)  # extra attempts on another pair before the first token
     eject_after_failures: int = Field(3, ge=1)  # consecutive leg failures that take an instance out
     probe_interval_s: float = Field(1.0, gt=0)  # how often ejected instances' /health is probed
+    workers: int = Field(1, ge=1, le=64)  # router processes sharing the port (see workers.py)
     prefill: list[Upstream] = Field(default_factory=list)
     decode: list[Upstream]
 

@@ -1,8 +1,22 @@
-"""The router's own Prometheus metrics, in a private registry served at /metrics."""
+"""The router's own Prometheus metrics, in a private registry served at /metrics.
+
+Under a worker supervisor (workers.py) prometheus_client keeps every value in files of one shared
+directory instead, and /metrics on any worker reads them all: counters and histograms add up over
+the workers, gauges say per metric how they combine.
+"""
 from __future__ import annotations
+
+import os
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client.multiprocess import MultiProcessCollector
+
+# prometheus_client keeps values in files under PROMETHEUS_MULTIPROC_DIR when that is set at import;
+# /metrics reads the workers' files only when the supervisor says so with its own variable (a topology
+# may set the former for vLLM, whose files must not show up as the router's).
+PROMETHEUS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+WORKERS_DIR_ENV = "KVPUSH_ROUTER_METRICS_DIR"
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
@@ -45,9 +59,14 @@ class RouterMetrics:
                                  registry=r)
         self.leg_failures = Counter("kvpush_router_leg_failures", "Failed legs by instance, role and reason.",
                                     ["instance", "role", "reason"], registry=r)
-        self.inflight = Gauge("kvpush_router_inflight", "Legs in flight per instance.", ["instance", "role"], registry=r)
-        self.in_rotation = Gauge("kvpush_router_instance_in_rotation", "1 if the instance receives new legs.",
-                                 ["instance", "role"], registry=r)
+        self.inflight = Gauge("kvpush_router_inflight", "Legs in flight per instance.", ["instance", "role"],
+                              registry=r, multiprocess_mode="livesum")
+        self.in_rotation = Gauge("kvpush_router_instance_in_rotation",
+                                 "1 if the instance receives new legs (from at least one router worker).",
+                                 ["instance", "role"], registry=r, multiprocess_mode="livemax")
+        self.workers = Gauge("kvpush_router_worker_up", "1 per router process serving (one sample per worker's pid).",
+                             registry=r, multiprocess_mode="liveall")
+        self.workers.set(1)
         self._request_counts: dict[tuple[str, str], Counter] = {}
 
     def request_done(self, endpoint: str, outcome: str) -> None:
@@ -59,4 +78,9 @@ class RouterMetrics:
         child.inc()
 
     def exposition(self) -> tuple[bytes, str]:
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        shared_dir = os.environ.get(WORKERS_DIR_ENV)
+        if not shared_dir:
+            return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        every_worker = CollectorRegistry()
+        MultiProcessCollector(every_worker, path=shared_dir)
+        return generate_latest(every_worker), CONTENT_TYPE_LATEST

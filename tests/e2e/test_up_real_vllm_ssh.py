@@ -9,6 +9,7 @@ import os
 import sys
 import time
 
+import psutil
 import pytest
 
 from kvpush.deploy.lifecycle import down, up
@@ -80,7 +81,8 @@ def test_1p1d_over_ssh_matches_a_single_server_and_moves_kv(e2e_hosts, tmp_path,
         instance_env={"prefill-0": {"VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_KVCACHE_SPACE": "1"},
                       "decode-0": {"VLLM_CPU_OMP_THREADS_BIND": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}},
         extra={"model": {**SERVER_SETTINGS, "tiny": {"seed": 0}},
-               "env": {"UCX_MODULES": "^ib", "UCX_MEM_EVENTS": "no"}},
+               "env": {"UCX_MODULES": "^ib", "UCX_MEM_EVENTS": "no"},
+               "router": {"workers": 2}},  # a supervisor and two router processes on one port
     )
     opts = options(sshd_cluster, ready_timeout_s=400, stop_timeout_s=15)
     events = RecordingEvents()
@@ -97,6 +99,8 @@ def test_1p1d_over_ssh_matches_a_single_server_and_moves_kv(e2e_hosts, tmp_path,
         assert all(r.healthy for r in rows), rows
         state = load_state("e2e")
         assert {(r.name, r.host) for r in state.processes.values()} == {("prefill-0", "h0"), ("decode-0", "h1"), ("router", "h0")}
+        router_workers = psutil.Process(state.processes["router"].pid).children()
+        assert len(router_workers) == 2
 
         from kvpush.deploy.hosts import connected
 
@@ -114,5 +118,6 @@ def test_1p1d_over_ssh_matches_a_single_server_and_moves_kv(e2e_hosts, tmp_path,
     left = processes_under(str(model))
     kill_leftovers(str(model))
     assert left == [], "vLLM processes left behind after down"
+    assert not [w for w in router_workers if w.is_running() and w.status() != psutil.STATUS_ZOMBIE], "router workers left behind"
 
     assert pd_answers == _reference_answers(str(model), tmp_path)

@@ -108,3 +108,99 @@ def test_cli_router_command_rejects_conflicting_sources(tmp_path):
     result = subprocess.run([sys.executable, "-m", "kvpush.cli.main", "router", "--config", str(tmp_path / "r.json")],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "r.json" in result.stderr
+
+
+def children_of(pid: int) -> list[int]:
+    try:
+        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def alive(pid: int) -> bool:
+    try:
+        return not Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return False
+
+
+def start_workers(tmp_path: Path, workers: int = 2, **popen_options) -> tuple[subprocess.Popen, list[int]]:
+    proc = subprocess.Popen([sys.executable, "-m", "kvpush.router", "--config", str(config_file(tmp_path, workers=workers))],
+                            stderr=subprocess.PIPE, text=True, **popen_options)
+    assert wait_http(f"http://127.0.0.1:{PORTS['router']}/health", proc) == 200
+    deadline = time.monotonic() + 20
+    while len(children_of(proc.pid)) < workers and time.monotonic() < deadline:
+        time.sleep(0.1)
+    pids = children_of(proc.pid)
+    assert len(pids) == workers
+    return proc, pids
+
+
+def completion(prompt: str) -> dict:
+    req = urllib.request.Request(f"http://127.0.0.1:{PORTS['router']}/v1/completions",
+                                 data=json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 2}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as r:  # a new connection each time: the kernel picks the worker
+        return json.loads(r.read())
+
+
+def metric_lines(name: str) -> list[str]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{PORTS['router']}/metrics", timeout=10) as r:
+        return [line for line in r.read().decode().splitlines() if line.startswith(name)]
+
+
+def test_router_workers_share_the_port_and_report_metrics_of_all(fakes, tmp_path):
+    proc, pids = start_workers(tmp_path)
+    try:
+        for i in range(20):
+            assert completion(f"p{i}")["choices"][0]["text"] == " t0 t1"
+        for _ in range(4):  # whichever worker answers the scrape reports both
+            up = metric_lines("kvpush_router_worker_up")
+            assert sorted(int(line.split('pid="')[1].split('"')[0]) for line in up) == sorted(pids)
+            ok = [line for line in metric_lines("kvpush_router_requests_total") if 'outcome="success"' in line]
+            assert sum(float(line.split()[-1]) for line in ok) == 20
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+    assert not any(alive(pid) for pid in pids)
+
+
+def test_a_dead_router_worker_stops_the_router_with_a_clear_error(fakes, tmp_path):
+    proc, pids = start_workers(tmp_path)
+    try:
+        os.kill(pids[1], signal.SIGKILL)
+        assert proc.wait(timeout=30) == 1
+        err = proc.stderr.read()
+        assert f"router worker 1 (pid {pids[1]}) ended on its own: killed by SIGKILL" in err
+        assert err.strip().splitlines()[-1].startswith("error: ")
+        assert not alive(pids[0])
+        with pytest.raises(urllib.error.URLError):  # nothing listens any more
+            urllib.request.urlopen(f"http://127.0.0.1:{PORTS['router']}/health", timeout=2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_router_workers_refuse_a_port_another_router_listens_on(fakes, tmp_path):
+    import socket
+
+    squatter = socket.socket()
+    squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)  # as a router left from an earlier run
+    squatter.bind(("127.0.0.1", PORTS["router"]))
+    squatter.listen()
+    try:
+        result = subprocess.run([sys.executable, "-m", "kvpush.router", "--config", str(config_file(tmp_path, workers=2))],
+                                capture_output=True, text=True, timeout=60)
+    finally:
+        squatter.close()
+    assert result.returncode == 1
+    assert "cannot listen" in result.stderr and "Address already in use" in result.stderr
+
+
+def test_router_workers_stop_cleanly_when_their_process_group_is_signalled(fakes, tmp_path):
+    """`kvpush down` signals the router's whole group: supervisor and workers see SIGTERM together."""
+    proc, pids = start_workers(tmp_path, start_new_session=True)
+    os.killpg(proc.pid, signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0, proc.stderr.read()
+    assert not any(alive(pid) for pid in pids)

@@ -97,7 +97,7 @@ def test_router_process_and_config_file():
     assert router.argv == ["/opt/venv/bin/python", "-m", "kvpush.router", "--config", "~/.kvpush/t/router.json"]
     (config_file,) = plan.host("a").files
     config = RouterConfig.model_validate_json(config_file.content)
-    assert config.port == 9000 and config.protocol == "kvpush"
+    assert config.port == 9000 and config.protocol == "kvpush" and config.workers == 1
     assert config.prefill[0].url == "http://127.0.0.2:8100"
     assert config.decode[0].engine_id == "t.decode-0"
     assert plan.router_url == "http://127.0.0.1:9000"
@@ -150,6 +150,13 @@ def test_pinned_router_runs_under_taskset_beside_an_instance():
     plan = build_plan(parse_topology(TWO_HOSTS.replace("router: {host: a, port: 9000}",
                                                        "router: {host: a, port: 9000, cpu_cores: '0'}") % "kvpush"))
     assert plan.process("router").argv[:4] == ["taskset", "--cpu-list", "0", "/opt/venv/bin/python"]
+
+
+def test_router_workers_reach_the_router_config():
+    plan = build_plan(parse_topology(TWO_HOSTS.replace("router: {host: a, port: 9000}",
+                                                       "router: {host: a, port: 9000, workers: 3}") % "kvpush"))
+    (config_file,) = plan.host("a").files
+    assert RouterConfig.model_validate_json(config_file.content).workers == 3
 
 
 def test_local_cpu_template_keeps_router_off_the_prefill_core():

@@ -79,6 +79,7 @@ decode: [{devices: [4, 5, 6, 7], tensor_parallel_size: 4}]
     ("core given twice", MINIMAL.replace("  - {}\ndecode:\n  - {}", "  - {cpu_cores: '0-1'}\ndecode:\n  - {cpu_cores: '1'}"), 6, "decode[0].cpu_cores", "core 1"),
     ("bad core list", MINIMAL.replace("  - {}\ndecode", "  - {cpu_cores: 'zero'}\ndecode"), 4, "prefill[0].cpu_cores", "core list"),
     ("bad router core list", MINIMAL + "router: {cpu_cores: '1-'}\n", 7, "router.cpu_cores", "core list"),
+    ("no router workers", MINIMAL + "router: {workers: 0}\n", 7, "router.workers", "greater than or equal to 1"),
     ("duplicate instance name", MINIMAL.replace("  - {}\ndecode:\n  - {}", "  - {name: a}\ndecode:\n  - {name: a}"), 6, "decode[0].name", "already used"),
     ("router without host among many", """model: {path: /m}
 hosts:
