@@ -138,9 +138,12 @@ def cpu_seconds(pid: int) -> float | None:
     (Linux /proc); None elsewhere."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
     except OSError:
         return None
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:  # a kernel without CONFIG_PROC_CHILDREN
+        children = []
     own = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     return own + sum(cpu_seconds(int(child)) or 0.0 for child in children)
 

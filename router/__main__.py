@@ -11,6 +11,7 @@ def run_router(config_path: str, worker_fd: int | None = None) -> int:
     """Load the config and serve until SIGINT/SIGTERM; user errors become one line and an exit code.
     A worker (`worker_fd`: the listening socket its supervisor handed over) serves on that socket."""
     import socket
+    from pathlib import Path
 
     from pydantic import ValidationError
 
@@ -22,7 +23,7 @@ def run_router(config_path: str, worker_fd: int | None = None) -> int:
     try:
         config = RouterConfig.from_file(config_path)
         listen_socket = socket.socket(fileno=worker_fd) if worker_fd is not None else None
-        run(config, resolve_api_key(config), listen_socket)
+        run(config, resolve_api_key(config), listen_socket, run_dir_parent=Path(config_path).parent)
     except KvpushError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
@@ -46,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default="INFO", help="Python logging level (default INFO)")
     parser.add_argument("--worker-index", type=int, help=argparse.SUPPRESS)  # set by the supervisor (workers.py)
     parser.add_argument("--worker-fd", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--supervisor-pid", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     faulthandler.enable()  # a crash in native code (uvloop, NIXL-free but C-heavy) leaves a trace in the log
     who = "" if args.worker_index is None else f"[worker {args.worker_index}]"
@@ -53,7 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker_fd is not None:
         import signal
 
+        from .workers import stop_with_supervisor
+
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})  # inherited from the supervisor's mask
+        stop_with_supervisor(args.supervisor_pid)
     return run_router(args.config, args.worker_fd)
 
 

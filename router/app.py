@@ -31,6 +31,7 @@ GUARDED_PREFIX = "/v1"  # vLLM's --api-key guards exactly these paths
 # Far below vLLM's (uvicorn's) 5 s keep-alive: on a loaded host the two timers drift, and a leg
 # sent on a connection the server is closing that instant fails with a reset (seen at 4 s).
 UPSTREAM_KEEPALIVE_S = 2.0
+LISTEN_BACKLOG = 1024
 MAX_BODY_BYTES_PER_CHAR = 8  # JSON escapes can inflate a prompt; the prompt limit is checked after parsing
 
 ROUTER_KEY = web.AppKey("router", "Router")
@@ -269,14 +270,14 @@ async def start_site(app: web.Application, host: str, port: int,
     if listen_socket is not None:
         await web.SockSite(runner, listen_socket).start()
     else:
-        await web.TCPSite(runner, host, port, backlog=1024).start()
+        await web.TCPSite(runner, host, port, backlog=LISTEN_BACKLOG).start()
     return runner
 
 
 STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 
-def _describe_process(pid: int) -> str:
+def describe_process(pid: int) -> str:
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
     except OSError:
@@ -300,7 +301,7 @@ async def serve(config: RouterConfig, api_key: str | None, listen_socket: socket
     def wait_for_stop_signal() -> None:
         info = signal.sigwaitinfo(STOP_SIGNALS)
         # Who sent it: a stray group kill by another tool looks exactly like `kvpush down` otherwise.
-        log.info("kvpush router stopping on %s from %s", signal.Signals(info.si_signo).name, _describe_process(info.si_pid))
+        log.info("kvpush router stopping on %s from %s", signal.Signals(info.si_signo).name, describe_process(info.si_pid))
         loop.call_soon_threadsafe(stop.set)
 
     threading.Thread(target=wait_for_stop_signal, name="kvpush-router-signals", daemon=True).start()
@@ -310,14 +311,16 @@ async def serve(config: RouterConfig, api_key: str | None, listen_socket: socket
         await runner.cleanup()
 
 
-def run(config: RouterConfig, api_key: str | None, listen_socket: socket.socket | None = None) -> None:
+def run(config: RouterConfig, api_key: str | None, listen_socket: socket.socket | None = None,
+        run_dir_parent: Path | None = None) -> None:
     """Serve in the foreground, on uvloop when it is installed (vLLM ships it): about half the
     per-request CPU of the default loop. With `workers` > 1 this process supervises that many
-    router processes instead; a worker is given the socket it serves on."""
+    router processes instead (their shared files go under `run_dir_parent`, default the temp
+    directory); a worker is given the socket it serves on."""
     if config.workers > 1 and listen_socket is None:
         from .workers import supervise
 
-        supervise(config, logging.getLevelName(logging.getLogger().getEffectiveLevel()))
+        supervise(config, logging.getLevelName(logging.getLogger().getEffectiveLevel()), run_dir_parent)
         return
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # every thread: only serve's waiter takes them
     try:

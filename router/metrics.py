@@ -62,8 +62,8 @@ class RouterMetrics:
         self.inflight = Gauge("kvpush_router_inflight", "Legs in flight per instance.", ["instance", "role"],
                               registry=r, multiprocess_mode="livesum")
         self.in_rotation = Gauge("kvpush_router_instance_in_rotation",
-                                 "1 if the instance receives new legs (from at least one router worker).",
-                                 ["instance", "role"], registry=r, multiprocess_mode="livemax")
+                                 "1 if the instance receives new legs (from every router worker).",
+                                 ["instance", "role"], registry=r, multiprocess_mode="livemin")
         self.workers = Gauge("kvpush_router_worker_up", "1 per router process serving (one sample per worker's pid).",
                              registry=r, multiprocess_mode="liveall")
         self.workers.set(1)

