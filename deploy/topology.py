@@ -149,8 +149,8 @@ class RouterSpec(_Model):
     connect_timeout_s: float = Field(5.0, gt=0)
     max_prompt_chars: int = Field(4_000_000, ge=1)
     cpu_cores: CoreList | None = Field(None, description="cores the router process runs on (taskset); may share an instance's")
-    workers: int = Field(1, ge=1, le=64, description="router processes sharing the port; each relays its share of the "
-                                                    "streams on its own core (give as many cpu_cores)")
+    workers: int = Field(1, ge=1, le=64, description="router processes sharing the port, each relaying its share of "
+                                                    "the streams; give the router at least as many cpu_cores")
 
 
 class Topology(_Model):
