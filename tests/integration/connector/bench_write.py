@@ -2,6 +2,7 @@
 speed is not asserted). A Producer in a child process pushes into this process's buffer.
 
     python tests/integration/connector/bench_write.py [--mib 256] [--block-kib 128] [--rounds 3]
+        [--writer-core 0 --receiver-core 1]   # each side on one core, as in a CPU deployment
 """
 from __future__ import annotations
 
@@ -34,7 +35,10 @@ def memcpy_gbps(arr_shape: tuple[int, ...], src: list[int], dst: list[int]) -> t
     return flat, scattered
 
 
-def run(mib: int, block_kib: int, rounds: int) -> list[dict]:
+def run(mib: int, block_kib: int, rounds: int, writer_core: str | None = None,
+        receiver_core: int | None = None) -> list[dict]:
+    if receiver_core is not None:
+        os.sched_setaffinity(0, {receiver_core})  # before NIXL starts its threads, so they inherit it
     block_shape = (block_kib, 1024)
     num_blocks = mib * 1024 // block_kib
     arr = kv_buffer(num_blocks, block_shape, None)
@@ -42,7 +46,8 @@ def run(mib: int, block_kib: int, rounds: int) -> list[dict]:
     engine = NixlEngine("D.bench", regions)
     consumer = Consumer(ConsumerConfig("D.bench", 0, identity(arr), frozenset({"P.bench"}), timeout_s=30),
                         engine.name, engine.metadata, tuple(regions))
-    peer = PeerProcess("P.bench", ["D.bench"], num_blocks=num_blocks, block_shape=block_shape, seed=SEED)
+    peer = PeerProcess("P.bench", ["D.bench"], num_blocks=num_blocks, block_shape=block_shape, seed=SEED,
+                       cpu_cores=writer_core)
     expected = kv_buffer(num_blocks, block_shape, SEED)
     rng = np.random.default_rng(0)
     results = []
@@ -77,8 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mib", type=int, default=256)
     ap.add_argument("--block-kib", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--writer-core", help="pin the writing (prefill) process to these cores, e.g. 0")
+    ap.add_argument("--receiver-core", type=int, help="pin the receiving (decode) process to this core, e.g. 1")
     args = ap.parse_args(argv)
-    for res in run(args.mib, args.block_kib, args.rounds):
+    for res in run(args.mib, args.block_kib, args.rounds, args.writer_core, args.receiver_core):
         print(f"{res['pattern']:>10} {res['bytes'] / 2**20:.0f} MiB, offer to done {res['write_s'] * 1000:.1f} ms: "
               f"WRITE {res['write_gbps']:.2f} GB/s | memcpy {res['memcpy_gbps']:.2f} GB/s "
               f"(same block pattern {res['memcpy_same_pattern_gbps']:.2f}) -> "

@@ -51,11 +51,12 @@ class PeerProcess:
     """Launcher side: runs this file as a child process and talks to it."""
 
     def __init__(self, engine_id: str, allowed: list[str], *, num_blocks: int, block_shape: tuple[int, ...],
-                 seed: int | None, **extra):
+                 seed: int | None, cpu_cores: str | None = None, **extra):
         cfg = {"engine_id": engine_id, "allowed": allowed, "num_blocks": num_blocks,
                "block_shape": list(block_shape), "seed": seed, **extra}
         env = {**os.environ, "UCX_MODULES": "^ib", "UCX_MEM_EVENTS": "no", "NIXL_LOG_LEVEL": "WARN"}
-        self.proc = subprocess.Popen([sys.executable, str(Path(__file__)), json.dumps(cfg)], stdin=subprocess.PIPE,
+        pin = ["taskset", "--cpu-list", cpu_cores] if cpu_cores else []
+        self.proc = subprocess.Popen([*pin, sys.executable, str(Path(__file__)), json.dumps(cfg)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, env=env)
         self.port = json.loads(self.proc.stdout.readline())["port"]
 
