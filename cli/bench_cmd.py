@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import signal
+import statistics
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Optional
@@ -12,7 +13,7 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 from rich.table import Table
 
 from kvpush.deploy.bench.modes import DEFAULT_BASELINE, MODES, parse_modes, parse_rates
-from kvpush.deploy.bench.results import ModeRun, figure, point_at, rates_of, ratio
+from kvpush.deploy.bench.results import ModeRun, figure, paired_ratios, point_at, rates_of, ratio
 from kvpush.deploy.bench.runner import BenchEvents, BenchOptions, BenchReport, run_bench
 from kvpush.deploy.errors import KvpushError
 from kvpush.deploy.lifecycle import Events, LifecycleOptions
@@ -48,7 +49,8 @@ class _LifecycleProgress(Events):
 class _ProgressEvents(BenchEvents):
     def __init__(self, progress: Progress, options: BenchOptions):
         self.progress = progress
-        self.task = progress.add_task("bench", total=len(options.modes) * len(options.rates), status="")
+        self.task = progress.add_task("bench", total=len(options.modes) * len(options.rates) * options.rounds, status="")
+        self.rounds = options.rounds
 
     def mode(self, mode: str, status: str) -> None:
         self.progress.update(self.task, description=mode, status=status)
@@ -59,8 +61,9 @@ class _ProgressEvents(BenchEvents):
     def rate_done(self, mode: str, point) -> None:
         c = point.client
         gap = point.router.handoff_gap_p50_ms
+        where = f" round {point.round + 1}/{self.rounds}" if self.rounds > 1 else ""
         self.progress.console.print(
-            f"  {mode:<10} {point.rate:>5g} req/s: TTFT p50 {_ms(c.latency['ttft'].p50)} p90 {_ms(c.latency['ttft'].p90)}, "
+            f"  {mode:<10} {point.rate:>5g} req/s{where}: TTFT p50 {_ms(c.latency['ttft'].p50)} p90 {_ms(c.latency['ttft'].p90)}, "
             f"TPOT p50 {_ms(c.latency['tpot'].p50)}, handoff p50 {_ms(gap)}, failed {c.failed}", highlight=False)
         self.progress.advance(self.task)
 
@@ -122,6 +125,25 @@ def rate_table(runs: list[ModeRun], rate: float, baseline: str) -> Table:
     return table
 
 
+def paired_lines(runs: list[ModeRun], baseline: str) -> list[str]:
+    """With --rounds: per mode and rate, the median and range of the per-round ratios to the baseline."""
+    lines = []
+    for mode, by_rate in paired_ratios(runs, baseline).items():
+        if mode == baseline:
+            continue
+        for rate, figures in sorted(by_rate.items()):
+            parts = []
+            for name, label in (("ttft_p50", "TTFT p50"), ("ttft_p90", "TTFT p90"), ("tpot_p50", "TPOT p50")):
+                values = sorted(figures.get(name, []))
+                if values:
+                    below = sum(v < 1 for v in values)
+                    parts.append(f"{label} {statistics.median(values):.2f}x ({values[0]:.2f}-{values[-1]:.2f}, "
+                                 f"lower in {below} of {len(values)})")
+            if parts:
+                lines.append(f"{mode} vs {baseline} at {rate:g} req/s, per round: {'; '.join(parts)}")
+    return lines
+
+
 def phases_text(phases_s: dict[str, float]) -> str:
     """Where a mode's wall time went, e.g. 'up 92 s, prove 1.2 s, rate 0.5 17 s, ..., down 4.1 s (134 s)'."""
     parts = [f"{name} {seconds:.0f} s" if seconds >= 10 else f"{name} {seconds:.1f} s" for name, seconds in phases_s.items()]
@@ -133,6 +155,10 @@ def render(report: BenchReport) -> None:
     tables = out if out.is_terminal else Console(width=TABLE_WIDTH, soft_wrap=True)
     for rate in rates_of(report.runs):
         tables.print(rate_table(report.runs, rate, report.options.baseline))
+    if report.options.rounds > 1:
+        note(f"{report.options.rounds} rounds, modes interleaved; the tables pool every round's requests")
+        for line in paired_lines(report.runs, report.options.baseline):
+            note(line)
     for run in report.runs:
         if run.idle_cores:
             idle = ", ".join(f"{name} {cores:.2f}" for name, cores in run.idle_cores.items())
@@ -165,6 +191,8 @@ def register(app: typer.Typer) -> None:
         kv_heavy: bool = typer.Option(False, "--kv-heavy", help="Serve a KV-heavy tiny model (8 layers x 8 KV heads x 128: 32 KiB of KV per token, max_model_len 4096)."),
         baseline: str = typer.Option(DEFAULT_BASELINE, "--baseline", help="Mode the ratios compare against."),
         port_base: Optional[int] = typer.Option(None, "--port-base", help="Renumber the bench deployment's ports from here (router first)."),
+        rounds: int = typer.Option(1, "--rounds", help="Run the rates this many times with every mode's deployment up at once, "
+                                   "the modes interleaved (needs --port-base); reports pooled figures and per-round ratios."),
         seed: int = typer.Option(0, "--seed", help="Base seed of the random prompts (each rate gets its own)."),
         tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="Local tokenizer directory for the client (default: the model path)."),
         client_timeout: float = typer.Option(900.0, "--client-timeout", help="Seconds one rate's `vllm bench serve` may take."),
@@ -179,7 +207,7 @@ def register(app: typer.Typer) -> None:
         options = BenchOptions(
             modes=parse_modes(modes), rates=parse_rates(rates), input_len=input_len, output_len=output_len,
             num_prompts=num_prompts, out_dir=out_dir, kv_heavy=kv_heavy, baseline=baseline, port_base=port_base,
-            seed=seed, tokenizer=tokenizer, client_timeout_s=client_timeout,
+            rounds=rounds, seed=seed, tokenizer=tokenizer, client_timeout_s=client_timeout,
             lifecycle=LifecycleOptions(ssh=SshOptions(known_hosts=known_hosts), ready_timeout_s=ready_timeout),
         )
         options.validate()

@@ -63,6 +63,7 @@ def bench_serve_argv(load: LoadSpec, command: list[str] | None = None) -> list[s
         "--metric-percentiles", PERCENTILES,
         "--disable-tqdm",
         "--save-result",
+        "--save-detailed",  # per-request latencies: a --rounds bench pools them over rounds
         "--result-dir", load.result_dir,
         "--result-filename", load.result_filename,
     ]

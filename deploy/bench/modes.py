@@ -19,6 +19,7 @@ KV_HEAVY_SPEC = TinyModelSpec(seed=0, layers=8, hidden_size=256, heads=8, kv_hea
 KV_HEAVY_MAX_MODEL_LEN = 4096
 KV_HEAVY_MODEL_DIR = "tiny-llama-kv-heavy"
 KV_DTYPE_BYTES = 2  # bf16
+MODE_PORT_STRIDE = 100  # ports per mode when every mode's deployment is up at once
 
 
 def kv_bytes_per_token(spec: TinyModelSpec) -> int:
@@ -85,19 +86,41 @@ def renumber_ports(topo: Topology, port_base: int) -> Topology:
     return topo.model_copy(update={"router": router, **renumbered})
 
 
-def bench_topology(topo: Topology, mode: ConnectorType, *, kv_heavy: bool = False, port_base: int | None = None) -> Topology:
+def ports_of(topo: Topology) -> list[int]:
+    """Every port a deployment listens on: router, instances' HTTP, side channels."""
+    ports = [topo.router.port]
+    for _, _, spec in topo.instances():
+        ports.append(spec.http_port)
+        ports.extend(side_channel_ports(spec))
+    return ports
+
+
+def bench_topology(topo: Topology, mode: ConnectorType, *, kv_heavy: bool = False, port_base: int | None = None,
+                   mode_index: int | None = None) -> Topology:
     """The topology the bench deploys for one mode: connector.type = mode, a deployment name of its own
     (so a running deployment of the same file is never restarted), optionally the KV-heavy model and
-    other ports. The input is not modified."""
+    other ports. The input is not modified.
+
+    `mode_index` is for benches that keep every mode's deployment up at once (`--rounds`): each mode
+    then gets a name of its own and the port range port_base + mode_index * MODE_PORT_STRIDE."""
     if topo.connector.type == "colocated" and mode != "colocated" and (not topo.prefill or not topo.decode):
         raise UsageError(f"mode {mode} needs prefill and decode instances, but topology '{topo.name}' has "
                          f"{len(topo.prefill)} prefill and {len(topo.decode)} decode; add both or bench only colocated")
+    name = f"{topo.name[:50]}-bench" if mode_index is None else f"{topo.name[:40]}-bench-{mode}"
     out = topo.model_copy(deep=True)
-    out = out.model_copy(update={"name": f"{topo.name[:50]}-bench",
-                                 "connector": out.connector.model_copy(update={"type": mode})})
+    out = out.model_copy(update={"name": name, "connector": out.connector.model_copy(update={"type": mode})})
     if kv_heavy:
         out = kv_heavy_model(out)
-    if port_base is not None:
+    if mode_index is not None:
+        if port_base is None:
+            raise UsageError("--rounds keeps every mode's deployment up at once, so each needs ports of its own: "
+                             "give --port-base, e.g. --port-base 15200")
+        start = port_base + mode_index * MODE_PORT_STRIDE
+        out = renumber_ports(out, start)
+        if max(ports_of(out)) >= start + MODE_PORT_STRIDE:
+            raise UsageError(f"topology '{topo.name}' needs more than {MODE_PORT_STRIDE} ports per deployment; "
+                             f"--rounds cannot place {len(ports_of(out))} ports per mode side by side")
+    elif port_base is not None:
         out = renumber_ports(out, port_base)
     return out
 

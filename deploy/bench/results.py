@@ -3,7 +3,8 @@ beyond reading the JSON text handed in)."""
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+import statistics
+from dataclasses import asdict, dataclass, field, replace
 
 from ..errors import KvpushError
 from .scrape import InstanceFigures, RouterFigures
@@ -72,8 +73,55 @@ def parse_client_result(text: str, source: str = "<result>") -> ClientResult:
 
 
 @dataclass(frozen=True)
+class RequestSamples:
+    """Per-request latencies (ms) of the requests that succeeded, from a `--save-detailed` result file."""
+
+    ttft: list[float]
+    tpot: list[float]  # requests with more than one output token
+    itl: list[float]  # every gap between tokens, all requests
+    e2el: list[float]
+
+
+def parse_request_samples(text: str, source: str = "<result>") -> RequestSamples:
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise KvpushError(f"{source}: not a `vllm bench serve` result file ({exc})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("ttfts"), list):
+        raise KvpushError(f"{source}: has no per-request figures; it was not written with --save-detailed")
+    count = len(data["ttfts"])
+    errors = data.get("errors") or [""] * count
+    ttft, tpot, itl, e2el = [], [], [], []
+    for i in range(count):
+        if errors[i]:
+            continue
+        first, whole = data["ttfts"][i], data["latencies"][i]
+        ttft.append(first * 1000)
+        e2el.append(whole * 1000)
+        itl.extend(gap * 1000 for gap in data["itls"][i])
+        if data["output_lens"][i] > 1:
+            tpot.append((whole - first) / (data["output_lens"][i] - 1) * 1000)
+    return RequestSamples(ttft, tpot, itl, e2el)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear interpolation between the nearest ranks, as numpy's default (and so `vllm bench serve`) does."""
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def _stats(values: list[float]) -> Stats:
+    if not values:
+        return Stats(None, None, None, None)
+    return Stats(statistics.fmean(values), *(percentile(values, q) for q in (50, 90, 99)))
+
+
+@dataclass(frozen=True)
 class RatePoint:
-    """Everything measured for one mode at one rate."""
+    """Everything measured for one mode at one rate (in one round, or pooled over rounds)."""
 
     mode: str
     rate: float
@@ -81,6 +129,7 @@ class RatePoint:
     client: ClientResult
     router: RouterFigures
     instances: list[InstanceFigures]
+    round: int = 0  # which round of a `--rounds` bench; the pooled point has -1
 
     @property
     def prompt_tokens_external(self) -> float:
@@ -103,11 +152,58 @@ class RatePoint:
         return sum(i.failed_transfers for i in self.instances)
 
 
+def pool_points(points: list[RatePoint], samples: list[RequestSamples]) -> RatePoint:
+    """One mode at one rate over several rounds: latency percentiles of all requests together, counts
+    and throughput summed, handoff percentiles (router histograms, per round) as their median over rounds."""
+    first = points[0]
+    c = [p.client for p in points]
+    duration = sum(x.duration_s for x in c)
+    pooled_samples = RequestSamples(*([v for s in samples for v in getattr(s, f)] for f in ("ttft", "tpot", "itl", "e2el")))
+    client = ClientResult(
+        rate=first.client.rate, completed=sum(x.completed for x in c), failed=sum(x.failed for x in c),
+        duration_s=duration,
+        request_throughput=sum(x.completed for x in c) / duration if duration else 0.0,
+        output_throughput=sum(x.total_output_tokens for x in c) / duration if duration else 0.0,
+        total_token_throughput=sum(x.total_input_tokens + x.total_output_tokens for x in c) / duration if duration else 0.0,
+        total_input_tokens=sum(x.total_input_tokens for x in c), total_output_tokens=sum(x.total_output_tokens for x in c),
+        max_concurrent_requests=max((x.max_concurrent_requests for x in c if x.max_concurrent_requests is not None), default=None),
+        latency={m: _stats(getattr(pooled_samples, m)) for m in LATENCY_METRICS},
+    )
+
+    def median_of(name: str) -> float | None:
+        values = [getattr(p.router, name) for p in points if getattr(p.router, name) is not None]
+        return statistics.median(values) if values else None
+
+    outcomes: dict[str, float] = {}
+    for p in points:
+        for k, v in p.router.outcomes.items():
+            outcomes[k] = outcomes.get(k, 0.0) + v
+    router = RouterFigures(handoff_gap_p50_ms=median_of("handoff_gap_p50_ms"), handoff_gap_p90_ms=median_of("handoff_gap_p90_ms"),
+                           handoff_gap_mean_ms=median_of("handoff_gap_mean_ms"),
+                           handoff_observations=sum(p.router.handoff_observations for p in points),
+                           retries=sum(p.router.retries for p in points), leg_failures=sum(p.router.leg_failures for p in points),
+                           outcomes=outcomes)
+    instances = []
+    for i, inst in enumerate(first.instances):
+        same = [p.instances[i] for p in points]
+        kv_bytes: dict[str, float] = {}
+        for x in same:
+            for k, v in x.kv_bytes.items():
+                kv_bytes[k] = kv_bytes.get(k, 0.0) + v
+        instances.append(replace(inst, prompt_tokens_external=sum(x.prompt_tokens_external for x in same),
+                                 prompt_tokens_local=sum(x.prompt_tokens_local for x in same),
+                                 prompt_tokens_cached=sum(x.prompt_tokens_cached for x in same),
+                                 kv_bytes=kv_bytes, failed_transfers=sum(x.failed_transfers for x in same)))
+    return RatePoint(mode=first.mode, rate=first.rate, seed=first.seed, client=client, router=router,
+                     instances=instances, round=-1)
+
+
 @dataclass
 class ModeRun:
     mode: str
     topology_hash: str
-    points: list[RatePoint] = field(default_factory=list)
+    points: list[RatePoint] = field(default_factory=list)  # one per rate (pooled over rounds when there are several)
+    round_points: list[RatePoint] = field(default_factory=list)  # with --rounds: one per round and rate
     error: str | None = None  # why this mode stopped early, if it did
     up_s: float | None = None
     idle_cores: dict[str, float] = field(default_factory=dict)  # per instance, with no request in flight
@@ -150,6 +246,27 @@ def ratios_vs_baseline(runs: list[ModeRun], baseline: str) -> dict[str, dict[flo
         for p in run.points:
             b = base_points.get(p.rate)
             out[run.mode][p.rate] = {f: ratio(figure(p, f), figure(b, f) if b else None) for f in RATIO_FIGURES}
+    return out
+
+
+PAIRED_FIGURES = ("ttft_p50", "ttft_p90", "tpot_p50")
+
+
+def paired_ratios(runs: list[ModeRun], baseline: str) -> dict[str, dict[float, dict[str, list[float]]]]:
+    """mode -> rate -> figure -> per-round ratios to the baseline's figure in the same round. Modes of one
+    round ran minutes apart at most, so slow drift of the machine cancels out of each ratio."""
+    base = next((r for r in runs if r.mode == baseline), None)
+    base_points = {(p.round, p.rate): p for p in base.round_points} if base else {}
+    out: dict[str, dict[float, dict[str, list[float]]]] = {}
+    for run in runs:
+        by_rate: dict[float, dict[str, list[float]]] = {}
+        for p in run.round_points:
+            b = base_points.get((p.round, p.rate))
+            for f in PAIRED_FIGURES:
+                value = ratio(figure(p, f), figure(b, f) if b else None)
+                if value is not None:
+                    by_rate.setdefault(p.rate, {}).setdefault(f, []).append(value)
+        out[run.mode] = by_rate
     return out
 
 

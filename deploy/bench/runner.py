@@ -8,7 +8,7 @@ import os
 import signal
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -26,11 +26,14 @@ from .client import BenchClient, LoadSpec
 from .idle_cpu import idle_cores
 from .modes import DEFAULT_BASELINE, bench_topology, kv_bytes_per_token, topology_hash
 from .plots import write_plots
-from .results import ClientResult, ModeRun, RatePoint, parse_client_result, point_to_dict, ratios_vs_baseline
+from .results import (ModeRun, RatePoint, RequestSamples, paired_ratios, parse_client_result, parse_request_samples,
+                      point_to_dict, pool_points, ratios_vs_baseline)
 from .scrape import instance_figures, out_of_rotation, router_figures
 
 RESULT_FILE = "bench.json"
+MAX_ROUNDS = 50
 ROTATION_TIMEOUT_S = 30.0
+ROUND_SEED_STRIDE = 100_000
 WARMUP_REQUESTS = 2  # one per instance of a 1P1D / 2-server deployment, through the router
 
 
@@ -45,6 +48,7 @@ class BenchOptions:
     kv_heavy: bool = False
     baseline: str = DEFAULT_BASELINE
     port_base: int | None = None
+    rounds: int = 1  # > 1: every mode up at once, the rates run `rounds` times with the modes interleaved
     seed: int = 0
     tokenizer: str | None = None
     client_timeout_s: float = 900.0
@@ -54,6 +58,11 @@ class BenchOptions:
         for name in ("input_len", "output_len", "num_prompts"):
             if getattr(self, name) < 1:
                 raise UsageError(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(self, name)})")
+        if not 1 <= self.rounds <= MAX_ROUNDS:
+            raise UsageError(f"--rounds must be between 1 and {MAX_ROUNDS} (got {self.rounds})")
+        if self.rounds > 1 and self.port_base is None:
+            raise UsageError("--rounds keeps every mode's deployment up at once, so each needs ports of its own: "
+                             "give --port-base, e.g. --port-base 15200")
         if self.baseline not in self.modes:
             raise UsageError(f"--baseline {self.baseline} is not among --modes {','.join(self.modes)}; add it or choose "
                              f"another baseline")
@@ -74,10 +83,16 @@ class BenchEvents:
         return Events()
 
 
-def seed_for(base: int, rate_index: int) -> int:
-    """Every rate gets its own prompts; every mode gets the same prompts at the same rate (fair comparison:
-    each mode runs on freshly started servers, so nothing is cached from another mode)."""
-    return base + 1000 * (rate_index + 1)
+def seed_for(base: int, rate_index: int, round_index: int = 0) -> int:
+    """Every rate (and every round) gets its own prompts; every mode gets the same prompts at the same rate
+    and round (fair comparison: each mode has its own servers, so nothing is cached from another mode)."""
+    return base + 1000 * (rate_index + 1) + ROUND_SEED_STRIDE * round_index
+
+
+def mode_topology(topo: Topology, options: BenchOptions, mode: str) -> Topology:
+    """What the bench deploys for `mode`: with --rounds every mode has a name and ports of its own."""
+    index = options.modes.index(mode) if options.rounds > 1 else None
+    return bench_topology(topo, mode, kv_heavy=options.kv_heavy, port_base=options.port_base, mode_index=index)
 
 
 @dataclass
@@ -100,18 +115,21 @@ class BenchReport:
             "interrupted": self.interrupted,
             "options": {"modes": o.modes, "rates": o.rates, "input_len": o.input_len, "output_len": o.output_len,
                         "num_prompts": o.num_prompts, "kv_heavy": o.kv_heavy, "baseline": o.baseline, "seed": o.seed,
-                        "port_base": o.port_base},
+                        "port_base": o.port_base, "rounds": o.rounds},
             "configuration": self.configuration,
             "runs": [{"mode": r.mode, "topology_hash": r.topology_hash, "up_s": r.up_s, "error": r.error,
                       "idle_cores": r.idle_cores, "phases_s": r.phases_s,
-                      "points": [point_to_dict(p) for p in r.points]} for r in self.runs],
+                      "points": [point_to_dict(p) for p in r.points],
+                      "round_points": [point_to_dict(p) for p in r.round_points]} for r in self.runs],
             "ratios_vs_baseline": {m: {f"{rate:g}": v for rate, v in by_rate.items()}
                                    for m, by_rate in ratios_vs_baseline(self.runs, o.baseline).items()},
+            "paired_ratios_vs_baseline": {m: {f"{rate:g}": v for rate, v in by_rate.items()}
+                                          for m, by_rate in paired_ratios(self.runs, o.baseline).items()},
         }
 
 
 def configuration(topo: Topology, options: BenchOptions) -> dict:
-    base = bench_topology(topo, options.modes[0], kv_heavy=options.kv_heavy, port_base=options.port_base)
+    base = mode_topology(topo, options, options.modes[0])
     model = base.model
     config = {
         "versions": environment.versions(),
@@ -120,15 +138,15 @@ def configuration(topo: Topology, options: BenchOptions) -> dict:
                      "prefill": len(topo.prefill), "decode": len(topo.decode),
                      "instances": [s.model_dump(mode="json", include={"name", "host", "cpu_cores", "kv_cache_gib"})
                                    for _, _, s in base.instances()]},
-        "topology_hashes": {m: topology_hash(bench_topology(topo, m, kv_heavy=options.kv_heavy, port_base=options.port_base))
-                            for m in options.modes},
+        "topology_hashes": {m: topology_hash(mode_topology(topo, options, m)) for m in options.modes},
         "model": {"path": model.path, "served_name": model.name, "max_model_len": model.max_model_len,
                   "dtype": model.dtype, "tiny": model.tiny.model_dump() if model.tiny else None,
                   "description": describe(model.tiny) if model.tiny else None,
                   "kv_bytes_per_token": kv_bytes_per_token(model.tiny) if model.tiny else None},
         "client": {"tool": "vllm bench serve", "process": "one warm process runs its CLI entry point for every rate",
                    "dataset": "random", "arrivals": "poisson", "ignore_eos": True,
-                   "temperature": 0, "seeds": {f"{r:g}": seed_for(options.seed, i) for i, r in enumerate(options.rates)}},
+                   "temperature": 0, "seeds": {f"{r:g}": [seed_for(options.seed, i, k) for k in range(options.rounds)]
+                                               for i, r in enumerate(options.rates)}},
     }
     per_token = config["model"]["kv_bytes_per_token"]
     if per_token:
@@ -257,8 +275,22 @@ def timed(run: ModeRun, phase: str) -> Iterator[None]:
         run.phases_s[phase] = round(time.monotonic() - started, 2)
 
 
-def _run_mode(topo: Topology, options: BenchOptions, events: BenchEvents, run: ModeRun, client: BenchClient,
-              doctor: bool = True) -> None:
+@dataclass
+class Deployed:
+    """One mode's running deployment, as the measuring loop needs it."""
+
+    topo: Topology
+    run: ModeRun
+    endpoints: list[Endpoint]
+    router: Endpoint
+    base_url: str
+    tokenizer: str
+    runners: dict[str, Runner]
+
+
+def _deploy(topo: Topology, options: BenchOptions, events: BenchEvents, run: ModeRun, stack: ExitStack,
+            doctor: bool = True) -> Deployed:
+    """`up` one mode and make it ready to measure; its host connections stay open in `stack`."""
     events.mode(run.mode, "starting the deployment")
     # `up` proves KV moves right after every /health is 200, but the router takes instances it
     # ejected while they started back only at its next probe: prove once the router has them.
@@ -271,46 +303,127 @@ def _run_mode(topo: Topology, options: BenchOptions, events: BenchEvents, run: M
     router = next(e for e in endpoints if e.role == "router")
     state = load_state(topo.name)
     assert state is not None
-    base_url = router_base_url(topo)
-    tokenizer = resolve_tokenizer(topo, options.tokenizer)
+    (options.out_dir / "logs").mkdir(parents=True, exist_ok=True)
+    runners, unreachable = stack.enter_context(
+        connected({h: state.hosts[h] for h in {e.host for e in endpoints}}, options.lifecycle.ssh))
+    if unreachable:
+        raise KvpushError("cannot reach " + "; ".join(unreachable.values()))
+    deployed = Deployed(topo, run, endpoints, router, router_base_url(topo), resolve_tokenizer(topo, options.tokenizer), runners)
+    with timed(run, "rotation"):
+        _wait_in_rotation(runners[router.host], router, ROTATION_TIMEOUT_S)
+    if options.lifecycle.prove and topo.connector.type != "colocated":
+        events.mode(run.mode, "proving KV moves")
+        with timed(run, "prove"):
+            prove_kv_transfer(runners, build_plan(topo))
+    events.mode(run.mode, "warming up")
+    with timed(run, "warm_up"):
+        _warm_up(runners[router.host], deployed.base_url, topo.model.name)
+    events.mode(run.mode, "sampling idle CPU")
+    with timed(run, "idle_cpu"):
+        run.idle_cores = _idle_cores(runners, state)
+    return deployed
+
+
+def _measure(d: Deployed, options: BenchOptions, events: BenchEvents, client: BenchClient, rate_index: int,
+             round_index: int = 0) -> tuple[RatePoint, Path]:
+    """Drive one rate against one deployment; /metrics scraped before and after. Returns the point and
+    the client's result file."""
+    rate = options.rates[rate_index]
+    seed = seed_for(options.seed, rate_index, round_index)
+    name = f"{d.run.mode}-rate{rate:g}" + (f"-round{round_index + 1}" if options.rounds > 1 else "")
     raw_dir = options.out_dir / "raw"
-    logs_dir = options.out_dir / "logs"
-    logs_dir.mkdir(parents=True, exist_ok=True)
-    with connected({h: state.hosts[h] for h in {e.host for e in endpoints}}, options.lifecycle.ssh) as (runners, unreachable):
-        if unreachable:
-            raise KvpushError("cannot reach " + "; ".join(unreachable.values()))
-        with timed(run, "rotation"):
-            _wait_in_rotation(runners[router.host], router, ROTATION_TIMEOUT_S)
-        if options.lifecycle.prove and topo.connector.type != "colocated":
-            events.mode(run.mode, "proving KV moves")
-            with timed(run, "prove"):
-                prove_kv_transfer(runners, build_plan(topo))
-        events.mode(run.mode, "warming up")
-        with timed(run, "warm_up"):
-            _warm_up(runners[router.host], base_url, topo.model.name)
-        events.mode(run.mode, "sampling idle CPU")
-        with timed(run, "idle_cpu"):
-            run.idle_cores = _idle_cores(runners, state)
-        for index, rate in enumerate(options.rates):
-            seed = seed_for(options.seed, index)
-            load = LoadSpec(base_url=base_url, served_model=topo.model.name, tokenizer=tokenizer, rate=rate,
-                            num_prompts=options.num_prompts, input_len=options.input_len, output_len=options.output_len,
-                            seed=seed, result_dir=str(raw_dir), result_filename=f"{run.mode}-rate{rate:g}.json")
-            before = _scrape(runners, endpoints)
-            events.rate_started(run.mode, rate, options.num_prompts / rate)
-            with timed(run, f"rate {rate:g}"):
-                path = client.run(load, logs_dir / f"{run.mode}-rate{rate:g}.log", options.client_timeout_s)
-            after = _scrape(runners, endpoints)
-            (raw_dir / f"{run.mode}-rate{rate:g}-metrics.json").write_text(json.dumps({"before": before, "after": after}))
-            measured: ClientResult = parse_client_result(path.read_text(), str(path))
-            point = RatePoint(
-                mode=run.mode, rate=rate, seed=seed, client=measured,
-                router=router_figures(before[router.name], after[router.name]),
-                instances=[instance_figures(e.name, e.role, before[e.name], after[e.name])
-                           for e in endpoints if e.role != "router"],
-            )
+    load = LoadSpec(base_url=d.base_url, served_model=d.topo.model.name, tokenizer=d.tokenizer, rate=rate,
+                    num_prompts=options.num_prompts, input_len=options.input_len, output_len=options.output_len,
+                    seed=seed, result_dir=str(raw_dir), result_filename=f"{name}.json")
+    before = _scrape(d.runners, d.endpoints)
+    events.rate_started(d.run.mode, rate, options.num_prompts / rate)
+    with timed(d.run, f"rate {rate:g}" + (f" round {round_index + 1}" if options.rounds > 1 else "")):
+        path = client.run(load, options.out_dir / "logs" / f"{name}.log", options.client_timeout_s)
+    after = _scrape(d.runners, d.endpoints)
+    (raw_dir / f"{name}-metrics.json").write_text(json.dumps({"before": before, "after": after}))
+    text = path.read_text()
+    point = RatePoint(
+        mode=d.run.mode, rate=rate, seed=seed, client=parse_client_result(text, str(path)),
+        router=router_figures(before[d.router.name], after[d.router.name]),
+        instances=[instance_figures(e.name, e.role, before[e.name], after[e.name]) for e in d.endpoints if e.role != "router"],
+        round=round_index,
+    )
+    events.rate_done(d.run.mode, point)
+    return point, path
+
+
+def _run_mode(topo: Topology, options: BenchOptions, events: BenchEvents, run: ModeRun, client: BenchClient,
+              doctor: bool = True) -> None:
+    with ExitStack() as stack:
+        deployed = _deploy(topo, options, events, run, stack, doctor)
+        for index in range(len(options.rates)):
+            point, _ = _measure(deployed, options, events, client, index)
             run.points.append(point)
-            events.rate_done(run.mode, point)
+
+
+def _tear_down(mode_topo: Topology, options: BenchOptions, events: BenchEvents, run: ModeRun) -> None:
+    events.mode(run.mode, "stopping the deployment")
+    with _no_interrupts():
+        with timed(run, "down"):
+            result = down(mode_topo.name, options.lifecycle)
+        try:
+            save_logs(mode_topo, options, run.mode)
+        except KvpushError as exc:
+            events.mode_failed(run.mode, f"could not keep its logs: {exc}")
+    if not result.complete:
+        raise KvpushError(f"deployment {mode_topo.name}: could not stop {', '.join(result.left_running) or 'every process'}"
+                          f" ({'; '.join(result.unreachable.values())}); run `kvpush down` for it")
+    events.mode(run.mode, "done" if run.error is None else "failed")
+
+
+def _run_rounds(topo: Topology, options: BenchOptions, events: BenchEvents, report: BenchReport, client: BenchClient) -> None:
+    """Every mode's deployment up at once, then `rounds` passes over the rates, each pass running every
+    mode in turn (the order rotating by one per round) on prompts of its own. Modes measured minutes
+    apart instead of a whole mode's run apart: drift of the machine hits them alike."""
+    topos = {mode: mode_topology(topo, options, mode) for mode in options.modes}
+    started: list[ModeRun] = []
+    deployed: list[Deployed] = []
+    samples: dict[tuple[str, float], list[RequestSamples]] = {}
+    try:
+        with ExitStack() as stack:
+            for mode in options.modes:
+                run = ModeRun(mode, topology_hash(topos[mode]))
+                report.runs.append(run)
+                started.append(run)
+                try:
+                    deployed.append(_deploy(topos[mode], options, events, run, stack, doctor=len(started) == 1))
+                except KvpushError as exc:
+                    run.error = str(exc)
+                    events.mode_failed(mode, run.error)
+            for round_index in range(options.rounds):
+                shift = round_index % max(len(deployed), 1)
+                for rate_index, rate in enumerate(options.rates):
+                    for d in deployed[shift:] + deployed[:shift]:
+                        if d.run.error is not None:
+                            continue
+                        try:
+                            point, path = _measure(d, options, events, client, rate_index, round_index)
+                            got = parse_request_samples(path.read_text(), str(path))
+                        except KvpushError as exc:
+                            d.run.error = str(exc)
+                            events.mode_failed(d.run.mode, d.run.error)
+                            continue
+                        d.run.round_points.append(point)
+                        samples.setdefault((d.run.mode, rate), []).append(got)
+    finally:
+        for run in started:
+            for rate in options.rates:
+                points = [p for p in run.round_points if p.rate == rate]
+                if points:
+                    run.points.append(pool_points(points, samples[(run.mode, rate)]))
+        failures = []
+        for run in started:
+            try:
+                _tear_down(topos[run.mode], options, events, run)
+            except KvpushError as exc:
+                failures.append(str(exc))
+        if failures:
+            raise KvpushError("; ".join(failures))
 
 
 def client_cores(topo: Topology) -> str | None:
@@ -326,30 +439,22 @@ def run_bench(topo: Topology, options: BenchOptions, events: BenchEvents = Bench
     client = BenchClient(options.out_dir / "logs" / "client.log", cpu_cores=client_cores(topo))
     try:
         client.start()  # vLLM's import overlaps the first deployment's start
-        hosts_checked = False
-        for mode in options.modes:
-            mode_topo = bench_topology(topo, mode, kv_heavy=options.kv_heavy, port_base=options.port_base)
-            run = ModeRun(mode, topology_hash(mode_topo))
-            report.runs.append(run)
-            try:
-                _run_mode(mode_topo, options, events, run, client, doctor=not hosts_checked)
-            except KvpushError as exc:
-                run.error = str(exc)
-                events.mode_failed(mode, run.error)
-            finally:
-                hosts_checked = hosts_checked or run.up_s is not None  # `up` returned: doctor passed
-                events.mode(mode, "stopping the deployment")
-                with _no_interrupts():
-                    with timed(run, "down"):
-                        result = down(mode_topo.name, options.lifecycle)
-                    try:
-                        save_logs(mode_topo, options, mode)
-                    except KvpushError as exc:
-                        events.mode_failed(mode, f"could not keep its logs: {exc}")
-                if not result.complete:
-                    raise KvpushError(f"deployment {mode_topo.name}: could not stop {', '.join(result.left_running) or 'every process'}"
-                                      f" ({'; '.join(result.unreachable.values())}); run `kvpush down` for it")
-                events.mode(mode, "done" if run.error is None else "failed")
+        if options.rounds > 1:
+            _run_rounds(topo, options, events, report, client)
+        else:
+            hosts_checked = False
+            for mode in options.modes:
+                mode_topo = mode_topology(topo, options, mode)
+                run = ModeRun(mode, topology_hash(mode_topo))
+                report.runs.append(run)
+                try:
+                    _run_mode(mode_topo, options, events, run, client, doctor=not hosts_checked)
+                except KvpushError as exc:
+                    run.error = str(exc)
+                    events.mode_failed(mode, run.error)
+                finally:
+                    hosts_checked = hosts_checked or run.up_s is not None  # `up` returned: doctor passed
+                    _tear_down(mode_topo, options, events, run)
     except KeyboardInterrupt:
         report.interrupted = True
     finally:

@@ -74,3 +74,32 @@ def test_short_real_bench_measures_every_mode_and_tears_down(tmp_path, state_dir
     assert document["ratios_vs_baseline"][options.baseline]["1"]["ttft_p50"] == pytest.approx(1.0)
     for name in ("ttft.png", "tpot.png"):
         assert (tmp_path / "bench" / name).stat().st_size > 10_000
+
+
+ROUNDS_PORT_BASE = 15600  # this test's ranges: 15600-15604 (kvpush), 15700-15701 (colocated)
+
+
+def test_rounds_keep_both_deployments_up_and_pool_their_requests(tmp_path, state_dir):
+    topo = parse_topology(template_text(DEFAULT_TEMPLATE))
+    topo = topo.model_copy(update={"model": topo.model.model_copy(update={"enforce_eager": True})})
+    modes = ["kvpush", "colocated"]
+    options = BenchOptions(modes=modes, rates=[2.0], input_len=128, output_len=4, num_prompts=3, rounds=2,
+                           out_dir=tmp_path / "bench", port_base=ROUNDS_PORT_BASE, client_timeout_s=300, baseline="colocated",
+                           lifecycle=LifecycleOptions(ready_timeout_s=400, stop_timeout_s=15))
+    report = run_bench(topo, options)
+
+    for index, run in enumerate(report.runs):
+        assert run.error is None, f"{run.mode}: {run.error}"
+        assert load_state(bench_topology(topo, run.mode, port_base=ROUNDS_PORT_BASE, mode_index=index).name) is None
+        assert [p.round for p in run.round_points] == [0, 1]
+        [pooled] = run.points
+        assert pooled.client.completed == 2 * 3 and pooled.client.failed == 0
+        assert pooled.client.latency["ttft"].p50 > 0
+        assert sum(i.prompt_tokens_cached for i in pooled.instances) == 0  # each round's prompts are new
+        if run.mode == "kvpush":
+            assert pooled.prompt_tokens_external >= 2 * 3 * 100
+    assert all(_port_free(ROUNDS_PORT_BASE + i) for i in range(5)) and _port_free(ROUNDS_PORT_BASE + 100)
+    document = json.loads((tmp_path / "bench" / "bench.json").read_text())
+    assert len(document["paired_ratios_vs_baseline"]["kvpush"]["2"]["ttft_p50"]) == 2
+    assert sorted(p.name for p in (tmp_path / "bench" / "raw").glob("*-round2.json")) == ["colocated-rate2-round2.json",
+                                                                                         "kvpush-rate2-round2.json"]

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 from kvpush.deploy.bench.modes import (
-    KV_HEAVY_SPEC, MODES, bench_topology, kv_bytes_per_token, parse_modes, parse_rates, topology_hash,
+    KV_HEAVY_SPEC, MODE_PORT_STRIDE, MODES, bench_topology, kv_bytes_per_token, parse_modes, parse_rates, ports_of,
+    topology_hash,
 )
 from kvpush.deploy.errors import UsageError
 from kvpush.deploy.plan import build_plan
@@ -80,3 +81,14 @@ def test_parse_modes_and_rates():
     for bad in ("", "0", "-1", "x", "inf"):
         with pytest.raises(UsageError):
             parse_rates(bad)
+
+
+def test_modes_up_at_once_get_names_and_port_ranges_of_their_own(local_cpu):
+    topos = [bench_topology(local_cpu, m, port_base=15200, mode_index=i) for i, m in enumerate(MODES)]
+    assert len({t.name for t in topos}) == len(MODES)
+    assert all(t.name.endswith(f"-bench-{m}") for t, m in zip(topos, MODES))
+    ranges = [set(ports_of(t)) for t in topos]
+    assert all(min(r) >= 15200 + i * MODE_PORT_STRIDE and max(r) < 15200 + (i + 1) * MODE_PORT_STRIDE
+               for i, r in enumerate(ranges))
+    with pytest.raises(UsageError, match="--rounds keeps every mode's deployment up at once.*give --port-base"):
+        bench_topology(local_cpu, "kvpush", mode_index=0)

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from kvpush.deploy.bench.results import (
-    ModeRun, RatePoint, figure, parse_client_result, point_to_dict, ratios_vs_baseline,
+    ModeRun, RatePoint, RequestSamples, figure, paired_ratios, parse_client_result, parse_request_samples, point_to_dict,
+    pool_points, ratios_vs_baseline,
 )
 from kvpush.deploy.bench.scrape import instance_figures, router_figures
 from kvpush.deploy.errors import KvpushError
@@ -103,3 +104,49 @@ def test_not_a_result_file_is_one_line_error():
         parse_client_result("{}", "x.json")
     with pytest.raises(KvpushError, match="not a `vllm bench serve` result file"):
         parse_client_result("not json", "x.json")
+
+
+def _detailed(ttfts, latencies, output_lens, errors=None) -> str:
+    return json.dumps({"completed": len(ttfts), "ttfts": ttfts, "latencies": latencies, "output_lens": output_lens,
+                       "itls": [[0.01] * max(n - 1, 0) for n in output_lens], "errors": errors or [""] * len(ttfts)})
+
+
+def test_request_samples_skip_failed_requests_and_derive_tpot():
+    text = _detailed([0.5, 0.0, 0.2], [0.8, 0.0, 0.2], [4, 0, 1], ["", "HTTP 500", ""])
+    samples = parse_request_samples(text, "r.json")
+    assert samples.ttft == pytest.approx([500, 200])
+    assert samples.e2el == pytest.approx([800, 200])
+    assert samples.tpot == pytest.approx([100])  # (0.8 - 0.5) / 3 tokens; one-token answers have none
+    assert samples.itl == pytest.approx([10, 10, 10])
+    with pytest.raises(KvpushError, match="r.json: has no per-request figures; it was not written with --save-detailed"):
+        parse_request_samples(_text("vllm_bench_serve_nixl_pull_rate1.json"), "r.json")
+
+
+def test_pooled_point_takes_percentiles_over_every_rounds_requests(recorded_point):
+    rounds = [dataclasses.replace(recorded_point, round=0),
+              dataclasses.replace(recorded_point, round=1, router=dataclasses.replace(recorded_point.router, handoff_gap_p50_ms=10.0))]
+    samples = [RequestSamples([100.0, 200.0], [5.0], [1.0], [300.0]), RequestSamples([300.0, 400.0, 500.0], [7.0], [2.0], [600.0])]
+    pooled = pool_points(rounds, samples)
+    assert pooled.round == -1
+    assert pooled.client.latency["ttft"].p50 == pytest.approx(300.0)
+    assert pooled.client.latency["ttft"].p90 == pytest.approx(460.0)  # linear between ranks, as vllm bench serve
+    assert pooled.client.latency["ttft"].mean == pytest.approx(300.0)
+    assert pooled.client.latency["tpot"].p50 == pytest.approx(6.0)
+    assert pooled.client.completed == 2 * recorded_point.client.completed
+    assert pooled.client.request_throughput == pytest.approx(recorded_point.client.request_throughput, rel=1e-6)
+    assert pooled.router.handoff_gap_p50_ms == pytest.approx((10.0 + recorded_point.router.handoff_gap_p50_ms) / 2)
+    assert pooled.router.handoff_observations == 2 * recorded_point.router.handoff_observations
+    assert pooled.prompt_tokens_external == 2 * recorded_point.prompt_tokens_external
+    assert pooled.kv_bytes == 2 * recorded_point.kv_bytes
+
+
+def test_paired_ratios_compare_within_each_round(recorded_point):
+    base = ModeRun("nixl-pull", "a", round_points=[dataclasses.replace(recorded_point, round=0),
+                                                    dataclasses.replace(_scaled(recorded_point, "nixl-pull", 2.0), round=1)])
+    push = ModeRun("kvpush", "b", round_points=[dataclasses.replace(_scaled(recorded_point, "kvpush", 0.9), round=0),
+                                                 dataclasses.replace(_scaled(recorded_point, "kvpush", 2.2), round=1)])
+    ratios = paired_ratios([base, push], "nixl-pull")
+    # Round 1 ran slower for both modes: compared within the round, kvpush is 1.1x there, not 2.2x.
+    assert ratios["kvpush"][1.0]["ttft_p50"] == pytest.approx([0.9, 1.1])
+    assert ratios["nixl-pull"][1.0]["tpot_p50"] == pytest.approx([1.0, 1.0])
+    assert paired_ratios([push], "nixl-pull") == {"kvpush": {}}

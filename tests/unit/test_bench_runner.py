@@ -3,12 +3,15 @@ Ctrl-C stops the bench and still writes what was measured. The deployment itself
 tests/e2e/test_bench_real.py runs the real thing."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
 from kvpush.deploy.bench import runner as bench_runner
+from kvpush.deploy.bench.results import ClientResult, RatePoint, Stats
 from kvpush.deploy.bench.runner import BenchOptions, run_bench, seed_for
+from kvpush.deploy.bench.scrape import RouterFigures
 from kvpush.deploy.errors import KvpushError, UsageError
 from kvpush.deploy.lifecycle import DownResult
 from kvpush.deploy.topology import parse_topology
@@ -144,3 +147,78 @@ def test_the_client_runs_beside_a_pinned_local_router(topo, tmp_path, calls, mon
     remote = topo.model_copy(update={"hosts": {"local": topo.hosts["local"].model_copy(update={"address": "10.0.0.9"})}})
     run_bench(remote, _options(tmp_path, ["kvpush"]))
     assert _NoClient.cpu_cores is None  # a router on another machine says nothing about this one's cores
+
+
+def _rounds_options(tmp_path, modes, rounds=3, **extra):
+    return BenchOptions(modes=modes, rates=[1.0, 2.0], input_len=8, output_len=3, num_prompts=2, out_dir=tmp_path,
+                        baseline=modes[-1], port_base=15200, rounds=rounds, **extra)
+
+
+@pytest.fixture
+def fake_rounds(calls, monkeypatch, tmp_path):
+    """Deploys and measures without processes: every measured point's TTFT is 100 ms x its round + 1."""
+    def fake_deploy(mode_topo, options, events, run, stack, doctor=True):
+        calls.append(("up", mode_topo.name))
+        if mode_topo.connector.type == "nixl-push":
+            raise KvpushError("prefill-0 exited before it became ready")
+        return bench_runner.Deployed(mode_topo, run, [], None, "", "", {})
+
+    def fake_measure(d, options, events, client, rate_index, round_index=0):
+        calls.append(("measure", d.run.mode, options.rates[rate_index], round_index))
+        ttft = 100.0 * (round_index + 1)
+        stats = Stats(ttft, ttft, ttft, ttft)
+        client_result = ClientResult(options.rates[rate_index], 2, 0, 2.0, 1.0, 3.0, 22.0, 16, 6, 2,
+                                     {m: stats for m in ("ttft", "tpot", "itl", "e2el")})
+        router = RouterFigures(5.0, 9.0, 6.0, 2, 0.0, 0.0, {"success": 2.0})
+        point = RatePoint(d.run.mode, options.rates[rate_index], bench_runner.seed_for(options.seed, rate_index, round_index),
+                          client_result, router, [], round=round_index)
+        path = tmp_path / f"{d.run.mode}-{rate_index}-{round_index}.json"
+        path.write_text(json.dumps({"completed": 2, "ttfts": [ttft / 1000] * 2, "latencies": [0.5, 0.5], "output_lens": [3, 3],
+                                    "itls": [[0.01, 0.01]] * 2, "errors": ["", ""]}))
+        return point, path
+
+    monkeypatch.setattr(bench_runner, "_deploy", fake_deploy)
+    monkeypatch.setattr(bench_runner, "_measure", fake_measure)
+    return calls
+
+
+def test_rounds_start_every_mode_first_then_interleave_them_rotating_the_order(topo, tmp_path, fake_rounds):
+    report = run_bench(topo, _rounds_options(tmp_path, ["kvpush", "colocated", "nixl-pull"]))
+    names = {m: f"local-cpu-bench-{m}" for m in ("kvpush", "colocated", "nixl-pull")}
+    assert fake_rounds[:3] == [("up", names["kvpush"]), ("up", names["colocated"]), ("up", names["nixl-pull"])]
+    measured = [c[1:] for c in fake_rounds if c[0] == "measure"]
+    assert measured[:3] == [("kvpush", 1.0, 0), ("colocated", 1.0, 0), ("nixl-pull", 1.0, 0)]
+    assert measured[6:9] == [("colocated", 1.0, 1), ("nixl-pull", 1.0, 1), ("kvpush", 1.0, 1)]
+    assert measured[12:15] == [("nixl-pull", 1.0, 2), ("kvpush", 1.0, 2), ("colocated", 1.0, 2)]
+    assert len(measured) == 3 * 2 * 3
+    assert [c[1] for c in fake_rounds if c[0] == "down"] == list(names.values())
+    run = report.runs[0]
+    assert [p.rate for p in run.points] == [1.0, 2.0] and all(p.round == -1 for p in run.points)
+    assert run.points[0].client.completed == 3 * 2
+    assert run.points[0].client.latency["ttft"].p50 == pytest.approx(200.0)  # pooled over 100, 200, 300 ms
+    assert len(run.round_points) == 6
+    document = json.loads((tmp_path / "bench.json").read_text())
+    assert document["options"]["rounds"] == 3
+    assert document["paired_ratios_vs_baseline"]["kvpush"]["1"]["ttft_p50"] == pytest.approx([1.0, 1.0, 1.0])
+    seeds = document["configuration"]["client"]["seeds"]["1"]
+    assert len(set(seeds)) == 3  # fresh prompts every round: no prefix-cache hits from an earlier round
+
+
+def test_rounds_go_on_without_a_mode_that_failed_to_start_and_stop_it_too(topo, tmp_path, fake_rounds):
+    report = run_bench(topo, _rounds_options(tmp_path, ["kvpush", "nixl-push", "nixl-pull"], rounds=2))
+    assert {c[1] for c in fake_rounds if c[0] == "measure"} == {"kvpush", "nixl-pull"}
+    assert [c[1] for c in fake_rounds if c[0] == "down"] == [f"local-cpu-bench-{m}" for m in ("kvpush", "nixl-push", "nixl-pull")]
+    assert report.runs[1].error.startswith("prefill-0 exited") and report.runs[1].points == []
+
+
+def test_rounds_need_their_own_ports_and_a_sane_count(topo, tmp_path, calls):
+    with pytest.raises(UsageError, match="give --port-base"):
+        run_bench(topo, dataclasses.replace(_rounds_options(tmp_path, ["kvpush", "nixl-pull"]), port_base=None))
+    with pytest.raises(UsageError, match="--rounds must be between 1 and 50"):
+        run_bench(topo, _rounds_options(tmp_path, ["kvpush", "nixl-pull"], rounds=0))
+    assert calls == []
+
+
+def test_seeds_differ_per_round():
+    assert seed_for(0, 1, 0) == seed_for(0, 1) != seed_for(0, 1, 1)
+    assert len({seed_for(0, r, k) for r in range(10) for k in range(5)}) == 50

@@ -8,7 +8,7 @@ import sys
 import pytest
 from rich.console import Console
 
-from kvpush.cli.bench_cmd import rate_table
+from kvpush.cli.bench_cmd import paired_lines, rate_table
 from kvpush.deploy.bench.results import ModeRun
 
 from test_bench_results import recorded_point  # noqa: F401  (fixture from recorded output)
@@ -23,6 +23,7 @@ def kvpush(*args: str, cwd=None) -> subprocess.CompletedProcess:
     (["--rates", "0"], "--rates: 0 must be a positive"),
     (["--num-prompts", "0"], "--num-prompts must be at least 1"),
     (["--modes", "colocated"], "--baseline nixl-pull is not among --modes colocated"),
+    (["--rounds", "3"], "--rounds keeps every mode's deployment up at once, so each needs ports of its own: give --port-base"),
 ])
 def test_bad_options_are_one_line_usage_errors(tmp_path, args, message):
     result = kvpush("bench", *args, "--out", str(tmp_path / "out"), cwd=tmp_path)
@@ -73,3 +74,18 @@ def test_phases_say_where_a_modes_time_went():
 
     text = phases_text({"up": 92.4, "prove": 1.23, "rate 0.5": 17.0, "down": 4.06})
     assert text == "up 92 s, prove 1.2 s, rate 0.5 17 s, down 4.1 s (115 s)"
+
+
+def test_paired_lines_summarise_per_round_ratios(recorded_point):  # noqa: F811
+    import dataclasses
+
+    def at(mode, round_index, factor):
+        latency = {m: dataclasses.replace(st, p50=st.p50 * factor, p90=st.p90 * factor)
+                   for m, st in recorded_point.client.latency.items()}
+        return dataclasses.replace(recorded_point, mode=mode, round=round_index,
+                                   client=dataclasses.replace(recorded_point.client, latency=latency))
+
+    runs = [ModeRun("kvpush", "a", round_points=[at("kvpush", 0, 0.9), at("kvpush", 1, 1.2), at("kvpush", 2, 0.8)]),
+            ModeRun("nixl-pull", "b", round_points=[at("nixl-pull", k, 1.0) for k in range(3)])]
+    [line] = paired_lines(runs, "nixl-pull")
+    assert line.startswith("kvpush vs nixl-pull at 1 req/s, per round: TTFT p50 0.90x (0.80-1.20, lower in 2 of 3)")
