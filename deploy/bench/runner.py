@@ -391,7 +391,8 @@ def _run_rounds(topo: Topology, options: BenchOptions, events: BenchEvents, repo
                 report.runs.append(run)
                 started.append(run)
                 try:
-                    deployed.append(_deploy(topos[mode], options, events, run, stack, doctor=len(started) == 1))
+                    hosts_checked = any(r.up_s is not None for r in started[:-1])  # `up` returned: doctor passed
+                    deployed.append(_deploy(topos[mode], options, events, run, stack, doctor=not hosts_checked))
                 except KvpushError as exc:
                     run.error = str(exc)
                     events.mode_failed(mode, run.error)

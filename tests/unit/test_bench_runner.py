@@ -222,3 +222,18 @@ def test_rounds_need_their_own_ports_and_a_sane_count(topo, tmp_path, calls):
 def test_seeds_differ_per_round():
     assert seed_for(0, 1, 0) == seed_for(0, 1) != seed_for(0, 1, 1)
     assert len({seed_for(0, r, k) for r in range(10) for k in range(5)}) == 50
+
+
+def test_rounds_check_the_hosts_until_one_mode_started(topo, tmp_path, fake_rounds, monkeypatch):
+    seen = []
+    deploy = bench_runner._deploy
+
+    def recording_deploy(mode_topo, options, events, run, stack, doctor=True):
+        seen.append((run.mode, doctor))
+        result = deploy(mode_topo, options, events, run, stack, doctor)
+        run.up_s = 1.0
+        return result
+
+    monkeypatch.setattr(bench_runner, "_deploy", recording_deploy)
+    run_bench(topo, _rounds_options(tmp_path, ["nixl-push", "kvpush", "nixl-pull"], rounds=2))
+    assert seen == [("nixl-push", True), ("kvpush", True), ("nixl-pull", False)]  # nixl-push's `up` failed
