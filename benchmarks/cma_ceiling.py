@@ -44,9 +44,10 @@ def buffer(nbytes: int, huge_pages: bool) -> tuple[mmap.mmap, np.ndarray]:
 
 def write_into(pid: int, src: np.ndarray, remote_addr: int, chunk: int) -> None:
     for offset in range(0, src.nbytes, chunk):
-        local = IoVec(src.ctypes.data + offset, chunk)
-        remote = IoVec(remote_addr + offset, chunk)
-        if libc.process_vm_writev(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0) != chunk:
+        length = min(chunk, src.nbytes - offset)
+        local = IoVec(src.ctypes.data + offset, length)
+        remote = IoVec(remote_addr + offset, length)
+        if libc.process_vm_writev(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0) != length:
             raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
 
 
@@ -61,14 +62,22 @@ def main(argv: list[str] | None = None) -> int:
     ready_r, ready_w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the receiver: holds a buffer and waits to be killed
-        os.sched_setaffinity(0, {args.receiver_core})
-        _region, dst = buffer(nbytes, args.huge_pages)
-        os.write(ready_w, f"{dst.ctypes.data:032d}".encode())
+        try:
+            os.sched_setaffinity(0, {args.receiver_core})
+            _region, dst = buffer(nbytes, args.huge_pages)
+            os.write(ready_w, f"{dst.ctypes.data:032d}".encode())
+        except Exception as exc:  # noqa: BLE001 - report and let the parent's read end
+            print(f"cma_ceiling: receiver: {exc}", file=sys.stderr)
+            os._exit(1)
         time.sleep(600)
         os._exit(0)
+    os.close(ready_w)  # so the read below ends if the receiver dies before answering
     try:
         os.sched_setaffinity(0, {args.writer_core})
-        remote_addr = int(os.read(ready_r, 32))
+        answer = os.read(ready_r, 32)
+        if not answer:
+            raise SystemExit("cma_ceiling: the receiver process failed to start (see above)")
+        remote_addr = int(answer)
         _src_region, src = buffer(nbytes, args.huge_pages)
         _dst_region, local_dst = buffer(nbytes, args.huge_pages)
         for chunk_kib in (nbytes >> 10, 4096, 512, 128, 64):

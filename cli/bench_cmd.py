@@ -156,7 +156,9 @@ def render(report: BenchReport) -> None:
     for rate in rates_of(report.runs):
         tables.print(rate_table(report.runs, rate, report.options.baseline))
     if report.options.rounds > 1:
-        note(f"{report.options.rounds} rounds, modes interleaved; the tables pool every round's requests")
+        uneven = report.options.rounds % len(report.options.modes)
+        note(f"{report.options.rounds} rounds, modes interleaved; the tables pool every round's requests"
+             + (" (rounds not a multiple of the modes: some modes went first more often)" if uneven else ""))
         for line in paired_lines(report.runs, report.options.baseline):
             note(line)
     for run in report.runs:

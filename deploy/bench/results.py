@@ -90,17 +90,21 @@ def parse_request_samples(text: str, source: str = "<result>") -> RequestSamples
     if not isinstance(data, dict) or not isinstance(data.get("ttfts"), list):
         raise KvpushError(f"{source}: has no per-request figures; it was not written with --save-detailed")
     count = len(data["ttfts"])
-    errors = data.get("errors") or [""] * count
+    columns = {name: data.get(name) for name in ("latencies", "itls", "output_lens", "errors")}
+    bad = [name for name, values in columns.items() if not isinstance(values, list) or len(values) != count]
+    if bad:
+        raise KvpushError(f"{source}: per-request figures of unequal length ({', '.join(bad)} vs {count} ttfts); "
+                          f"the file is damaged")
     ttft, tpot, itl, e2el = [], [], [], []
     for i in range(count):
-        if errors[i]:
+        if columns["errors"][i] or not columns["output_lens"][i]:  # failed: vLLM records 0 tokens and an error
             continue
-        first, whole = data["ttfts"][i], data["latencies"][i]
+        first, whole, tokens = data["ttfts"][i], columns["latencies"][i], columns["output_lens"][i]
         ttft.append(first * 1000)
         e2el.append(whole * 1000)
-        itl.extend(gap * 1000 for gap in data["itls"][i])
-        if data["output_lens"][i] > 1:
-            tpot.append((whole - first) / (data["output_lens"][i] - 1) * 1000)
+        itl.extend(gap * 1000 for gap in columns["itls"][i])
+        if tokens > 1:
+            tpot.append((whole - first) / (tokens - 1) * 1000)
     return RequestSamples(ttft, tpot, itl, e2el)
 
 

@@ -379,52 +379,64 @@ def _tear_down(mode_topo: Topology, options: BenchOptions, events: BenchEvents, 
 def _run_rounds(topo: Topology, options: BenchOptions, events: BenchEvents, report: BenchReport, client: BenchClient) -> None:
     """Every mode's deployment up at once, then `rounds` passes over the rates, each pass running every
     mode in turn (the order rotating by one per round) on prompts of its own. Modes measured minutes
-    apart instead of a whole mode's run apart: drift of the machine hits them alike."""
+    apart instead of a whole mode's run apart: drift of the machine hits them alike. A mode that
+    fails is stopped at once (it would otherwise share the cores with the modes still measured)."""
     topos = {mode: mode_topology(topo, options, mode) for mode in options.modes}
-    started: list[ModeRun] = []
-    deployed: list[Deployed] = []
+    running: list[ModeRun] = []  # started and not yet stopped
+    failures: list[str] = []
     samples: dict[tuple[str, float], list[RequestSamples]] = {}
+
+    def stop(runs: list[ModeRun]) -> None:
+        with _no_interrupts():  # every deployment up must come down, even on a second Ctrl-C
+            for run in runs:
+                running.remove(run)
+                try:
+                    _tear_down(topos[run.mode], options, events, run)
+                except Exception as exc:  # noqa: BLE001 - the others must still be stopped
+                    failures.append(str(exc))
+                    events.mode_failed(run.mode, str(exc))
+
+    def failed(run: ModeRun, error: str) -> None:
+        run.error = error
+        events.mode_failed(run.mode, error)
+        stop([run])
+
     try:
         with ExitStack() as stack:
+            deployed: list[Deployed] = []
             for mode in options.modes:
                 run = ModeRun(mode, topology_hash(topos[mode]))
                 report.runs.append(run)
-                started.append(run)
+                running.append(run)
                 try:
-                    hosts_checked = any(r.up_s is not None for r in started[:-1])  # `up` returned: doctor passed
-                    deployed.append(_deploy(topos[mode], options, events, run, stack, doctor=not hosts_checked))
+                    # Doctor for every mode: the deployments add up on the same hosts (ports, memory).
+                    deployed.append(_deploy(topos[mode], options, events, run, stack, doctor=True))
                 except KvpushError as exc:
-                    run.error = str(exc)
-                    events.mode_failed(mode, run.error)
+                    failed(run, str(exc))
             for round_index in range(options.rounds):
-                shift = round_index % max(len(deployed), 1)
+                live = [d for d in deployed if d.run.error is None]
+                shift = round_index % max(len(live), 1)
                 for rate_index, rate in enumerate(options.rates):
-                    for d in deployed[shift:] + deployed[:shift]:
+                    for d in live[shift:] + live[:shift]:
                         if d.run.error is not None:
                             continue
                         try:
                             point, path = _measure(d, options, events, client, rate_index, round_index)
                             got = parse_request_samples(path.read_text(), str(path))
                         except KvpushError as exc:
-                            d.run.error = str(exc)
-                            events.mode_failed(d.run.mode, d.run.error)
+                            failed(d.run, str(exc))
                             continue
                         d.run.round_points.append(point)
                         samples.setdefault((d.run.mode, rate), []).append(got)
     finally:
-        for run in started:
+        stop(list(running))
+        for run in report.runs:
             for rate in options.rates:
                 points = [p for p in run.round_points if p.rate == rate]
                 if points:
                     run.points.append(pool_points(points, samples[(run.mode, rate)]))
-        failures = []
-        for run in started:
-            try:
-                _tear_down(topos[run.mode], options, events, run)
-            except KvpushError as exc:
-                failures.append(str(exc))
-        if failures:
-            raise KvpushError("; ".join(failures))
+    if failures:
+        raise KvpushError("; ".join(failures))
 
 
 def client_cores(topo: Topology) -> str | None:

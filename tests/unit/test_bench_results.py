@@ -150,3 +150,10 @@ def test_paired_ratios_compare_within_each_round(recorded_point):
     assert ratios["kvpush"][1.0]["ttft_p50"] == pytest.approx([0.9, 1.1])
     assert ratios["nixl-pull"][1.0]["tpot_p50"] == pytest.approx([1.0, 1.0])
     assert paired_ratios([push], "nixl-pull") == {"kvpush": {}}
+
+
+def test_damaged_per_request_figures_are_one_line_errors():
+    good = json.loads(_detailed([0.5, 0.4], [0.8, 0.9], [4, 4]))
+    for broken in ({**good, "latencies": [0.8]}, {k: v for k, v in good.items() if k != "errors"}):
+        with pytest.raises(KvpushError, match=r"r.json: per-request figures of unequal length \((latencies|errors) vs 2 ttfts\)"):
+            parse_request_samples(json.dumps(broken), "r.json")

@@ -207,7 +207,8 @@ def test_rounds_start_every_mode_first_then_interleave_them_rotating_the_order(t
 def test_rounds_go_on_without_a_mode_that_failed_to_start_and_stop_it_too(topo, tmp_path, fake_rounds):
     report = run_bench(topo, _rounds_options(tmp_path, ["kvpush", "nixl-push", "nixl-pull"], rounds=2))
     assert {c[1] for c in fake_rounds if c[0] == "measure"} == {"kvpush", "nixl-pull"}
-    assert [c[1] for c in fake_rounds if c[0] == "down"] == [f"local-cpu-bench-{m}" for m in ("kvpush", "nixl-push", "nixl-pull")]
+    # The mode that failed to start is stopped at once (whatever `up` left), the others at the end.
+    assert [c[1] for c in fake_rounds if c[0] == "down"] == [f"local-cpu-bench-{m}" for m in ("nixl-push", "kvpush", "nixl-pull")]
     assert report.runs[1].error.startswith("prefill-0 exited") and report.runs[1].points == []
 
 
@@ -224,16 +225,65 @@ def test_seeds_differ_per_round():
     assert len({seed_for(0, r, k) for r in range(10) for k in range(5)}) == 50
 
 
-def test_rounds_check_the_hosts_until_one_mode_started(topo, tmp_path, fake_rounds, monkeypatch):
+def test_rounds_check_the_hosts_for_every_mode(topo, tmp_path, fake_rounds, monkeypatch):
     seen = []
     deploy = bench_runner._deploy
 
     def recording_deploy(mode_topo, options, events, run, stack, doctor=True):
         seen.append((run.mode, doctor))
-        result = deploy(mode_topo, options, events, run, stack, doctor)
-        run.up_s = 1.0
-        return result
+        return deploy(mode_topo, options, events, run, stack, doctor)
 
     monkeypatch.setattr(bench_runner, "_deploy", recording_deploy)
-    run_bench(topo, _rounds_options(tmp_path, ["nixl-push", "kvpush", "nixl-pull"], rounds=2))
-    assert seen == [("nixl-push", True), ("kvpush", True), ("nixl-pull", False)]  # nixl-push's `up` failed
+    run_bench(topo, _rounds_options(tmp_path, ["kvpush", "colocated", "nixl-pull"], rounds=2))
+    # All deployments are up together on the same hosts: ports and memory add up, so each is checked.
+    assert seen == [("kvpush", True), ("colocated", True), ("nixl-pull", True)]
+
+
+def test_a_mode_failing_mid_rounds_is_stopped_at_once_and_the_others_go_on(topo, tmp_path, fake_rounds, monkeypatch):
+    measure = bench_runner._measure
+
+    def failing_measure(d, options, events, client, rate_index, round_index=0):
+        if d.run.mode == "colocated" and round_index == 1:
+            raise KvpushError("vllm bench serve did not finish within 300 s")
+        return measure(d, options, events, client, rate_index, round_index)
+
+    monkeypatch.setattr(bench_runner, "_measure", failing_measure)
+    report = run_bench(topo, _rounds_options(tmp_path, ["kvpush", "colocated", "nixl-pull"], rounds=3))
+    events = [c[:2] if c[0] == "down" else (c[0], c[1], c[3]) for c in fake_rounds if c[0] in ("down", "measure")]
+    down_at = events.index(("down", "local-cpu-bench-colocated"))
+    assert ("measure", "colocated", 1) not in events[down_at:] and ("measure", "kvpush", 2) in events[down_at:]
+    assert [c[1] for c in fake_rounds if c[0] == "down"][-2:] == ["local-cpu-bench-kvpush", "local-cpu-bench-nixl-pull"]
+    colocated = report.runs[1]
+    assert colocated.error.startswith("vllm bench serve did not finish")
+    assert [p.round for p in colocated.round_points] == [0, 0]  # what it measured before failing is kept
+    # Rotation is over the modes still running: round 2 of 2 live modes starts where round 0 did
+    # (rotating over all 3 would have put nixl-pull first).
+    assert [c[1] for c in fake_rounds if c[0] == "measure" and c[3] == 2][:2] == ["kvpush", "nixl-pull"]
+
+
+def test_ctrl_c_in_rounds_stops_every_deployment_and_keeps_what_was_measured(topo, tmp_path, fake_rounds, monkeypatch):
+    measure = bench_runner._measure
+
+    def interrupted_measure(d, options, events, client, rate_index, round_index=0):
+        if round_index == 1:
+            raise KeyboardInterrupt
+        return measure(d, options, events, client, rate_index, round_index)
+
+    monkeypatch.setattr(bench_runner, "_measure", interrupted_measure)
+    report = run_bench(topo, _rounds_options(tmp_path, ["kvpush", "nixl-pull"], rounds=3))
+    assert report.interrupted
+    assert sorted(c[1] for c in fake_rounds if c[0] == "down") == ["local-cpu-bench-kvpush", "local-cpu-bench-nixl-pull"]
+    document = json.loads((tmp_path / "bench.json").read_text())
+    assert document["interrupted"] and [p["client"]["completed"] for p in document["runs"][0]["points"]] == [2, 2]
+
+
+def test_one_deployment_that_does_not_stop_does_not_keep_the_others_up(topo, tmp_path, fake_rounds, monkeypatch):
+    def down(name, options=None, events=None):
+        fake_rounds.append(("down", name))
+        return DownResult(left_running=["decode-0"]) if name.endswith("-kvpush") else DownResult(stopped=["router"])
+
+    monkeypatch.setattr(bench_runner, "down", down)
+    with pytest.raises(KvpushError, match="local-cpu-bench-kvpush: could not stop decode-0"):
+        run_bench(topo, _rounds_options(tmp_path, ["kvpush", "nixl-pull"], rounds=2))
+    assert [c[1] for c in fake_rounds if c[0] == "down"] == ["local-cpu-bench-kvpush", "local-cpu-bench-nixl-pull"]
+    assert json.loads((tmp_path / "bench.json").read_text())["runs"][1]["points"]  # results still written
