@@ -204,41 +204,48 @@ def _decode_kv_tokens(runners: dict[str, Runner], plan: Plan) -> float:
     return total
 
 
-def prove_kv_transfer(runners: dict[str, Runner], plan: Plan, timeout_s: float = 120.0) -> Proof:
-    """One real completion through the router; decode must report prompt tokens received by KV transfer."""
-    router = next(p for p in plan.processes() if p.role == "router")
-    before = _decode_kv_tokens(runners, plan)
+def _proof_body(model: str) -> bytes:
     rng = random.Random()
     # Fresh words every time: a prefix-cache hit on decode would hide the transfer.
     prompt = " ".join(rng.choice(["kv", "push", "block", "cache", "token", "layer", "remote", "write"]) + str(rng.randint(0, 999))
                       for _ in range(200))
-    body = json.dumps({"model": plan.served_model_name, "prompt": prompt, "max_tokens": 8, "temperature": 0}).encode()
+    return json.dumps({"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0}).encode()
+
+
+def prove_kv_transfer(runners: dict[str, Runner], plan: Plan, timeout_s: float = 120.0) -> Proof:
+    """One real completion through the router; decode must report prompt tokens received by KV transfer."""
+    router = next(p for p in plan.processes() if p.role == "router")
     url = plan.router_url + "/v1/completions"
     give_up = time.monotonic() + ROUTER_ROTATION_WAIT_S
     while True:
+        before = _decode_kv_tokens(runners, plan)
         started = time.monotonic()
         try:
-            response = runners[router.host].http("POST", url, body, timeout=timeout_s)
+            response = runners[router.host].http("POST", url, _proof_body(plan.served_model_name), timeout=timeout_s)
         except OSError as exc:
             raise KvpushError(f"proof request to the router {url} failed: {exc}; see `kvpush logs router`") from None
         latency = time.monotonic() - started
-        # The router may have ejected an instance it probed while that instance was still loading;
-        # it answers 503 until its next probe puts the instance back in rotation.
-        if response.status != 503 or time.monotonic() > give_up:
-            break
+        # The router may have ejected an instance it probed while that instance was still loading,
+        # and takes it back only at its next probe (each router worker at its own). Until then it
+        # answers 503 (no decode instance), or lets decode compute the prompt itself (no prefill
+        # instance): an answer that moved no KV. Either way, ask again with a fresh prompt.
+        if response.status == 503 and time.monotonic() < give_up:
+            time.sleep(1.0)
+            continue
+        if response.status != 200:
+            raise KvpushError(f"proof request to the router {url} answered HTTP {response.status}: {response.text()[:200]}; see `kvpush logs`")
+        try:
+            answer = json.loads(response.body)["choices"][0]["text"]
+        except (ValueError, KeyError, IndexError):
+            raise KvpushError(f"proof request to the router {url} answered no completion: {response.text()[:200]}") from None
+        moved = _decode_kv_tokens(runners, plan) - before
+        if moved > 0:
+            return Proof(answer, latency, moved)
+        if time.monotonic() >= give_up:
+            raise KvpushError("the proof request was answered, but no decode instance received prompt tokens by KV transfer "
+                              "(vllm:prompt_tokens_by_source_total{source=\"external_kv_transfer\"} did not grow); "
+                              "check the connector settings and `kvpush logs`")
         time.sleep(1.0)
-    if response.status != 200:
-        raise KvpushError(f"proof request to the router {url} answered HTTP {response.status}: {response.text()[:200]}; see `kvpush logs`")
-    try:
-        answer = json.loads(response.body)["choices"][0]["text"]
-    except (ValueError, KeyError, IndexError):
-        raise KvpushError(f"proof request to the router {url} answered no completion: {response.text()[:200]}") from None
-    moved = _decode_kv_tokens(runners, plan) - before
-    if moved <= 0:
-        raise KvpushError("the proof request was answered, but no decode instance received prompt tokens by KV transfer "
-                          "(vllm:prompt_tokens_by_source_total{source=\"external_kv_transfer\"} did not grow); "
-                          "check the connector settings and `kvpush logs`")
-    return Proof(answer, latency, moved)
 
 
 # -- up / down ---------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from kvpush.deploy.runners.local import LocalRunner
 from kvpush.deploy.state import DeploymentState, ProcessRecord, load_state, locked, save_state, state_path
 from kvpush.deploy.topology import parse_topology
 from kvpush.deploy.vllm_metrics import external_kv_tokens, vllm_load
+from kvpush.templates import DEFAULT_TEMPLATE, template_text
 
 TOPOLOGY = """
 name: t
@@ -207,3 +208,38 @@ def test_source_digest_follows_content_not_caches(tmp_path):
     (tmp_path / dirs[PACKAGES[-1]] / "a.py").write_text("x = 2\n")
     assert digest_of(dirs) != first
     assert digest_of({}) is None
+
+
+class _ProofRunner:
+    """Router and decode /metrics in one: answers the first `fallbacks` proof requests without moving KV,
+    as a router does while every prefill instance is out of its rotation."""
+
+    def __init__(self, fallbacks: int):
+        self.fallbacks = fallbacks
+        self.external = 0
+        self.prompts: list[str] = []
+
+    def http(self, method, url, body=None, timeout=5.0):
+        from kvpush.deploy.runners.base import HttpResponse
+
+        if url.endswith("/metrics"):
+            return HttpResponse(200, f'vllm:prompt_tokens_by_source_total{{source="external_kv_transfer"}} {self.external}.0\n'.encode())
+        self.prompts.append(__import__("json").loads(body)["prompt"])
+        if len(self.prompts) > self.fallbacks:
+            self.external += 200
+        return HttpResponse(200, b'{"choices": [{"text": " ok"}]}')
+
+
+def test_proof_asks_again_when_the_router_let_decode_compute_the_prompt(monkeypatch):
+    import kvpush.deploy.lifecycle as lifecycle
+
+    monkeypatch.setattr(lifecycle.time, "sleep", lambda s: None)
+    plan = build_plan(parse_topology(template_text(DEFAULT_TEMPLATE)))
+    runner = _ProofRunner(fallbacks=2)
+    proof = lifecycle.prove_kv_transfer({"local": runner}, plan)
+    assert proof.external_kv_tokens == 200 and len(runner.prompts) == 3
+    assert len(set(runner.prompts)) == 3  # a fresh prompt each time: decode's prefix cache cannot hide the transfer
+
+    monkeypatch.setattr(lifecycle, "ROUTER_ROTATION_WAIT_S", 0.0)
+    with pytest.raises(KvpushError, match="no decode instance received prompt tokens by KV transfer"):
+        lifecycle.prove_kv_transfer({"local": _ProofRunner(fallbacks=10**6)}, plan)
