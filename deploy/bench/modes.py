@@ -20,6 +20,8 @@ KV_HEAVY_MAX_MODEL_LEN = 4096
 KV_HEAVY_MODEL_DIR = "tiny-llama-kv-heavy"
 KV_DTYPE_BYTES = 2  # bf16
 MODE_PORT_STRIDE = 100  # ports per mode when every mode's deployment is up at once
+ROUNDS_NEED_PORT_BASE = ("--rounds keeps every mode's deployment up at once, so each needs ports of its own: "
+                         "give --port-base, e.g. --port-base 15200")
 
 
 def kv_bytes_per_token(spec: TinyModelSpec) -> int:
@@ -113,8 +115,7 @@ def bench_topology(topo: Topology, mode: ConnectorType, *, kv_heavy: bool = Fals
         out = kv_heavy_model(out)
     if mode_index is not None:
         if port_base is None:
-            raise UsageError("--rounds keeps every mode's deployment up at once, so each needs ports of its own: "
-                             "give --port-base, e.g. --port-base 15200")
+            raise UsageError(ROUNDS_NEED_PORT_BASE)
         start = port_base + mode_index * MODE_PORT_STRIDE
         out = renumber_ports(out, start)
         if max(ports_of(out)) >= start + MODE_PORT_STRIDE:

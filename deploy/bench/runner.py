@@ -24,7 +24,7 @@ from ..topology import Topology
 from . import environment
 from .client import BenchClient, LoadSpec
 from .idle_cpu import idle_cores
-from .modes import DEFAULT_BASELINE, bench_topology, kv_bytes_per_token, topology_hash
+from .modes import DEFAULT_BASELINE, ROUNDS_NEED_PORT_BASE, bench_topology, kv_bytes_per_token, topology_hash
 from .plots import write_plots
 from .results import (ModeRun, RatePoint, RequestSamples, paired_ratios, parse_client_result, parse_request_samples,
                       point_to_dict, pool_points, ratios_vs_baseline)
@@ -61,8 +61,7 @@ class BenchOptions:
         if not 1 <= self.rounds <= MAX_ROUNDS:
             raise UsageError(f"--rounds must be between 1 and {MAX_ROUNDS} (got {self.rounds})")
         if self.rounds > 1 and self.port_base is None:
-            raise UsageError("--rounds keeps every mode's deployment up at once, so each needs ports of its own: "
-                             "give --port-base, e.g. --port-base 15200")
+            raise UsageError(ROUNDS_NEED_PORT_BASE)
         if self.baseline not in self.modes:
             raise UsageError(f"--baseline {self.baseline} is not among --modes {','.join(self.modes)}; add it or choose "
                              f"another baseline")
