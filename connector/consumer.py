@@ -39,6 +39,7 @@ class Consumer:
         self._hello = wire.Hello(config.engine_id, config.tp_rank, agent_name, agent_metadata, config.identity, regions,
                                  device_id)
         self._lock = threading.Lock()
+        self._outcome_ready = threading.Condition(self._lock)
         self._state = ConsumerState(config.timeout_s)
         self._liveness = PeerLiveness(silence_s=config.peer_silence_s)  # reactor thread only
         self._conns: dict[str, Connection] = {}
@@ -55,7 +56,7 @@ class Consumer:
         with self._lock:
             if peer_engine not in self.config.allowed_engines:
                 self.counters["refused_peer"] += 1
-                self._outcomes.append(Outcome(pending, False, f"prefill engine {peer_engine!r} is not in allowed_engines {sorted(self.config.allowed_engines)}"))
+                self._add_outcomes([Outcome(pending, False, f"prefill engine {peer_engine!r} is not in allowed_engines {sorted(self.config.allowed_engines)}")])
                 return
             if not self._state.add(pending):
                 return
@@ -74,6 +75,20 @@ class Consumer:
         with self._lock:
             out, self._outcomes = self._outcomes, []
             return out
+
+    def wait_for_outcome(self, timeout_s: float) -> None:
+        """Sleep until an outcome is ready or `timeout_s` passes; at once when one is ready or
+        nothing is pending. For an engine step that computes nothing: vLLM would otherwise step
+        again after 1 ms, and on CPU those idle steps take a whole core from whatever shares it."""
+        with self._outcome_ready:
+            if not self._outcomes and self._state.pending:
+                self._outcome_ready.wait(timeout_s)
+
+    def _add_outcomes(self, outcomes: list[Outcome]) -> None:
+        """Lock held."""
+        if outcomes:
+            self._outcomes.extend(outcomes)
+            self._outcome_ready.notify_all()
 
     def close(self) -> None:
         self._reactor.stop()
@@ -101,7 +116,7 @@ class Consumer:
     def _peer_failed(self, peer_engine: str, reason: str) -> None:
         with self._lock:
             lost = self._state.peer_gone(peer_engine, reason)
-            self._outcomes.extend(lost)
+            self._add_outcomes(lost)
         if lost:
             log.warning("kvpush: %d transfer(s) from %s failed: %s", len(lost), peer_engine, reason)
 
@@ -119,7 +134,7 @@ class Consumer:
         now = time.monotonic()
         with self._lock:
             late = self._state.expire(now)
-            self._outcomes.extend(late)
+            self._add_outcomes(late)
             to_ping, silent = self._liveness.due(self._busy_peers(), now)
         for engine_id in silent:
             self._reactor.close(self._conns[engine_id],
@@ -168,7 +183,7 @@ class Consumer:
                 self.counters["unexpected"] += 1
                 return
             if outcome is not None:
-                self._outcomes.append(outcome)
+                self._add_outcomes([outcome])
         if outcome is not None:
             log.debug("kvpush D outcome %s req=%s ok=%s bytes=%d since_register=%.6f t=%.6f", msg.transfer_id,
                       outcome.pending.req_id, outcome.ok, outcome.num_bytes, now - outcome.pending.created, now)

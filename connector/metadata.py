@@ -40,3 +40,4 @@ class PushMetadata:
     accepts: list[str] = field(default_factory=list)  # P: transfer ids of newly arrived requests
     aborts: list[tuple[str, str]] = field(default_factory=list)  # P: (transfer id, reason)
     cancels: list[str] = field(default_factory=list)  # D: transfer ids
+    idle: bool = False  # the step computes no tokens: it runs only to collect transfer outcomes

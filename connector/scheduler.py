@@ -102,6 +102,7 @@ class PushScheduler:
                 self._promised.add(req_id)
                 del self._producing[req_id]
         meta, self._meta = self._meta, self.metadata_cls()
+        meta.idle = not scheduler_output.total_num_scheduled_tokens
         return meta
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

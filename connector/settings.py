@@ -7,6 +7,10 @@ from typing import Any
 from .liveness import DEFAULT_SILENCE_S
 
 
+CPU_IDLE_WAIT_MS = 20.0
+GPU_IDLE_WAIT_MS = 2.0
+
+
 class UnsupportedDeployment(ValueError):
     """A configuration kvpush's connector refuses at start-up, with the reason and the fix."""
 
@@ -26,6 +30,10 @@ class Settings:
     tp_size: int
     block_size: int
     progress_delay_us: int
+    # D: how long a step that computes nothing sleeps for a transfer's outcome. A request that
+    # arrives meanwhile waits that long to be scheduled; on a CPU host every idle step costs the
+    # shared core ~1.5 ms per process, on a GPU host it costs an otherwise idle core.
+    idle_wait_ms: float = CPU_IDLE_WAIT_MS
     huge_pages: bool = True  # CPU: collapse the KV cache into 2 MiB pages before registering it (hugepages.py)
     kv_cache_layout: str | None = None  # as vLLM resolved it (e.g. BLHNC), None before vLLM 0.32
 
@@ -62,6 +70,8 @@ class Settings:
             tp_size=int(parallel.tensor_parallel_size),
             block_size=int(vllm_config.cache_config.block_size),
             progress_delay_us=int(extra.get("progress_delay_us", 100)),
+            idle_wait_ms=_non_negative(extra.get("idle_wait_ms", CPU_IDLE_WAIT_MS if (kv.kv_buffer_device or "cpu") == "cpu"
+                                                 else GPU_IDLE_WAIT_MS), "idle_wait_ms"),
             huge_pages=_flag(extra.get("huge_pages", True), "huge_pages"),
             kv_cache_layout=(getattr(kv_cache_config, "kv_cache_layout", None)
                              or getattr(vllm_config.cache_config, "kv_cache_layout", None)),
@@ -72,3 +82,9 @@ def _flag(value: Any, key: str) -> bool:
     if isinstance(value, bool):
         return value
     raise UnsupportedDeployment(f"kvpush: kv_connector_extra_config.{key} must be true or false, not {value!r}")
+
+
+def _non_negative(value: Any, key: str) -> float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
+        return float(value)
+    raise UnsupportedDeployment(f"kvpush: kv_connector_extra_config.{key} must be a number >= 0, not {value!r}")

@@ -44,6 +44,7 @@ class PushWorker:
         self._silent: set[str] = set()  # transfer ids vLLM is not waiting for
         self._load_errors: set[int] = set()
         self._refused: list[Outcome] = []
+        self._idle_step = False
         self._stats = PushStats()
         self._sync_device: Callable[[], None] | None = None  # CUDA: wait for the forward pass's kernels
 
@@ -88,6 +89,7 @@ class PushWorker:
 
     # ---- D ------------------------------------------------------------------------------------
     def bind(self, meta: PushMetadata) -> None:
+        self._idle_step = meta.idle
         if self.producer is not None and meta.accepts:
             self.producer.accept(meta.accepts)
         if self.consumer is None:
@@ -135,6 +137,10 @@ class PushWorker:
             return (ready or None), None
         if self.consumer is not None:
             recving = set()
+            if self._idle_step and not self._refused:
+                # decode's idle wait: vLLM steps only for our outcomes now, so sleep until one comes
+                # (or a new request may be waiting at the engine: hence the bound)
+                self.consumer.wait_for_outcome(self.settings.idle_wait_ms / 1000)
             refused, self._refused = self._refused, []
             for o in refused + self.consumer.take_outcomes():
                 if o.pending.transfer_id in self._silent:

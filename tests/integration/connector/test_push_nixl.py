@@ -219,3 +219,17 @@ def test_block_major_layers_go_as_one_descriptor_per_run_made_ahead():
         peer.kill()
         consumer.close()
         engine.close()
+
+
+def test_waiting_for_an_outcome_wakes_when_the_write_lands(decode_side, producer_proc):
+    """Decode's idle step sleeps in wait_for_outcome: P's DONE must end that sleep, not its timeout."""
+    arr, consumer = decode_side
+    consumer.wait_for_outcome(5.0)  # nothing pending: returns at once
+    consumer.expect("rq", "t-wake", "P.test", "127.0.0.1", producer_proc.port, [9, 10], 0, 32)
+    time.sleep(0.05)
+    producer_proc.send(offer=["t-wake", "pr-wake", [1, 2], "D.test"])
+    started = time.monotonic()
+    consumer.wait_for_outcome(5.0)
+    woke_after = time.monotonic() - started
+    [outcome] = consumer.take_outcomes()
+    assert outcome.ok and outcome.pending.transfer_id == "t-wake" and woke_after < 2.5

@@ -38,7 +38,7 @@ class Blocks:
 
 
 def sched_out(**scheduled):
-    return SimpleNamespace(num_scheduled_tokens=scheduled)
+    return SimpleNamespace(num_scheduled_tokens=scheduled, total_num_scheduled_tokens=sum(scheduled.values()))
 
 
 def test_params_parse_and_reject():
@@ -146,3 +146,9 @@ def test_requests_without_kvpush_params_are_untouched():
         assert s.request_finished(r, [1]) == (False, None)
         meta = s.build_connector_meta(sched_out(r=3))
         assert not (meta.sends or meta.recvs or meta.aborts or meta.cancels)
+
+
+def test_a_step_that_computes_nothing_is_marked_idle():
+    s = PushScheduler(BS, is_producer=False, engine_id="D.e")
+    assert s.build_connector_meta(sched_out()).idle
+    assert not s.build_connector_meta(sched_out(r=1)).idle

@@ -30,6 +30,17 @@ def test_huge_pages_default_on_and_switchable_with_a_boolean_only():
         Settings.from_vllm(vllm_config(extra={"huge_pages": "no"}))
 
 
+def test_idle_wait_defaults_by_platform_and_refuses_nonsense():
+    assert Settings.from_vllm(vllm_config()).idle_wait_ms == 20.0
+    gpu = vllm_config()
+    gpu.kv_transfer_config.kv_buffer_device = "cuda"
+    assert Settings.from_vllm(gpu).idle_wait_ms == 2.0
+    assert Settings.from_vllm(vllm_config(extra={"idle_wait_ms": 0})).idle_wait_ms == 0.0
+    for bad in ("5", -1, True):
+        with pytest.raises(UnsupportedDeployment, match="idle_wait_ms must be a number >= 0"):
+            Settings.from_vllm(vllm_config(extra={"idle_wait_ms": bad}))
+
+
 @pytest.mark.parametrize("kwargs, words", [
     ({"role": "kv_both"}, "kv_role"),
     ({"use_mla": True}, "MLA"),

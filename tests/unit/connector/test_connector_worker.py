@@ -39,7 +39,10 @@ class FakeProducer:
 
 class FakeConsumer:
     def __init__(self):
-        self.expected, self.outcomes = [], []
+        self.expected, self.outcomes, self.waits = [], [], []
+
+    def wait_for_outcome(self, timeout_s):
+        self.waits.append(timeout_s)
 
     def expect(self, *args):
         self.expected.append(args)
@@ -53,7 +56,7 @@ class FakeConsumer:
 
 
 def worker(producer: bool) -> PushWorker:
-    settings = SimpleNamespace(tp_size=1, is_producer=producer)
+    settings = SimpleNamespace(tp_size=1, is_producer=producer, idle_wait_ms=7.0)
     w = PushWorker(settings, num_blocks=10, tp_rank=0)
     if producer:
         w.producer = FakeProducer()
@@ -137,3 +140,19 @@ def test_stats_reduce_and_aggregate():
     merged = a.aggregate(b).reduce()
     assert merged["sends_ok"] == 1 and merged["sends_failed"] == 1 and merged["send_bytes_total"] == 100
     assert merged["prefill_end_to_done_p50_ms"] == 2.0 and not a.is_empty() and PushStats().is_empty()
+
+
+def test_decode_sleeps_for_an_outcome_only_in_a_step_that_computes_nothing():
+    w = worker(False)
+    w.bind(PushMetadata(recvs=[RecvSpec("r", "t", "P", "h", 5, 1, (3,), 0, 100)], idle=True))
+    w.consumer.outcomes.append(Outcome(Pending("t", "r", "P", (3,), 0.0), True))
+    assert w.get_finished(set()) == (None, {"r"}) and w.consumer.waits == [0.007]
+    w.bind(PushMetadata(idle=False))  # a forward ran: report at once, never hold the step up
+    w.get_finished(set())
+    assert w.consumer.waits == [0.007]
+
+
+def test_decode_with_a_refusal_to_report_does_not_sleep():
+    w = worker(False)
+    w.bind(PushMetadata(recvs=[RecvSpec("r", "t", "P", "h", 5, 2, (3,), 0, 100)], idle=True))
+    assert w.get_finished(set()) == (None, {"r"}) and w.consumer.waits == []
