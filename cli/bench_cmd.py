@@ -64,7 +64,8 @@ class _ProgressEvents(BenchEvents):
         where = f" round {point.round + 1}/{self.rounds}" if self.rounds > 1 else ""
         self.progress.console.print(
             f"  {mode:<10} {point.rate:>5g} req/s{where}: TTFT p50 {_ms(c.latency['ttft'].p50)} p90 {_ms(c.latency['ttft'].p90)}, "
-            f"TPOT p50 {_ms(c.latency['tpot'].p50)}, handoff p50 {_ms(gap)}, failed {c.failed}", highlight=False)
+            f"TPOT p50 {_ms(c.latency['tpot'].p50)}, handoff p50 {_ms(gap)}, prefill engine {_ms(point.prefill_engine_ms)}/req, "
+            f"failed {c.failed}", highlight=False)
         self.progress.advance(self.task)
 
     def mode_failed(self, mode: str, error: str) -> None:

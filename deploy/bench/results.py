@@ -155,6 +155,13 @@ class RatePoint:
     def failed_transfers(self) -> float:
         return sum(i.failed_transfers for i in self.instances)
 
+    @property
+    def prefill_engine_ms(self) -> float | None:
+        """Prefill instances' own time per request, first scheduled to first token (their mean)."""
+        prefill = [i for i in self.instances if i.role == "prefill"]
+        count = sum(i.engine_requests for i in prefill)
+        return sum(i.engine_prefill_s for i in prefill) / count * 1000 if count else None
+
 
 def pool_points(points: list[RatePoint], samples: list[RequestSamples]) -> RatePoint:
     """One mode at one rate over several rounds: latency percentiles of all requests together, counts
@@ -197,7 +204,10 @@ def pool_points(points: list[RatePoint], samples: list[RequestSamples]) -> RateP
         instances.append(replace(inst, prompt_tokens_external=sum(x.prompt_tokens_external for x in same),
                                  prompt_tokens_local=sum(x.prompt_tokens_local for x in same),
                                  prompt_tokens_cached=sum(x.prompt_tokens_cached for x in same),
-                                 kv_bytes=kv_bytes, failed_transfers=sum(x.failed_transfers for x in same)))
+                                 kv_bytes=kv_bytes, failed_transfers=sum(x.failed_transfers for x in same),
+                                 engine_requests=sum(x.engine_requests for x in same),
+                                 engine_prefill_s=sum(x.engine_prefill_s for x in same),
+                                 engine_queue_s=sum(x.engine_queue_s for x in same)))
     return RatePoint(mode=first.mode, rate=first.rate, seed=first.seed, client=client, router=router,
                      instances=instances, round=-1)
 
@@ -288,4 +298,8 @@ def point_to_dict(point: RatePoint) -> dict:
     d["decode_prompt_tokens_local"] = point.decode_prompt_tokens_local
     d["kv_bytes"] = point.kv_bytes
     d["failed_transfers"] = point.failed_transfers
+    d["prefill_engine_ms"] = point.prefill_engine_ms
+    for inst, inst_dict in zip(point.instances, d["instances"]):
+        inst_dict["prefill_ms_per_request"] = inst.prefill_ms_per_request
+        inst_dict["queue_ms_per_request"] = inst.queue_ms_per_request
     return d

@@ -2,7 +2,8 @@
 
 Router: the handoff gap histogram (prefill's answer to decode's first token), retries, leg
 failures and request outcomes. Instances: prompt tokens by source (received by KV transfer vs
-computed locally), connector byte counters and failed transfers. Every figure is a difference
+computed locally), connector byte counters, failed transfers, and the engine's own time per
+request (queued, and from first scheduled to first token). Every figure is a difference
 between a scrape before and one after a load level.
 """
 from __future__ import annotations
@@ -20,6 +21,8 @@ ROUTER_IN_ROTATION = "kvpush_router_instance_in_rotation"
 EXTERNAL_SOURCE = "external_kv_transfer"
 LOCAL_SOURCES = ("local_compute",)
 CACHED_SOURCES = ("local_cache_hit",)
+ENGINE_PREFILL_TIME = "vllm:request_prefill_time_seconds"  # first scheduled -> first token
+ENGINE_QUEUE_TIME = "vllm:request_queue_time_seconds"  # arrived at the engine -> first scheduled
 FAILED_TRANSFERS = ("vllm:nixl_num_failed_transfers_total", "vllm:kvpush_failed_transfers_total")
 # Bytes a connector reports moving; the first group of each name is summed.
 _BYTES_METRIC = re.compile(r"^(vllm:(?:nixl|kvpush)_\w*bytes\w*?)(_sum|_total)$")
@@ -142,6 +145,19 @@ class InstanceFigures:
     prompt_tokens_cached: float  # local prefix-cache hits
     kv_bytes: dict[str, float]  # connector byte metrics that moved
     failed_transfers: float
+    # the engine's own timing, as sums so that rounds pool: a mode whose prefill computes slower
+    # shows here, apart from anything the router or the transfer adds
+    engine_requests: float = 0.0
+    engine_prefill_s: float = 0.0
+    engine_queue_s: float = 0.0
+
+    @property
+    def prefill_ms_per_request(self) -> float | None:
+        return self.engine_prefill_s / self.engine_requests * 1000 if self.engine_requests else None
+
+    @property
+    def queue_ms_per_request(self) -> float | None:
+        return self.engine_queue_s / self.engine_requests * 1000 if self.engine_requests else None
 
 
 def _bytes_metrics(text: str) -> dict[str, float]:
@@ -157,6 +173,8 @@ def instance_figures(name: str, role: str, before: str, after: str) -> InstanceF
     by_source = _delta(_sum_by_label(after, PROMPT_TOKENS_BY_SOURCE, "source"),
                        _sum_by_label(before, PROMPT_TOKENS_BY_SOURCE, "source"))
     failed = sum((metric_sum(after, n) or 0.0) - (metric_sum(before, n) or 0.0) for n in FAILED_TRANSFERS)
+    prefill_time = histogram(after, ENGINE_PREFILL_TIME).minus(histogram(before, ENGINE_PREFILL_TIME))
+    queue_time = histogram(after, ENGINE_QUEUE_TIME).minus(histogram(before, ENGINE_QUEUE_TIME))
     return InstanceFigures(
         name=name, role=role,
         prompt_tokens_external=by_source.get(EXTERNAL_SOURCE, 0.0),
@@ -164,6 +182,7 @@ def instance_figures(name: str, role: str, before: str, after: str) -> InstanceF
         prompt_tokens_cached=sum(by_source.get(s, 0.0) for s in CACHED_SOURCES),
         kv_bytes=_delta(_bytes_metrics(after), _bytes_metrics(before)),
         failed_transfers=failed,
+        engine_requests=prefill_time.count, engine_prefill_s=prefill_time.total, engine_queue_s=queue_time.total,
     )
 
 

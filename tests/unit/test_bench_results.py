@@ -65,10 +65,21 @@ def test_kv_transfer_evidence_from_recorded_scrapes(recorded_point):
     assert recorded_point.failed_transfers == 0
 
 
+def test_prefill_engine_time_from_recorded_scrapes(recorded_point):
+    prefill, decode = recorded_point.instances
+    # 6 new requests: (266.21 - 3.39) s of prefill and (57.21 - 0.0002) s queued at the engine
+    assert prefill.engine_requests == 6
+    assert prefill.prefill_ms_per_request == pytest.approx((266.20652564 - 3.38884554) / 6 * 1000)
+    assert prefill.queue_ms_per_request == pytest.approx((57.20895940 - 0.00023930) / 6 * 1000)
+    assert recorded_point.prefill_engine_ms == pytest.approx(prefill.prefill_ms_per_request)
+
+
 def test_point_serializes_with_its_derived_figures(recorded_point):
     d = json.loads(json.dumps(point_to_dict(recorded_point)))
     assert d["client"]["latency"]["ttft"]["p50"] == pytest.approx(86158.80, abs=0.01)
     assert d["kv_bytes"] == 3072 * 1024 and d["prompt_tokens_external"] == 3072
+    assert d["prefill_engine_ms"] == pytest.approx(recorded_point.prefill_engine_ms)
+    assert d["instances"][0]["prefill_ms_per_request"] == pytest.approx(recorded_point.prefill_engine_ms)
 
 
 def _scaled(point: RatePoint, mode: str, factor: float) -> RatePoint:
@@ -138,6 +149,8 @@ def test_pooled_point_takes_percentiles_over_every_rounds_requests(recorded_poin
     assert pooled.router.handoff_observations == 2 * recorded_point.router.handoff_observations
     assert pooled.prompt_tokens_external == 2 * recorded_point.prompt_tokens_external
     assert pooled.kv_bytes == 2 * recorded_point.kv_bytes
+    assert pooled.instances[0].engine_requests == 2 * recorded_point.instances[0].engine_requests
+    assert pooled.prefill_engine_ms == pytest.approx(recorded_point.prefill_engine_ms)  # a mean of means, weighted
 
 
 def test_paired_ratios_compare_within_each_round(recorded_point):
