@@ -207,6 +207,7 @@ def pool_points(points: list[RatePoint], samples: list[RequestSamples]) -> RateP
                                  kv_bytes=kv_bytes, failed_transfers=sum(x.failed_transfers for x in same),
                                  engine_requests=sum(x.engine_requests for x in same),
                                  engine_prefill_s=sum(x.engine_prefill_s for x in same),
+                                 engine_queued=sum(x.engine_queued for x in same),
                                  engine_queue_s=sum(x.engine_queue_s for x in same)))
     return RatePoint(mode=first.mode, rate=first.rate, seed=first.seed, client=client, router=router,
                      instances=instances, round=-1)

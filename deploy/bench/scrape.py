@@ -147,8 +147,9 @@ class InstanceFigures:
     failed_transfers: float
     # the engine's own timing, as sums so that rounds pool: a mode whose prefill computes slower
     # shows here, apart from anything the router or the transfer adds
-    engine_requests: float = 0.0
+    engine_requests: float = 0.0  # requests whose prefill time the engine recorded
     engine_prefill_s: float = 0.0
+    engine_queued: float = 0.0  # requests whose queue time it recorded
     engine_queue_s: float = 0.0
 
     @property
@@ -157,7 +158,7 @@ class InstanceFigures:
 
     @property
     def queue_ms_per_request(self) -> float | None:
-        return self.engine_queue_s / self.engine_requests * 1000 if self.engine_requests else None
+        return self.engine_queue_s / self.engine_queued * 1000 if self.engine_queued else None
 
 
 def _bytes_metrics(text: str) -> dict[str, float]:
@@ -182,7 +183,8 @@ def instance_figures(name: str, role: str, before: str, after: str) -> InstanceF
         prompt_tokens_cached=sum(by_source.get(s, 0.0) for s in CACHED_SOURCES),
         kv_bytes=_delta(_bytes_metrics(after), _bytes_metrics(before)),
         failed_transfers=failed,
-        engine_requests=prefill_time.count, engine_prefill_s=prefill_time.total, engine_queue_s=queue_time.total,
+        engine_requests=prefill_time.count, engine_prefill_s=prefill_time.total,
+        engine_queued=queue_time.count, engine_queue_s=queue_time.total,
     )
 
 
