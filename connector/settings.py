@@ -31,8 +31,8 @@ class Settings:
     block_size: int
     progress_delay_us: int
     # D: how long a step that computes nothing sleeps for a transfer's outcome. A request that
-    # arrives meanwhile waits that long to be scheduled; on a CPU host every idle step costs the
-    # shared core ~1.5 ms per process, on a GPU host it costs an otherwise idle core.
+    # arrives meanwhile waits up to that long to be scheduled. Stepping every ms instead kept a
+    # CPU decode's core busy (~1 core, docs/benchmarks.md run 17); a GPU host has cores to spare.
     idle_wait_ms: float = CPU_IDLE_WAIT_MS
     huge_pages: bool = True  # CPU: collapse the KV cache into 2 MiB pages before registering it (hugepages.py)
     kv_cache_layout: str | None = None  # as vLLM resolved it (e.g. BLHNC), None before vLLM 0.32
