@@ -196,6 +196,13 @@ def _vllm_process(topo: Topology, role: Role, spec: InstanceSpec) -> ProcessPlan
         env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = bind_address(host)
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(spec.side_channel_port)
     if topo.platform == "cpu":
+        # A CPU instance has one worker (TP x DP = 1): run it inside the engine process (vLLM's
+        # "uni" executor) instead of a worker process behind a shared-memory queue whose reader
+        # yield-spins. Measured on the 2-core host: a decode waiting for pushed KV used 0.98 of its
+        # core with the worker process (engine 0.84, spinning) and 0.15 without; TPOT fell from
+        # 12-13 ms to 9-10 ms in both push and pull (docs/benchmarks.md, run 20). The topology's
+        # `env` may still set it to "1".
+        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if spec.cpu_cores is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = spec.cpu_cores
         if spec.kv_cache_gib is not None:

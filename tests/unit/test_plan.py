@@ -110,6 +110,15 @@ def test_process_digest_changes_only_for_the_changed_process():
     assert before.process("decode-0").digest() != after.process("decode-0").digest()
 
 
+def test_cpu_instances_run_their_worker_inside_the_engine_process():
+    plan = plan_for()
+    assert {plan.process(n).env["VLLM_ENABLE_V1_MULTIPROCESSING"] for n in ("prefill-0", "decode-0")} == {"0"}
+    kept = build_plan(parse_topology((TWO_HOSTS % "kvpush").replace('GLOBAL: "1"', 'VLLM_ENABLE_V1_MULTIPROCESSING: "1"')))
+    assert kept.process("decode-0").env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+    gpu = build_plan(parse_topology(template_text("p5en-1p1d"))).process("decode-0")
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in gpu.env
+
+
 def test_cuda_instance_gets_visible_devices():
     topo = parse_topology(template_text("p5en-1p1d"))
     plan = build_plan(topo)

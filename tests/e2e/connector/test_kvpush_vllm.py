@@ -4,11 +4,13 @@ Order matters: the last test kills the prefill server.
 Heavy (three vLLM servers): run under `flock /tmp/kvpush-vllm.lock python -m pytest ...`."""
 from __future__ import annotations
 
+import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import psutil
 import pytest
 from tokenizers import Tokenizer
 
@@ -88,6 +90,25 @@ def test_decode_metrics_show_external_kv(cluster):
     print(f"\ndecode prompt tokens: external {external:.0f}, local {local:.0f} (of {total})")
     assert external >= 0.95 * total
     assert local <= len(cluster["prompts"]["sequential"])  # at most the one recomputed last token per request
+
+
+def process_names_in_group(pgid: int) -> list[str]:
+    names = []
+    for proc in psutil.process_iter(["name"]):
+        try:
+            if os.getpgid(proc.pid) == pgid:
+                names.append(proc.info["name"])
+        except ProcessLookupError:  # exited while we looked
+            continue
+    return names
+
+
+def test_each_instance_runs_its_worker_inside_the_engine_process(cluster):
+    """The plan's CPU default: no worker process behind a spinning shared-memory queue."""
+    for role in ("prefill", "decode"):
+        names = process_names_in_group(cluster[role].proc.pid)
+        assert len([n for n in names if n.startswith("VLLM::EngineCor")]) == 1, (role, names)
+        assert not [n for n in names if n.startswith("VLLM::Worker")], (role, names)
 
 
 def test_32_concurrent_requests_all_correct(cluster, pool):
