@@ -7,7 +7,7 @@ import statistics
 from dataclasses import asdict, dataclass, field, replace
 
 from ..errors import KvpushError
-from .scrape import InstanceFigures, RouterFigures
+from .scrape import InstanceFigures, RouterFigures, ms_per_request
 
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
 STAT_NAMES = ("mean", "p50", "p90", "p99")
@@ -159,8 +159,7 @@ class RatePoint:
     def prefill_engine_ms(self) -> float | None:
         """Prefill instances' own time per request, first scheduled to first token (their mean)."""
         prefill = [i for i in self.instances if i.role == "prefill"]
-        count = sum(i.engine_requests for i in prefill)
-        return sum(i.engine_prefill_s for i in prefill) / count * 1000 if count else None
+        return ms_per_request(sum(i.engine_prefill_s for i in prefill), sum(i.engine_requests for i in prefill))
 
 
 def pool_points(points: list[RatePoint], samples: list[RequestSamples]) -> RatePoint:

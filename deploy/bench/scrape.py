@@ -154,11 +154,16 @@ class InstanceFigures:
 
     @property
     def prefill_ms_per_request(self) -> float | None:
-        return self.engine_prefill_s / self.engine_requests * 1000 if self.engine_requests else None
+        return ms_per_request(self.engine_prefill_s, self.engine_requests)
 
     @property
     def queue_ms_per_request(self) -> float | None:
-        return self.engine_queue_s / self.engine_queued * 1000 if self.engine_queued else None
+        return ms_per_request(self.engine_queue_s, self.engine_queued)
+
+
+def ms_per_request(total_s: float, requests: float) -> float | None:
+    """Mean milliseconds per request from a histogram's sum and count; None when nothing was counted."""
+    return total_s / requests * 1000 if requests else None
 
 
 def _bytes_metrics(text: str) -> dict[str, float]:
