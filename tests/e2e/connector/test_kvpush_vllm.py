@@ -4,7 +4,6 @@ Order matters: the last test kills the prefill server.
 Heavy (three vLLM servers): run under `flock /tmp/kvpush-vllm.lock python -m pytest ...`."""
 from __future__ import annotations
 
-import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -13,6 +12,8 @@ from pathlib import Path
 import psutil
 import pytest
 from tokenizers import Tokenizer
+
+from kvpush.deploy.runners.local import LocalRunner
 
 sys.path.insert(0, str(Path(__file__).parent))
 from harness import (  # noqa: E402
@@ -93,14 +94,7 @@ def test_decode_metrics_show_external_kv(cluster):
 
 
 def process_names_in_group(pgid: int) -> list[str]:
-    names = []
-    for proc in psutil.process_iter(["name"]):
-        try:
-            if os.getpgid(proc.pid) == pgid:
-                names.append(proc.info["name"])
-        except ProcessLookupError:  # exited while we looked
-            continue
-    return names
+    return [psutil.Process(m.pid).name() for m in LocalRunner().group_members([pgid])[pgid] if m.state == "alive"]
 
 
 def test_each_instance_runs_its_worker_inside_the_engine_process(cluster):
