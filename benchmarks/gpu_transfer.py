@@ -553,8 +553,8 @@ def parse_args(argv=None):
                    help="comma list of " + ", ".join(PRODUCER_MODES + ENGINE_MODES + tuple(RAW_VARIANTS)))
     p.add_argument("--skip-per-block-over", type=int, default=0,
                    help="skip the per-block mode above this many per-block descriptors (0: never)")
-    p.add_argument("--progress-delay-us", type=int, default=transfer_mod.DEFAULT_PROGRESS_DELAY_US,
-                   help="the writer engine's NIXL progress-thread pause")
+    p.add_argument("--progress-delay-us", type=int, default=None,
+                   help="the writer engine's NIXL progress-thread pause (default: the connector's for the memory type)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write every record to this file")
     args = p.parse_args(argv)

@@ -7,10 +7,12 @@ legs straight to the first prefill and decode instances, as the router would (th
 joins the connector's DEBUG lines (`kvpush P offer/post/done`, `kvpush D expect/outcome`) from both
 instances' logs by transfer id and prints, relative to prefill's step end (`P offer`):
 
+    D start     decode hears a streamed WRITE begin (stream_writes), and may schedule the request
     P done      prefill's WRITE complete          D outcome   decode knows the KV is there
     P answer    prefill leg's answer received     D first     decode leg's first token received
     handoff     D first - P answer (what `kvpush bench` reports at the router)
     D path      D first - D outcome: decode's scheduling + first forward + output, no transfer in it
+                (with a streamed WRITE the forward overlaps the transfer, so this is what is left of it)
     step        decode's time per token after the first
 
 `--repeat-prompt` sends the same prompt every time, so from the second request on both instances hold
@@ -42,7 +44,7 @@ from kvpush.deploy.topology import load_topology
 from kvpush.router.protocols import concurrent_legs, new_transfer_id
 
 CONNECTOR_LINE = re.compile(r"kvpush (?P<side>[PD]) (?P<event>\w+) (?P<tid>[0-9a-f]+)\b.*? t=(?P<t>[\d.]+)")
-COLUMNS = ("P_done", "D_outcome", "P_answer", "D_first")
+COLUMNS = ("D_streaming", "P_done", "D_outcome", "P_answer", "D_first")
 
 
 @dataclass
@@ -112,7 +114,8 @@ def format_row(t: Timeline) -> str:
     return f"{t.index:3d} " + " ".join(f"{c:>9}" for c in cells)
 
 
-HEADER = "  # " + " ".join(f"{h:>9}" for h in ("P done", "D outcome", "P answer", "D first", "handoff", "D path", "step"))
+HEADER = "  # " + " ".join(f"{h:>9}" for h in ("D start", "P done", "D outcome", "P answer", "D first", "handoff", "D path",
+                                                 "step"))
 
 
 async def send_request(session: aiohttp.ClientSession, prefill_url: str, decode_url: str, legs, timeline: Timeline) -> None:

@@ -33,7 +33,11 @@ class Segment:
     block_len: int
     local_stride: int
     remote_stride: int
-    num_regions: int
+    regions: tuple[int, ...]  # indices of the paired regions it covers (same index on both sides)
+
+    @property
+    def num_regions(self) -> int:
+        return len(self.regions)
 
     @property
     def packed(self) -> bool:
@@ -53,13 +57,13 @@ def pair_segments(local: Sequence[Region], remote: Sequence[Region]) -> tuple[Se
             raise CoalesceError(f"KV region {i}: {mine.block_len}-byte blocks here vs {theirs.block_len} on the peer")
     segments: list[Segment] = []
     prev: tuple[Region, Region] | None = None
-    for mine, theirs in sorted(zip(local, remote), key=lambda pair: pair[0].base):
+    for index, mine, theirs in sorted(zip(range(len(local)), local, remote), key=lambda item: item[1].base):
         if prev is not None and _continues(segments[-1], prev, mine, theirs):
             s = segments[-1]
             segments[-1] = Segment(s.local_base, s.remote_base, s.block_len + mine.block_len,
-                                   s.local_stride, s.remote_stride, s.num_regions + 1)
+                                   s.local_stride, s.remote_stride, s.regions + (index,))
         else:
-            segments.append(Segment(mine.base, theirs.base, mine.block_len, mine.stride, theirs.stride, 1))
+            segments.append(Segment(mine.base, theirs.base, mine.block_len, mine.stride, theirs.stride, (index,)))
         prev = (mine, theirs)
     return tuple(segments)
 
@@ -126,6 +130,25 @@ class Plan:
     def pair(cls, local: Sequence[Region], remote: Sequence[Region], local_device: int = 0,
              remote_device: int = 0) -> "Plan":
         return cls(pair_segments(local, remote), local_device, remote_device)
+
+    def parts(self, src_blocks, dst_blocks) -> list[tuple[np.ndarray, np.ndarray, tuple[int, ...]]]:
+        """`descriptors` cut into one part per segment, in local address order (layer order for
+        a layer-major cache): (local rows, remote rows, indices of the regions the part fills).
+        Sent one after another, they let the receiver use each layer as soon as its part lands."""
+        local, remote = self.descriptors(src_blocks, dst_blocks)
+        src = np.asarray(src_blocks, dtype=np.int64)
+        rows_per_packed = len(block_runs(src, np.asarray(dst_blocks, dtype=np.int64))) if self._packed is not None else 0
+        rows = {id(seg): rows_per_packed if seg.packed else src.size for seg in self.segments}
+        start, at = {}, 0
+        for seg in [s for s in self.segments if s.packed] + [s for s in self.segments if not s.packed]:
+            start[id(seg)] = at  # the row order `descriptors` writes: packed segments first
+            at += rows[id(seg)]
+        out = []
+        for seg in sorted(self.segments, key=lambda s: s.local_base):
+            lo, hi = start[id(seg)], start[id(seg)] + rows[id(seg)]
+            if hi > lo:
+                out.append((local[lo:hi], remote[lo:hi], seg.regions))
+        return out
 
     def descriptors(self, src_blocks, dst_blocks) -> tuple[np.ndarray, np.ndarray]:
         """Local and remote Nx3 (address, length, device) uint64 arrays, row i of one pairing row i

@@ -2,6 +2,9 @@
 them, and turns P's DONE/FAIL, a lost connection or a timeout into one outcome per request.
 
 `expect()` is called from the compute thread; connecting and sending happen on the reactor thread.
+A WRITE that P streams (STREAMING, then LANDED per layer, then DONE) is handed out twice: as
+started (`take_started`: vLLM may schedule the request now) and as its outcome; in between the
+compute thread waits for each layer's bytes in `wait_landed`.
 One connection per P engine, opened on first use with a HELLO carrying this agent's NIXL metadata
 and KV layout. A connection that dies fails every transfer pending on it at once.
 """
@@ -44,6 +47,7 @@ class Consumer:
         self._liveness = PeerLiveness(silence_s=config.peer_silence_s)  # reactor thread only
         self._conns: dict[str, Connection] = {}
         self._outcomes: list[Outcome] = []
+        self._started: list[Pending] = []  # streamed transfers whose WRITE began
         self.counters: Counter = Counter()
         self._reactor = Reactor(f"kvpush-d-{config.engine_id}", self)
         self._reactor.start()
@@ -76,13 +80,37 @@ class Consumer:
             out, self._outcomes = self._outcomes, []
             return out
 
+    def take_started(self) -> list[Pending]:
+        with self._lock:
+            out, self._started = self._started, []
+            return out
+
     def wait_for_outcome(self, timeout_s: float) -> None:
-        """Sleep until an outcome is ready or `timeout_s` passes; at once when one is ready or
-        nothing is pending. For an engine step that computes nothing: vLLM would otherwise step
-        again after 1 ms, and on CPU those idle steps take a whole core from whatever shares it."""
+        """Sleep until an outcome (or a streamed WRITE's start) is ready or `timeout_s` passes; at
+        once when one is ready or nothing is pending. For an engine step that computes nothing:
+        vLLM would otherwise step again after 1 ms, and on CPU those idle steps take a whole core
+        from whatever shares it."""
         with self._outcome_ready:
-            if not self._outcomes and self._state.pending:
+            if not self._outcomes and not self._started and self._state.pending:
                 self._outcome_ready.wait(timeout_s)
+
+    def wait_landed(self, transfer_ids: list[str], regions: tuple[int, ...], timeout_s: float) -> None:
+        """Block until those regions of every one of these streamed transfers hold their bytes or
+        the transfer has its outcome. One still short of that after `timeout_s` is failed here."""
+        deadline = time.monotonic() + timeout_s
+        with self._outcome_ready:
+            while True:
+                short = [t for t in transfer_ids if not self._state.has_landed(t, regions)]
+                left = deadline - time.monotonic()
+                if not short or left <= 0:
+                    break
+                self._outcome_ready.wait(left)
+            for tid in short:
+                pending = self._state.pending.get(tid)
+                if pending is not None:
+                    self._add_outcomes([self._state.fail(tid, pending.peer_engine,
+                                                         f"streamed KV from {pending.peer_engine} did not land within {timeout_s:g} s")])
+                    self._reactor.call_soon(lambda p=pending: self._send_existing(p.peer_engine, wire.Cancel(p.transfer_id)))
 
     def _add_outcomes(self, outcomes: list[Outcome]) -> None:
         """Lock held."""
@@ -174,6 +202,18 @@ class Consumer:
             if isinstance(msg, wire.Accepted):
                 self._state.accept(msg.transfer_id, engine_id, now)
                 log.debug("kvpush D accepted %s t=%.6f", msg.transfer_id, now)
+                return
+            if isinstance(msg, wire.Streaming):
+                started = self._state.streaming(msg.transfer_id, engine_id)
+                if started is not None:
+                    self._started.append(started)
+                    self._outcome_ready.notify_all()
+                log.debug("kvpush D streaming %s t=%.6f", msg.transfer_id, now)
+                return
+            if isinstance(msg, wire.Landed):
+                if self._state.landed(msg.transfer_id, engine_id, msg.regions, len(self._hello.regions)):
+                    self.counters["landed_parts"] += 1
+                    self._outcome_ready.notify_all()
                 return
             if isinstance(msg, wire.Done):
                 outcome = self._state.done(msg.transfer_id, engine_id, msg.num_bytes)

@@ -40,4 +40,9 @@ class PushMetadata:
     accepts: list[str] = field(default_factory=list)  # P: transfer ids of newly arrived requests
     aborts: list[tuple[str, str]] = field(default_factory=list)  # P: (transfer id, reason)
     cancels: list[str] = field(default_factory=list)  # D: transfer ids
+    # D: requests this step computes for the first time since their KV was reported received
+    loading: list[str] = field(default_factory=list)
+    # D: (request, transfer) ended after its KV was reported received but before it was computed:
+    # report it received again once nothing can land in its blocks any more (vLLM frees them then)
+    releases: list[tuple[str, str]] = field(default_factory=list)
     idle: bool = False  # the step computes no tokens: it runs only to collect transfer outcomes

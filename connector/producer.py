@@ -4,7 +4,9 @@ with finished blocks, WRITEs with NIXL and tells D DONE or FAIL.
 `prepare()` is called from the compute thread while a GPU still runs the forward pass in which a
 request's prefill completes: if D's registration is already here, the request's coalesced WRITE is
 made then (see transfer.prepare_write), off the critical path. `offer()` is called once the forward
-is done; if D's registration is here, the WRITE (made ahead, or now) is posted right there. Everything that
+is done; if D's registration is here, the WRITE (made ahead, or now) is posted right there. With
+`stream_writes` (CPU) the compute thread instead writes layer by layer, telling D STREAMING first and
+LANDED after each layer, so that D's forward pass overlaps the copy. Everything that
 arrives later is handled on the reactor thread. `take_freed()` hands back the requests whose
 blocks P may free (WRITE done or failed, or never matched before the timeout).
 """
@@ -24,6 +26,7 @@ from .transfer import NixlEngine, Peer, TransferError, Write
 log = logging.getLogger(__name__)
 POLL_S = 0.0002  # completion polling period, only while WRITEs are in flight
 SYNC_DRIVE_S = 0.5  # at most this long the compute thread drives a WRITE it posted itself
+STREAM_DRIVE_S = 5.0  # the same for a streamed one (all its parts), which D is already computing on
 
 
 @dataclass(frozen=True)
@@ -46,10 +49,19 @@ class SendRecord:
 @dataclass
 class _InFlight:
     match: Match
-    write: Write
+    writes: list[Write]  # one, or a streamed WRITE's parts not yet driven to completion
     conn: Connection
     posted: float
     prepared_ahead: bool
+    error: str = ""  # a part could not be posted: FAIL once the others are no longer in flight
+    num_bytes: int = 0  # of the parts that completed before
+
+    def state(self, engine: NixlEngine) -> str:
+        """PROC while any part is; then ERR if any part failed or could not be posted."""
+        states = [engine.state(w) for w in self.writes]
+        if "PROC" in states:
+            return "PROC"
+        return "ERR" if self.error or "ERR" in states else "DONE"
 
 
 @dataclass
@@ -74,6 +86,8 @@ class ProducerConfig:
     # DRAM: the copy is CPU work, so the compute thread that posted a WRITE completes it at once.
     # VRAM: the GPU's copy engines do it; the compute thread returns to vLLM.
     drive_writes: bool = True
+    # ... and, where it drives them, writes layer by layer with STREAMING/LANDED to D
+    stream_writes: bool = False
 
 
 @dataclass
@@ -142,9 +156,12 @@ class Producer:
                 return
             result = self._state.offer(Offer(transfer_id, req_id, tuple(block_ids), peer_engine, now))
             log.debug("kvpush P offer %s req=%s blocks=%d t=%.6f matched=%s", transfer_id, req_id, len(block_ids), now, result is not None)
-            self._settle(result)
-            if isinstance(result, Match) and self.config.drive_writes:
-                self._drive(transfer_id)
+            if isinstance(result, Match) and self.config.drive_writes and self.config.stream_writes:
+                self._stream(result)
+            else:
+                self._settle(result)
+                if isinstance(result, Match) and self.config.drive_writes:
+                    self._drive(transfer_id)
         self._reactor.wake()
 
     def _drive(self, transfer_id: str) -> None:
@@ -153,9 +170,71 @@ class Producer:
         the KV over without waiting for another thread to be scheduled."""
         deadline = time.monotonic() + SYNC_DRIVE_S
         for item in [i for i in self._inflight if i.match.offer.transfer_id == transfer_id]:
-            while self.engine.state(item.write) == "PROC" and time.monotonic() < deadline:
+            while item.state(self.engine) == "PROC" and time.monotonic() < deadline:
                 pass
         self._poll()
+
+    def _stream(self, match: Match) -> None:
+        """Write one part (layer) after the other from the compute thread, telling D STREAMING
+        before the first and LANDED after each, so D can schedule the request and compute each
+        layer as soon as it is there. Parts still copying at the deadline, and the rest, go on
+        in flight like any WRITE: D then learns of them from DONE or FAIL only. Lock held."""
+        tid = match.offer.transfer_id
+        engine_id = match.registration.peer_engine
+        conn, peer = self._peers.conns.get(engine_id), self._peers.nixl.get(engine_id)
+        started = time.monotonic()
+        if conn is None or peer is None or conn.closed or not match.src_blocks:
+            self._post(match)  # answers these as usual: FAIL (disconnected) or DONE (nothing to write)
+            return
+        try:
+            parts = self.engine.prepare_parts(peer, match.src_blocks, match.dst_blocks)
+        except TransferError as exc:
+            self._finish(match, conn, started, time.monotonic(), False, str(exc))
+            return
+        conn.send(wire.Streaming(tid))
+        deadline = started + STREAM_DRIVE_S
+        landed_bytes = 0
+        descriptors = sum(w.num_descriptors for w, _ in parts)
+        for i, (write, regions) in enumerate(parts):
+            try:
+                self.engine.post(write, engine_id)
+            except TransferError as exc:
+                for rest, _ in parts[i + 1:]:
+                    self.engine.release(rest)
+                self._finish(match, conn, started, time.monotonic(), False, str(exc), num_descriptors=descriptors)
+                return
+            state = self.engine.state(write)
+            while state == "PROC" and time.monotonic() < deadline:
+                state = self.engine.state(write)
+            if state == "PROC":
+                self._go_on_in_flight(match, conn, started, write, parts[i + 1:], landed_bytes)
+                return
+            self.engine.release(write)
+            if state != "DONE":
+                for rest, _ in parts[i + 1:]:
+                    self.engine.release(rest)
+                self._finish(match, conn, started, time.monotonic(), False,
+                             f"NIXL WRITE to {engine_id} failed (layer part {i + 1} of {len(parts)})",
+                             num_descriptors=descriptors)
+                return
+            landed_bytes += write.num_bytes
+            conn.send(wire.Landed(tid, regions))
+        self._finish(match, conn, started, time.monotonic(), True, num_bytes=landed_bytes, num_descriptors=descriptors)
+
+    def _go_on_in_flight(self, match: Match, conn: Connection, started: float, copying: Write,
+                         rest: list[tuple[Write, tuple[int, ...]]], landed_bytes: int) -> None:
+        writes, error = [copying], ""
+        for write, _ in rest:
+            if error:
+                self.engine.release(write)
+                continue
+            try:
+                self.engine.post(write, match.registration.peer_engine)
+                writes.append(write)
+            except TransferError as exc:
+                error = str(exc)
+        num_bytes = landed_bytes + sum(w.num_bytes for w in writes)
+        self._inflight.append(_InFlight(match, writes, conn, started, False, error, num_bytes))
 
     def accept(self, transfer_ids: list[str]) -> None:
         """P's scheduler has these requests (queued or prefilling): tell D, whose no-show timer
@@ -222,7 +301,7 @@ class Producer:
         posted = time.monotonic()
         log.debug("kvpush P post %s bytes=%d descs=%d ahead=%s wait=%.6f t=%.6f", match.offer.transfer_id,
                   write.num_bytes, write.num_descriptors, ahead, match.wait_s, now)
-        self._inflight.append(_InFlight(match, write, conn, posted, ahead))
+        self._inflight.append(_InFlight(match, [write], conn, posted, ahead, num_bytes=write.num_bytes))
 
     def _take_prepared(self, match: Match, engine_id: str, peer: Peer) -> Write | None:
         """The WRITE made ahead for this match, if it still fits (same peer connection and blocks)."""
@@ -241,7 +320,7 @@ class Producer:
             self.engine.release(self._prepared.pop(tid).write)
 
     def _finish(self, match: Match, conn: Connection | None, posted: float, now: float, ok: bool,
-                reason: str = "", num_bytes: int = 0, write: Write | None = None, ahead: bool = False) -> None:
+                reason: str = "", num_bytes: int = 0, num_descriptors: int = 0, ahead: bool = False) -> None:
         tid = match.offer.transfer_id
         if ok:
             self.counters["sent"] += 1
@@ -254,8 +333,7 @@ class Producer:
                 conn.send(wire.Fail(tid, reason))
         self._freed.append(match.offer.req_id)
         self._records.append(SendRecord(tid, match.offer.req_id, ok, num_bytes, match.offer.created,
-                                        match.registration.created, posted, now, reason,
-                                        write.num_descriptors if write is not None else 0, ahead))
+                                        match.registration.created, posted, now, reason, num_descriptors, ahead))
         log.debug("kvpush P done %s ok=%s bytes=%d prefill_end_to_done=%.6f t=%.6f", tid, ok, num_bytes,
                   now - match.offer.created, now)
 
@@ -293,15 +371,17 @@ class Producer:
         if self._inflight:
             still = []
             for item in self._inflight:
-                state = self.engine.state(item.write)
+                state = item.state(self.engine)
                 if state == "PROC":
                     still.append(item)
                     continue
-                self.engine.release(item.write)
+                for write in item.writes:
+                    self.engine.release(write)
                 ok = state == "DONE"
                 self._finish(item.match, item.conn, item.posted, time.monotonic(), ok,
-                             "" if ok else f"NIXL WRITE to {item.match.registration.peer_engine} failed",
-                             item.write.num_bytes if ok else 0, item.write, item.prepared_ahead)
+                             "" if ok else (item.error or f"NIXL WRITE to {item.match.registration.peer_engine} failed"),
+                             item.num_bytes if ok else 0, sum(w.num_descriptors for w in item.writes),
+                             item.prepared_ahead)
             self._inflight = still
 
     def on_malformed(self, conn: Connection, error: str) -> None:

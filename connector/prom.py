@@ -28,6 +28,9 @@ _HISTOGRAMS = {
     "registration_wait_s": ("vllm:kvpush_registration_wait_seconds",
                             "Gap between decode's block registration and prefill's finished blocks "
                             "(whichever came first), per push.", _LATENCY_BUCKETS),
+    "layer_wait_s": ("vllm:kvpush_layer_wait_seconds",
+                     "Time a decode forward pass waited for streamed KV layers to land, per pass that waited.",
+                     _LATENCY_BUCKETS),
 }
 
 

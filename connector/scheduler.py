@@ -39,6 +39,9 @@ class PushScheduler:
         self._local_hit: dict[str, int] = {}  # req id -> block-aligned local tokens at lookup
         self._handled: set[str] = set()  # consumer requests whose load was planned once already
         self._awaiting: dict[str, str] = {}  # req id -> transfer id, registered with the worker
+        # req id -> transfer id: reported received, not yet scheduled. A streamed WRITE may still
+        # be landing in its blocks (it is reported as it starts), so they must outlive an abort.
+        self._received: dict[str, str] = {}
 
     @staticmethod
     def params_of(request: Any) -> PushParams | None:
@@ -101,6 +104,11 @@ class PushScheduler:
                 self._meta.sends.append(SendSpec(req_id, item.params.transfer_id, block_ids, item.params.peer_engine_id))
                 self._promised.add(req_id)
                 del self._producing[req_id]
+        elif self._received:
+            scheduled = scheduler_output.num_scheduled_tokens
+            for req_id in [r for r in self._received if scheduled.get(r)]:
+                self._meta.loading.append(req_id)
+                del self._received[req_id]
         meta, self._meta = self._meta, self.metadata_cls()
         meta.idle = not scheduler_output.total_num_scheduled_tokens
         return meta
@@ -116,13 +124,16 @@ class PushScheduler:
             return False, None
         self._handled.discard(req_id)
         self._local_hit.pop(req_id, None)
-        tid = self._awaiting.get(req_id)
+        received = self._received.pop(req_id, None)
+        if received is not None:
+            self._meta.releases.append((req_id, received))
+            return True, None
+        tid = self._awaiting.pop(req_id, None)
         if tid is None:
             return False, None
         unsent = [r for r in self._meta.recvs if r.req_id == req_id]
         if unsent:  # the worker never saw it: nothing can be written into these blocks
             self._meta.recvs = [r for r in self._meta.recvs if r.req_id != req_id]
-            del self._awaiting[req_id]
             return False, None
         self._meta.cancels.append(tid)
         return True, None
@@ -131,7 +142,9 @@ class PushScheduler:
         for req_id in finished_sending or ():
             self._promised.discard(req_id)
         for req_id in finished_recving or ():
-            self._awaiting.pop(req_id, None)
+            tid = self._awaiting.pop(req_id, None)
+            if tid is not None:
+                self._received[req_id] = tid
 
     def has_pending_push_work(self) -> bool:
         return bool(self._promised)

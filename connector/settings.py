@@ -29,11 +29,13 @@ class Settings:
     model: str
     tp_size: int
     block_size: int
-    progress_delay_us: int
+    progress_delay_us: int | None  # NIXL progress thread's poll timeout; None: transfer.PROGRESS_DELAY_US
     # D: how long a step that computes nothing sleeps for a transfer's outcome. A request that
     # arrives meanwhile waits up to that long to be scheduled. Stepping every ms instead kept a
     # CPU decode's core busy (~1 core, docs/benchmarks.md run 17); a GPU host has cores to spare.
     idle_wait_ms: float = CPU_IDLE_WAIT_MS
+    # P on CPU: write layer by layer, so that D's forward pass computes each layer as it lands
+    stream_writes: bool = True
     huge_pages: bool = True  # CPU: collapse the KV cache into 2 MiB pages before registering it (hugepages.py)
     kv_cache_layout: str | None = None  # as vLLM resolved it (e.g. BLHNC), None before vLLM 0.32
 
@@ -69,9 +71,11 @@ class Settings:
             model=str(vllm_config.model_config.model),
             tp_size=int(parallel.tensor_parallel_size),
             block_size=int(vllm_config.cache_config.block_size),
-            progress_delay_us=int(extra.get("progress_delay_us", 100)),
+            progress_delay_us=(None if extra.get("progress_delay_us") is None
+                               else int(_non_negative(extra["progress_delay_us"], "progress_delay_us"))),
             idle_wait_ms=_non_negative(extra.get("idle_wait_ms", CPU_IDLE_WAIT_MS if (kv.kv_buffer_device or "cpu") == "cpu"
                                                  else GPU_IDLE_WAIT_MS), "idle_wait_ms"),
+            stream_writes=_flag(extra.get("stream_writes", True), "stream_writes"),
             huge_pages=_flag(extra.get("huge_pages", True), "huge_pages"),
             kv_cache_layout=(getattr(kv_cache_config, "kv_cache_layout", None)
                              or getattr(vllm_config.cache_config, "kv_cache_layout", None)),

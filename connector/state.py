@@ -202,6 +202,8 @@ class ConsumerState:
     accepted_timeout_s: float = 300.0  # safety net for a P that accepted and then hung
     pending: dict[str, Pending] = field(default_factory=dict)
     accepted: dict[str, float] = field(default_factory=dict)  # transfer id -> when P accepted
+    # transfers P streams (STREAMING seen, no outcome yet) -> indices of regions that have landed
+    landing: dict[str, set[int]] = field(default_factory=dict)
     dropped: Counter = field(default_factory=Counter)
 
     def accept(self, transfer_id: str, peer_engine: str, now: float) -> bool:
@@ -219,6 +221,32 @@ class ConsumerState:
         self.pending[pending.transfer_id] = pending
         return True
 
+    def streaming(self, transfer_id: str, peer_engine: str) -> Pending | None:
+        """P started a streamed WRITE; returns the transfer, once (None if unknown or repeated)."""
+        p = self.pending.get(transfer_id)
+        if p is None or p.peer_engine != peer_engine or transfer_id in self.landing:
+            self.dropped["unknown_streaming" if p is None or p.peer_engine != peer_engine else "duplicate_streaming"] += 1
+            return None
+        self.landing[transfer_id] = set()
+        return p
+
+    def landed(self, transfer_id: str, peer_engine: str, regions: tuple[int, ...], num_regions: int) -> bool:
+        p = self.pending.get(transfer_id)
+        landed = self.landing.get(transfer_id)
+        if p is None or p.peer_engine != peer_engine or landed is None:
+            self.dropped["unknown_landed"] += 1
+            return False
+        if any(r >= num_regions for r in regions):
+            self.dropped["bad_landed"] += 1
+            return False
+        landed.update(regions)
+        return True
+
+    def has_landed(self, transfer_id: str, regions: tuple[int, ...]) -> bool:
+        """Those regions hold their bytes, or the transfer is over (its outcome says how)."""
+        landed = self.landing.get(transfer_id)
+        return landed is None or landed.issuperset(regions)
+
     def done(self, transfer_id: str, peer_engine: str, num_bytes: int) -> Outcome | None:
         p = self._take(transfer_id, peer_engine, "done")
         return Outcome(p, True, num_bytes=num_bytes) if p else None
@@ -232,14 +260,17 @@ class ConsumerState:
         if p is None or p.peer_engine != peer_engine:
             self.dropped[f"unknown_{what}"] += 1
             return None
+        return self._forget(transfer_id)
+
+    def _forget(self, transfer_id: str) -> Pending:
         self.accepted.pop(transfer_id, None)
+        self.landing.pop(transfer_id, None)
         return self.pending.pop(transfer_id)
 
     def peer_gone(self, peer_engine: str, reason: str) -> list[Outcome]:
         gone = [p for p in self.pending.values() if p.peer_engine == peer_engine]
         for p in gone:
-            del self.pending[p.transfer_id]
-            self.accepted.pop(p.transfer_id, None)
+            self._forget(p.transfer_id)
         return [Outcome(p, False, reason) for p in gone]
 
     def expire(self, now: float) -> list[Outcome]:
@@ -252,8 +283,7 @@ class ConsumerState:
                 out.append(Outcome(p, False, f"prefill {p.peer_engine} accepted the transfer but sent nothing within {self.accepted_timeout_s:g} s"))
             else:
                 continue
-            del self.pending[p.transfer_id]
-            self.accepted.pop(p.transfer_id, None)
+            self._forget(p.transfer_id)
         return out
 
     def next_deadline(self) -> float | None:

@@ -9,7 +9,7 @@ from typing import Any
 from .producer import SendRecord
 from .state import Outcome
 
-_SERIES = ("send_bytes", "prefill_end_to_done_s", "registration_wait_s", "recv_bytes")
+_SERIES = ("send_bytes", "prefill_end_to_done_s", "registration_wait_s", "recv_bytes", "layer_wait_s")
 _COUNTS = ("sends_ok", "sends_failed", "recvs_ok", "recvs_failed")
 
 
@@ -37,6 +37,10 @@ class PushStats:
         else:
             self.data["recvs_failed"] += 1
 
+    def record_layer_wait(self, seconds: float) -> None:
+        """D: one forward pass waited this long in all for streamed KV layers to land."""
+        self.data["layer_wait_s"].append(seconds)
+
     def to_dict(self) -> dict[str, Any]:
         return self.data
 
@@ -62,4 +66,4 @@ class PushStats:
         return out
 
     def is_empty(self) -> bool:
-        return not any(self.data[k] for k in _COUNTS)
+        return not any(self.data[k] for k in _COUNTS + _SERIES)

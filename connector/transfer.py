@@ -27,7 +27,13 @@ from .wire import Region
 
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL's Python logger prints INFO to stdout
 
-DEFAULT_PROGRESS_DELAY_US = 100
+# NIXL's UCX progress thread sleeps in poll() on its workers' event descriptors with this delay as
+# the timeout (rounded up to whole milliseconds); the timeout only paces a sweep over everything,
+# while wire-up and notification events wake the thread at once, and kvpush drives its WRITEs
+# itself. On CPU a short timeout costs the compute thread beside it: 100 us woke the thread ~900
+# times a second (0.022 cores per idle instance), 50 ms 20 times (0.001). GPU keeps the value
+# its transfers were measured with (docs/benchmarks.md).
+PROGRESS_DELAY_US = {"DRAM": 50_000, "VRAM": 100}  # by NIXL memory type
 _create_lock = threading.Lock()
 
 
@@ -95,12 +101,14 @@ class Write:
 class NixlEngine:
     def __init__(self, name: str, regions: Sequence[Region], *, backend: str = "UCX",
                  mem_type: str = "DRAM", device_id: int = 0,
-                 progress_delay_us: int = DEFAULT_PROGRESS_DELAY_US):
+                 progress_delay_us: int | None = None):
         self.name = name
         self.regions = tuple(regions)
         self.mem_type = mem_type
         self.device_id = device_id
         self._lock = threading.Lock()
+        if progress_delay_us is None:
+            progress_delay_us = PROGRESS_DELAY_US[mem_type]
         self._agent = _create_agent(name, backend, progress_delay_us)
         spans = [(base, size, device_id, "") for base, size in region_spans(self.regions)]
         try:
@@ -184,22 +192,49 @@ class NixlEngine:
         """The coalesced WRITE, made but not posted: build it as soon as both block lists are known
         (P allocates its blocks when it schedules the prefill) so that only `post` remains when the
         prefill finishes. Release it with `release` if it is never posted."""
-        src = np.asarray(src_blocks, dtype=np.int64)
-        dst = np.asarray(dst_blocks, dtype=np.int64)
-        _check_block_ids(src, self.regions[0].num_blocks, "source")
-        _check_block_ids(dst, peer.regions[0].num_blocks, "destination")
+        src, dst = self._checked_blocks(peer, src_blocks, dst_blocks)
         try:
             local, remote = peer.plan.descriptors(src, dst)
         except ValueError as exc:
             raise TransferError(f"WRITE to {peer.agent_name}: {exc}") from exc
+        return Write(self._make(peer, local, remote, notif), len(src) * peer.plan.bytes_per_block, len(local))
+
+    def prepare_parts(self, peer: Peer, src_blocks: Sequence[int],
+                      dst_blocks: Sequence[int]) -> list[tuple[Write, tuple[int, ...]]]:
+        """The coalesced WRITE as one WRITE per segment (per layer in a layer-major cache), in
+        address order, each with the indices of the regions it fills (coalesce.Plan.parts)."""
+        src, dst = self._checked_blocks(peer, src_blocks, dst_blocks)
+        try:
+            parts = peer.plan.parts(src, dst)
+        except ValueError as exc:
+            raise TransferError(f"WRITE to {peer.agent_name}: {exc}") from exc
+        made: list[tuple[Write, tuple[int, ...]]] = []
+        try:
+            for local, remote, regions in parts:
+                num_bytes = int(local[:, 1].sum())
+                made.append((Write(self._make(peer, local, remote, b""), num_bytes, len(local)), regions))
+        except TransferError:
+            for write, _ in made:
+                self.release(write)
+            raise
+        return made
+
+    def _checked_blocks(self, peer: Peer, src_blocks: Sequence[int],
+                        dst_blocks: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        src = np.asarray(src_blocks, dtype=np.int64)
+        dst = np.asarray(dst_blocks, dtype=np.int64)
+        _check_block_ids(src, self.regions[0].num_blocks, "source")
+        _check_block_ids(dst, peer.regions[0].num_blocks, "destination")
+        return src, dst
+
+    def _make(self, peer: Peer, local: np.ndarray, remote: np.ndarray, notif: bytes) -> object:
         with self._lock:
             try:
-                handle = self._agent.initialize_xfer(
+                return self._agent.initialize_xfer(
                     "WRITE", self._agent.get_xfer_descs(local, self.mem_type),
                     self._agent.get_xfer_descs(remote, self.mem_type), peer.agent_name, notif)
             except Exception as exc:
                 raise TransferError(f"WRITE to {peer.agent_name} could not be made: {exc}") from exc
-        return Write(handle, len(src) * peer.plan.bytes_per_block, len(local))
 
     def post(self, write: Write, agent_name: str = "peer") -> None:
         """Start a WRITE from prepare_write; on failure its handle is released."""

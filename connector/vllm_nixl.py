@@ -5,8 +5,8 @@ Loaded with `"kv_connector_module_path": "kvpush.connector.vllm_nixl"` and the s
 The protocol, wire format and handshake are vLLM's own, untouched. Two things change, both only
 while vLLM's connector worker is constructed:
 
-- NIXL's progress thread sleeps `progress_delay_us` (extra config, default 100) between rounds
-  instead of busy-polling a whole core;
+- NIXL's progress thread sleeps up to `progress_delay_us` (extra config; default by platform,
+  transfer.PROGRESS_DELAY_US) between rounds instead of busy-polling a whole core;
 - on a CPU platform, vLLM moves the compute thread to the last core of each NUMA node for its
   transfer work, which stacks prefill and decode on one core despite `VLLM_CPU_OMP_THREADS_BIND`;
   the thread's CPU affinity is put back to what it was.
@@ -24,7 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPullConnector
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPushConnector as _StockPush
 
-from .transfer import DEFAULT_PROGRESS_DELAY_US, progress_thread_delay
+from .transfer import PROGRESS_DELAY_US, progress_thread_delay
 
 __all__ = ["NixlConnector", "NixlPushConnector"]
 
@@ -52,7 +52,9 @@ def _quiet_worker(vllm_config: Any, role: KVConnectorRole) -> Iterator[None]:
     if role != KVConnectorRole.WORKER:
         yield
         return
-    delay_us = int(vllm_config.kv_transfer_config.get_from_extra_config("progress_delay_us", DEFAULT_PROGRESS_DELAY_US))
+    kv = vllm_config.kv_transfer_config
+    default = PROGRESS_DELAY_US["DRAM" if (kv.kv_buffer_device or "cpu") == "cpu" else "VRAM"]
+    delay_us = int(kv.get_from_extra_config("progress_delay_us", default))
     with progress_thread_delay(delay_us), _keep_thread_affinity():
         yield
 

@@ -2,7 +2,8 @@
 
 Frames are a 4-byte big-endian length followed by a UTF-8 JSON object with a "type" field.
 D opens one TCP connection per P; over it D sends HELLO, REGISTER, CANCEL and PING and P answers with
-WELCOME/REFUSE, ACCEPTED (P has the request), DONE, FAIL and PONG. Decoding validates every field: a malformed frame raises
+WELCOME/REFUSE, ACCEPTED (P has the request), STREAMING and LANDED (a WRITE that lands part by
+part), DONE, FAIL and PONG. Decoding validates every field: a malformed frame raises
 WireError, which the receiver counts and drops (it never reaches protocol state).
 """
 from __future__ import annotations
@@ -108,6 +109,24 @@ class Accepted:
 
 
 @dataclass(frozen=True)
+class Streaming:
+    """P's prefill is done and its WRITE starts now, one part per layer: D may schedule the request
+    and wait for each layer's part (LANDED) as its forward pass reaches that layer."""
+
+    type: ClassVar[str] = "streaming"
+    transfer_id: str
+
+
+@dataclass(frozen=True)
+class Landed:
+    """These regions (indices into D's HELLO) of the transfer hold their final bytes."""
+
+    type: ClassVar[str] = "landed"
+    transfer_id: str
+    regions: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class Done:
     type: ClassVar[str] = "done"
     transfer_id: str
@@ -133,8 +152,9 @@ class Pong:
     type: ClassVar[str] = "pong"
 
 
-Message = Union[Hello, Welcome, Refuse, Register, Cancel, Accepted, Done, Fail, Ping, Pong]
-_TYPES: dict[str, type] = {cls.type: cls for cls in (Hello, Welcome, Refuse, Register, Cancel, Accepted, Done, Fail, Ping, Pong)}
+Message = Union[Hello, Welcome, Refuse, Register, Cancel, Accepted, Streaming, Landed, Done, Fail, Ping, Pong]
+_TYPES: dict[str, type] = {cls.type: cls for cls in (Hello, Welcome, Refuse, Register, Cancel, Accepted, Streaming, Landed,
+                                                     Done, Fail, Ping, Pong)}
 MAX_ID_CHARS = 256
 
 
@@ -274,6 +294,8 @@ _BUILDERS = {
     Refuse: _simple(Refuse, {"engine_id": _str, "reason": _text}),
     Cancel: _simple(Cancel, {"transfer_id": _str}),
     Accepted: _simple(Accepted, {"transfer_id": _str}),
+    Streaming: _simple(Streaming, {"transfer_id": _str}),
+    Landed: _simple(Landed, {"transfer_id": _str, "regions": _ints}),
     Done: _simple(Done, {"transfer_id": _str, "num_bytes": _int}),
     Fail: _simple(Fail, {"transfer_id": _str, "reason": _text}),
     Ping: _simple(Ping, {}),

@@ -4,7 +4,10 @@ P: `save()` (from wait_for_save, right after the forward pass in which prefills 
 launched) makes the WRITEs whose registration from D is already there, while a GPU still runs the
 forward's kernels, then waits for them and offers the finished blocks: the Producer posts them at
 once or when D's registration comes.
-D: `bind()` registers newly allocated blocks with P at once.
+D: `bind()` registers newly allocated blocks with P at once. A WRITE that P streams layer by layer
+is reported received as it starts; every forward pass until it is over waits, layer by layer
+(`wait_for_layer_load`), for that layer's bytes of every such WRITE. One that fails then has its
+blocks reported as load errors in the step that first computes its request.
 """
 from __future__ import annotations
 
@@ -16,14 +19,14 @@ from typing import Any, Callable
 from .cache_layout import layout_cost_note
 from .consumer import Consumer, ConsumerConfig
 from .hugepages import back_with_huge_pages
-from .layout import TensorView, kv_regions, region_spans
+from .layout import TensorView, kv_regions, region_spans, regions_of
 from .metadata import PushMetadata
 from .producer import Producer, ProducerConfig
 from .settings import Settings
 from .state import Outcome, Pending
 from .stats import PushStats
 from .transfer import NixlEngine
-from .wire import LayoutIdentity
+from .wire import LayoutIdentity, Region
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +47,14 @@ class PushWorker:
         self._silent: set[str] = set()  # transfer ids vLLM is not waiting for
         self._load_errors: set[int] = set()
         self._refused: list[Outcome] = []
+        self._landing: dict[str, Pending] = {}  # streamed, reported received, no outcome yet
+        self._failed_early: dict[str, tuple[int, ...]] = {}  # req id -> blocks: streamed WRITE failed
+        self._release_on_outcome: set[str] = set()  # landing transfers whose request has ended
+        self._echo: set[str] = set()  # ended requests to report received again (vLLM frees them)
+        self._loading_now: set[str] = set()
+        self._layer_wait_s: float | None = None  # this forward pass's waits for streamed layers
+        self._layer_regions: dict[str, tuple[int, ...]] = {}
+        self._all_regions: tuple[int, ...] = ()
         self._idle_step = False
         self._stats = PushStats()
         self._sync_device: Callable[[], None] | None = None  # CUDA: wait for the forward pass's kernels
@@ -52,6 +63,8 @@ class PushWorker:
         s = self.settings
         tensors = list(kv_caches.values())
         regions = kv_regions((TensorView.of(t) for t in tensors), self.num_blocks)
+        self._layer_regions = _regions_by_layer(kv_caches, regions, self.num_blocks)
+        self._all_regions = tuple(range(len(regions)))  # for a layer name vLLM did not register
         identity = LayoutIdentity(s.model, str(tensors[0].dtype).removeprefix("torch."), s.block_size, s.tp_size,
                                   tuple(sorted(kv_caches)), tuple(r.block_len for r in regions))
         on_gpu = bool(tensors[0].is_cuda)
@@ -76,7 +89,8 @@ class PushWorker:
             port = s.side_channel_port + self.tp_rank
             try:
                 self.producer = Producer(ProducerConfig(s.engine_id, identity, s.allowed_engines, s.side_channel_host,
-                                                        port, s.transfer_timeout_s, drive_writes=not on_gpu),
+                                                        port, s.transfer_timeout_s, drive_writes=not on_gpu,
+                                                        stream_writes=s.stream_writes),
                                          self.engine)
             except OSError as exc:
                 raise RuntimeError(f"kvpush: prefill {s.engine_id} cannot listen on {s.side_channel_host}:{port} for its "
@@ -94,6 +108,13 @@ class PushWorker:
             self.producer.accept(meta.accepts)
         if self.consumer is None:
             return
+        self._loading_now = set(meta.loading)
+        for req_id, tid in meta.releases:
+            self._failed_early.pop(req_id, None)
+            if tid in self._landing:
+                self._release_on_outcome.add(tid)
+            else:
+                self._echo.add(req_id)
         for r in meta.recvs:
             if not r.report:
                 self._silent.add(r.transfer_id)
@@ -107,6 +128,14 @@ class PushWorker:
                                  list(r.block_ids), r.first_block, r.num_tokens)
         for tid in meta.cancels:
             self.consumer.cancel(tid)
+
+    def wait_for_layer(self, layer_name: str) -> None:
+        """Before a layer's attention: that layer's bytes of every streamed WRITE still landing."""
+        if self._landing and self.consumer is not None:
+            regions = self._layer_regions.get(layer_name) or self._all_regions
+            started = time.monotonic()
+            self.consumer.wait_landed(list(self._landing), regions, self.settings.transfer_timeout_s)
+            self._layer_wait_s = (self._layer_wait_s or 0.0) + time.monotonic() - started
 
     # ---- P ------------------------------------------------------------------------------------
     def save(self, meta: PushMetadata) -> None:
@@ -136,18 +165,32 @@ class PushWorker:
             self._offered -= ready
             return (ready or None), None
         if self.consumer is not None:
-            recving = set()
+            if self._layer_wait_s is not None:
+                self._stats.record_layer_wait(self._layer_wait_s)
+                self._layer_wait_s = None
+            recving, self._echo = self._echo, set()
             if self._idle_step and not self._refused:
                 # decode's idle wait: vLLM steps only for our outcomes now, so sleep until one comes
                 # (or a new request may be waiting at the engine: hence the bound)
                 self.consumer.wait_for_outcome(self.settings.idle_wait_ms / 1000)
+            for p in self.consumer.take_started():
+                self._landing[p.transfer_id] = p
+                recving.add(p.req_id)
             refused, self._refused = self._refused, []
             for o in refused + self.consumer.take_outcomes():
-                if o.pending.transfer_id in self._silent:
-                    self._silent.discard(o.pending.transfer_id)
+                tid = o.pending.transfer_id
+                if tid in self._silent:
+                    self._silent.discard(tid)
+                    continue
+                self._stats.record_recv(o)
+                if self._landing.pop(tid, None) is not None:  # already reported received
+                    if tid in self._release_on_outcome:
+                        self._release_on_outcome.discard(tid)
+                        recving.add(o.pending.req_id)
+                    elif not o.ok:
+                        self._failed_early[o.pending.req_id] = o.pending.block_ids
                     continue
                 recving.add(o.pending.req_id)
-                self._stats.record_recv(o)
                 if not o.ok:
                     self._load_errors.update(o.pending.block_ids)
             return None, (recving or None)
@@ -155,6 +198,8 @@ class PushWorker:
 
     def load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
+        for req_id in self._loading_now & self._failed_early.keys():
+            errors.update(self._failed_early.pop(req_id))
         return errors
 
     def take_stats(self) -> PushStats | None:
@@ -169,6 +214,13 @@ class PushWorker:
                 service.close()
         if self.engine is not None:
             self.engine.close()
+
+
+def _regions_by_layer(kv_caches: dict[str, Any], regions: list[Region], num_blocks: int) -> dict[str, tuple[int, ...]]:
+    """Layer name -> indices into `regions` (kv_regions over the same tensors) of its regions."""
+    index = {r.base: i for i, r in enumerate(regions)}
+    return {name: tuple(index[r.base] for r in regions_of(TensorView.of(tensor), num_blocks))
+            for name, tensor in kv_caches.items()}
 
 
 def _cuda_device_sync(device: Any) -> Callable[[], None]:

@@ -172,6 +172,32 @@ def test_fragmented_request_moves_exactly_the_reference_bytes(layout):
     assert len(local) == runs * len(packed) + len(src) * len(loose)
 
 
+@pytest.mark.parametrize("layout", ["split", "block-major", "mixed"])
+def test_parts_move_the_same_bytes_one_segment_each_in_address_order(layout):
+    nb, page = 64, 2 * KIB
+    if layout == "split":
+        here, there = split_kv_layer_regions(1 << 30, 3, nb, page), split_kv_layer_regions(1 << 40, 3, nb, page)
+    elif layout == "block-major":
+        here, there = block_major_regions(1 << 30, 6, nb, page), block_major_regions(1 << 40, 6, nb, page)
+    else:
+        here, there = block_major_regions(1 << 30, 6, nb, page), split_kv_layer_regions(1 << 40, 3, nb, page)
+    src = np.concatenate([np.arange(3, 9), [40, 41, 42], [17]])
+    dst = np.concatenate([np.arange(50, 56), [10, 11, 60], [61]])
+    plan = Plan.pair(here, there)
+    parts = plan.parts(src, dst)
+    assert len(parts) == len(plan.segments)
+    assert sorted(i for _, _, regions in parts for i in regions) == list(range(len(here)))
+    merged = {}
+    for local, remote, regions in parts:
+        part_bytes = covered_bytes(local, remote)
+        expected = reference_bytes(reference_pairs([here[i] for i in regions], [there[i] for i in regions], src, dst))
+        assert part_bytes == expected  # a part fills exactly its own regions' blocks
+        merged.update(part_bytes)
+    assert merged == covered_bytes(*plan.descriptors(src, dst))
+    firsts = [min(here[i].base for i in regions) for _, _, regions in parts]
+    assert firsts == sorted(firsts)
+
+
 def test_descriptor_count_equals_runs_times_segments():
     here = block_major_regions(1 << 30, 64, 512, 8 * KIB)
     there = block_major_regions(1 << 40, 64, 512, 8 * KIB)

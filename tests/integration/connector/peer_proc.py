@@ -40,6 +40,12 @@ def layer_views(arr: np.ndarray, layers: int) -> list[TensorView]:
     return [view_of(arr[:, layer]) for layer in range(layers)]
 
 
+def layer_major_buffer(num_blocks: int, layers: int, block_shape: tuple[int, ...], seed: int | None) -> np.ndarray:
+    """`[layers, blocks, ...]`, one tensor per layer as vLLM's CPU cache (LBHNC): a run of blocks is
+    one descriptor per layer, and a streamed WRITE goes one layer per part."""
+    return kv_buffer(layers, (num_blocks, *block_shape), seed)
+
+
 def identity(arr: np.ndarray, model: str = "test-model", layers: int = 0) -> LayoutIdentity:
     if not layers:
         return LayoutIdentity(model, "uint8", 16, 1, ("layer0",), (int(np.prod(arr.shape[1:])) * arr.itemsize,))
@@ -84,13 +90,18 @@ def wait_outcomes(consumer, n: int, timeout_s: float = 5.0) -> list:
 
 def main() -> None:
     cfg = json.loads(sys.argv[1])
-    arr = kv_buffer(cfg["num_blocks"], tuple(cfg["block_shape"]), cfg["seed"])
     layers = cfg.get("layers", 0)
-    regions = kv_regions(layer_views(arr, layers), cfg["num_blocks"])
+    if cfg.get("layer_major"):
+        arr = layer_major_buffer(cfg["num_blocks"], layers, tuple(cfg["block_shape"]), cfg["seed"])
+        regions = kv_regions([view_of(layer) for layer in arr], cfg["num_blocks"])
+    else:
+        arr = kv_buffer(cfg["num_blocks"], tuple(cfg["block_shape"]), cfg["seed"])
+        regions = kv_regions(layer_views(arr, layers), cfg["num_blocks"])
     engine = NixlEngine(cfg["engine_id"], regions)
     producer = Producer(ProducerConfig(cfg["engine_id"], identity(arr, cfg.get("model", "test-model"), layers),
                                        frozenset(cfg["allowed"]), "127.0.0.1", cfg.get("port", 0),
-                                       cfg.get("timeout_s", 5.0)), engine)
+                                       cfg.get("timeout_s", 5.0), stream_writes=cfg.get("stream_writes", False)),
+                        engine)
     print(json.dumps({"port": producer.port}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)

@@ -3,10 +3,13 @@ random non-contiguous block sets into this process's Consumer buffers, byte-exac
 refusing peer turns into a failure outcome fast."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import socket
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -14,8 +17,10 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from peer_proc import PeerProcess, identity, kv_buffer, layer_views, view_of, wait_outcomes  # noqa: E402
+from peer_proc import (PeerProcess, identity, kv_buffer, layer_major_buffer, layer_views, view_of,  # noqa: E402
+                       wait_outcomes)
 
+from kvpush.connector import wire
 from kvpush.connector.consumer import Consumer, ConsumerConfig
 from kvpush.connector.layout import kv_regions
 from kvpush.connector.transfer import NixlEngine
@@ -154,13 +159,26 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def wakeups(pid: int) -> int:
+    """Context switches of all the process's threads so far: each sleep that ends is one."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            total += sum(int(line.split()[1]) for line in (task / "status").read_text().splitlines()
+                         if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")))
+    return total
+
+
 def test_idle_peer_does_not_spin(decode_side, producer_proc):
-    """NIXL's default progress thread would burn a whole core; ours sleeps between rounds."""
-    before = cpu_seconds(producer_proc.proc.pid)
+    """NIXL's default progress thread would burn a whole core; ours sleeps between rounds, and on
+    CPU for long enough that it hardly ever takes the core from the compute thread."""
+    pid = producer_proc.proc.pid
+    cpu_before, wakeups_before = cpu_seconds(pid), wakeups(pid)
     time.sleep(2.0)
-    used = cpu_seconds(producer_proc.proc.pid) - before
-    print(f"\nidle producer process: {used / 2.0 * 100:.1f}% of a core")
+    used, woke = cpu_seconds(pid) - cpu_before, wakeups(pid) - wakeups_before
+    print(f"\nidle producer process: {used / 2.0 * 100:.1f}% of a core, {woke / 2.0:.0f} wake-ups/s")
     assert used < 0.4  # < 20% of one core, even on a loaded machine
+    assert woke / 2.0 < 100  # 20/s with the CPU default (50 ms); a 100 us pause woke it ~900 times/s
 
 
 def test_accepted_transfer_outlives_the_no_show_timeout(decode_side):
@@ -233,3 +251,71 @@ def test_waiting_for_an_outcome_wakes_when_the_write_lands(decode_side, producer
     woke_after = time.monotonic() - started
     [outcome] = consumer.take_outcomes()
     assert outcome.ok and outcome.pending.transfer_id == "t-wake" and woke_after < 2.5
+
+
+def test_streamed_write_lands_layer_by_layer_and_d_hears_of_it_first():
+    """P on CPU with stream_writes: D hears STREAMING before any byte, one LANDED per layer, then
+    DONE; a wait for a layer's regions returns; every layer's bytes arrive exactly."""
+    layer_shape = (2, 8, 32)
+    arr = layer_major_buffer(NUM_BLOCKS, LAYERS, layer_shape, None)
+    regions = kv_regions([view_of(layer) for layer in arr], NUM_BLOCKS)
+    engine = NixlEngine("D.stream", regions)
+    consumer = Consumer(ConsumerConfig("D.stream", 0, identity(arr, layers=LAYERS), frozenset({"P.stream"}), timeout_s=5.0),
+                        engine.name, engine.metadata, tuple(regions))
+    peer = PeerProcess("P.stream", ["D.stream"], num_blocks=NUM_BLOCKS, block_shape=layer_shape, seed=SEED,
+                       layers=LAYERS, layer_major=True, stream_writes=True)
+    expected = layer_major_buffer(NUM_BLOCKS, LAYERS, layer_shape, SEED)
+    src, dst = [3, 4, 5, 40, 41], [20, 21, 22, 9, 10]
+    try:
+        consumer.expect("rq", "t-stream", "P.stream", "127.0.0.1", peer.port, dst, 0, 16 * len(dst))
+        time.sleep(0.2)  # registered before the prefill ends, as in push mode
+        peer.send(offer=["t-stream", "pr", src, "D.stream"])
+        consumer.wait_landed(["t-stream"], (LAYERS - 1,), timeout_s=5.0)
+        [outcome] = wait_outcomes(consumer, 1)
+        assert outcome.ok, outcome.reason
+        [started] = consumer.take_started()
+        assert started.transfer_id == "t-stream" and consumer.counters["landed_parts"] == LAYERS
+        assert np.array_equal(arr[:, dst], expected[:, src])
+        [record] = peer.status()["records"]
+        assert record["ok"] and record["num_descriptors"] == 2 * LAYERS  # two runs per layer
+        assert record["num_bytes"] == outcome.num_bytes == len(src) * LAYERS * int(np.prod(layer_shape))
+    finally:
+        peer.kill()
+        consumer.close()
+        engine.close()
+
+
+def test_a_wait_for_landing_kv_ends_when_the_peer_dies_mid_stream(decode_side):
+    """A stand-in P that announces a streamed WRITE and then dies: D's compute thread, waiting for a
+    layer, is released by the lost connection and the transfer fails; nothing waits out a timeout."""
+    _, consumer = decode_side
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+
+    def fake_prefill():
+        conn, _ = server.accept()
+        reader = wire.FrameReader()
+        while True:
+            messages = [wire.decode(body) for body in reader.feed(conn.recv(65536))]
+            if any(isinstance(m, wire.Register) for m in messages):
+                break
+        conn.sendall(wire.encode(wire.Welcome("P.other")) + wire.encode(wire.Streaming("t-mid")))
+        time.sleep(0.3)
+        conn.close()
+
+    thread = threading.Thread(target=fake_prefill, daemon=True)
+    thread.start()
+    try:
+        consumer.expect("rq", "t-mid", "P.other", "127.0.0.1", port, [13, 14], 0, 32)
+        deadline = time.monotonic() + 3.0
+        while not (started := consumer.take_started()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [p.transfer_id for p in started] == ["t-mid"]
+        began = time.monotonic()
+        consumer.wait_landed(["t-mid"], (0,), timeout_s=30.0)
+        waited = time.monotonic() - began
+        [outcome] = wait_outcomes(consumer, 1)
+        assert not outcome.ok and "lost" in outcome.reason and waited < 2.0
+    finally:
+        thread.join(timeout=5)
+        server.close()

@@ -103,6 +103,32 @@ def test_decode_abort_before_worker_saw_it_frees_at_once():
     assert s.build_connector_meta(sched_out()).recvs == []
 
 
+def received_request(s: PushScheduler) -> Req:
+    r = Req("r", list(range(5)), params("consumer"))
+    s.get_num_new_matched_tokens(r, 0)
+    s.update_state_after_alloc(r, Blocks([1, 2]), 5)
+    s.build_connector_meta(sched_out())
+    s.update_connector_output(None, {"r"})  # the worker reported it received (maybe still landing)
+    return r
+
+
+def test_decode_names_a_received_request_in_the_step_that_first_computes_it():
+    s = PushScheduler(BS, is_producer=False, engine_id="D.e")
+    r = received_request(s)
+    assert s.build_connector_meta(sched_out(other=1)).loading == []
+    assert s.build_connector_meta(sched_out(r=1)).loading == ["r"]
+    assert s.build_connector_meta(sched_out(r=1)).loading == []
+    assert s.request_finished(r, [1, 2]) == (False, None)  # computed: nothing can land any more
+
+
+def test_decode_abort_after_receipt_before_computing_holds_blocks_until_reported_again():
+    s = PushScheduler(BS, is_producer=False, engine_id="D.e")
+    r = received_request(s)
+    assert s.request_finished(r, [1, 2]) == (True, None)
+    meta = s.build_connector_meta(sched_out())
+    assert meta.releases == [("r", "t1")] and meta.cancels == [] and meta.loading == []
+
+
 def test_prefill_marks_request_in_the_step_its_prefill_completes():
     s = PushScheduler(BS, is_producer=True, engine_id="P.e")
     s.kv_cache_manager = SimpleNamespace(get_block_ids=lambda rid: ([4, 6, 8],))

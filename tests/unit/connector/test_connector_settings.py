@@ -41,6 +41,16 @@ def test_idle_wait_defaults_by_platform_and_refuses_nonsense():
             Settings.from_vllm(vllm_config(extra={"idle_wait_ms": bad}))
 
 
+def test_progress_delay_is_left_to_the_memory_type_unless_set():
+    from kvpush.connector.transfer import PROGRESS_DELAY_US
+
+    assert Settings.from_vllm(vllm_config()).progress_delay_us is None
+    assert PROGRESS_DELAY_US["DRAM"] >= 10_000 > PROGRESS_DELAY_US["VRAM"]  # CPU: sleep long; GPU: as measured
+    assert Settings.from_vllm(vllm_config(extra={"progress_delay_us": 250})).progress_delay_us == 250
+    with pytest.raises(UnsupportedDeployment, match="progress_delay_us must be a number >= 0"):
+        Settings.from_vllm(vllm_config(extra={"progress_delay_us": -5}))
+
+
 @pytest.mark.parametrize("kwargs, words", [
     ({"role": "kv_both"}, "kv_role"),
     ({"use_mla": True}, "MLA"),

@@ -130,6 +130,23 @@ def test_consumer_peer_gone_fails_its_transfers():
     assert [o.pending.transfer_id for o in c.peer_gone("P.e", "lost")] == ["a"]
 
 
+def test_consumer_streamed_transfer_lands_region_by_region_until_its_outcome():
+    c = ConsumerState(5.0)
+    c.add(pending("a"))
+    assert c.has_landed("a", (0, 1)) and c.has_landed("unknown", (0,))  # not streaming: nothing to wait for
+    assert c.streaming("a", "P.e") == pending("a")
+    assert c.streaming("a", "P.e") is None and c.dropped["duplicate_streaming"] == 1
+    assert c.streaming("b", "P.e") is None and c.dropped["unknown_streaming"] == 1
+    assert not c.has_landed("a", (0,))
+    assert c.landed("a", "P.e", (0,), num_regions=2)
+    assert c.has_landed("a", (0,)) and not c.has_landed("a", (0, 1))
+    assert not c.landed("a", "P.x", (1,), num_regions=2) and not c.landed("a", "P.e", (2,), num_regions=2)
+    assert c.dropped["unknown_landed"] == 1 and c.dropped["bad_landed"] == 1
+    assert not c.has_landed("a", (1,))
+    c.fail("a", "P.e", "gone")
+    assert c.has_landed("a", (1,)) and c.landing == {}  # over: the outcome says how
+
+
 def test_consumer_short_expiry_only_until_accepted():
     c = ConsumerState(5.0, accepted_timeout_s=100.0)
     c.add(pending("a", at=0.0))

@@ -14,7 +14,7 @@ MESSAGES = [
     wire.Hello("D.e", 1, "agent", b"meta", IDENTITY, REGIONS, device_id=3),
     wire.Welcome("P.e"), wire.Refuse("P.e", "no"),
     wire.Register("t1", (5, 3, 9), 1, 300), wire.Cancel("t1"), wire.Accepted("t1"),
-    wire.Done("t1", 4096), wire.Fail("t1", "boom"),
+    wire.Done("t1", 4096), wire.Fail("t1", "boom"), wire.Streaming("t1"), wire.Landed("t1", (0, 3)),
 ]
 
 
@@ -79,3 +79,15 @@ def test_identity_mismatch_names_both_values():
     assert "model: 'm' vs 'm2'" in diffs and "'bfloat16' vs 'float16'" in diffs and "128 vs 16" in diffs
     assert "l1" in diffs and "l2" in diffs
     assert IDENTITY.mismatches(IDENTITY) == []
+
+
+@pytest.mark.parametrize("body", [
+    {"type": "landed", "transfer_id": "t1", "regions": [0, -1]},
+    {"type": "landed", "transfer_id": "t1", "regions": 3},
+    {"type": "landed", "transfer_id": "t1"},
+    {"type": "streaming", "transfer_id": ""},
+    {"type": "streaming", "transfer_id": "t1", "regions": []},
+])
+def test_malformed_streaming_messages_are_wire_errors(body):
+    with pytest.raises(wire.WireError):
+        wire.decode(json.dumps(body).encode())

@@ -39,7 +39,14 @@ class FakeProducer:
 
 class FakeConsumer:
     def __init__(self):
-        self.expected, self.outcomes, self.waits = [], [], []
+        self.expected, self.outcomes, self.waits, self.started, self.landing_waits = [], [], [], [], []
+
+    def take_started(self):
+        out, self.started = self.started, []
+        return out
+
+    def wait_landed(self, transfer_ids, regions, timeout_s):
+        self.landing_waits.append((sorted(transfer_ids), regions))
 
     def wait_for_outcome(self, timeout_s):
         self.waits.append(timeout_s)
@@ -56,7 +63,7 @@ class FakeConsumer:
 
 
 def worker(producer: bool) -> PushWorker:
-    settings = SimpleNamespace(tp_size=1, is_producer=producer, idle_wait_ms=7.0)
+    settings = SimpleNamespace(tp_size=1, is_producer=producer, idle_wait_ms=7.0, transfer_timeout_s=30.0)
     w = PushWorker(settings, num_blocks=10, tp_rank=0)
     if producer:
         w.producer = FakeProducer()
@@ -117,6 +124,58 @@ def test_decode_failure_reports_blocks_and_finished():
     assert w.get_finished(set()) == (None, {"r"})
     assert w.load_errors() == {3, 4} and w.load_errors() == set()
     assert w.take_stats().data["recvs_failed"] == 1
+
+
+def streaming_decode() -> PushWorker:
+    """D with request r's transfer t (blocks 3, 4) reported received as P started streaming it."""
+    w = worker(False)
+    w._layer_regions, w._all_regions = {"layer.0": (0,), "layer.1": (1,)}, (0, 1)
+    w.bind(PushMetadata(recvs=[RecvSpec("r", "t", "P", "h", 5, 1, (3, 4), 0, 200)]))
+    w.consumer.started.append(Pending("t", "r", "P", (3, 4), 0.0))
+    assert w.get_finished(set()) == (None, {"r"})
+    return w
+
+
+def test_streamed_receipt_is_reported_once_and_each_layer_waits_until_the_outcome():
+    w = streaming_decode()
+    w.bind(PushMetadata(loading=["r"]))
+    w.wait_for_layer("layer.1")
+    w.wait_for_layer("unknown")  # a layer vLLM did not register with us waits for everything
+    assert w.consumer.landing_waits == [(["t"], (1,)), (["t"], (0, 1))]
+    w.consumer.outcomes.append(Outcome(Pending("t", "r", "P", (3, 4), 0.0), True, num_bytes=10))
+    assert w.get_finished(set()) == (None, None) and w.load_errors() == set()
+    w.wait_for_layer("layer.0")
+    assert len(w.consumer.landing_waits) == 2  # nothing lands any more: no wait
+    stats = w.take_stats().data
+    assert stats["recvs_ok"] == 1 and len(stats["layer_wait_s"]) == 1  # one forward pass waited
+
+
+def test_streamed_failure_is_reported_in_the_step_that_computes_the_request():
+    w = streaming_decode()
+    w.consumer.outcomes.append(Outcome(Pending("t", "r", "P", (3, 4), 0.0), False, "gone"))
+    assert w.get_finished(set()) == (None, None)
+    assert w.load_errors() == set()  # r is not computed in this step: vLLM would not look for it
+    w.bind(PushMetadata(loading=["r"]))
+    assert w.load_errors() == {3, 4}
+    w.bind(PushMetadata(loading=["r"]))
+    assert w.load_errors() == set()
+
+
+def test_request_ended_while_its_kv_lands_is_reported_again_after_the_outcome():
+    w = streaming_decode()
+    w.bind(PushMetadata(releases=[("r", "t")]))
+    assert w.get_finished(set()) == (None, None)  # P may still be writing into r's blocks
+    w.consumer.outcomes.append(Outcome(Pending("t", "r", "P", (3, 4), 0.0), False, "cancelled"))
+    assert w.get_finished(set()) == (None, {"r"}) and w.load_errors() == set()
+
+
+def test_request_ended_after_its_kv_landed_is_reported_again_at_once():
+    w = worker(False)
+    w.bind(PushMetadata(recvs=[RecvSpec("r", "t", "P", "h", 5, 1, (3, 4), 0, 200)]))
+    w.consumer.outcomes.append(Outcome(Pending("t", "r", "P", (3, 4), 0.0), True))
+    assert w.get_finished(set()) == (None, {"r"})
+    w.bind(PushMetadata(releases=[("r", "t")]))
+    assert w.get_finished(set()) == (None, {"r"})
 
 
 def test_decode_notify_only_transfer_is_not_reported():
