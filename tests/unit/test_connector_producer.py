@@ -27,6 +27,7 @@ class FakeEngine:
         self.posted: list[Write] = []
         self.released: list[Write] = []
         self.state_calls = 0
+        self.failing: Write | None = None
         self._posted_at: dict[int, float] = {}
 
     def add_peer(self, metadata, regions, device_id=0):
@@ -44,11 +45,19 @@ class FakeEngine:
 
     def state(self, write):
         self.state_calls += 1
+        if write is self.failing:
+            return "ERR"
         done = time.monotonic() - self._posted_at[id(write)] >= self.latency_s
         return "DONE" if done else "PROC"
 
     def release(self, write):
         self.released.append(write)
+
+    def prepare_parts(self, peer, src, dst):
+        """Two layer parts, regions (0,) and (1,); `fail_part` makes that part's WRITE end in ERR."""
+        parts = [(Write(object(), 2048 * len(src), 1), (i,)) for i in range(2)]
+        self.prepared.append((tuple(src), tuple(dst), parts))
+        return parts
 
 
 class FakeConn:
@@ -66,10 +75,10 @@ class FakeConn:
 def setup():
     made = []
 
-    def make(latency_s: float = 0.0, drive_writes: bool = True):
+    def make(latency_s: float = 0.0, drive_writes: bool = True, stream_writes: bool = False):
         engine = FakeEngine(latency_s)
         producer = Producer(ProducerConfig("P", IDENTITY, frozenset({"D"}), "127.0.0.1", 0, 5.0,
-                                           drive_writes=drive_writes), engine)
+                                           drive_writes=drive_writes, stream_writes=stream_writes), engine)
         made.append(producer)
         conn = FakeConn()
         producer.on_message(conn, wire.Hello("D", 0, "agent-D", b"meta", IDENTITY, REGIONS, device_id=5))
@@ -195,3 +204,55 @@ def test_short_poll_waits_are_not_rounded_up_to_a_millisecond(monkeypatch):
     reactor._wait(0.5)
     reactor._wait(None)
     assert asked == [0.5, None] and slept == [0.0002]
+
+
+def sent_after_handshake(conn) -> list[tuple]:
+    return [(type(m).__name__, getattr(m, "regions", None)) for m in conn.sent[1:]]
+
+
+def test_streamed_write_tells_decode_before_the_first_layer_and_after_each(setup):
+    producer, engine, conn = setup(stream_writes=True)
+    register(producer, conn, "s1", [5, 6])
+    producer.offer("s1", "q1", [1, 2], "D")
+    assert sent_after_handshake(conn) == [("Streaming", None), ("Landed", (0,)), ("Landed", (1,)), ("Done", None)]
+    [(_, _, parts)] = engine.prepared
+    assert engine.posted == [w for w, _ in parts] and engine.released == engine.posted
+    assert producer.take_freed() == ["q1"]
+    record = producer.take_records()[0]
+    assert record.ok and record.num_bytes == conn.sent[-1].num_bytes == 2 * 2048 * 2
+
+
+def test_a_failed_layer_part_stops_the_stream_with_fail_and_releases_the_rest(setup):
+    producer, engine, conn = setup(stream_writes=True)
+    register(producer, conn, "s2", [5, 6])
+    original = engine.prepare_parts
+
+    def failing_first(*args):
+        parts = original(*args)
+        engine.failing = parts[0][0]
+        return parts
+
+    engine.prepare_parts = failing_first
+    producer.offer("s2", "q2", [1, 2], "D")
+    assert sent_after_handshake(conn) == [("Streaming", None), ("Fail", None)]
+    [(_, _, parts)] = engine.prepared
+    assert engine.posted == [parts[0][0]] and set(map(id, engine.released)) == {id(w) for w, _ in parts}
+    assert producer.take_freed() == ["q2"] and not producer.take_records()[0].ok
+
+
+def test_a_stream_still_copying_at_the_deadline_goes_on_in_flight_and_ends_with_done(setup, monkeypatch):
+    monkeypatch.setattr("kvpush.connector.producer.STREAM_DRIVE_S", 0.0)
+    producer, engine, conn = setup(latency_s=0.05, stream_writes=True)
+    register(producer, conn, "s3", [5, 6])
+    producer.offer("s3", "q3", [1, 2], "D")
+    assert sent_after_handshake(conn) == [("Streaming", None)]  # both parts posted, nothing landed yet
+    record = wait_record(producer)
+    assert record.ok and record.num_bytes == 2 * 2048 * 2
+    assert sent_after_handshake(conn)[-1] == ("Done", None) and len(engine.posted) == 2
+
+
+def test_without_streaming_decode_hears_only_done(setup):
+    producer, engine, conn = setup(stream_writes=False)
+    register(producer, conn, "s4", [5])
+    producer.offer("s4", "q4", [1], "D")
+    assert sent_after_handshake(conn) == [("Done", None)]
