@@ -9,12 +9,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from .cache_layout import required_layout
-from .metadata import PushMetadata
+from .metadata import Evictions, PushMetadata
 from .prom import PushPromMetrics
 from .scheduler import PushScheduler
 from .settings import Settings
@@ -30,6 +31,11 @@ log = logging.getLogger(__name__)
 @dataclass
 class KVPushMetadata(PushMetadata, KVConnectorMetadata):
     """PushMetadata as the type vLLM carries from scheduler to worker."""
+
+
+@dataclass(frozen=True)
+class KVPushWorkerMetadata(Evictions, KVConnectorWorkerMetadata):
+    """Evictions as the type vLLM carries from worker to scheduler."""
 
 
 @dataclass
@@ -123,6 +129,10 @@ class KVPushConnector(KVConnectorBase_V1):
         assert self._worker is not None
         return self._worker.get_finished(finished_req_ids)
 
+    def build_connector_worker_meta(self) -> KVPushWorkerMetadata | None:
+        blocks = self._worker.take_evictions() if self._worker is not None else set()
+        return KVPushWorkerMetadata(frozenset(blocks)) if blocks else None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.load_errors() if self._worker is not None else set()
 
@@ -167,6 +177,9 @@ class KVPushConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         assert self._scheduler is not None
         self._scheduler.update_connector_output(connector_output.finished_sending, connector_output.finished_recving)
+        worker_meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(worker_meta, Evictions) and worker_meta.blocks:
+            self._scheduler.evict(worker_meta.blocks)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None

@@ -3,7 +3,7 @@ them, and turns P's DONE/FAIL, a lost connection or a timeout into one outcome p
 
 `expect()` is called from the compute thread; connecting and sending happen on the reactor thread.
 A WRITE that P streams (STREAMING, then LANDED per layer, then DONE) is handed out twice: as
-started (`take_started`: vLLM may schedule the request now) and as its outcome; in between the
+started (`take`: vLLM may schedule the request now) and as its outcome; in between the
 compute thread waits for each layer's bytes in `wait_landed`.
 One connection per P engine, opened on first use with a HELLO carrying this agent's NIXL metadata
 and KV layout. A connection that dies fails every transfer pending on it at once.
@@ -80,10 +80,13 @@ class Consumer:
             out, self._outcomes = self._outcomes, []
             return out
 
-    def take_started(self) -> list[Pending]:
+    def take(self) -> tuple[list[Pending], list[Outcome]]:
+        """Streamed WRITEs that began, and outcomes, taken together: a transfer that started and
+        ended since the last call is in both lists, never in the outcomes alone."""
         with self._lock:
-            out, self._started = self._started, []
-            return out
+            started, self._started = self._started, []
+            outcomes, self._outcomes = self._outcomes, []
+            return started, outcomes
 
     def wait_for_outcome(self, timeout_s: float) -> None:
         """Sleep until an outcome (or a streamed WRITE's start) is ready or `timeout_s` passes; at
@@ -143,10 +146,11 @@ class Consumer:
 
     def _peer_failed(self, peer_engine: str, reason: str) -> None:
         with self._lock:
-            lost = self._state.peer_gone(peer_engine, reason)
+            lost = self._state.peer_gone(peer_engine, reason, len(self._hello.regions))
             self._add_outcomes(lost)
-        if lost:
-            log.warning("kvpush: %d transfer(s) from %s failed: %s", len(lost), peer_engine, reason)
+        failed = [o for o in lost if not o.ok]
+        if failed:
+            log.warning("kvpush: %d transfer(s) from %s failed: %s", len(failed), peer_engine, reason)
 
     def _busy_peers(self) -> set[str]:
         """P engines with a transfer pending and a connection to ask them on (lock held)."""

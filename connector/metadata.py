@@ -1,4 +1,4 @@
-"""What the scheduler-side connector tells the worker-side connector each step.
+"""What the scheduler-side connector tells the worker-side connector each step, and back.
 
 Plain dataclasses (vLLM-free); connector.py derives the class vLLM carries from KVConnectorMetadata.
 """
@@ -46,3 +46,14 @@ class PushMetadata:
     # report it received again once nothing can land in its blocks any more (vLLM frees them then)
     releases: list[tuple[str, str]] = field(default_factory=list)
     idle: bool = False  # the step computes no tokens: it runs only to collect transfer outcomes
+
+
+@dataclass(frozen=True)
+class Evictions:
+    """Worker -> scheduler: blocks to drop from the prefix cache (a streamed WRITE into them failed
+    after vLLM had cached them as loaded)."""
+
+    blocks: frozenset[int] = frozenset()
+
+    def aggregate(self, other: "Evictions") -> "Evictions":
+        return type(self)(self.blocks | other.blocks)

@@ -146,5 +146,11 @@ class PushScheduler:
             if tid is not None:
                 self._received[req_id] = tid
 
+    def evict(self, blocks: frozenset[int]) -> None:
+        """Drop blocks from vLLM's prefix cache: a streamed WRITE into them failed after vLLM had
+        cached them as loaded (the blocks stay with their request)."""
+        log.warning("kvpush: dropping %d blocks of a failed streamed transfer from the prefix cache", len(blocks))
+        self.kv_cache_manager.evict_blocks(set(blocks))
+
     def has_pending_push_work(self) -> bool:
         return bool(self._promised)

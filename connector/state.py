@@ -267,11 +267,16 @@ class ConsumerState:
         self.landing.pop(transfer_id, None)
         return self.pending.pop(transfer_id)
 
-    def peer_gone(self, peer_engine: str, reason: str) -> list[Outcome]:
-        gone = [p for p in self.pending.values() if p.peer_engine == peer_engine]
-        for p in gone:
+    def peer_gone(self, peer_engine: str, reason: str, num_regions: int = 0) -> list[Outcome]:
+        """Every transfer from that peer fails, except a streamed one whose `num_regions` regions
+        had all landed: its bytes are all there, only DONE was lost."""
+        out = []
+        for p in [p for p in self.pending.values() if p.peer_engine == peer_engine]:
+            landed = self.landing.get(p.transfer_id)
+            complete = landed is not None and num_regions > 0 and len(landed) >= num_regions
             self._forget(p.transfer_id)
-        return [Outcome(p, False, reason) for p in gone]
+            out.append(Outcome(p, True) if complete else Outcome(p, False, reason))
+        return out
 
     def expire(self, now: float) -> list[Outcome]:
         out = []

@@ -50,6 +50,8 @@ class PushWorker:
         self._landing: dict[str, Pending] = {}  # streamed, reported received, no outcome yet
         self._failed_early: dict[str, tuple[int, ...]] = {}  # req id -> blocks: streamed WRITE failed
         self._release_on_outcome: set[str] = set()  # landing transfers whose request has ended
+        self._cancelled: set[str] = set()  # transfers whose request ended while vLLM waited for them
+        self._evict: set[int] = set()  # blocks vLLM cached for a streamed WRITE that then failed
         self._echo: set[str] = set()  # ended requests to report received again (vLLM frees them)
         self._loading_now: set[str] = set()
         self._layer_wait_s: float | None = None  # this forward pass's waits for streamed layers
@@ -127,6 +129,7 @@ class PushWorker:
             self.consumer.expect(r.req_id, r.transfer_id, r.peer_engine, r.peer_host, r.peer_port + self.tp_rank,
                                  list(r.block_ids), r.first_block, r.num_tokens)
         for tid in meta.cancels:
+            self._cancelled.add(tid)
             self.consumer.cancel(tid)
 
     def wait_for_layer(self, layer_name: str) -> None:
@@ -173,12 +176,17 @@ class PushWorker:
                 # decode's idle wait: vLLM steps only for our outcomes now, so sleep until one comes
                 # (or a new request may be waiting at the engine: hence the bound)
                 self.consumer.wait_for_outcome(self.settings.idle_wait_ms / 1000)
-            for p in self.consumer.take_started():
+            started, outcomes = self.consumer.take()
+            for p in started:
                 self._landing[p.transfer_id] = p
-                recving.add(p.req_id)
+                if p.transfer_id in self._cancelled:  # vLLM frees a finished request's blocks when told
+                    self._release_on_outcome.add(p.transfer_id)
+                else:
+                    recving.add(p.req_id)
             refused, self._refused = self._refused, []
-            for o in refused + self.consumer.take_outcomes():
+            for o in refused + outcomes:
                 tid = o.pending.transfer_id
+                self._cancelled.discard(tid)
                 if tid in self._silent:
                     self._silent.discard(tid)
                     continue
@@ -187,14 +195,28 @@ class PushWorker:
                     if tid in self._release_on_outcome:
                         self._release_on_outcome.discard(tid)
                         recving.add(o.pending.req_id)
+                        if not o.ok:  # vLLM may have cached them as loaded; freed now, not recomputed
+                            self._evict.update(o.pending.block_ids)
                     elif not o.ok:
-                        self._failed_early[o.pending.req_id] = o.pending.block_ids
+                        self._streamed_failure(o.pending)
                     continue
                 recving.add(o.pending.req_id)
                 if not o.ok:
                     self._load_errors.update(o.pending.block_ids)
             return None, (recving or None)
         return None, None
+
+    def _streamed_failure(self, pending: Pending) -> None:
+        """vLLM took this request's blocks for loaded (and may have cached them) when the WRITE
+        began. Report them for the step that first computes the request, and at once for any
+        running request that found them in the prefix cache; drop them from that cache."""
+        self._failed_early[pending.req_id] = pending.block_ids
+        self._load_errors.update(pending.block_ids)
+        self._evict.update(pending.block_ids)
+
+    def take_evictions(self) -> set[int]:
+        evict, self._evict = self._evict, set()
+        return evict
 
     def load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

@@ -273,7 +273,7 @@ def test_streamed_write_lands_layer_by_layer_and_d_hears_of_it_first():
         consumer.wait_landed(["t-stream"], (LAYERS - 1,), timeout_s=5.0)
         [outcome] = wait_outcomes(consumer, 1)
         assert outcome.ok, outcome.reason
-        [started] = consumer.take_started()
+        [started], _ = consumer.take()
         assert started.transfer_id == "t-stream" and consumer.counters["landed_parts"] == LAYERS
         assert np.array_equal(arr[:, dst], expected[:, src])
         [record] = peer.status()["records"]
@@ -308,7 +308,7 @@ def test_a_wait_for_landing_kv_ends_when_the_peer_dies_mid_stream(decode_side):
     try:
         consumer.expect("rq", "t-mid", "P.other", "127.0.0.1", port, [13, 14], 0, 32)
         deadline = time.monotonic() + 3.0
-        while not (started := consumer.take_started()) and time.monotonic() < deadline:
+        while not (started := consumer.take()[0]) and time.monotonic() < deadline:
             time.sleep(0.01)
         assert [p.transfer_id for p in started] == ["t-mid"]
         began = time.monotonic()

@@ -178,3 +178,14 @@ def test_a_step_that_computes_nothing_is_marked_idle():
     s = PushScheduler(BS, is_producer=False, engine_id="D.e")
     assert s.build_connector_meta(sched_out()).idle
     assert not s.build_connector_meta(sched_out(r=1)).idle
+
+
+def test_decode_drops_blocks_of_a_failed_streamed_write_from_the_prefix_cache():
+    from kvpush.connector.metadata import Evictions
+
+    s = PushScheduler(BS, is_producer=False, engine_id="D.e")
+    evicted = []
+    s.kv_cache_manager = SimpleNamespace(evict_blocks=evicted.append)
+    tp_ranks = Evictions(frozenset({3})).aggregate(Evictions(frozenset({4})))
+    s.evict(tp_ranks.blocks)
+    assert evicted == [{3, 4}]

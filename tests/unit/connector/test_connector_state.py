@@ -147,6 +147,18 @@ def test_consumer_streamed_transfer_lands_region_by_region_until_its_outcome():
     assert c.has_landed("a", (1,)) and c.landing == {}  # over: the outcome says how
 
 
+def test_a_lost_peer_fails_a_stream_unless_every_region_had_landed():
+    c = ConsumerState(5.0)
+    for tid in ("whole", "half", "plain"):
+        c.add(pending(tid))
+    c.streaming("whole", "P.e")
+    c.streaming("half", "P.e")
+    c.landed("whole", "P.e", (0, 1), num_regions=2)
+    c.landed("half", "P.e", (0,), num_regions=2)
+    outcomes = {o.pending.transfer_id: o.ok for o in c.peer_gone("P.e", "lost", num_regions=2)}
+    assert outcomes == {"whole": True, "half": False, "plain": False}
+
+
 def test_consumer_short_expiry_only_until_accepted():
     c = ConsumerState(5.0, accepted_timeout_s=100.0)
     c.add(pending("a", at=0.0))

@@ -41,9 +41,9 @@ class FakeConsumer:
     def __init__(self):
         self.expected, self.outcomes, self.waits, self.started, self.landing_waits = [], [], [], [], []
 
-    def take_started(self):
-        out, self.started = self.started, []
-        return out
+    def take(self):
+        started, self.started = self.started, []
+        return started, self.take_outcomes()
 
     def wait_landed(self, transfer_ids, regions, timeout_s):
         self.landing_waits.append((sorted(transfer_ids), regions))
@@ -150,15 +150,37 @@ def test_streamed_receipt_is_reported_once_and_each_layer_waits_until_the_outcom
     assert stats["recvs_ok"] == 1 and len(stats["layer_wait_s"]) == 1  # one forward pass waited
 
 
-def test_streamed_failure_is_reported_in_the_step_that_computes_the_request():
+def test_streamed_failure_is_reported_now_and_in_the_step_that_computes_the_request():
     w = streaming_decode()
     w.consumer.outcomes.append(Outcome(Pending("t", "r", "P", (3, 4), 0.0), False, "gone"))
     assert w.get_finished(set()) == (None, None)
+    assert w.load_errors() == {3, 4}  # for a running request that found them in the prefix cache
+    assert w.take_evictions() == {3, 4} and w.take_evictions() == set()
+    w.bind(PushMetadata())
     assert w.load_errors() == set()  # r is not computed in this step: vLLM would not look for it
     w.bind(PushMetadata(loading=["r"]))
     assert w.load_errors() == {3, 4}
     w.bind(PushMetadata(loading=["r"]))
     assert w.load_errors() == set()
+
+
+def test_request_cancelled_while_vllm_waited_is_not_reported_when_its_write_starts():
+    w = worker(False)
+    w.bind(PushMetadata(recvs=[RecvSpec("r", "t", "P", "h", 5, 1, (3, 4), 0, 200)]))
+    w.bind(PushMetadata(cancels=["t"]))  # aborted while waiting; P had already begun
+    w.consumer.started.append(Pending("t", "r", "P", (3, 4), 0.0))
+    assert w.get_finished(set()) == (None, None)  # P still writes into r's blocks: do not free them
+    w.consumer.outcomes.append(Outcome(Pending("t", "r", "P", (3, 4), 0.0), True))
+    assert w.get_finished(set()) == (None, {"r"})
+
+
+def test_a_write_that_starts_and_ends_between_two_steps_is_reported_once():
+    w = worker(False)
+    w.bind(PushMetadata(recvs=[RecvSpec("r", "t", "P", "h", 5, 1, (3, 4), 0, 200)]))
+    w.consumer.started.append(Pending("t", "r", "P", (3, 4), 0.0))
+    w.consumer.outcomes.append(Outcome(Pending("t", "r", "P", (3, 4), 0.0), True))
+    assert w.get_finished(set()) == (None, {"r"})
+    assert w.get_finished(set()) == (None, None) and not w._landing
 
 
 def test_request_ended_while_its_kv_lands_is_reported_again_after_the_outcome():
@@ -167,6 +189,7 @@ def test_request_ended_while_its_kv_lands_is_reported_again_after_the_outcome():
     assert w.get_finished(set()) == (None, None)  # P may still be writing into r's blocks
     w.consumer.outcomes.append(Outcome(Pending("t", "r", "P", (3, 4), 0.0), False, "cancelled"))
     assert w.get_finished(set()) == (None, {"r"}) and w.load_errors() == set()
+    assert w.take_evictions() == {3, 4}  # freed with whatever landed: not for the prefix cache
 
 
 def test_request_ended_after_its_kv_landed_is_reported_again_at_once():
