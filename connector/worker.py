@@ -55,6 +55,9 @@ class PushWorker:
         self._echo: set[str] = set()  # ended requests to report received again (vLLM frees them)
         self._loading_now: set[str] = set()
         self._layer_wait_s: float | None = None  # this forward pass's waits for streamed layers
+        # vLLM called wait_for_layer_load at least once: only then may a WRITE still landing be
+        # reported received (an attention backend without that hook would compute on it)
+        self._layer_hook_seen = False
         self._layer_regions: dict[str, tuple[int, ...]] = {}
         self._all_regions: tuple[int, ...] = ()
         self._idle_step = False
@@ -134,6 +137,9 @@ class PushWorker:
 
     def wait_for_layer(self, layer_name: str) -> None:
         """Before a layer's attention: that layer's bytes of every streamed WRITE still landing."""
+        if not self._layer_hook_seen:
+            self._layer_hook_seen = True
+            log.info("kvpush: vLLM calls wait_for_layer_load here: streamed KV is waited for layer by layer")
         if self._landing and self.consumer is not None:
             regions = self._layer_regions.get(layer_name) or self._all_regions
             started = time.monotonic()
@@ -177,7 +183,7 @@ class PushWorker:
                 # (or a new request may be waiting at the engine: hence the bound)
                 self.consumer.wait_for_outcome(self.settings.idle_wait_ms / 1000)
             started, outcomes = self.consumer.take()
-            for p in started:
+            for p in started if self._layer_hook_seen else ():  # else: its outcome reports it, as unstreamed
                 self._landing[p.transfer_id] = p
                 if p.transfer_id in self._cancelled:  # vLLM frees a finished request's blocks when told
                     self._release_on_outcome.add(p.transfer_id)

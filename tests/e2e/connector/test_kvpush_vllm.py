@@ -93,6 +93,22 @@ def test_decode_metrics_show_external_kv(cluster):
     assert local <= len(cluster["prompts"]["sequential"])  # at most the one recomputed last token per request
 
 
+def test_decode_computes_streamed_kv_layer_by_layer(cluster):
+    """Prefill streams its WRITEs (CPU default). Decode reports a request received while its KV
+    still lands only once vLLM has called wait_for_layer_load, the hook where each layer is waited
+    for; the connector logs when it first sees that call. (With this small model a WRITE is
+    usually over before decode looks, so few forward passes actually wait.)"""
+    d = cluster["decode"]
+    assert "vLLM calls wait_for_layer_load here" in d.log_path.read_text(errors="replace")
+    deadline = time.monotonic() + 20  # connector stats reach /metrics once per stats interval
+    while (received := d.metric("vllm:kvpush_pushes_received_total")) < len(cluster["prompts"]["sequential"]) \
+            and time.monotonic() < deadline:
+        time.sleep(1)
+    waits = d.metric("vllm:kvpush_layer_wait_seconds_count")
+    print(f"\ndecode: {received:.0f} pushes received, {waits:.0f} forward passes waited for streamed layers")
+    assert received >= len(cluster["prompts"]["sequential"])
+
+
 def process_names_in_group(pgid: int) -> list[str]:
     return [psutil.Process(m.pid).name() for m in LocalRunner().group_members([pgid])[pgid] if m.state == "alive"]
 

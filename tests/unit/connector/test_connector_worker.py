@@ -130,10 +130,20 @@ def streaming_decode() -> PushWorker:
     """D with request r's transfer t (blocks 3, 4) reported received as P started streaming it."""
     w = worker(False)
     w._layer_regions, w._all_regions = {"layer.0": (0,), "layer.1": (1,)}, (0, 1)
+    w.wait_for_layer("layer.0")  # vLLM's forward passes call the hook
     w.bind(PushMetadata(recvs=[RecvSpec("r", "t", "P", "h", 5, 1, (3, 4), 0, 200)]))
     w.consumer.started.append(Pending("t", "r", "P", (3, 4), 0.0))
     assert w.get_finished(set()) == (None, {"r"})
     return w
+
+
+def test_without_vllm_calling_the_layer_hook_a_streamed_write_is_reported_at_its_outcome():
+    w = worker(False)
+    w.bind(PushMetadata(recvs=[RecvSpec("r", "t", "P", "h", 5, 1, (3, 4), 0, 200)]))
+    w.consumer.started.append(Pending("t", "r", "P", (3, 4), 0.0))
+    assert w.get_finished(set()) == (None, None) and not w._landing
+    w.consumer.outcomes.append(Outcome(Pending("t", "r", "P", (3, 4), 0.0), True))
+    assert w.get_finished(set()) == (None, {"r"})
 
 
 def test_streamed_receipt_is_reported_once_and_each_layer_waits_until_the_outcome():
@@ -166,6 +176,7 @@ def test_streamed_failure_is_reported_now_and_in_the_step_that_computes_the_requ
 
 def test_request_cancelled_while_vllm_waited_is_not_reported_when_its_write_starts():
     w = worker(False)
+    w._layer_hook_seen = True
     w.bind(PushMetadata(recvs=[RecvSpec("r", "t", "P", "h", 5, 1, (3, 4), 0, 200)]))
     w.bind(PushMetadata(cancels=["t"]))  # aborted while waiting; P had already begun
     w.consumer.started.append(Pending("t", "r", "P", (3, 4), 0.0))
@@ -176,6 +187,7 @@ def test_request_cancelled_while_vllm_waited_is_not_reported_when_its_write_star
 
 def test_a_write_that_starts_and_ends_between_two_steps_is_reported_once():
     w = worker(False)
+    w._layer_hook_seen = True
     w.bind(PushMetadata(recvs=[RecvSpec("r", "t", "P", "h", 5, 1, (3, 4), 0, 200)]))
     w.consumer.started.append(Pending("t", "r", "P", (3, 4), 0.0))
     w.consumer.outcomes.append(Outcome(Pending("t", "r", "P", (3, 4), 0.0), True))
