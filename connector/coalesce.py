@@ -136,11 +136,13 @@ class Plan:
         a layer-major cache): (local rows, remote rows, indices of the regions the part fills).
         Sent one after another, they let the receiver use each layer as soon as its part lands."""
         local, remote = self.descriptors(src_blocks, dst_blocks)
-        src = np.asarray(src_blocks, dtype=np.int64)
-        rows_per_packed = len(block_runs(src, np.asarray(dst_blocks, dtype=np.int64))) if self._packed is not None else 0
-        rows = {id(seg): rows_per_packed if seg.packed else src.size for seg in self.segments}
+        packed = [s for s in self.segments if s.packed]
+        loose = [s for s in self.segments if not s.packed]
+        num_blocks = len(src_blocks)
+        rows_per_packed = (len(local) - num_blocks * len(loose)) // len(packed) if packed else 0  # the runs
+        rows = {id(seg): rows_per_packed if seg.packed else num_blocks for seg in self.segments}
         start, at = {}, 0
-        for seg in [s for s in self.segments if s.packed] + [s for s in self.segments if not s.packed]:
+        for seg in packed + loose:
             start[id(seg)] = at  # the row order `descriptors` writes: packed segments first
             at += rows[id(seg)]
         out = []

@@ -137,10 +137,12 @@ class PushWorker:
 
     def wait_for_layer(self, layer_name: str) -> None:
         """Before a layer's attention: that layer's bytes of every streamed WRITE still landing."""
+        if self.consumer is None:
+            return
         if not self._layer_hook_seen:
             self._layer_hook_seen = True
             log.info("kvpush: vLLM calls wait_for_layer_load here: streamed KV is waited for layer by layer")
-        if self._landing and self.consumer is not None:
+        if self._landing:
             regions = self._layer_regions.get(layer_name) or self._all_regions
             started = time.monotonic()
             self.consumer.wait_landed(list(self._landing), regions, self.settings.transfer_timeout_s)
