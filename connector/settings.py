@@ -11,6 +11,11 @@ CPU_IDLE_WAIT_MS = 20.0
 GPU_IDLE_WAIT_MS = 2.0
 
 
+def kv_on_cpu(kv_transfer_config: Any) -> bool:
+    """vLLM keeps this connector's KV cache in host memory (kv_buffer_device unset or "cpu")."""
+    return (kv_transfer_config.kv_buffer_device or "cpu") == "cpu"
+
+
 class UnsupportedDeployment(ValueError):
     """A configuration kvpush's connector refuses at start-up, with the reason and the fix."""
 
@@ -58,6 +63,7 @@ class Settings:
             raise UnsupportedDeployment("kvpush: data_parallel_size > 1 is not supported yet (the router cannot tell which DP rank's side channel holds a request); run one instance per DP rank")
         if getattr(parallel, "pipeline_parallel_size", 1) > 1:
             raise UnsupportedDeployment("kvpush: pipeline parallelism is not supported; use tensor parallelism")
+        on_cpu = kv_on_cpu(kv)
         return cls(
             engine_id=str(kv.engine_id),
             is_producer=kv.kv_role == "kv_producer",
@@ -67,14 +73,14 @@ class Settings:
             allowed_engines=frozenset(str(e) for e in extra["allowed_engines"]),
             transfer_timeout_s=float(extra.get("transfer_timeout_s", 30.0)),
             peer_silence_s=float(extra.get("peer_silence_s", DEFAULT_SILENCE_S)),
-            buffer_device=str(kv.kv_buffer_device or "cpu"),
+            buffer_device="cpu" if on_cpu else str(kv.kv_buffer_device),
             model=str(vllm_config.model_config.model),
             tp_size=int(parallel.tensor_parallel_size),
             block_size=int(vllm_config.cache_config.block_size),
             progress_delay_us=(None if extra.get("progress_delay_us") is None
                                else int(_non_negative(extra["progress_delay_us"], "progress_delay_us"))),
-            idle_wait_ms=_non_negative(extra.get("idle_wait_ms", CPU_IDLE_WAIT_MS if (kv.kv_buffer_device or "cpu") == "cpu"
-                                                 else GPU_IDLE_WAIT_MS), "idle_wait_ms"),
+            idle_wait_ms=_non_negative(extra.get("idle_wait_ms", CPU_IDLE_WAIT_MS if on_cpu else GPU_IDLE_WAIT_MS),
+                                       "idle_wait_ms"),
             stream_writes=_flag(extra.get("stream_writes", True), "stream_writes"),
             huge_pages=_flag(extra.get("huge_pages", True), "huge_pages"),
             kv_cache_layout=(getattr(kv_cache_config, "kv_cache_layout", None)

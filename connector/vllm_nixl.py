@@ -24,6 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPullConnector
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPushConnector as _StockPush
 
+from .settings import kv_on_cpu
 from .transfer import PROGRESS_DELAY_US, progress_thread_delay
 
 __all__ = ["NixlConnector", "NixlPushConnector"]
@@ -53,7 +54,7 @@ def _quiet_worker(vllm_config: Any, role: KVConnectorRole) -> Iterator[None]:
         yield
         return
     kv = vllm_config.kv_transfer_config
-    default = PROGRESS_DELAY_US["DRAM" if (kv.kv_buffer_device or "cpu") == "cpu" else "VRAM"]
+    default = PROGRESS_DELAY_US["DRAM" if kv_on_cpu(kv) else "VRAM"]
     delay_us = int(kv.get_from_extra_config("progress_delay_us", default))
     with progress_thread_delay(delay_us), _keep_thread_affinity():
         yield

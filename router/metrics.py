@@ -21,6 +21,11 @@ WORKERS_DIR_ENV = "KVPUSH_ROUTER_METRICS_DIR"
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
 
+# the handoff gap's targets are tens of ms (docs/benchmarks.md): 2.5 ms steps up to 25 ms, then 5 ms to 50 ms
+_HANDOFF_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.0125, 0.015, 0.0175, 0.02, 0.0225, 0.025,
+                    0.03, 0.035, 0.04, 0.045, 0.05, 0.06, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                    20.0, 40.0)
+
 _OWN_BUCKETS = (0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.025,
                 0.05, 0.1)
 
@@ -51,7 +56,7 @@ class RouterMetrics:
                                      ["leg"], buckets=_LATENCY_BUCKETS, registry=r)
         self.handoff_gap = Histogram("kvpush_router_handoff_gap_seconds",
                                      "Prefill leg's answer to decode leg's first token (0 if decode was first).",
-                                     buckets=_LATENCY_BUCKETS, registry=r)
+                                     buckets=_HANDOFF_BUCKETS, registry=r)
         self.retries = Counter("kvpush_router_retries", "Attempts repeated before the first token, by reason.",
                                ["reason"], registry=r)
         self.fallbacks = Counter("kvpush_router_fallbacks",
