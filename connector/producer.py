@@ -196,6 +196,13 @@ class Producer:
         landed_bytes = 0
         descriptors = sum(w.num_descriptors for w, _ in parts)
         for i, (write, regions) in enumerate(parts):
+            if conn.closed:  # D gave up on this P (or died): its blocks may be another request's by now
+                for rest, _ in parts[i:]:
+                    self.engine.release(rest)
+                self._finish(match, conn, started, time.monotonic(), False,
+                             f"decode engine {engine_id} disconnected during the streamed WRITE "
+                             f"(before layer part {i + 1} of {len(parts)})", num_descriptors=descriptors)
+                return
             try:
                 self.engine.post(write, engine_id)
             except TransferError as exc:
@@ -225,6 +232,8 @@ class Producer:
                          rest: list[tuple[Write, tuple[int, ...]]], landed_bytes: int) -> None:
         writes, error = [copying], ""
         for write, _ in rest:
+            if conn.closed and not error:
+                error = f"decode engine {match.registration.peer_engine} disconnected during the streamed WRITE"
             if error:
                 self.engine.release(write)
                 continue

@@ -240,6 +240,43 @@ def test_a_failed_layer_part_stops_the_stream_with_fail_and_releases_the_rest(se
     assert producer.take_freed() == ["q2"] and not producer.take_records()[0].ok
 
 
+def test_a_stream_whose_decode_disconnects_posts_no_further_layer(setup):
+    producer, engine, conn = setup(stream_writes=True)
+    register(producer, conn, "s5", [5, 6])
+    post = engine.post
+
+    def post_then_lose_decode(write, agent_name="peer"):
+        post(write, agent_name)
+        conn.closed = True  # the side channel noticed D close the connection while part 1 copied
+
+    engine.post = post_then_lose_decode
+    producer.offer("s5", "q5", [1, 2], "D")
+    [(_, _, parts)] = engine.prepared
+    assert engine.posted == [parts[0][0]]  # the second layer is never written into D's blocks
+    assert set(map(id, engine.released)) == {id(w) for w, _ in parts}
+    record = producer.take_records()[0]
+    assert not record.ok and "disconnected during the streamed WRITE" in record.reason
+    assert producer.take_freed() == ["q5"]
+
+
+def test_a_stream_past_its_deadline_posts_nothing_more_once_decode_disconnected(setup, monkeypatch):
+    monkeypatch.setattr("kvpush.connector.producer.STREAM_DRIVE_S", 0.0)
+    producer, engine, conn = setup(latency_s=0.05, stream_writes=True)
+    register(producer, conn, "s6", [5, 6])
+    post = engine.post
+
+    def post_then_lose_decode(write, agent_name="peer"):
+        post(write, agent_name)
+        conn.closed = True
+
+    engine.post = post_then_lose_decode
+    producer.offer("s6", "q6", [1, 2], "D")
+    record = wait_record(producer)
+    [(_, _, parts)] = engine.prepared
+    assert engine.posted == [parts[0][0]] and not record.ok and "disconnected" in record.reason
+    assert set(map(id, engine.released)) == {id(w) for w, _ in parts}
+
+
 def test_a_stream_still_copying_at_the_deadline_goes_on_in_flight_and_ends_with_done(setup, monkeypatch):
     monkeypatch.setattr("kvpush.connector.producer.STREAM_DRIVE_S", 0.0)
     producer, engine, conn = setup(latency_s=0.05, stream_writes=True)
