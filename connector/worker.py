@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
 from typing import Any, Callable
 
 from .cache_layout import layout_cost_note
@@ -30,15 +29,6 @@ from .transfer import NixlEngine
 from .wire import LayoutIdentity, Region
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Landing:
-    """A streamed WRITE that decode reported received at its start; its outcome is still to come."""
-
-    pending: Pending
-    # its request ended meanwhile: report it received again at the outcome, and vLLM frees its blocks
-    request_ended: bool = False
 
 
 class PushWorker:
@@ -57,7 +47,9 @@ class PushWorker:
         self._silent: set[str] = set()  # transfer ids vLLM is not waiting for
         self._load_errors: set[int] = set()
         self._refused: list[Outcome] = []
-        self._landing: dict[str, _Landing] = {}  # transfer id -> streamed WRITE without an outcome yet
+        # transfer id -> "its request has ended": a streamed WRITE reported received at its start,
+        # without an outcome yet. An ended one is reported again at the outcome (vLLM frees it then).
+        self._landing: dict[str, bool] = {}
         self._failed_early: dict[str, tuple[int, ...]] = {}  # req id -> blocks: streamed WRITE failed
         self._cancelled: set[str] = set()  # transfers whose request ended while vLLM waited for them
         self._evict: set[int] = set()  # blocks vLLM cached for a streamed WRITE that then failed
@@ -125,9 +117,8 @@ class PushWorker:
         self._loading_now = set(meta.loading)
         for req_id, tid in meta.releases:
             self._failed_early.pop(req_id, None)
-            landing = self._landing.get(tid)
-            if landing is not None:
-                landing.request_ended = True
+            if tid in self._landing:
+                self._landing[tid] = True
             else:
                 self._echo.add(req_id)
         for r in meta.recvs:
@@ -197,7 +188,7 @@ class PushWorker:
             started, outcomes = self.consumer.take()
             for p in started if self._layer_hook_seen else ():  # else: its outcome reports it, as unstreamed
                 ended = p.transfer_id in self._cancelled  # vLLM frees a finished request's blocks when told
-                self._landing[p.transfer_id] = _Landing(p, request_ended=ended)
+                self._landing[p.transfer_id] = ended
                 if not ended:
                     recving.add(p.req_id)
             refused, self._refused = self._refused, []
@@ -208,9 +199,9 @@ class PushWorker:
                     self._silent.discard(tid)
                     continue
                 self._stats.record_recv(o)
-                landing = self._landing.pop(tid, None)
-                if landing is not None:  # already reported received
-                    if landing.request_ended:
+                request_ended = self._landing.pop(tid, None)
+                if request_ended is not None:  # already reported received
+                    if request_ended:
                         recving.add(o.pending.req_id)
                         if not o.ok:  # vLLM may have cached them as loaded; freed now, not recomputed
                             self._evict.update(o.pending.block_ids)
