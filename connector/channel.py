@@ -6,6 +6,7 @@ next deadline comes (`timeout()`); it never spins. Callbacks run on the reactor 
 from __future__ import annotations
 
 import logging
+import select
 import selectors
 import socket
 import threading
@@ -34,6 +35,19 @@ class Connection:
         self.closed = False
         self._reader = wire.FrameReader()
         self._send_lock = threading.Lock()
+
+    def gone(self) -> bool:
+        """Closed here, or closed by the peer: asks the kernel, so a thread other than the reactor
+        learns of a FIN or reset that the reactor has not read yet (e.g. when the whole process
+        was stalled and both threads resume together)."""
+        if self.closed:
+            return True
+        poller = select.poll()
+        try:
+            poller.register(self.sock, select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+        except (ValueError, OSError):  # the reactor closed the socket meanwhile
+            return True
+        return bool(poller.poll(0))
 
     def send(self, msg: wire.Message) -> bool:
         """Send one message; False if the connection is gone (the reactor reports the close)."""

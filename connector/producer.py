@@ -183,7 +183,7 @@ class Producer:
         engine_id = match.registration.peer_engine
         conn, peer = self._peers.conns.get(engine_id), self._peers.nixl.get(engine_id)
         started = time.monotonic()
-        if conn is None or peer is None or conn.closed or not match.src_blocks:
+        if conn is None or peer is None or conn.gone() or not match.src_blocks:
             self._post(match)  # answers these as usual: FAIL (disconnected) or DONE (nothing to write)
             return
         try:
@@ -196,7 +196,7 @@ class Producer:
         landed_bytes = 0
         descriptors = sum(w.num_descriptors for w, _ in parts)
         for i, (write, regions) in enumerate(parts):
-            if conn.closed:  # D gave up on this P (or died): its blocks may be another request's by now
+            if conn.gone():  # D gave up on this P (or died): its blocks may be another request's by now
                 for rest, _ in parts[i:]:
                     self.engine.release(rest)
                 self._finish(match, conn, started, time.monotonic(), False,
@@ -232,7 +232,7 @@ class Producer:
                          rest: list[tuple[Write, tuple[int, ...]]], landed_bytes: int) -> None:
         writes, error = [copying], ""
         for write, _ in rest:
-            if conn.closed and not error:
+            if not error and conn.gone():
                 error = f"decode engine {match.registration.peer_engine} disconnected during the streamed WRITE"
             if error:
                 self.engine.release(write)
@@ -291,7 +291,7 @@ class Producer:
         engine_id = match.registration.peer_engine
         conn, peer = self._peers.conns.get(engine_id), self._peers.nixl.get(engine_id)
         now = time.monotonic()
-        if conn is None or peer is None or conn.closed:
+        if conn is None or peer is None or conn.gone():
             self._finish(match, None, now, now, False, f"decode engine {engine_id} disconnected before the WRITE")
             return
         if not match.src_blocks:

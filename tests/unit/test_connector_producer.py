@@ -70,6 +70,9 @@ class FakeConn:
     def send(self, msg):
         self.sent.append(msg)
 
+    def gone(self):
+        return self.closed
+
 
 @pytest.fixture
 def setup():
