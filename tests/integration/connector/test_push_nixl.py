@@ -319,3 +319,44 @@ def test_a_wait_for_landing_kv_ends_when_the_peer_dies_mid_stream(decode_side):
     finally:
         thread.join(timeout=5)
         server.close()
+
+
+def test_a_prefill_stalled_mid_stream_writes_no_further_layer_once_decode_gave_up():
+    """P is stopped (SIGSTOP) while it streams; D stops hearing it, gives up, closes the side channel
+    and would hand the blocks back to vLLM. When P resumes, it must not write the layers it had
+    not posted yet into those blocks: at most the one it was copying when it stopped lands."""
+    layers, num_blocks, layer_shape = 128, 160, (2, 64, 64)  # 8 KiB blocks, 1 MiB per layer pushed
+    arr = layer_major_buffer(num_blocks, layers, layer_shape, None)
+    regions = kv_regions([view_of(layer) for layer in arr], num_blocks)
+    engine = NixlEngine("D.stall", regions)
+    consumer = Consumer(ConsumerConfig("D.stall", 0, identity(arr, layers=layers), frozenset({"P.stall"}),
+                                       timeout_s=10.0, peer_silence_s=0.3),
+                        engine.name, engine.metadata, tuple(regions))
+    peer = PeerProcess("P.stall", ["D.stall"], num_blocks=num_blocks, block_shape=layer_shape, seed=SEED,
+                       layers=layers, layer_major=True, stream_writes=True)
+    blocks = list(range(128))
+    try:
+        consumer.expect("rq", "t-stall", "P.stall", "127.0.0.1", peer.port, blocks, 0, 16 * len(blocks))
+        time.sleep(0.2)  # handshake and registration done: P streams as soon as it offers
+        peer.send(offer=["t-stall", "pr", blocks, "D.stall"])
+        deadline = time.monotonic() + 5.0
+        while consumer.counters["landed_parts"] < 2 and time.monotonic() < deadline:
+            pass
+        os.kill(peer.proc.pid, signal.SIGSTOP)
+        [outcome] = wait_outcomes(consumer, 1, timeout_s=3.0)
+        landed = consumer.counters["landed_parts"]
+        assert not outcome.ok and "no answer" in outcome.reason
+        assert 2 <= landed < layers - 2, f"P was stopped after {landed} of {layers} layers: not mid-stream"
+        os.kill(peer.proc.pid, signal.SIGCONT)
+        [record] = peer.status()["records"]  # answered only once P runs again
+        time.sleep(0.3)
+        assert not record["ok"] and "disconnected during the streamed WRITE" in record["reason"]
+        written = [layer for layer in range(layers) if arr[layer, blocks].any()]
+        assert written == list(range(len(written))) and len(written) <= landed + 1, \
+            f"layers {written[landed + 1:]} were written after decode gave up at {landed}"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(peer.proc.pid, signal.SIGCONT)
+        peer.kill()
+        consumer.close()
+        engine.close()
