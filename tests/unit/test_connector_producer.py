@@ -243,16 +243,21 @@ def test_a_failed_layer_part_stops_the_stream_with_fail_and_releases_the_rest(se
     assert producer.take_freed() == ["q2"] and not producer.take_records()[0].ok
 
 
-def test_a_stream_whose_decode_disconnects_posts_no_further_layer(setup):
-    producer, engine, conn = setup(stream_writes=True)
-    register(producer, conn, "s5", [5, 6])
+def lose_decode_at_first_post(engine, conn):
+    """D closes the side channel while the first layer part copies."""
     post = engine.post
 
     def post_then_lose_decode(write, agent_name="peer"):
         post(write, agent_name)
-        conn.closed = True  # the side channel noticed D close the connection while part 1 copied
+        conn.closed = True
 
     engine.post = post_then_lose_decode
+
+
+def test_a_stream_whose_decode_disconnects_posts_no_further_layer(setup):
+    producer, engine, conn = setup(stream_writes=True)
+    register(producer, conn, "s5", [5, 6])
+    lose_decode_at_first_post(engine, conn)
     producer.offer("s5", "q5", [1, 2], "D")
     [(_, _, parts)] = engine.prepared
     assert engine.posted == [parts[0][0]]  # the second layer is never written into D's blocks
@@ -266,13 +271,7 @@ def test_a_stream_past_its_deadline_posts_nothing_more_once_decode_disconnected(
     monkeypatch.setattr("kvpush.connector.producer.STREAM_DRIVE_S", 0.0)
     producer, engine, conn = setup(latency_s=0.05, stream_writes=True)
     register(producer, conn, "s6", [5, 6])
-    post = engine.post
-
-    def post_then_lose_decode(write, agent_name="peer"):
-        post(write, agent_name)
-        conn.closed = True
-
-    engine.post = post_then_lose_decode
+    lose_decode_at_first_post(engine, conn)
     producer.offer("s6", "q6", [1, 2], "D")
     record = wait_record(producer)
     [(_, _, parts)] = engine.prepared
