@@ -89,14 +89,30 @@ class Reactor:
         self.call_soon(lambda: self._sel.register(sock, selectors.EVENT_READ, "listen"))
         return sock.getsockname()[1]
 
-    def connect(self, host: str, port: int, timeout_s: float = 1.0) -> Connection:
-        """Blocking connect (call from the reactor thread or before start)."""
-        sock = socket.create_connection((host, port), timeout=timeout_s)
-        sock.settimeout(None)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        conn = Connection(sock, f"{host}:{port}")
+    def connect(self, host: str, port: int, timeout_s: float,
+                on_done: Callable[[Connection | None, str], None]) -> None:
+        """Connect without blocking the reactor: a short-lived thread waits for the TCP handshake
+        (up to `timeout_s` for an unreachable host), then `on_done(conn, "")` or
+        `on_done(None, error)` runs on the reactor thread, with the connection already served."""
+        def attempt() -> None:
+            try:
+                sock = socket.create_connection((host, port), timeout=timeout_s)
+            except OSError as exc:
+                error = str(exc) or type(exc).__name__
+                self.call_soon(lambda: on_done(None, error))
+                return
+            sock.settimeout(None)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.call_soon(lambda: self._connected(Connection(sock, f"{host}:{port}"), on_done))
+
+        threading.Thread(target=attempt, name=f"{self._thread.name}-connect", daemon=True).start()
+
+    def _connected(self, conn: Connection, on_done: Callable[[Connection | None, str], None]) -> None:
+        if self._stop:
+            conn.sock.close()
+            return
         self._add(conn)
-        return conn
+        on_done(conn, "")
 
     def _add(self, conn: Connection) -> None:
         self._sel.register(conn.sock, selectors.EVENT_READ, conn)
@@ -209,6 +225,9 @@ class Reactor:
             except wire.WireError as exc:
                 self.handler.on_malformed(conn, str(exc))
                 continue
-            self.handler.on_message(conn, msg)
+            try:
+                self.handler.on_message(conn, msg)
+            except Exception:  # one message's bug must not drop the frames behind it
+                log.exception("side channel: handling %s from %s failed", type(msg).__name__, conn.peer)
             if conn.closed:
                 return

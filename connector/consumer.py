@@ -6,7 +6,8 @@ A WRITE that P streams (STREAMING, then LANDED per layer, then DONE) is handed o
 started (`take`: vLLM may schedule the request now) and as its outcome; in between the
 compute thread waits for each layer's bytes in `wait_landed`.
 One connection per P engine, opened on first use with a HELLO carrying this agent's NIXL metadata
-and KV layout. A connection that dies fails every transfer pending on it at once.
+and KV layout; what is sent to a P while its connection is being made waits for it (the reactor
+never blocks on a connect). A connection that dies fails every transfer pending on it at once.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from . import wire
 from .channel import Connection, Reactor
 from .liveness import DEFAULT_SILENCE_S, PeerLiveness
-from .state import ConsumerState, Outcome, Pending
+from .state import ConsumerState, Outcome, Pending, counts_since
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,7 @@ class ConsumerConfig:
     timeout_s: float = 5.0
     connect_timeout_s: float = 1.0
     peer_silence_s: float = DEFAULT_SILENCE_S  # a P waited on that answers no ping this long is gone
+    accepted_timeout_s: float = 300.0  # a P that accepted a transfer and then sent nothing this long
 
 
 class Consumer:
@@ -43,12 +45,14 @@ class Consumer:
                                  device_id)
         self._lock = threading.Lock()
         self._outcome_ready = threading.Condition(self._lock)
-        self._state = ConsumerState(config.timeout_s)
+        self._state = ConsumerState(config.timeout_s, config.accepted_timeout_s)
         self._liveness = PeerLiveness(silence_s=config.peer_silence_s)  # reactor thread only
         self._conns: dict[str, Connection] = {}
+        self._connecting: dict[str, list[wire.Message]] = {}  # P engine -> what waits for its connection
         self._outcomes: list[Outcome] = []
         self._started: list[Pending] = []  # streamed transfers whose WRITE began
         self.counters: Counter = Counter()
+        self._counted: Counter = Counter()  # what take_counts already handed out
         self._reactor = Reactor(f"kvpush-d-{config.engine_id}", self)
         self._reactor.start()
 
@@ -87,6 +91,11 @@ class Consumer:
             started, self._started = self._started, []
             outcomes, self._outcomes = self._outcomes, []
             return started, outcomes
+
+    def take_counts(self) -> Counter:
+        """Messages and requests dropped or refused since the last call, by reason."""
+        with self._lock:
+            return counts_since(self.counters + self._state.dropped, self._counted, frozenset({"landed_parts"}))
 
     def wait_for_outcome(self, timeout_s: float) -> None:
         """Sleep until an outcome (or a streamed WRITE's start) is ready or `timeout_s` passes; at
@@ -127,19 +136,34 @@ class Consumer:
     # ---- reactor thread --------------------------------------------------------------------------
     def _send(self, peer_engine: str, host: str, port: int, msg: wire.Message) -> None:
         conn = self._conns.get(peer_engine)
-        if conn is None or conn.closed:
-            try:
-                conn = self._reactor.connect(host, port, self.config.connect_timeout_s)
-            except OSError as exc:
-                self._peer_failed(peer_engine, f"cannot reach prefill {peer_engine} side channel at {host}:{port}: {exc}")
+        if conn is not None and not conn.closed:
+            if not conn.send(msg):
+                self._reactor.close(conn, "send failed")
+            return
+        if peer_engine in self._connecting:
+            self._connecting[peer_engine].append(msg)
+            return
+        self._connecting[peer_engine] = [msg]
+        self._reactor.connect(host, port, self.config.connect_timeout_s,
+                              lambda c, error: self._on_connected(peer_engine, f"{host}:{port}", c, error))
+
+    def _on_connected(self, peer_engine: str, address: str, conn: Connection | None, error: str) -> None:
+        waiting = self._connecting.pop(peer_engine, [])
+        if conn is None:
+            self._peer_failed(peer_engine, f"cannot reach prefill {peer_engine} side channel at {address}: {error}")
+            return
+        conn.engine_id = peer_engine
+        self._conns[peer_engine] = conn
+        for msg in [self._hello] + waiting:
+            if not conn.send(msg):
+                self._reactor.close(conn, "send failed")
                 return
-            conn.engine_id = peer_engine
-            self._conns[peer_engine] = conn
-            conn.send(self._hello)
-        if not conn.send(msg):
-            self._reactor.close(conn, "send failed")
 
     def _send_existing(self, peer_engine: str, msg: wire.Message) -> None:
+        """To a P this side has a connection to, or is connecting to; else dropped."""
+        if peer_engine in self._connecting:
+            self._connecting[peer_engine].append(msg)
+            return
         conn = self._conns.get(peer_engine)
         if conn is not None:
             conn.send(msg)

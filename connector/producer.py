@@ -20,13 +20,15 @@ from dataclasses import dataclass, field
 
 from . import wire
 from .channel import Connection, Reactor
-from .state import Match, Offer, ProducerState, Registration, Rejection
+from .state import Match, Offer, ProducerState, Registration, Rejection, counts_since
 from .transfer import NixlEngine, Peer, TransferError, Write
 
 log = logging.getLogger(__name__)
 POLL_S = 0.0002  # completion polling period, only while WRITEs are in flight
 SYNC_DRIVE_S = 0.5  # at most this long the compute thread drives a WRITE it posted itself
-STREAM_DRIVE_S = 5.0  # the same for a streamed one (all its parts), which D is already computing on
+STREAM_DRIVE_S = 1.0  # the same for each part of a streamed one, which D is already computing on
+# Counters that are outcomes, not dropped or refused input (those are exported by `take_counts`)
+_OUTCOME_COUNTERS = frozenset({"sent", "failed"})
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,7 @@ class _InFlight:
     prepared_ahead: bool
     error: str = ""  # a part could not be posted: FAIL once the others are no longer in flight
     num_bytes: int = 0  # of the parts that completed before
+    deadline: float = float("inf")  # still copying then: failed (a WRITE that neither ends nor errors)
 
     def state(self, engine: NixlEngine) -> str:
         """PROC while any part is; then ERR if any part failed or could not be posted."""
@@ -82,7 +85,8 @@ class ProducerConfig:
     allowed_engines: frozenset[str]
     host: str
     port: int
-    timeout_s: float = 5.0
+    timeout_s: float = 5.0  # unmatched halves expire, and a posted WRITE must end, within this
+    tp_rank: int = 0  # D's rank r talks to P's rank r only
     # DRAM: the copy is CPU work, so the compute thread that posted a WRITE completes it at once.
     # VRAM: the GPU's copy engines do it; the compute thread returns to vLLM.
     drive_writes: bool = True
@@ -105,8 +109,10 @@ class Producer:
         self._lock = threading.RLock()
         self._state = ProducerState(config.timeout_s)
         self._peers = _Peers()
-        self._inflight: list[_InFlight] = []
+        self._inflight: list[_InFlight] = []  # WRITEs the reactor thread polls to their end
+        self._streaming: set[str] = set()  # transfer ids the compute thread writes right now
         self._prepared: dict[str, _Prepared] = {}  # transfer id ->
+        self._counted: Counter = Counter()  # what take_counts already handed out
         self._freed: list[str] = []
         self._records: list[SendRecord] = []
         self.counters: Counter = Counter()
@@ -146,7 +152,10 @@ class Producer:
             return transfer_id in self._state.registrations
 
     def offer(self, transfer_id: str, req_id: str, block_ids: list[int], peer_engine: str) -> None:
+        """The request's prefill is done and these are its blocks. Copies (CPU) happen on this
+        thread without the producer's lock, so the reactor keeps answering D meanwhile."""
         now = time.monotonic()
+        driven: _InFlight | None = None
         with self._lock:
             if peer_engine not in self.config.allowed_engines:
                 self.counters["refused_peer"] += 1
@@ -156,77 +165,102 @@ class Producer:
                 return
             result = self._state.offer(Offer(transfer_id, req_id, tuple(block_ids), peer_engine, now))
             log.debug("kvpush P offer %s req=%s blocks=%d t=%.6f matched=%s", transfer_id, req_id, len(block_ids), now, result is not None)
-            if isinstance(result, Match) and self.config.drive_writes and self.config.stream_writes:
-                self._stream(result)
+            streamed = isinstance(result, Match) and self.config.drive_writes and self.config.stream_writes
+            if streamed:
+                self._streaming.add(transfer_id)
+            elif isinstance(result, Match) and self.config.drive_writes:
+                driven = self._post(result)
             else:
                 self._settle(result)
-                if isinstance(result, Match) and self.config.drive_writes:
-                    self._drive(transfer_id)
+        if streamed:
+            self._stream(result)
+        elif driven is not None:
+            self._drive(driven)
         self._reactor.wake()
 
-    def _drive(self, transfer_id: str) -> None:
+    def _drive(self, item: _InFlight) -> None:
         """Complete a WRITE just posted from the compute thread before returning: on a CPU host
         the copy is CPU work on this instance's cores either way, and finishing it here hands
-        the KV over without waiting for another thread to be scheduled."""
+        the KV over without waiting for another thread to be scheduled. Not yet in `_inflight`,
+        so the reactor does not release it under this thread's feet."""
         deadline = time.monotonic() + SYNC_DRIVE_S
-        for item in [i for i in self._inflight if i.match.offer.transfer_id == transfer_id]:
-            while item.state(self.engine) == "PROC" and time.monotonic() < deadline:
-                pass
-        self._poll()
+        while item.state(self.engine) == "PROC" and time.monotonic() < deadline:
+            pass
+        with self._lock:
+            self._inflight.append(item)
+            self._poll()
 
     def _stream(self, match: Match) -> None:
+        tid = match.offer.transfer_id
+        try:
+            self._stream_parts(match)
+        except Exception as exc:  # a bug here must cost this push, not the engine's compute thread
+            log.exception("kvpush: streamed WRITE %s failed unexpectedly", tid)
+            with self._lock:
+                self._finish(match, self._peers.conns.get(match.registration.peer_engine), time.monotonic(),
+                             time.monotonic(), False, f"prefill error during the streamed WRITE: {exc!r}")
+        finally:
+            with self._lock:
+                self._streaming.discard(tid)
+
+    def _stream_parts(self, match: Match) -> None:
         """Write one part (layer) after the other from the compute thread, telling D STREAMING
         before the first and LANDED after each, so D can schedule the request and compute each
-        layer as soon as it is there. Parts still copying at the deadline, and the rest, go on
-        in flight like any WRITE: D then learns of them from DONE or FAIL only. Lock held."""
+        layer as soon as it is there. A part still copying after STREAM_DRIVE_S goes on in flight
+        with the rest, like any WRITE: D then learns of them from DONE or FAIL only."""
         tid = match.offer.transfer_id
         engine_id = match.registration.peer_engine
-        conn, peer = self._peers.conns.get(engine_id), self._peers.nixl.get(engine_id)
+        with self._lock:
+            conn, peer = self._peers.conns.get(engine_id), self._peers.nixl.get(engine_id)
+            if conn is None or peer is None or conn.gone() or not match.src_blocks:
+                self._queue(self._post(match))  # answers these as usual: FAIL (disconnected) or DONE (nothing to write)
+                return
         started = time.monotonic()
-        if conn is None or peer is None or conn.gone() or not match.src_blocks:
-            self._post(match)  # answers these as usual: FAIL (disconnected) or DONE (nothing to write)
-            return
         try:
             parts = self.engine.prepare_parts(peer, match.src_blocks, match.dst_blocks)
         except TransferError as exc:
-            self._finish(match, conn, started, time.monotonic(), False, str(exc))
+            with self._lock:
+                self._finish(match, conn, started, time.monotonic(), False, str(exc))
             return
         conn.send(wire.Streaming(tid))
-        deadline = started + STREAM_DRIVE_S
         landed_bytes = 0
         descriptors = sum(w.num_descriptors for w, _ in parts)
         for i, (write, regions) in enumerate(parts):
+            later = [w for w, _ in parts[i + 1:]]
             if conn.gone():  # D gave up on this P (or died): its blocks may be another request's by now
-                for rest, _ in parts[i:]:
-                    self.engine.release(rest)
-                self._finish(match, conn, started, time.monotonic(), False,
-                             f"decode engine {engine_id} disconnected during the streamed WRITE "
-                             f"(before layer part {i + 1} of {len(parts)})", num_descriptors=descriptors)
+                self._fail_stream(match, conn, started, [write] + later, descriptors,
+                                  f"decode engine {engine_id} disconnected during the streamed WRITE "
+                                  f"(before layer part {i + 1} of {len(parts)})")
                 return
             try:
                 self.engine.post(write, engine_id)
-            except TransferError as exc:
-                for rest, _ in parts[i + 1:]:
-                    self.engine.release(rest)
-                self._finish(match, conn, started, time.monotonic(), False, str(exc), num_descriptors=descriptors)
+            except TransferError as exc:  # post released this part's handle
+                self._fail_stream(match, conn, started, later, descriptors, str(exc))
                 return
+            deadline = time.monotonic() + STREAM_DRIVE_S
             state = self.engine.state(write)
             while state == "PROC" and time.monotonic() < deadline:
                 state = self.engine.state(write)
             if state == "PROC":
-                self._go_on_in_flight(match, conn, started, write, parts[i + 1:], landed_bytes)
+                with self._lock:
+                    self._go_on_in_flight(match, conn, started, write, parts[i + 1:], landed_bytes)
                 return
             self.engine.release(write)
             if state != "DONE":
-                for rest, _ in parts[i + 1:]:
-                    self.engine.release(rest)
-                self._finish(match, conn, started, time.monotonic(), False,
-                             f"NIXL WRITE to {engine_id} failed (layer part {i + 1} of {len(parts)})",
-                             num_descriptors=descriptors)
+                self._fail_stream(match, conn, started, later, descriptors,
+                                  f"NIXL WRITE to {engine_id} failed (layer part {i + 1} of {len(parts)})")
                 return
             landed_bytes += write.num_bytes
             conn.send(wire.Landed(tid, regions))
-        self._finish(match, conn, started, time.monotonic(), True, num_bytes=landed_bytes, num_descriptors=descriptors)
+        with self._lock:
+            self._finish(match, conn, started, time.monotonic(), True, num_bytes=landed_bytes, num_descriptors=descriptors)
+
+    def _fail_stream(self, match: Match, conn: Connection, started: float, unposted: list[Write],
+                     num_descriptors: int, reason: str) -> None:
+        for write in unposted:
+            self.engine.release(write)
+        with self._lock:
+            self._finish(match, conn, started, time.monotonic(), False, reason, num_descriptors=num_descriptors)
 
     def _go_on_in_flight(self, match: Match, conn: Connection, started: float, copying: Write,
                          rest: list[tuple[Write, tuple[int, ...]]], landed_bytes: int) -> None:
@@ -243,7 +277,8 @@ class Producer:
             except TransferError as exc:
                 error = str(exc)
         num_bytes = landed_bytes + sum(w.num_bytes for w in writes)
-        self._inflight.append(_InFlight(match, writes, conn, started, False, error, num_bytes))
+        self._inflight.append(_InFlight(match, writes, conn, started, False, error, num_bytes,
+                                        time.monotonic() + self.config.timeout_s))
 
     def accept(self, transfer_ids: list[str]) -> None:
         """P's scheduler has these requests (queued or prefilling): tell D, whose no-show timer
@@ -266,6 +301,11 @@ class Producer:
             freed, self._freed = self._freed, []
             return freed
 
+    def take_counts(self) -> Counter:
+        """Messages and requests dropped or refused since the last call, by reason."""
+        with self._lock:
+            return counts_since(self.counters + self._state.dropped, self._counted, _OUTCOME_COUNTERS)
+
     def take_records(self) -> list[SendRecord]:
         with self._lock:
             records, self._records = self._records, []
@@ -281,23 +321,33 @@ class Producer:
     def _settle(self, result: Match | Rejection | None) -> None:
         if isinstance(result, Rejection):
             self.counters["rejected"] += 1
-            self._send_fail(result.peer_engine, result.transfer_id, result.reason)
+            if result.tell_decode:
+                self._send_fail(result.peer_engine, result.transfer_id, result.reason)
+            else:
+                log.warning("kvpush: request %s refused: %s", result.req_id, result.reason)
             if result.req_id is not None:
                 self._freed.append(result.req_id)
         elif isinstance(result, Match):
-            self._post(result)
+            self._queue(self._post(result))
 
-    def _post(self, match: Match) -> None:
+    def _queue(self, item: "_InFlight | None") -> None:
+        """Hand a posted WRITE to the reactor thread, which polls it to its end."""
+        if item is not None:
+            self._inflight.append(item)
+            self._reactor.wake()  # it may be asleep until a distant deadline
+
+    def _post(self, match: Match) -> "_InFlight | None":
+        """Post the match's WRITE; its in-flight record, or None if the push already ended here."""
         engine_id = match.registration.peer_engine
         conn, peer = self._peers.conns.get(engine_id), self._peers.nixl.get(engine_id)
         now = time.monotonic()
         if conn is None or peer is None or conn.gone():
             self._finish(match, None, now, now, False, f"decode engine {engine_id} disconnected before the WRITE")
-            return
+            return None
         if not match.src_blocks:
             conn.send(wire.Done(match.offer.transfer_id, 0))
             self._finish(match, None, now, now, True)
-            return
+            return None
         write = self._take_prepared(match, engine_id, peer)
         ahead = write is not None
         try:
@@ -306,11 +356,12 @@ class Producer:
             self.engine.post(write, engine_id)
         except TransferError as exc:
             self._finish(match, conn, now, time.monotonic(), False, str(exc))
-            return
+            return None
         posted = time.monotonic()
         log.debug("kvpush P post %s bytes=%d descs=%d ahead=%s wait=%.6f t=%.6f", match.offer.transfer_id,
                   write.num_bytes, write.num_descriptors, ahead, match.wait_s, now)
-        self._inflight.append(_InFlight(match, [write], conn, posted, ahead, num_bytes=write.num_bytes))
+        return _InFlight(match, [write], conn, posted, ahead, num_bytes=write.num_bytes,
+                         deadline=posted + self.config.timeout_s)
 
     def _take_prepared(self, match: Match, engine_id: str, peer: Peer) -> Write | None:
         """The WRITE made ahead for this match, if it still fits (same peer connection and blocks)."""
@@ -375,20 +426,29 @@ class Producer:
             for r in regs:
                 self._send_fail(r.peer_engine, r.transfer_id, f"prefill {self.config.engine_id} had no request for transfer {r.transfer_id} within {self.config.timeout_s:g} s")
 
-    def _poll(self) -> None:
-        """Finish WRITEs that completed or failed (caller holds the lock)."""
+    def _poll(self, gone_engine: str | None = None, why: str = "") -> None:
+        """Finish WRITEs that completed or failed, or still copy past their deadline, or go to
+        `gone_engine` (caller holds the lock)."""
         if self._inflight:
             still = []
+            now = time.monotonic()
             for item in self._inflight:
                 state = item.state(self.engine)
+                engine_id = item.match.registration.peer_engine
+                reason = item.error or f"NIXL WRITE to {engine_id} failed"
                 if state == "PROC":
-                    still.append(item)
-                    continue
+                    if engine_id == gone_engine:
+                        reason = f"decode engine {engine_id} disconnected during the WRITE ({why})"
+                    elif now > item.deadline:
+                        reason = f"NIXL WRITE to {engine_id} still copying {self.config.timeout_s:g} s after it was posted"
+                    else:
+                        still.append(item)
+                        continue
+                    state = "ERR"
                 for write in item.writes:
                     self.engine.release(write)
                 ok = state == "DONE"
-                self._finish(item.match, item.conn, item.posted, time.monotonic(), ok,
-                             "" if ok else (item.error or f"NIXL WRITE to {item.match.registration.peer_engine} failed"),
+                self._finish(item.match, item.conn, item.posted, time.monotonic(), ok, "" if ok else reason,
                              item.num_bytes if ok else 0, sum(w.num_descriptors for w in item.writes),
                              item.prepared_ahead)
             self._inflight = still
@@ -402,7 +462,8 @@ class Producer:
             engine_id = conn.engine_id
             if engine_id is not None and self._peers.conns.get(engine_id) is conn:
                 del self._peers.conns[engine_id]
-                self._state.peer_gone(engine_id)
+                self._state.peer_gone(engine_id, time.monotonic())
+                self._poll(gone_engine=engine_id, why=reason)
                 log.info("kvpush: decode engine %s disconnected (%s)", engine_id, reason)
 
     def on_message(self, conn: Connection, msg: wire.Message) -> None:
@@ -419,6 +480,15 @@ class Producer:
         with self._lock:
             if isinstance(msg, wire.Register):
                 log.debug("kvpush P register %s from %s blocks=%d t=%.6f", msg.transfer_id, conn.engine_id, len(msg.block_ids), now)
+                bad = self._bad_registration(conn.engine_id, msg)
+                if bad:
+                    self.counters["bad_registration"] += 1
+                    log.warning("kvpush: refused registration %s from %s: %s", msg.transfer_id, conn.engine_id, bad)
+                    offer = self._state.cancel(msg.transfer_id, conn.engine_id, now)
+                    if offer is not None:
+                        self._freed.append(offer.req_id)
+                    conn.send(wire.Fail(msg.transfer_id, bad))
+                    return
                 result = self._state.register(Registration(msg.transfer_id, conn.engine_id, msg.block_ids, msg.first_block, now))
                 if result is None and msg.transfer_id in self._state.accepted:
                     conn.send(wire.Accepted(msg.transfer_id))
@@ -427,12 +497,25 @@ class Producer:
                 offer = self._state.cancel(msg.transfer_id, conn.engine_id, now)
                 if offer is not None:
                     self._freed.append(offer.req_id)
-                if not any(i.match.offer.transfer_id == msg.transfer_id for i in self._inflight):
+                writing = msg.transfer_id in self._streaming or any(
+                    i.match.offer.transfer_id == msg.transfer_id for i in self._inflight)
+                if not writing:  # else the WRITE's own DONE or FAIL answers
                     conn.send(wire.Fail(msg.transfer_id, "cancelled by decode"))
             else:
                 self.counters["unexpected"] += 1
 
+    def _bad_registration(self, engine_id: str, msg: wire.Register) -> str:
+        """Why D's registration cannot be written into as it stands ("" if it can)."""
+        peer = self._peers.nixl.get(engine_id)
+        num_blocks = peer.regions[0].num_blocks if peer is not None else 0
+        if msg.block_ids and max(msg.block_ids) >= num_blocks:
+            return f"block ids up to {max(msg.block_ids)}, but decode engine {engine_id} registered {num_blocks} blocks"
+        return ""
+
     def _on_hello(self, conn: Connection, hello: wire.Hello) -> None:
+        if conn.engine_id is not None:  # this connection already speaks for an engine
+            self.counters["repeated_hello"] += 1
+            return
         reason = self._check_hello(hello)
         if reason is None:
             try:
@@ -458,7 +541,11 @@ class Producer:
     def _check_hello(self, hello: wire.Hello) -> str | None:
         if hello.engine_id not in self.config.allowed_engines:
             return f"engine {hello.engine_id!r} is not in this prefill's allowed_engines {sorted(self.config.allowed_engines)}"
+        if hello.tp_rank != self.config.tp_rank:
+            return (f"decode rank {hello.tp_rank} reached prefill rank {self.config.tp_rank}'s side channel "
+                    f"(rank r listens on side_channel_port + r; both sides need equal TP sizes)")
         diffs = self.config.identity.mismatches(hello.identity)
         if diffs:
             return f"KV layout of prefill {self.config.engine_id} vs decode {hello.engine_id} differs: " + "; ".join(diffs)
         return None
+

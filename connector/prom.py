@@ -17,6 +17,9 @@ _COUNTERS = {
     "sends_failed": ("vllm:kvpush_failed_transfers", "Pushes that failed on this instance."),
     "recvs_failed": ("vllm:kvpush_failed_transfers", "Pushes that failed on this instance."),
 }
+_DROPPED = ("vllm:kvpush_dropped_messages",
+            "Side-channel messages and requests this instance dropped or refused, by reason "
+            "(malformed, unknown or duplicate transfer, expired, engine not allowed, ...).")
 # Histogram sums are the byte totals (one name per side, so a transfer is never counted twice
 # within one instance).
 _HISTOGRAMS = {
@@ -45,6 +48,8 @@ class PushPromMetrics:
         by_name = {name: per_engine(counter_cls(name=name, documentation=doc, labelnames=labelnames))
                    for name, doc in dict(_COUNTERS.values()).items()}
         self._counters = {key: by_name[name] for key, (name, _) in _COUNTERS.items()}
+        dropped = counter_cls(name=_DROPPED[0], documentation=_DROPPED[1], labelnames=[*labelnames, "reason"])
+        self._dropped = {idx: (dropped, list(values)) for idx, values in per_engine_labelvalues.items()}
         self._histograms = {key: per_engine(histogram_cls(name=name, documentation=doc, buckets=list(buckets),
                                                           labelnames=labelnames))
                             for key, (name, doc, buckets) in _HISTOGRAMS.items()}
@@ -53,6 +58,9 @@ class PushPromMetrics:
         for key in _COUNTERS:
             if data.get(key):
                 self._counters[key][engine_idx].inc(int(data[key]))
+        metric, values = self._dropped[engine_idx]
+        for reason, n in data.get("dropped", {}).items():
+            metric.labels(*values, reason).inc(int(n))
         for key, histogram in self._histograms.items():
             for value in data.get(key, ()):
                 histogram[engine_idx].observe(value)

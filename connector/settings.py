@@ -43,6 +43,9 @@ class Settings:
     stream_writes: bool = True
     huge_pages: bool = True  # CPU: collapse the KV cache into 2 MiB pages before registering it (hugepages.py)
     kv_cache_layout: str | None = None  # as vLLM resolved it (e.g. BLHNC), None before vLLM 0.32
+    # D: a P that accepted a transfer (it holds the request) but sent nothing this long fails it;
+    # P's own bounds (transfer_timeout_s, the pings) come first in every failure seen so far
+    accepted_timeout_s: float = 300.0
 
     @classmethod
     def from_vllm(cls, vllm_config: Any, kv_cache_config: Any = None) -> "Settings":
@@ -85,6 +88,7 @@ class Settings:
             huge_pages=_flag(extra.get("huge_pages", True), "huge_pages"),
             kv_cache_layout=(getattr(kv_cache_config, "kv_cache_layout", None)
                              or getattr(vllm_config.cache_config, "kv_cache_layout", None)),
+            accepted_timeout_s=_positive(extra.get("accepted_timeout_s", 300.0), "accepted_timeout_s"),
         )
 
 
@@ -92,6 +96,12 @@ def _flag(value: Any, key: str) -> bool:
     if isinstance(value, bool):
         return value
     raise UnsupportedDeployment(f"kvpush: kv_connector_extra_config.{key} must be true or false, not {value!r}")
+
+
+def _positive(value: Any, key: str) -> float:
+    if _non_negative(value, key) > 0:
+        return float(value)
+    raise UnsupportedDeployment(f"kvpush: kv_connector_extra_config.{key} must be a number > 0, not {value!r}")
 
 
 def _non_negative(value: Any, key: str) -> float:

@@ -53,6 +53,7 @@ class Rejection:
     peer_engine: str
     reason: str
     req_id: str | None = None  # P's request whose blocks are free again, if an offer was consumed
+    tell_decode: bool = True  # False: only P's request is refused; D's transfer (another request's) goes on
 
 
 @dataclass
@@ -62,6 +63,7 @@ class ProducerState:
     registrations: dict[str, Registration] = field(default_factory=dict)
     # transfer ids that are finished here (matched, aborted, expired): late duplicates are dropped
     closed: dict[str, float] = field(default_factory=dict)
+    matched: set[str] = field(default_factory=set)  # closed ids whose KV was (being) sent
     aborted: dict[str, str] = field(default_factory=dict)  # transfer id -> reason, until D asks
     # requests P's scheduler holds (queued or prefilling): their registrations wait, not expire
     accepted: set[str] = field(default_factory=set)
@@ -76,9 +78,10 @@ class ProducerState:
     def offer(self, offer: Offer) -> Match | Rejection | None:
         tid = offer.transfer_id
         self.accepted.discard(tid)
-        if tid in self.offers:
+        if tid in self.offers or tid in self.matched:  # a second request claims this transfer id
             self.dropped["duplicate_offer"] += 1
-            return None
+            return Rejection(tid, offer.peer_engine, f"transfer id {tid} is already another request's", offer.req_id,
+                             tell_decode=False)
         if tid in self.closed:  # D cancelled or its registration expired: release the blocks
             self.dropped["late_offer"] += 1
             return Rejection(tid, offer.peer_engine, "decode gave up on this transfer before prefill finished", offer.req_id)
@@ -108,6 +111,7 @@ class ProducerState:
 
     def _match(self, offer: Offer, reg: Registration) -> Match | Rejection:
         self.closed[offer.transfer_id] = max(offer.created, reg.created)
+        self.matched.add(offer.transfer_id)
         if offer.peer_engine != reg.peer_engine:
             self.dropped["wrong_peer"] += 1
             return Rejection(offer.transfer_id, reg.peer_engine, f"transfer belongs to engine {offer.peer_engine!r}, not {reg.peer_engine!r}", offer.req_id)
@@ -144,9 +148,13 @@ class ProducerState:
             self.closed[transfer_id] = now
         return None
 
-    def peer_gone(self, peer_engine: str) -> None:
+    def peer_gone(self, peer_engine: str, now: float) -> None:
+        """D's connection is gone: its registrations with it. An offer for one of them later is
+        refused at once (its blocks freed), not held until it expires."""
         for tid in [t for t, r in self.registrations.items() if r.peer_engine == peer_engine]:
             del self.registrations[tid]
+            self.accepted.discard(tid)
+            self.closed[tid] = now
 
     def expire(self, now: float) -> tuple[list[Offer], list[Registration]]:
         """Unmatched halves older than the timeout: offers (free P's blocks) and registrations
@@ -166,6 +174,7 @@ class ProducerState:
         for tid in [t for t, at in self.closed.items() if at < forget]:
             del self.closed[tid]
             self.aborted.pop(tid, None)
+            self.matched.discard(tid)
         return offers, regs
 
     def next_deadline(self) -> float | None:
@@ -199,7 +208,7 @@ class ConsumerState:
     P's DONE/FAIL or the connection's loss end it (P bounds its own side)."""
 
     timeout_s: float
-    accepted_timeout_s: float = 300.0  # safety net for a P that accepted and then hung
+    accepted_timeout_s: float = 300.0  # safety net for a P that accepted and then sent nothing
     pending: dict[str, Pending] = field(default_factory=dict)
     accepted: dict[str, float] = field(default_factory=dict)  # transfer id -> when P accepted
     # transfers P streams (STREAMING seen, no outcome yet) -> indices of regions that have landed
@@ -295,3 +304,10 @@ class ConsumerState:
         deadlines = [self.accepted[p.transfer_id] + self.accepted_timeout_s if p.transfer_id in self.accepted
                      else p.created + self.timeout_s for p in self.pending.values()]
         return min(deadlines, default=None)
+
+
+def counts_since(total: Counter, counted: Counter, skip: frozenset[str] = frozenset()) -> Counter:
+    """What `total` gained since `counted`, leaving out `skip`; `counted` is brought up to date."""
+    new = Counter({k: v - counted[k] for k, v in total.items() if k not in skip and v > counted[k]})
+    counted.update(new)
+    return new

@@ -14,7 +14,9 @@ _COUNTS = ("sends_ok", "sends_failed", "recvs_ok", "recvs_failed")
 
 
 def _empty() -> dict[str, Any]:
-    return {**{k: [] for k in _SERIES}, **{k: 0 for k in _COUNTS}}
+    # "dropped": reason -> messages or requests the side channel dropped or refused (malformed,
+    # unknown, duplicate, expired, foreign engine, ...), see Producer/Consumer.take_counts
+    return {**{k: [] for k in _SERIES}, **{k: 0 for k in _COUNTS}, "dropped": {}}
 
 
 @dataclass
@@ -37,6 +39,11 @@ class PushStats:
         else:
             self.data["recvs_failed"] += 1
 
+    def record_dropped(self, counts: dict[str, int]) -> None:
+        dropped = self.data["dropped"]
+        for reason, n in counts.items():
+            dropped[reason] = dropped.get(reason, 0) + int(n)
+
     def record_layer_wait(self, seconds: float) -> None:
         """D: one forward pass waited this long in all for streamed KV layers to land."""
         self.data["layer_wait_s"].append(seconds)
@@ -52,10 +59,12 @@ class PushStats:
             self.data[k] = self.data[k] + list(other.data.get(k, []))
         for k in _COUNTS:
             self.data[k] += int(other.data.get(k, 0))
+        self.record_dropped(other.data.get("dropped", {}))
         return self
 
     def reduce(self) -> dict[str, int | float]:
         out: dict[str, int | float] = {k: self.data[k] for k in _COUNTS}
+        out["dropped"] = sum(self.data["dropped"].values())
         for k in _SERIES:
             values = sorted(self.data[k])
             if k.endswith("_s"):
@@ -66,4 +75,4 @@ class PushStats:
         return out
 
     def is_empty(self) -> bool:
-        return not any(self.data[k] for k in _COUNTS + _SERIES)
+        return not any(self.data[k] for k in _COUNTS + _SERIES + ("dropped",))

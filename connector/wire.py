@@ -156,6 +156,7 @@ Message = Union[Hello, Welcome, Refuse, Register, Cancel, Accepted, Streaming, L
 _TYPES: dict[str, type] = {cls.type: cls for cls in (Hello, Welcome, Refuse, Register, Cancel, Accepted, Streaming, Landed,
                                                      Done, Fail, Ping, Pong)}
 MAX_ID_CHARS = 256
+MAX_INT = 2 ** 63 - 1  # every integer on the wire is an index, a size or an address: it fits an int64
 
 
 def encode(msg: Message) -> bytes:
@@ -171,11 +172,12 @@ def decode(data: bytes) -> Message:
     """Decode one frame body (without the length prefix); raise WireError if it is not valid."""
     try:
         body = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise WireError(f"not JSON: {exc}") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # RecursionError: nested too deep
+        raise WireError(f"not JSON: {type(exc).__name__}") from None
     if not isinstance(body, dict):
         raise WireError("frame is not an object")
-    cls = _TYPES.get(body.pop("type", None))
+    kind = body.pop("type", None)
+    cls = _TYPES.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise WireError("unknown message type")
     try:
@@ -203,8 +205,8 @@ def _text(value: Any, what: str) -> str:
 
 
 def _int(value: Any, what: str, lo: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise WireError(f"{what} must be an integer >= {lo}")
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= MAX_INT:
+        raise WireError(f"{what} must be an integer in [{lo}, 2**63)")
     return value
 
 

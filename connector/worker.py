@@ -95,8 +95,8 @@ class PushWorker:
             port = s.side_channel_port + self.tp_rank
             try:
                 self.producer = Producer(ProducerConfig(s.engine_id, identity, s.allowed_engines, s.side_channel_host,
-                                                        port, s.transfer_timeout_s, drive_writes=not on_gpu,
-                                                        stream_writes=s.stream_writes),
+                                                        port, s.transfer_timeout_s, tp_rank=self.tp_rank,
+                                                        drive_writes=not on_gpu, stream_writes=s.stream_writes),
                                          self.engine)
             except OSError as exc:
                 raise RuntimeError(f"kvpush: prefill {s.engine_id} cannot listen on {s.side_channel_host}:{port} for its "
@@ -104,7 +104,8 @@ class PushWorker:
             log.info("kvpush: prefill %s side channel on %s:%d", s.engine_id, s.side_channel_host, port)
         else:
             self.consumer = Consumer(ConsumerConfig(s.engine_id, self.tp_rank, identity, s.allowed_engines,
-                                                    s.transfer_timeout_s, peer_silence_s=s.peer_silence_s), name, self.engine.metadata, tuple(regions),
+                                                    s.transfer_timeout_s, peer_silence_s=s.peer_silence_s,
+                                                    accepted_timeout_s=s.accepted_timeout_s), name, self.engine.metadata, tuple(regions),
                                      device_id)
 
     # ---- D ------------------------------------------------------------------------------------
@@ -233,6 +234,9 @@ class PushWorker:
         return errors
 
     def take_stats(self) -> PushStats | None:
+        for service in (self.producer, self.consumer):
+            if service is not None:
+                self._stats.record_dropped(service.take_counts())
         if self._stats.is_empty():
             return None
         stats, self._stats = self._stats, PushStats()

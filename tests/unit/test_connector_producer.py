@@ -3,7 +3,10 @@ ones offer() posts, made at prefill end otherwise, released when their registrat
 the compute thread drives WRITEs on DRAM only; the peer's device id reaches the engine."""
 from __future__ import annotations
 
+import socket
+import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -32,7 +35,7 @@ class FakeEngine:
 
     def add_peer(self, metadata, regions, device_id=0):
         self.peers.append((metadata, tuple(regions), device_id))
-        return object()
+        return SimpleNamespace(regions=tuple(regions))
 
     def prepare_write(self, peer, src, dst, notif=b""):
         write = Write(object(), 4096 * len(src), 1 + len(src) // 4)
@@ -66,6 +69,8 @@ class FakeConn:
         self.engine_id = None
         self.peer = "127.0.0.1:1"
         self.sent: list = []
+        self.sock = socket.socket()  # never connected: only for the reactor to close on a refusal
+        self._send_lock = threading.Lock()
 
     def send(self, msg):
         self.sent.append(msg)
@@ -78,9 +83,9 @@ class FakeConn:
 def setup():
     made = []
 
-    def make(latency_s: float = 0.0, drive_writes: bool = True, stream_writes: bool = False):
+    def make(latency_s: float = 0.0, drive_writes: bool = True, stream_writes: bool = False, timeout_s: float = 5.0):
         engine = FakeEngine(latency_s)
-        producer = Producer(ProducerConfig("P", IDENTITY, frozenset({"D"}), "127.0.0.1", 0, 5.0,
+        producer = Producer(ProducerConfig("P", IDENTITY, frozenset({"D", "D2"}), "127.0.0.1", 0, timeout_s,
                                            drive_writes=drive_writes, stream_writes=stream_writes), engine)
         made.append(producer)
         conn = FakeConn()
@@ -295,3 +300,131 @@ def test_without_streaming_decode_hears_only_done(setup):
     register(producer, conn, "s4", [5])
     producer.offer("s4", "q4", [1], "D")
     assert sent_after_handshake(conn) == [("Done", None)]
+
+
+class SlowParts(FakeEngine):
+    """Each layer part copies for `latency_s`; records the posts' times."""
+
+    def prepare_parts(self, peer, src, dst):
+        parts = [(Write(object(), 2048 * len(src), 1), (i,)) for i in range(2)]
+        self.prepared.append((tuple(src), tuple(dst), parts))
+        return parts
+
+
+def stream_in_background(producer, tid, req_id):
+    thread = threading.Thread(target=producer.offer, args=(tid, req_id, [1, 2], "D"))
+    thread.start()
+    return thread
+
+
+def test_the_side_channel_thread_is_never_held_up_by_a_streamed_write(setup):
+    """The compute thread copies without the producer's lock: meanwhile the side-channel thread's
+    own calls, and another decode's registration, return at once (they used to wait for the whole
+    stream, so a second decode's PING went unanswered past its 1 s silence limit)."""
+    producer, engine, conn = setup(latency_s=0.3, stream_writes=True)
+    register(producer, conn, "s7", [5, 6])
+    thread = stream_in_background(producer, "s7", "q7")
+    time.sleep(0.05)  # the first part is copying
+    took = []
+    for call in (producer.timeout, producer.on_tick, lambda: register(producer, conn, "other", [9])):
+        t0 = time.monotonic()
+        call()
+        took.append(time.monotonic() - t0)
+    thread.join()
+    assert max(took) < 0.1, took
+    assert sent_after_handshake(conn)[-1] == ("Done", None)
+
+
+def test_a_cancel_crossing_a_streamed_write_is_answered_by_the_write_itself(setup):
+    producer, engine, conn = setup(latency_s=0.1, stream_writes=True)
+    register(producer, conn, "s8", [5, 6])
+    thread = stream_in_background(producer, "s8", "q8")
+    time.sleep(0.03)
+    producer.on_message(conn, wire.Cancel("s8"))
+    thread.join()
+    # no FAIL "cancelled" ahead of the parts still landing: D keeps its blocks until DONE
+    assert sent_after_handshake(conn) == [("Streaming", None), ("Landed", (0,)), ("Landed", (1,)), ("Done", None)]
+
+
+def test_a_write_that_never_ends_fails_at_the_timeout_and_frees_the_blocks(setup):
+    producer, engine, conn = setup(latency_s=60.0, drive_writes=False, timeout_s=0.2)
+    register(producer, conn, "t9", [5])
+    producer.offer("t9", "r9", [1], "D")
+    record = wait_record(producer, timeout_s=3.0)
+    assert not record.ok and "still copying 0.2 s after it was posted" in record.reason
+    assert producer.take_freed() == ["r9"] and engine.released == engine.posted
+    assert isinstance(conn.sent[-1], wire.Fail)
+
+
+def test_decode_disconnecting_fails_its_writes_in_flight_at_once(setup):
+    producer, engine, conn = setup(latency_s=60.0, drive_writes=False)
+    register(producer, conn, "t10", [5])
+    producer.offer("t10", "r10", [1], "D")
+    producer.on_closed(conn, "connection reset")
+    record = producer.take_records()[0]
+    assert not record.ok and "disconnected during the WRITE (connection reset)" in record.reason
+    assert producer.take_freed() == ["r10"] and engine.released == engine.posted
+
+
+def test_a_registration_beyond_decodes_blocks_is_refused_on_arrival(setup):
+    producer, engine, conn = setup()
+    register(producer, conn, "t11", [3, REGIONS[0].num_blocks])
+    assert isinstance(conn.sent[-1], wire.Fail) and "registered 64 blocks" in conn.sent[-1].reason
+    producer.offer("t11", "r11", [1, 2], "D")  # its request's blocks are freed at once, nothing written
+    assert producer.take_freed() == ["r11"] and not engine.posted
+    assert producer.take_counts()["bad_registration"] == 1
+
+
+def test_a_second_request_with_the_same_transfer_id_is_freed_and_decode_is_not_told(setup):
+    producer, engine, conn = setup()
+    producer.offer("t12", "r12", [1], "D")
+    producer.offer("t12", "r12-bis", [2], "D")
+    assert producer.take_freed() == ["r12-bis"] and len(conn.sent) == 1  # only the WELCOME
+    register(producer, conn, "t12", [5])
+    assert wait_record(producer).req_id == "r12" and isinstance(conn.sent[-1], wire.Done)
+
+
+def test_a_second_hello_on_a_connection_does_not_change_whom_it_speaks_for(setup):
+    producer, engine, conn = setup()
+    producer.on_message(conn, wire.Hello("D2", 0, "agent-D2", b"meta", IDENTITY, REGIONS))
+    assert conn.engine_id == "D" and len(engine.peers) == 1
+    assert producer.take_counts() == {"repeated_hello": 1}
+    assert producer.take_counts() == {}  # each count is handed out once
+
+
+def test_a_decode_rank_reaching_another_prefill_rank_is_refused(setup):
+    producer, engine, _ = setup()
+    conn = FakeConn()
+    producer.on_message(conn, wire.Hello("D2", 1, "agent-D2", b"meta", IDENTITY, REGIONS))
+    assert isinstance(conn.sent[-1], wire.Refuse) and "decode rank 1 reached prefill rank 0" in conn.sent[-1].reason
+
+
+def read_until(sock, reader, kind, timeout_s=2.0):
+    sock.settimeout(timeout_s)
+    got = []
+    while not any(isinstance(m, kind) for m in got):
+        got += [wire.decode(f) for f in reader.feed(sock.recv(65536))]
+    return got
+
+
+def frame(body: bytes) -> bytes:
+    return wire.LENGTH.pack(len(body)) + body
+
+
+def test_over_tcp_bad_frames_are_counted_and_the_frames_behind_them_still_served(setup):
+    """A real socket to the producer's side channel: a frame that is not a valid message, in the
+    same packet as valid ones, is counted and dropped; the PING behind it is still answered, and a
+    block id past int64 is refused on the wire, not inside NumPy on the compute thread."""
+    producer, engine, _ = setup()
+    with socket.create_connection(("127.0.0.1", producer.port)) as sock:
+        reader = wire.FrameReader()
+        sock.sendall(wire.encode(wire.Hello("D2", 0, "agent-D2", b"meta", IDENTITY, REGIONS)))
+        assert isinstance(read_until(sock, reader, wire.Welcome)[-1], wire.Welcome)
+        nested = b"[" * 100_000 + b"]" * 100_000
+        huge = b'{"type":"register","transfer_id":"x","block_ids":[%d],"first_block":0,"num_tokens":1}' % 2 ** 70
+        sock.sendall(frame(b'{"type":[]}') + frame(nested) + frame(huge) + wire.encode(wire.Ping()))
+        assert isinstance(read_until(sock, reader, wire.Pong)[-1], wire.Pong)
+    deadline = time.monotonic() + 2
+    while producer.counters["malformed"] < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert producer.take_counts()["malformed"] == 3 and not producer._state.registrations

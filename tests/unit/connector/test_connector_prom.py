@@ -43,3 +43,16 @@ def test_bench_scrape_reads_kvpush_bytes_once():
     figures = instance_figures("d", "decode", before, generate_latest(registry).decode())
     assert sum(figures.kv_bytes.values()) == 4096
     assert figures.failed_transfers == 2
+
+
+def test_dropped_messages_are_exported_by_reason_summed_over_intervals():
+    registry = CollectorRegistry()
+    metrics = _metrics(registry)
+    first, second = PushStats(), PushStats()
+    first.record_dropped({"malformed": 2, "refused_handshake": 1})
+    second.record_dropped({"malformed": 1})
+    metrics.observe(PushStats().aggregate(first).aggregate(second).to_dict())
+    page = generate_latest(registry).decode()
+    assert 'vllm:kvpush_dropped_messages_total{engine="0",model_name="tiny",reason="malformed"} 3.0' in page
+    assert 'vllm:kvpush_dropped_messages_total{engine="0",model_name="tiny",reason="refused_handshake"} 1.0' in page
+    assert PushStats().aggregate(first).reduce()["dropped"] == 3

@@ -30,6 +30,14 @@ def test_huge_pages_default_on_and_switchable_with_a_boolean_only():
         Settings.from_vllm(vllm_config(extra={"huge_pages": "no"}))
 
 
+def test_the_accepted_transfer_safety_net_is_configurable_and_must_be_positive():
+    assert Settings.from_vllm(vllm_config()).accepted_timeout_s == 300.0
+    assert Settings.from_vllm(vllm_config(extra={"accepted_timeout_s": 20})).accepted_timeout_s == 20.0
+    for bad in (0, -3, "20"):
+        with pytest.raises(UnsupportedDeployment, match="accepted_timeout_s must be a number"):
+            Settings.from_vllm(vllm_config(extra={"accepted_timeout_s": bad}))
+
+
 def test_idle_wait_defaults_by_platform_and_refuses_nonsense():
     assert Settings.from_vllm(vllm_config()).idle_wait_ms == 20.0
     gpu = vllm_config()

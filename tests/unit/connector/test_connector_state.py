@@ -90,12 +90,31 @@ def test_cancel_before_offer_makes_late_offer_free_blocks():
     assert isinstance(s.offer(offer()), Rejection)
 
 
-def test_peer_gone_drops_its_registrations():
+def test_peer_gone_drops_its_registrations_and_refuses_their_offers_at_once():
     s = ProducerState(5.0)
     s.register(reg("a"))
     s.register(reg("b", peer=OTHER))
-    s.peer_gone(D)
+    s.peer_gone(D, now=1.0)
     assert list(s.registrations) == ["b"]
+    late = s.offer(offer("a", at=1.5))  # not held until it expires: its blocks are freed now
+    assert isinstance(late, Rejection) and late.req_id == "req-a" and not s.offers
+
+
+def test_a_second_request_with_a_pending_transfer_id_is_refused_without_failing_the_first():
+    s = ProducerState(5.0)
+    assert s.offer(offer("t")) is None
+    second = s.offer(Offer("t", "req-other", (20, 21, 22), D, 0.1))
+    assert isinstance(second, Rejection) and second.req_id == "req-other" and not second.tell_decode
+    assert isinstance(s.register(reg("t")), Match)  # the first request's push goes on
+    assert s.dropped["duplicate_offer"] == 1
+
+
+def test_a_second_request_with_a_sent_transfer_id_is_refused_without_telling_decode():
+    s = ProducerState(5.0)
+    s.register(reg("t"))
+    assert isinstance(s.offer(offer("t")), Match)
+    second = s.offer(Offer("t", "req-other", (20,), D, 0.2))
+    assert isinstance(second, Rejection) and second.req_id == "req-other" and not second.tell_decode
 
 
 def pending(tid="t", peer="P.e", at=0.0):

@@ -91,3 +91,14 @@ def test_identity_mismatch_names_both_values():
 def test_malformed_streaming_messages_are_wire_errors(body):
     with pytest.raises(wire.WireError):
         wire.decode(json.dumps(body).encode())
+
+
+@pytest.mark.parametrize("data", [
+    b'{"type": []}',  # an unhashable type name
+    b"[" * 100_000 + b"]" * 100_000,  # nested past the parser's recursion limit
+    b'{"type":"register","transfer_id":"t","block_ids":[%d],"first_block":0,"num_tokens":1}' % 2 ** 63,
+    b'{"type":"done","transfer_id":"t","num_bytes":%d}' % 2 ** 70,
+])
+def test_frames_that_used_to_escape_as_other_errors_are_wire_errors(data):
+    with pytest.raises(wire.WireError):
+        wire.decode(data)

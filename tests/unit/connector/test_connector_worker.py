@@ -36,6 +36,9 @@ class FakeProducer:
     def take_records(self):
         return []
 
+    def take_counts(self):
+        return {}
+
 
 class FakeConsumer:
     def __init__(self):
@@ -60,6 +63,12 @@ class FakeConsumer:
     def take_outcomes(self):
         out, self.outcomes = self.outcomes, []
         return out
+
+    dropped: dict = {}
+
+    def take_counts(self):
+        counts, self.dropped = self.dropped, {}
+        return counts
 
 
 def worker(producer: bool) -> PushWorker:
@@ -250,3 +259,10 @@ def test_decode_with_a_refusal_to_report_does_not_sleep():
     w = worker(False)
     w.bind(PushMetadata(recvs=[RecvSpec("r", "t", "P", "h", 5, 2, (3,), 0, 100)], idle=True))
     assert w.get_finished(set()) == (None, {"r"}) and w.consumer.waits == []
+
+
+def test_dropped_and_refused_messages_reach_vllms_stats():
+    w = worker(producer=False)
+    w.consumer.dropped = {"malformed": 2, "unknown_done": 1}
+    assert w.take_stats().data["dropped"] == {"malformed": 2, "unknown_done": 1}
+    assert w.take_stats() is None  # nothing new since

@@ -1,0 +1,111 @@
+"""D's side-channel service over real loopback TCP, against a stand-in prefill that speaks the
+wire protocol (no NIXL): connecting to one prefill never holds up the traffic with another."""
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+
+import pytest
+
+from kvpush.connector import wire
+from kvpush.connector.consumer import Consumer, ConsumerConfig
+
+pytestmark = pytest.mark.unit
+
+IDENTITY = wire.LayoutIdentity("m", "bfloat16", 16, 1, ("l0",), (4096,))
+REGIONS = (wire.Region(1 << 20, 4096, 4096, 64),)
+
+
+class StandInPrefill:
+    """Accepts one decode connection: WELCOME to its HELLO, PONG to its PINGs; records the time each
+    REGISTER arrives."""
+
+    def __init__(self, engine_id: str):
+        self.engine_id = engine_id
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.registered: dict[str, float] = {}
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        conn, _ = self.listener.accept()
+        reader = wire.FrameReader()
+        with conn:
+            while data := conn.recv(65536):
+                for msg in map(wire.decode, reader.feed(data)):
+                    if isinstance(msg, wire.Hello):
+                        conn.sendall(wire.encode(wire.Welcome(self.engine_id)))
+                    elif isinstance(msg, wire.Ping):
+                        conn.sendall(wire.encode(wire.Pong()))
+                    elif isinstance(msg, wire.Register):
+                        self.registered[msg.transfer_id] = time.monotonic()
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+@contextlib.contextmanager
+def unanswered_listener():
+    """A loopback port whose accept queue is full: a further connect hangs until its timeout."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    queued = []
+    while len(queued) < 8:  # fill the queue: the first connect that times out found it full
+        try:
+            queued.append(socket.create_connection(listener.getsockname(), timeout=0.2))
+        except TimeoutError:
+            break
+    try:
+        yield listener.getsockname()[1]
+    finally:
+        for s in queued:
+            s.close()
+        listener.close()
+
+
+def wait_for(predicate, timeout_s: float):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.005)
+    return predicate()
+
+
+def test_a_prefill_that_does_not_answer_the_connect_holds_up_no_other_prefill():
+    good = StandInPrefill("P.good")
+    consumer = Consumer(ConsumerConfig("D", 0, IDENTITY, frozenset({"P.good", "P.stuck"}), connect_timeout_s=1.0),
+                        "agent-D", b"meta", REGIONS)
+    try:
+        with unanswered_listener() as stuck_port:
+            consumer.expect("r-stuck", "t-stuck", "P.stuck", "127.0.0.1", stuck_port, [1], 0, 16)
+            time.sleep(0.05)  # the connect to P.stuck is under way
+            asked = time.monotonic()
+            consumer.expect("r-good", "t-good", "P.good", "127.0.0.1", good.port, [2], 0, 16)
+            assert wait_for(lambda: good.registered.get("t-good"), 2.0)
+            assert good.registered["t-good"] - asked < 0.3  # blocked ~1 s behind the other connect before
+            outcomes = wait_for(consumer.take_outcomes, 3.0)
+        assert [(o.pending.transfer_id, o.ok) for o in outcomes] == [("t-stuck", False)]
+        assert "cannot reach prefill P.stuck side channel" in outcomes[0].reason
+    finally:
+        consumer.close()
+        good.close()
+
+
+def test_what_is_sent_while_connecting_follows_the_hello_in_order():
+    good = StandInPrefill("P.good")
+    consumer = Consumer(ConsumerConfig("D", 0, IDENTITY, frozenset({"P.good"})), "agent-D", b"meta", REGIONS)
+    try:
+        for i in range(3):
+            consumer.expect(f"r{i}", f"t{i}", "P.good", "127.0.0.1", good.port, [i], 0, 16)
+        assert wait_for(lambda: len(good.registered) == 3, 2.0)
+        assert sorted(good.registered, key=good.registered.get) == ["t0", "t1", "t2"]
+        assert consumer.take_counts() == {}
+    finally:
+        consumer.close()
+        good.close()
