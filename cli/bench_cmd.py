@@ -11,6 +11,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from kvpush.deploy.bench.modes import DEFAULT_BASELINE, MODES, parse_modes, parse_rates
 from kvpush.deploy.bench.results import ModeRun, figure, paired_ratios, point_at, rates_of, ratio
@@ -18,9 +19,9 @@ from kvpush.deploy.bench.runner import BenchEvents, BenchOptions, BenchReport, r
 from kvpush.deploy.errors import KvpushError
 from kvpush.deploy.lifecycle import Events, LifecycleOptions
 from kvpush.deploy.runners import SshOptions
-from kvpush.deploy.topology import resolve_topology
+from kvpush.deploy.topology import check_key_files, resolve_topology
 
-from .console import err, note, out, print_json
+from .console import err, note, out, print_json, styled
 
 DEFAULT_MODES = ",".join(MODES)
 DEFAULT_RATES = "0.5,1,2,4"
@@ -38,12 +39,12 @@ class _LifecycleProgress(Events):
         self.progress = progress
 
     def note(self, message: str) -> None:
-        self.progress.console.print(f"[dim]  {message}[/dim]", highlight=False)
+        self.progress.console.print(Text(f"  {message}", style="dim"), highlight=False)
 
     def log_tail(self, name: str, host: str, text: str) -> None:
-        self.progress.console.print(f"[bold red]last lines of {name}'s log on {host}:[/bold red]")
+        self.progress.console.print(Text(f"last lines of {name}'s log on {host}:", style="bold red"))
         for line in text.splitlines():
-            self.progress.console.print(f"  {name} | {line}", highlight=False, markup=False)
+            self.progress.console.print(f"  {name} | {line}", highlight=False)
 
 
 class _ProgressEvents(BenchEvents):
@@ -69,7 +70,7 @@ class _ProgressEvents(BenchEvents):
         self.progress.advance(self.task)
 
     def mode_failed(self, mode: str, error: str) -> None:
-        self.progress.console.print(f"[red]{mode} failed:[/red] {error}", highlight=False)
+        self.progress.console.print(styled("[red]{} failed:[/red] {}", mode, error), highlight=False)
 
     def lifecycle(self) -> Events:
         return _LifecycleProgress(self.progress)
@@ -93,11 +94,11 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.0f}" if value >= 100 else f"{value:.1f}"
 
 
-def _ratio_text(value: float | None) -> str:
+def _ratio_text(value: float | None) -> Text:
     if value is None:
-        return "-"
+        return Text("-")
     color = "green" if value < 0.97 else "red" if value > 1.03 else "white"
-    return f"[{color}]{value:.2f}x[/{color}]"
+    return Text(f"{value:.2f}x", style=color)
 
 
 def rate_table(runs: list[ModeRun], rate: float, baseline: str) -> Table:
@@ -113,7 +114,7 @@ def rate_table(runs: list[ModeRun], rate: float, baseline: str) -> Table:
             table.add_row(run.mode, *(["-"] * 13))
             continue
 
-        def rel(name: str) -> str:
+        def rel(name: str) -> Text:
             return _ratio_text(ratio(figure(p, name), figure(base_point, name) if base_point else None))
 
         table.add_row(
@@ -153,7 +154,7 @@ def phases_text(phases_s: dict[str, float]) -> str:
 
 def render(report: BenchReport) -> None:
     # Piped or redirected output gets room for every column instead of a squeezed 80-column table.
-    tables = out if out.is_terminal else Console(width=TABLE_WIDTH, soft_wrap=True)
+    tables = out if out.is_terminal else Console(width=TABLE_WIDTH, soft_wrap=True, markup=False)
     for rate in rates_of(report.runs):
         tables.print(rate_table(report.runs, rate, report.options.baseline))
     if report.options.rounds > 1:
@@ -169,7 +170,7 @@ def render(report: BenchReport) -> None:
         if run.phases_s:
             note(f"{run.mode}: {phases_text(run.phases_s)}")
         if run.error:
-            err.print(f"[red]{run.mode}:[/red] {run.error}", highlight=False)
+            err.print(styled("[red]{}:[/red] {}", run.mode, run.error), highlight=False)
     model = report.configuration["model"]
     if model.get("description"):
         note(f"model: {model['description']}")
@@ -206,6 +207,7 @@ def register(app: typer.Typer) -> None:
         """Compare connector modes under load with `vllm bench serve` through the router: TTFT, TPOT, ITL, E2E,
         handoff gap, KV-transfer evidence; writes bench.json and PNG plots."""
         topo, source = resolve_topology(file)
+        check_key_files(topo)
         note(f"topology: {source}")
         options = BenchOptions(
             modes=parse_modes(modes), rates=parse_rates(rates), input_len=input_len, output_len=output_len,
@@ -215,7 +217,7 @@ def register(app: typer.Typer) -> None:
         )
         options.validate()
         columns = [SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                   TextColumn("{task.fields[status]}"), TimeElapsedColumn()]
+                   TextColumn("{task.fields[status]}", markup=False), TimeElapsedColumn()]
         with Progress(*columns, console=err, transient=True) as progress, interrupt_on_sigterm():
             report = run_bench(topo, options, _ProgressEvents(progress, options))
         if json_output:

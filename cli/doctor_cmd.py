@@ -6,13 +6,15 @@ from typing import Optional
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
 from kvpush.deploy.doctor import CHECK_NAMES, DoctorOptions, DoctorReport, Status, run_doctor
 from kvpush.deploy.plan import build_plan
-from kvpush.deploy.runners import SshOptions, runner_for
-from kvpush.deploy.topology import resolve_topology
+from kvpush.deploy.runners import runner_for
+from kvpush.deploy.topology import check_key_files, resolve_topology
 
-from .console import note, out, print_json
+from .console import note, out, print_json, styled
+from .lifecycle_cmd import ACCEPT, CONNECT_TIMEOUT, KNOWN_HOSTS, ssh_options
 
 STYLE = {Status.OK: "green", Status.WARN: "yellow", Status.FAIL: "bold red", Status.SKIP: "dim"}
 
@@ -33,18 +35,18 @@ def render_report(report: DoctorReport, verbose: bool = False) -> None:
             table.add_section()
         shown_subject = r.subject if r.subject != last else ""
         last = r.subject
-        result = r.summary
+        result = Text(r.summary)
         if verbose or r.status in (Status.FAIL, Status.WARN):
             for ev in r.evidence:
-                result += f"\n[dim]$ {ev.command}" + (f"  (exit {ev.exit_code})" if ev.exit_code not in (None, 0) else "") + "[/dim]"
+                result.append(f"\n$ {ev.command}" + (f"  (exit {ev.exit_code})" if ev.exit_code not in (None, 0) else ""), style="dim")
                 for line in ev.lines[:4]:
-                    result += f"\n[dim]  {line}[/dim]"
-        table.add_row(shown_subject, r.check, f"[{STYLE[r.status]}]{r.status.value}[/{STYLE[r.status]}]", result, r.remedy or "")
+                    result.append(f"\n  {line}", style="dim")
+        table.add_row(shown_subject, r.check, Text(r.status.value, style=STYLE[r.status]), result, r.remedy or "")
     out.print(table)
     counts = report.counts()
-    verdict = "[bold red]FAILED[/bold red]" if report.failed else "[green]ok[/green]"
-    out.print(f"doctor {verdict}: {counts['ok']} ok, {counts['warn']} warn, {counts['fail']} fail, {counts['skip']} skip "
-              f"on {len(report.hosts)} host(s) in {report.seconds:.1f} s")
+    verdict = styled("[bold red]FAILED[/bold red]" if report.failed else "[green]ok[/green]")
+    out.print(Text.assemble("doctor ", verdict, f": {counts['ok']} ok, {counts['warn']} warn, {counts['fail']} fail, "
+                            f"{counts['skip']} skip on {len(report.hosts)} host(s) in {report.seconds:.1f} s"))
 
 
 def register(app: typer.Typer) -> None:
@@ -56,13 +58,16 @@ def register(app: typer.Typer) -> None:
         skip: Optional[str] = typer.Option(None, "--skip", help="Skip these checks (comma-separated)."),
         transfer: bool = typer.Option(False, "--transfer", help="Also move real bytes: one NIXL WRITE per prefill/decode host pair."),
         timeout: float = typer.Option(20.0, "--timeout", min=1.0, help="Seconds one host's probe may take before it is reported as failed."),
-        accept_new_host_keys: bool = typer.Option(False, "--accept-new-host-keys", help="Record unknown SSH host keys (trust on first use)."),
+        accept_new_host_keys: bool = ACCEPT,
+        known_hosts: str = KNOWN_HOSTS,
+        connect_timeout: float = CONNECT_TIMEOUT,
         verbose: bool = typer.Option(False, "--verbose", "-v", help="Show the evidence of passing checks too."),
     ) -> None:
         """Check every host of the topology before launching: software, model, GPUs, fabric, NIXL, limits, ports."""
         topo, source = resolve_topology(file)
+        check_key_files(topo)
         options = DoctorOptions(only=_names(only), skip=_names(skip), transfer=transfer, timeout_s=timeout)
-        ssh = SshOptions(accept_new_host_keys=accept_new_host_keys)
+        ssh = ssh_options(accept_new_host_keys, known_hosts, connect_timeout)
         runners = {h.name: runner_for(h.name, h.address, h.ssh_port, h.user, h.key, h.is_local, ssh) for h in build_plan(topo).hosts}
         try:
             if not json_output:

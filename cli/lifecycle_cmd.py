@@ -10,20 +10,21 @@ import typer
 from rich.live import Live
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
-from kvpush.deploy.errors import KvpushError
+from kvpush.deploy.errors import KvpushError, UsageError
 from kvpush.deploy.lifecycle import Events, LifecycleOptions, down, up
 from kvpush.deploy.observe import ProcessStatus, deployment_status, require_state, stream_logs
 from kvpush.deploy.plan import build_plan
 from kvpush.deploy.runners import SshOptions
-from kvpush.deploy.topology import resolve_topology
+from kvpush.deploy.topology import NAME_PATTERN, check_key_files, resolve_topology
 
-from .console import err, note, out, print_json
+from .console import err, note, out, print_json, styled
 
 FILE_ARG = typer.Argument(None, help="Topology file (default: ./kvpush.yaml, else the built-in local-cpu).")
 
 
-def _ssh_options(accept_new: bool, known_hosts: str, connect_timeout: float) -> SshOptions:
+def ssh_options(accept_new: bool, known_hosts: str, connect_timeout: float) -> SshOptions:
     return SshOptions(known_hosts=known_hosts, accept_new_host_keys=accept_new,
                       connect_timeout_s=connect_timeout, auth_timeout_s=connect_timeout)
 
@@ -35,7 +36,16 @@ DEPLOYMENT = typer.Option(None, "--deployment", "-d", help="Deployment name (def
 
 
 def _deployment_name(file: Optional[Path], deployment: Optional[str]) -> str:
-    return deployment or resolve_topology(file)[0].name
+    if deployment is None:
+        return resolve_topology(file)[0].name
+    if not NAME_PATTERN.match(deployment):  # it names files in the state directory
+        raise UsageError(f"--deployment: '{deployment}' is not a deployment name; "
+                         "use lowercase letters, digits and '-', as in the topology's name:")
+    return deployment
+
+
+def _status_document(name: str, rows: list[ProcessStatus]) -> dict:
+    return {"deployment": name, "healthy": all(r.healthy for r in rows), "processes": [r.to_dict() for r in rows]}
 
 
 class _ProgressEvents(Events):
@@ -43,7 +53,7 @@ class _ProgressEvents(Events):
         self.progress, self.tasks = progress, {}
 
     def note(self, message: str) -> None:
-        self.progress.console.print(f"[dim]{message}[/dim]", highlight=False)
+        self.progress.console.print(Text(message, style="dim"), highlight=False)
 
     def process(self, name: str, status: str, done: bool = False) -> None:
         if name not in self.tasks:
@@ -51,9 +61,9 @@ class _ProgressEvents(Events):
         self.progress.update(self.tasks[name], status=status, completed=1 if done else 0)
 
     def log_tail(self, name: str, host: str, text: str) -> None:
-        self.progress.console.print(f"[bold red]last lines of {name}'s log on {host}:[/bold red]")
+        self.progress.console.print(Text(f"last lines of {name}'s log on {host}:", style="bold red"))
         for line in text.splitlines():
-            self.progress.console.print(f"  {name} | {line}", highlight=False, markup=False)
+            self.progress.console.print(f"  {name} | {line}", highlight=False)
 
 
 def _status_table(rows: list[ProcessStatus]) -> Table:
@@ -64,7 +74,7 @@ def _status_table(rows: list[ProcessStatus]) -> Table:
 
     for r in rows:
         color = "green" if r.healthy else "red"
-        table.add_row(r.name, r.role, r.host, str(r.pid), f"[{color}]{r.process}[/{color}]", f"[{color}]{r.health}[/{color}]",
+        table.add_row(r.name, r.role, r.host, str(r.pid), Text(r.process, style=color), Text(r.health, style=color),
                       num(r.running), num(r.waiting), "-" if r.kv_usage is None else f"{r.kv_usage:.0%}",
                       "-" if r.uptime_s is None else f"{r.uptime_s:.0f} s", str(r.restarts))
     return table
@@ -83,10 +93,11 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Start the deployment (only what changed), wait until ready, and prove KV moves through the router."""
         topo, source = resolve_topology(file)
+        check_key_files(topo)
         note(f"topology: {source}")
-        options = LifecycleOptions(ssh=_ssh_options(accept_new_host_keys, known_hosts, connect_timeout),
+        options = LifecycleOptions(ssh=ssh_options(accept_new_host_keys, known_hosts, connect_timeout),
                                    ready_timeout_s=timeout, provision=not no_provision, doctor=not skip_doctor)
-        columns = [SpinnerColumn(), TextColumn("[bold]{task.description}"), TextColumn("{task.fields[status]}"), TimeElapsedColumn()]
+        columns = [SpinnerColumn(), TextColumn("[bold]{task.description}"), TextColumn("{task.fields[status]}", markup=False), TimeElapsedColumn()]
         with Progress(*columns, console=err, transient=False) as progress:
             result = up(topo, options, _ProgressEvents(progress))
         if result.changes.nothing_to_do:
@@ -111,7 +122,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Stop every process of the deployment (TERM, then KILL) and verify nothing is left."""
         name = _deployment_name(file, deployment)
-        options = LifecycleOptions(ssh=_ssh_options(False, known_hosts, connect_timeout), stop_timeout_s=timeout)
+        options = LifecycleOptions(ssh=ssh_options(False, known_hosts, connect_timeout), stop_timeout_s=timeout)
         result = down(name, options)
         if not result.stopped and result.complete:
             out.print(f"{name}: nothing running (no state recorded)" if not result.had_state else f"{name}: nothing running", highlight=False)
@@ -119,7 +130,8 @@ def register(app: typer.Typer) -> None:
         if result.stopped:
             out.print(f"{name}: stopped {', '.join(result.stopped)}", highlight=False)
         for host, error in result.unreachable.items():
-            err.print(f"[yellow]not reached:[/yellow] {error}; its processes stay recorded, rerun `kvpush down` when it is back", highlight=False)
+            err.print(styled("[yellow]not reached:[/yellow] {}; its processes stay recorded, rerun `kvpush down` when it is back", error),
+                      highlight=False)
         if result.left_running:
             raise KvpushError(f"{name}: still running after SIGKILL: {', '.join(result.left_running)}")
         if result.unreachable:
@@ -137,20 +149,37 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """One row per process: liveness, health, load, KV-cache use, uptime, restarts. Exit 1 if unhealthy."""
         name = _deployment_name(file, deployment)
-        ssh = _ssh_options(False, known_hosts, connect_timeout)
+        if interval <= 0:
+            raise UsageError(f"--interval: must be more than 0 seconds (got {interval:g})")
+        ssh = ssh_options(False, known_hosts, connect_timeout)
+        json_indent = None if watch else 2  # --watch --json: one document per line, one line per refresh
+
+        def current_rows() -> list[ProcessStatus]:
+            try:
+                state = require_state(name)
+            except KvpushError as exc:
+                if json_output:  # a script reading stdout still gets a document
+                    print_json({"deployment": name, "healthy": False, "error": str(exc), "processes": []}, json_indent)
+                raise
+            return deployment_status(state, ssh)
+
+        if watch and json_output:
+            while True:
+                print_json(_status_document(name, current_rows()), json_indent)
+                time.sleep(interval)
         if watch:
             with Live(console=out, auto_refresh=False) as live:
                 while True:
-                    live.update(_status_table(deployment_status(require_state(name), ssh)), refresh=True)
+                    live.update(_status_table(current_rows()), refresh=True)
                     time.sleep(interval)
-        rows = deployment_status(require_state(name), ssh)
+        rows = current_rows()
         if json_output:
-            print_json({"deployment": name, "healthy": all(r.healthy for r in rows), "processes": [r.to_dict() for r in rows]})
+            print_json(_status_document(name, rows))
         else:
             out.print(_status_table(rows))
             for r in rows:
                 if r.error:
-                    err.print(f"[yellow]{r.name}:[/yellow] {r.error}", highlight=False)
+                    err.print(styled("[yellow]{}:[/yellow] {}", r.name, r.error), highlight=False)
         if not all(r.healthy for r in rows):
             raise typer.Exit(1)
 
@@ -171,9 +200,9 @@ def register(app: typer.Typer) -> None:
 
         def emit(process: str, line: str) -> None:
             with lock:
-                out.print(f"[cyan]{process:<{width}}[/cyan] | {line}", highlight=False, markup=True, soft_wrap=True)
+                out.print(Text.assemble((f"{process:<{width}}", "cyan"), f" | {line}"), highlight=False, soft_wrap=True)
 
-        stream_logs(state, selector, lines, follow, _ssh_options(False, known_hosts, 10.0), emit)
+        stream_logs(state, selector, lines, follow, ssh_options(False, known_hosts, 10.0), emit)
 
     @app.command("provision")
     def provision_command(
@@ -187,6 +216,7 @@ def register(app: typer.Typer) -> None:
         from kvpush.deploy.provision import provision_all
 
         topo, source = resolve_topology(file)
+        check_key_files(topo)
         note(f"topology: {source}")
-        for result in provision_all(topo, _ssh_options(accept_new_host_keys, known_hosts, connect_timeout), with_vllm):
+        for result in provision_all(topo, ssh_options(accept_new_host_keys, known_hosts, connect_timeout), with_vllm):
             out.print(f"host {result.host}: {result.action} ({result.detail})", highlight=False)

@@ -8,7 +8,7 @@ import typer
 from kvpush.deploy.errors import KvpushError
 
 from . import bench_cmd, doctor_cmd, lifecycle_cmd, plan_cmd, request_cmd, router_cmd
-from .console import err
+from .console import err, styled
 
 app = typer.Typer(
     name="kvpush",
@@ -42,15 +42,16 @@ def run(argv: list[str] | None = None) -> None:
     except KvpushError as exc:
         if debug:
             raise
-        err.print(f"[red]error:[/red] {exc}", highlight=False)
+        err.print(styled("[red]error:[/red] {}", exc), highlight=False)
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
-        err.print("[yellow]interrupted[/yellow]")
+        err.print(styled("[yellow]interrupted[/yellow]"))
         sys.exit(130)
     except Exception as exc:
         if debug:
             raise
-        err.print(f"[red]error:[/red] unexpected {type(exc).__name__}: {exc} (rerun with --debug for the traceback)", highlight=False)
+        err.print(styled("[red]error:[/red] unexpected {}: {} (rerun as `kvpush --debug <command> ...` for the traceback)", type(exc).__name__, exc),
+                  highlight=False)
         sys.exit(1)
 
 

@@ -6,32 +6,33 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from pydantic import ValidationError
 from rich.table import Table
 
 from kvpush.deploy.errors import UsageError
 from kvpush.deploy.plan import Plan, build_plan
-from kvpush.deploy.topology import TinyModelSpec, parse_topology, resolve_topology
+from kvpush.deploy.topology import TinyModelSpec, parse_topology, pydantic_message, resolve_topology
 from kvpush.templates import DEFAULT_TEMPLATE, template_names, template_summary, template_text
 
-from .console import note, out, print_json
+from .console import note, out, print_json, styled
 
 FILE_ARG = typer.Argument(None, help="Topology file (default: ./kvpush.yaml, else the built-in local-cpu).")
 
 
 def render_plan(plan: Plan) -> None:
     out.print(
-        f"[bold]deployment[/bold] {plan.deployment}  [bold]connector[/bold] {plan.connector}  "
-        f"[bold]platform[/bold] {plan.platform}  [bold]router[/bold] {plan.router_url}",
+        styled("[bold]deployment[/bold] {}  [bold]connector[/bold] {}  [bold]platform[/bold] {}  [bold]router[/bold] {}",
+               plan.deployment, plan.connector, plan.platform, plan.router_url),
         highlight=False,
     )
     for host in plan.hosts:
         who = f"{host.user + '@' if host.user else ''}{host.address}" + ("" if host.is_local else f":{host.ssh_port}")
         out.rule(f"host {host.name} ({who}{', local' if host.is_local else ', ssh'})  workdir {host.workdir}")
         for f in host.files:
-            out.print(f"  [cyan]file[/cyan] {f.path} ({len(f.content)} bytes)", highlight=False)
+            out.print(styled("  [cyan]file[/cyan] {} ({} bytes)", f.path, len(f.content)), highlight=False)
         for proc in host.processes:
             ports = f"http {proc.http_port}" + (f", side channel {','.join(map(str, proc.side_channel_ports))}" if proc.side_channel_ports else "")
-            out.print(f"  [bold green]{proc.name}[/bold green] ({proc.role}) {ports}; log {proc.log_path}", highlight=False)
+            out.print(styled("  [bold green]{}[/bold green] ({}) {}; log {}", proc.name, proc.role, ports, proc.log_path), highlight=False)
             out.print(f"    cwd  {proc.cwd}", highlight=False)
             for key in sorted(proc.env):
                 out.print(f"    env  {key}={shlex.quote(proc.env[key])}", highlight=False)
@@ -77,11 +78,18 @@ def register(app: typer.Typer) -> None:
         """Write a starting topology file from a template."""
         if template not in template_names():
             raise UsageError(f"--template: unknown template '{template}'; choose one of {', '.join(template_names())}")
+        if path.is_dir():
+            raise UsageError(f"{path}: is a directory; give a file path such as {path / 'kvpush.yaml'}")
         if path.exists() and not force:
             raise UsageError(f"{path}: already exists; pass --force to overwrite or choose another path")
+        if not path.parent.is_dir():
+            raise UsageError(f"{path.parent}: no such directory; create it first or choose another path")
         text = template_text(template)
         parse_topology(text, f"<template {template}>")  # a shipped template must always validate
-        path.write_text(text)
+        try:
+            path.write_text(text)
+        except OSError as exc:
+            raise UsageError(f"{path}: cannot write it ({exc.strerror or exc}); choose another path") from None
         out.print(f"wrote {path} from template {template}; next: `kvpush plan {path}`", highlight=False)
 
     @app.command("make-model")
@@ -98,6 +106,13 @@ def register(app: typer.Typer) -> None:
         """Make a tiny random-weight causal LM with a locally trained tokenizer (no model hub)."""
         from kvpush.deploy.tiny_model import describe, make_tiny_model
 
-        spec = TinyModelSpec(seed=seed, layers=layers, kv_heads=kv_heads, heads=heads, head_dim=head_dim, hidden_size=hidden_size)
+        try:
+            spec = TinyModelSpec(seed=seed, layers=layers, kv_heads=kv_heads, heads=heads, head_dim=head_dim, hidden_size=hidden_size)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            option = f"--{first['loc'][0].replace('_', '-')}: " if first["loc"] else ""
+            raise UsageError(f"make-model: {option}{pydantic_message(first)}") from None
+        if path.exists() and not path.is_dir():
+            raise UsageError(f"{path}: is a file; give a directory for the model (created if missing)")
         made = make_tiny_model(path, spec, force=force)
         out.print(f"{'made' if made else 'kept existing'} {path}: {describe(spec)}", highlight=False)

@@ -11,7 +11,7 @@ from kvpush.deploy.client import stream_completion
 from kvpush.deploy.plan import build_plan, router_config
 from kvpush.deploy.topology import resolve_topology
 
-from .console import note, out, print_json
+from .console import note, out, print_json, styled
 
 
 def register(app: typer.Typer) -> None:
@@ -34,6 +34,7 @@ def register(app: typer.Typer) -> None:
                         "finish_reason": result.finish_reason})
             return
         note(f"topology: {source}; router {plan.router_url}")
-        out.print(f"[bold]prompt[/bold]  {prompt}", highlight=False)
-        out.print(f"[bold]answer[/bold]  {result.text!r}", highlight=False)
-        out.print(f"[bold]TTFT[/bold]    {result.ttft_s * 1e3:.1f} ms   [bold]total[/bold] {result.latency_s * 1e3:.1f} ms for {result.completion_tokens} tokens", highlight=False)
+        out.print(styled("[bold]prompt[/bold]  {}", prompt), highlight=False)
+        out.print(styled("[bold]answer[/bold]  {}", repr(result.text)), highlight=False)
+        out.print(styled("[bold]TTFT[/bold]    {} ms   [bold]total[/bold] {} ms for {} tokens",
+                         f"{result.ttft_s * 1e3:.1f}", f"{result.latency_s * 1e3:.1f}", result.completion_tokens), highlight=False)

@@ -27,11 +27,15 @@ def register(app: typer.Typer) -> None:
 
         if topology is not None and config is not None:
             raise UsageError("router: give a TOPOLOGY or --config FILE, not both")
+        if not isinstance(logging.getLevelName(log_level.upper()), int):
+            raise UsageError(f"--log-level: unknown level '{log_level}'; choose one of DEBUG, INFO, WARNING, ERROR, CRITICAL")
         if config is not None:
             try:
                 router_config = RouterConfig.from_file(config)
             except FileNotFoundError:
                 raise UsageError(f"{config}: no such file; pass the router.json that `kvpush plan`/`up` wrote") from None
+            except OSError as exc:
+                raise UsageError(f"{config}: cannot read it ({exc.strerror or exc}); pass the router.json that `kvpush plan`/`up` wrote") from None
             except ValidationError as exc:
                 first = exc.errors()[0]
                 raise UsageError(f"{config}: {'.'.join(map(str, first['loc'])) or '(file)'}: {first['msg']}") from None

@@ -258,7 +258,7 @@ def _doctor_gate(topo: Topology, runners: dict[str, Runner], running: frozenset[
     events.process("doctor", "checking hosts")
     report = fast_checks(topo, runners, running=running)
     if report.failed:
-        raise KvpushError(f"doctor: {report.first_failure_line()}; nothing was started (fix it, or pass --skip-doctor)")
+        raise KvpushError(f"{report.first_failure_line()}; nothing was started (fix it, or pass --skip-doctor)")
     events.process("doctor", f"{len(report.results)} checks passed in {report.seconds:.1f} s", done=True)
 
 

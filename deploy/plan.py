@@ -13,7 +13,7 @@ from typing import Literal
 
 from kvpush.router.config import RouterConfig, Timeouts, Upstream
 
-from .topology import HostSpec, InstanceSpec, Role, Topology
+from .topology import ROUTER_PROCESS_NAME, HostSpec, InstanceSpec, Role, Topology
 
 ProcessRole = Literal["prefill", "decode", "router"]
 
@@ -268,7 +268,7 @@ def _router_process(topo: Topology) -> tuple[ProcessPlan, FilePlan]:
     config_path = f"{workdir}/router.json"
     env = {"PYTHONUNBUFFERED": "1", **topo.env}
     proc = ProcessPlan(
-        name="router",
+        name=ROUTER_PROCESS_NAME,
         role="router",
         host=topo.router.host,
         argv=on_cores(topo.router.cpu_cores, [host.interpreter, "-m", ROUTER_MODULE, "--config", config_path]),

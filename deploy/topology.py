@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import UsageError
 from .yaml_source import SourceDocument, YamlSyntaxError, load_yaml_file, parse_yaml
@@ -26,6 +26,27 @@ DEFAULT_PREFILL_HTTP_PORT = 8100
 DEFAULT_DECODE_HTTP_PORT = 8200
 DEFAULT_SIDE_CHANNEL_PORT = 5600
 NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+ROUTER_PROCESS_NAME = "router"  # the plan's and state's name for the router process
+MAX_CORE = 4095  # above any host's core numbers; bounds what a range like '0-999999999' would allocate
+
+
+def _not_bool(value: Any) -> Any:
+    # YAML reads `port: true` as a bool, and pydantic would take it as 1.
+    if isinstance(value, bool):
+        raise ValueError("is true/false, not a number; give a number")
+    return value
+
+
+def _not_blank(fix: str) -> AfterValidator:
+    def check(value: str) -> str:
+        if not value.strip():
+            raise ValueError(f"is empty; {fix}")
+        return value
+
+    return AfterValidator(check)
+
+
+IntNotBool = Annotated[int, BeforeValidator(_not_bool)]
 
 
 class TopologyError(UsageError):
@@ -39,22 +60,29 @@ class _Model(BaseModel):
 class TinyModelSpec(_Model):
     """Settings for the small causal LM that kvpush makes locally (no model hub needed)."""
 
-    seed: int = 0
-    layers: int = Field(2, ge=1, le=64)
-    hidden_size: int = Field(256, ge=32)
-    heads: int = Field(4, ge=1)
-    kv_heads: int = Field(2, ge=1)
-    head_dim: int = Field(64, ge=8)
-    vocab_size: int = Field(4096, ge=300)
-    max_position_embeddings: int = Field(4096, ge=128)
+    seed: IntNotBool = 0
+    layers: IntNotBool = Field(2, ge=1, le=64)
+    hidden_size: IntNotBool = Field(256, ge=32)
+    heads: IntNotBool = Field(4, ge=1)
+    kv_heads: IntNotBool = Field(2, ge=1)
+    head_dim: IntNotBool = Field(64, ge=8)
+    vocab_size: IntNotBool = Field(4096, ge=300)
+    max_position_embeddings: IntNotBool = Field(4096, ge=128)
+
+    @model_validator(mode="after")
+    def _kv_heads_divide_heads(self) -> "TinyModelSpec":
+        if self.heads % self.kv_heads:
+            raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads}); "
+                             "each KV head serves the same number of attention heads")
+        return self
 
 
 class ModelSpec(_Model):
-    path: str = Field(description="model directory on every host that runs vLLM")
+    path: Annotated[str, _not_blank("give the model directory")] = Field(description="model directory on every host that runs vLLM")
     served_name: str | None = None
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "bfloat16"
-    max_model_len: int | None = Field(None, ge=16)
-    block_size: int | None = Field(None, ge=1)
+    max_model_len: IntNotBool | None = Field(None, ge=16)
+    block_size: IntNotBool | None = Field(None, ge=1)
     enforce_eager: bool = False
     extra_args: list[str] = Field(default_factory=list)
     tiny: TinyModelSpec | None = Field(
@@ -77,11 +105,11 @@ class ConnectorSpec(_Model):
 
 
 class HostSpec(_Model):
-    address: str
-    ssh_port: int = Field(22, ge=1, le=65535)
+    address: Annotated[str, _not_blank("give the host's IP address or DNS name")]
+    ssh_port: IntNotBool = Field(22, ge=1, le=65535)
     user: str | None = None
     key: str | None = None
-    workdir: str = "~/.kvpush"
+    workdir: Annotated[str, _not_blank("give a directory, or remove the field for ~/.kvpush")] = "~/.kvpush"
     python: str | None = Field(None, description="interpreter that runs vLLM there (default: <venv>/bin/python)")
     venv: str | None = None
 
@@ -107,19 +135,23 @@ def _valid_core_list(value: str) -> str:
     return value
 
 
-CoreList = Annotated[str, AfterValidator(_valid_core_list)]  # "0-3,8"
+def _core_number_as_text(value: Any) -> Any:
+    return str(value) if isinstance(value, int) and not isinstance(value, bool) else value  # `cpu_cores: 3` unquoted
+
+
+CoreList = Annotated[str, BeforeValidator(_core_number_as_text), AfterValidator(_valid_core_list)]  # "0-3,8"
 
 
 class InstanceSpec(_Model):
     name: str | None = None
     host: str | None = None
-    devices: list[int] = Field(default_factory=list, description="GPU indices (platform cuda)")
+    devices: list[IntNotBool] = Field(default_factory=list, description="GPU indices (platform cuda)")
     cpu_cores: CoreList | None = Field(None, description="cores for VLLM_CPU_OMP_THREADS_BIND (platform cpu)")
-    kv_cache_gib: int | None = Field(None, ge=1, description="VLLM_CPU_KVCACHE_SPACE (platform cpu)")
-    tensor_parallel_size: int = Field(1, ge=1)
-    data_parallel_size: int = Field(1, ge=1)
-    http_port: int | None = Field(None, ge=1, le=65535)
-    side_channel_port: int | None = Field(None, ge=1, le=65535)
+    kv_cache_gib: IntNotBool | None = Field(None, ge=1, description="VLLM_CPU_KVCACHE_SPACE (platform cpu)")
+    tensor_parallel_size: IntNotBool = Field(1, ge=1)
+    data_parallel_size: IntNotBool = Field(1, ge=1)
+    http_port: IntNotBool | None = Field(None, ge=1, le=65535)
+    side_channel_port: IntNotBool | None = Field(None, ge=1, le=65535)
     env: dict[str, str] = Field(default_factory=dict)
     extra_args: list[str] = Field(default_factory=list)
 
@@ -141,15 +173,15 @@ class InstanceSpec(_Model):
 class RouterSpec(_Model):
     host: str | None = None
     bind: str = "127.0.0.1"
-    port: int = Field(8000, ge=1, le=65535)
+    port: IntNotBool = Field(8000, ge=1, le=65535)
     policy: Policy = "round-robin"
     api_key_env: str | None = Field(None, description="name of an env var holding the API key")
     prefill_timeout_s: float = Field(600.0, gt=0)
     decode_timeout_s: float = Field(600.0, gt=0)
     connect_timeout_s: float = Field(5.0, gt=0)
-    max_prompt_chars: int = Field(4_000_000, ge=1)
+    max_prompt_chars: IntNotBool = Field(4_000_000, ge=1)
     cpu_cores: CoreList | None = Field(None, description="cores the router process runs on (taskset); may share an instance's")
-    workers: int = Field(1, ge=1, le=64, description="router processes sharing the port, each relaying its share of "
+    workers: IntNotBool = Field(1, ge=1, le=64, description="router processes sharing the port, each relaying its share of "
                                                     "the streams; give the router at least as many cpu_cores")
 
 
@@ -203,6 +235,8 @@ def parse_core_list(text: str) -> set[int]:
         if not m:
             raise ValueError(f"'{text}' is not a core list; write e.g. '0' or '0-3,8'")
         lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
+        if hi > MAX_CORE:
+            raise ValueError(f"core {hi} in '{part}' is above {MAX_CORE}; give the core numbers of this host (see `nproc`)")
         if hi < lo:
             raise ValueError(f"range '{part}' runs backwards; write the low core first")
         cores.update(range(lo, hi + 1))
@@ -231,7 +265,8 @@ def _field_name(path: tuple) -> str:
     return out or "(top level)"
 
 
-def _pydantic_message(err: dict[str, Any]) -> str:
+def pydantic_message(err: dict[str, Any]) -> str:
+    """One pydantic error as the words after a field name: what is wrong and the fix."""
     kind = err["type"]
     if kind == "extra_forbidden":
         return "is not a known field; check its spelling or remove it"
@@ -259,6 +294,8 @@ class _Problem:
 def _apply_defaults(topo: Topology, problems: _Problem) -> None:
     """Fill names, hosts and ports so the plan never has to guess."""
     host_names = list(topo.hosts)
+    if not host_names:
+        problems.fail(("hosts",), "defines no hosts; add one, e.g. 'local: {address: 127.0.0.1}', or remove hosts: to use this machine")
     if topo.router.host is None:
         if len(host_names) == 1:
             topo.router.host = host_names[0]
@@ -317,6 +354,8 @@ def _check_cross_fields(topo: Topology, problems: _Problem) -> None:
             problems.fail(base + ("name",), f"name '{spec.name}' is already used by {_field_name(seen_names[spec.name])}; names must be unique")
         if not NAME_PATTERN.match(spec.name):
             problems.fail(base + ("name",), f"'{spec.name}' must be lowercase letters, digits and '-'")
+        if spec.name == ROUTER_PROCESS_NAME:
+            problems.fail(base + ("name",), f"'{ROUTER_PROCESS_NAME}' is the router process's name; choose another name")
         seen_names[spec.name] = base
         if spec.host not in topo.hosts:
             problems.fail(base + ("host",), f"unknown host '{spec.host}'; define it under hosts: or use one of {', '.join(topo.hosts)}")
@@ -353,11 +392,40 @@ def _check_cross_fields(topo: Topology, problems: _Problem) -> None:
                         problems.fail(base + ("cpu_cores",), f"core {core} on host '{spec.host}' is also given to {_field_name(cores[key])}; give each instance its own cores")
                     cores[key] = base
     if topo.connector.type != "colocated":
-        tps = {(s.tensor_parallel_size) for _, _, s in topo.instances()}
-        if len(tps) > 1:
-            problems.fail(("decode", 0, "tensor_parallel_size"), f"prefill and decode use different TP sizes {sorted(tps)}; kvpush supports homogeneous TP only, use one size everywhere")
+        _check_one_tp_size(topo, problems)
     if topo.connector.backend == "LIBFABRIC" and topo.platform == "cpu":
         problems.fail(("connector", "backend"), "LIBFABRIC (EFA) needs platform: cuda hosts with EFA; use backend: UCX for CPU deployments")
+
+
+def _check_one_tp_size(topo: Topology, problems: _Problem) -> None:
+    """Blame the first instance whose TP size differs from the most common one (ties: the first instance's)."""
+    specs = [spec for _, _, spec in topo.instances()]
+    sizes = [spec.tensor_parallel_size for spec in specs]
+    usual = max(dict.fromkeys(sizes), key=sizes.count)  # dict.fromkeys keeps first-seen order for ties
+    reference = specs[sizes.index(usual)]
+    for role, index, spec in topo.instances():
+        if spec.tensor_parallel_size != usual:
+            problems.fail((role, index, "tensor_parallel_size"),
+                          f"{spec.name} uses TP size {spec.tensor_parallel_size} but {reference.name} uses {usual}; "
+                          "kvpush supports homogeneous TP only, use one size everywhere")
+
+
+def check_key_files(topo: Topology) -> None:
+    """Before connecting: each SSH host's `key` is a private key file on this machine.
+
+    Not part of loading: `plan` must work for a topology whose keys live on another machine.
+    """
+    for name, host in topo.hosts.items():
+        if host.key is None or host.is_local:
+            continue
+        key_file = Path(host.key).expanduser()
+        where = f"hosts.{name}.key: {host.key}"
+        if not key_file.exists():
+            raise TopologyError(f"{where}: no such file; give the private key path")
+        if not key_file.is_file():
+            raise TopologyError(f"{where}: not a file; give the private key path")
+        if key_file.suffix == ".pub":
+            raise TopologyError(f"{where}: is the public key; give the private key path (without .pub)")
 
 
 def topology_from_document(doc: SourceDocument) -> Topology:
@@ -368,7 +436,7 @@ def topology_from_document(doc: SourceDocument) -> Topology:
     except ValidationError as exc:
         err = exc.errors()[0]
         path = tuple(err["loc"])
-        raise TopologyError(f"{doc.where(path)}: {_field_name(path)}: {_pydantic_message(err)}") from None
+        raise TopologyError(f"{doc.where(path)}: {_field_name(path)}: {pydantic_message(err)}") from None
     problems = _Problem(doc)
     _apply_defaults(topo, problems)
     _check_cross_fields(topo, problems)
@@ -377,12 +445,20 @@ def topology_from_document(doc: SourceDocument) -> Topology:
 
 def load_topology(path: str | Path) -> Topology:
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise TopologyError(f"{path}: no such topology file; create one with `kvpush init {path}`")
+    if path.is_dir():
+        raise TopologyError(f"{path}: is a directory; give the topology YAML file inside it")
+    if not path.is_file():
+        raise TopologyError(f"{path}: is not a regular file; give a topology YAML file")
     try:
         doc = load_yaml_file(path)
     except YamlSyntaxError as exc:
         raise TopologyError(str(exc)) from None
+    except UnicodeDecodeError as exc:
+        raise TopologyError(f"{path}: not UTF-8 text (byte {exc.start}); save the topology as UTF-8") from None
+    except OSError as exc:
+        raise TopologyError(f"{path}: cannot read it ({exc.strerror or exc}); check its permissions") from None
     return topology_from_document(doc)
 
 

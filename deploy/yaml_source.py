@@ -64,6 +64,11 @@ def _build(node: yaml.Node, path: Path_, doc: SourceDocument, loader: yaml.SafeL
         loader.flatten_mapping(node)
         out: dict[Any, Any] = {}
         for key_node, value_node in node.value:
+            if not isinstance(key_node, yaml.ScalarNode):
+                pos = _mark(key_node)
+                raise YamlSyntaxError(
+                    f"{doc.source}:{pos.line}:{pos.column}: a list or mapping used as a key; keys must be plain names"
+                )
             key = loader.construct_object(key_node, deep=True)
             if key in out:
                 pos = _mark(key_node)

@@ -76,3 +76,58 @@ def test_templates_json():
     result = kvpush("templates", "--json")
     names = {t["name"] for t in json.loads(result.stdout)}
     assert {"local-cpu", "p5en-1p1d", "xpyd"} <= names
+
+
+def test_square_brackets_in_an_error_are_printed_as_written(tmp_path):
+    path = tmp_path / "m.yaml"
+    path.write_text('model: {path: /m}\nprefill: [{}]\ndecode: [{name: "a[/b]"}]\n')
+    result = kvpush("plan", str(path))
+    assert result.returncode == 2, result.stderr
+    lines = [l for l in result.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and "'a[/b]' must be lowercase" in lines[0]
+
+
+def test_square_brackets_in_a_plan_are_printed_as_written(tmp_path):
+    path = tmp_path / "cfg[prod].yaml"
+    path.write_text('model: {path: /m, extra_args: ["[/x]"]}\nprefill: [{env: {MY_OPT: "[bold]on"}}]\ndecode: [{}]\n')
+    result = kvpush("plan", str(path))
+    assert result.returncode == 0, result.stderr
+    assert f"topology: {path}" in result.stderr
+    assert "MY_OPT='[bold]on'" in result.stdout and "'[/x]'" in result.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--layers", "0"], "make-model: --layers: Input should be greater than or equal to 1 (got 0)"),
+    (["--hidden-size", "8"], "make-model: --hidden-size: Input should be greater than or equal to 32 (got 8)"),
+    (["--heads", "3", "--kv-heads", "2"], "make-model: heads (3) must be a multiple of kv_heads (2)"),
+], ids=["layers", "hidden size", "heads"])
+def test_make_model_bad_options_are_one_line_exit_2(tmp_path, args, message):
+    result = kvpush("make-model", str(tmp_path / "model"), *args)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "model").exists()
+
+
+def test_make_model_refuses_a_file_as_its_directory(tmp_path):
+    path = tmp_path / "notes.txt"
+    path.write_text("keep me")
+    result = kvpush("make-model", str(path))
+    assert result.returncode == 2 and f"{path}: is a file; give a directory" in result.stderr
+    assert path.read_text() == "keep me"
+
+
+@pytest.mark.parametrize("target, message", [
+    ("nodir/x.yaml", "nodir: no such directory; create it first"),
+    (".", ": is a directory; give a file path such as"),
+], ids=["missing directory", "directory"])
+def test_init_bad_path_is_one_line_exit_2(tmp_path, target, message):
+    result = kvpush("init", target, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("target, message", [(".", "is a directory"), ("/dev/null", "is not a regular file")],
+                         ids=["directory", "device"])
+def test_plan_of_something_not_a_file_says_what_it_is(tmp_path, target, message):
+    result = kvpush("plan", target, cwd=tmp_path)
+    assert result.returncode == 2 and message in result.stderr and "no such" not in result.stderr

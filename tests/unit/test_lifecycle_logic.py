@@ -243,3 +243,15 @@ def test_proof_asks_again_when_the_router_let_decode_compute_the_prompt(monkeypa
     monkeypatch.setattr(lifecycle, "ROUTER_ROTATION_WAIT_S", 0.0)
     with pytest.raises(KvpushError, match="no decode instance received prompt tokens by KV transfer"):
         lifecycle.prove_kv_transfer({"local": _ProofRunner(fallbacks=10**6)}, plan)
+
+
+def test_doctor_gate_names_doctor_once(monkeypatch):
+    from kvpush.deploy import doctor, lifecycle
+    from kvpush.deploy.doctor import DoctorReport, Status
+    from kvpush.deploy.doctor.result import CheckResult
+
+    failed = CheckResult("python", "local", Status.FAIL, "/nope/python: not found", remedy="fix 'python:'")
+    monkeypatch.setattr(doctor, "fast_checks", lambda topo, runners, running: DoctorReport([failed], 0.1, ["local"]))
+    with pytest.raises(KvpushError) as info:
+        lifecycle._doctor_gate(parse_topology(template_text(DEFAULT_TEMPLATE)), {}, frozenset(), lifecycle.Events())
+    assert str(info.value).startswith("doctor: python on local: /nope/python: not found; fix 'python:'; nothing was started")

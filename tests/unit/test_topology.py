@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpush.deploy.topology import TopologyError, load_topology, parse_topology, side_channel_ports
+from kvpush.deploy.topology import TopologyError, check_key_files, load_topology, parse_topology, side_channel_ports
 
 MINIMAL = """\
 model:
@@ -105,6 +105,21 @@ decode: [{devices: [2, 3, 4, 5], tensor_parallel_size: 4}]
     ("bad deployment name", "name: My_Deploy\n" + MINIMAL, 1, "name", "lowercase"),
     ("bad dtype", MINIMAL.replace("path: /models/tiny", "path: /models/tiny\n  dtype: fp8"), 3, "model.dtype", "'bfloat16'"),
     ("host ssh port zero", MINIMAL + "hosts: {local: {address: 127.0.0.1, ssh_port: 0}}\n", 7, "hosts.local.ssh_port", "greater than or equal to 1"),
+    ("core number too high", MINIMAL.replace("  - {}\ndecode", "  - {cpu_cores: '4090-4096'}\ndecode"), 4, "prefill[0].cpu_cores", "above 4095"),
+    ("instance named router", MINIMAL.replace("  - {}\ndecode", "  - {name: router}\ndecode"), 4, "prefill[0].name", "router process"),
+    ("empty host address", MINIMAL + "hosts: {local: {address: ''}}\n", 7, "hosts.local.address", "is empty; give the host's IP address"),
+    ("empty model path", MINIMAL.replace("path: /models/tiny", "path: ''"), 2, "model.path", "is empty; give the model directory"),
+    ("empty workdir", MINIMAL + "hosts: {local: {address: 127.0.0.1, workdir: ' '}}\n", 7, "hosts.local.workdir", "is empty"),
+    ("list as a key", MINIMAL + "? [a, b]\n: 1\n", 7, "list or mapping used as a key", "plain names"),
+    ("boolean port", MINIMAL + "router: {port: true}\n", 7, "router.port", "true/false, not a number"),
+    ("boolean device", "platform: cuda\nmodel: {path: /m}\nprefill: [{devices: [true]}]\ndecode: [{devices: [2]}]\n", 3, "prefill[0].devices[0]", "true/false"),
+    ("no hosts", MINIMAL + "hosts: {}\n", 7, "hosts", "defines no hosts"),
+    ("odd tp size is a later prefill", """platform: cuda
+model: {path: /m}
+prefill: [{devices: [0]}, {devices: [1, 2], tensor_parallel_size: 2}]
+decode: [{devices: [3]}]
+""", 3, "prefill[1].tensor_parallel_size", "prefill-1 uses TP size 2 but prefill-0 uses 1"),
+    ("tiny model heads", MINIMAL.replace("path: /models/tiny", "path: /models/tiny\n  tiny: {heads: 3, kv_heads: 2}"), 3, "model.tiny", "multiple of kv_heads"),
 ]
 
 
@@ -124,6 +139,47 @@ def test_bad_topology_names_line_and_field(tmp_path, name, text, line, field, ph
 def test_missing_file_says_how_to_create_one(tmp_path):
     with pytest.raises(TopologyError, match="kvpush init"):
         load_topology(tmp_path / "nope.yaml")
+
+
+@pytest.mark.parametrize("make, phrase", [
+    (lambda p: p.mkdir(), "is a directory"),
+    (lambda p: p.write_bytes(b"model: {path: /m\xff}\n"), "not UTF-8"),
+], ids=["directory", "not utf-8"])
+def test_unreadable_topology_file_is_one_line(tmp_path, make, phrase):
+    path = tmp_path / "topo.yaml"
+    make(path)
+    with pytest.raises(TopologyError, match=phrase) as info:
+        load_topology(path)
+    assert str(info.value).startswith(f"{path}: ") and "\n" not in str(info.value)
+
+
+def test_device_file_is_not_called_missing():
+    with pytest.raises(TopologyError, match="/dev/null: is not a regular file"):
+        load_topology("/dev/null")
+
+
+def test_unquoted_core_number_is_a_core_list():
+    topo = parse_topology(MINIMAL.replace("  - {}\ndecode", "  - {cpu_cores: 3}\ndecode"))
+    assert topo.prefill[0].cpu_cores == "3"
+
+
+@pytest.mark.parametrize("key_name, phrase", [
+    ("missing", "hosts.gpu.key: {key}: no such file; give the private key path"),
+    ("id_ed25519.pub", "hosts.gpu.key: {key}: is the public key; give the private key path (without .pub)"),
+], ids=["missing", "public key"])
+def test_key_files_are_checked_before_connecting(tmp_path, key_name, phrase):
+    key = tmp_path / key_name
+    if key_name.endswith(".pub"):
+        key.write_text("ssh-ed25519 AAAA")
+    topo = parse_topology(MINIMAL + f"hosts: {{gpu: {{address: 10.0.0.9, key: '{key}'}}}}\n")  # loading does not look
+    with pytest.raises(TopologyError) as info:
+        check_key_files(topo)
+    assert str(info.value) == phrase.format(key=key)
+
+
+def test_existing_private_key_passes(tmp_path):
+    (tmp_path / "id").write_text("private")
+    check_key_files(parse_topology(MINIMAL + f"hosts: {{gpu: {{address: 10.0.0.9, key: '{tmp_path / 'id'}'}}}}\n"))
 
 
 def test_env_values_become_strings():

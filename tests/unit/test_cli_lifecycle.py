@@ -1,0 +1,76 @@
+"""`kvpush up | down | status | logs` as a user runs them, against a state directory of the test's own."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from kvpush.cli import lifecycle_cmd
+from kvpush.cli.main import app
+from kvpush.deploy.observe import ProcessStatus
+from kvpush.deploy.state import DeploymentState, HostRecord, ProcessRecord, save_state
+
+
+def kvpush(*args: str, state_dir, cwd=None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "KVPUSH_STATE_DIR": str(state_dir)}
+    return subprocess.run([sys.executable, "-m", "kvpush.cli.main", *args], capture_output=True, text=True,
+                          cwd=cwd, env=env, timeout=60)
+
+
+def test_deployment_name_cannot_leave_the_state_directory(tmp_path):
+    victim = tmp_path / "victimdir" / "important.json"
+    victim.parent.mkdir()
+    victim.write_text("{}")
+    result = kvpush("down", "-d", "../victimdir/important", state_dir=tmp_path / "state")
+    assert result.returncode == 2, result.stderr
+    assert "--deployment: '../victimdir/important' is not a deployment name" in result.stderr
+    assert victim.exists()
+
+
+def test_status_interval_must_be_positive(tmp_path):
+    result = kvpush("status", "-d", "t", "--watch", "--interval", "-1", state_dir=tmp_path)
+    assert result.returncode == 2 and "--interval: must be more than 0 seconds (got -1)" in result.stderr
+
+
+@pytest.mark.parametrize("watch", [[], ["--watch"]], ids=["once", "watch"])
+def test_status_json_of_a_stopped_deployment_is_still_json(tmp_path, watch):
+    result = kvpush("status", "-d", "t", "--json", *watch, state_dir=tmp_path)
+    assert result.returncode == 1
+    document = json.loads(result.stdout)
+    assert document["deployment"] == "t" and document["healthy"] is False and "not running" in document["error"]
+
+
+def test_status_watch_json_prints_one_document_per_refresh(monkeypatch):
+    row = ProcessStatus("decode-0", "decode", "local", 42, "running", "ok", 0, 0, 0.1, 5.0, 0)
+    monkeypatch.setattr(lifecycle_cmd, "require_state", lambda name: object())
+    monkeypatch.setattr(lifecycle_cmd, "deployment_status", lambda state, ssh: [row])
+    sleeps = []
+
+    def sleep(seconds):
+        sleeps.append(seconds)
+        if len(sleeps) == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(lifecycle_cmd.time, "sleep", sleep)
+    result = CliRunner().invoke(app, ["status", "-d", "t", "--watch", "--json", "--interval", "0.5"])
+    documents = [json.loads(line) for line in result.stdout.splitlines()]
+    assert sleeps == [0.5, 0.5] and len(documents) == 2
+    assert documents[0]["healthy"] is True and documents[0]["processes"][0]["name"] == "decode-0"
+
+
+def test_logs_print_bracketed_lines_as_written(tmp_path, monkeypatch):
+    log = tmp_path / "prefill-0.log"
+    lines = ["INFO 05-01 [api_utils.py:347] Started server", "WARNING cannot open [/tmp] [bold]x"]
+    log.write_text("\n".join(lines) + "\n")
+    state = DeploymentState("t", hosts={"local": HostRecord("127.0.0.1", 22, None, None, True, str(tmp_path))})
+    state.processes["prefill-0"] = ProcessRecord("prefill-0", "prefill", "local", 1, 1, None, 8100,
+                                                 "http://127.0.0.1:8100/health", str(log), "", 0.0)
+    monkeypatch.setenv("KVPUSH_STATE_DIR", str(tmp_path / "state"))
+    save_state(state)
+    result = kvpush("logs", "-d", "t", state_dir=tmp_path / "state")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [f"prefill-0 | {line}" for line in lines]
