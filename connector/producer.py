@@ -110,7 +110,7 @@ class Producer:
         self._state = ProducerState(config.timeout_s)
         self._peers = _Peers()
         self._inflight: list[_InFlight] = []  # WRITEs the reactor thread polls to their end
-        self._streaming: set[str] = set()  # transfer ids the compute thread writes right now
+        self._writing: set[str] = set()  # transfer ids the compute thread writes right now (no lock held)
         self._prepared: dict[str, _Prepared] = {}  # transfer id ->
         self._counted: Counter = Counter()  # what take_counts already handed out
         self._freed: list[str] = []
@@ -155,7 +155,6 @@ class Producer:
         """The request's prefill is done and these are its blocks. Copies (CPU) happen on this
         thread without the producer's lock, so the reactor keeps answering D meanwhile."""
         now = time.monotonic()
-        driven: _InFlight | None = None
         with self._lock:
             if peer_engine not in self.config.allowed_engines:
                 self.counters["refused_peer"] += 1
@@ -165,24 +164,30 @@ class Producer:
                 return
             result = self._state.offer(Offer(transfer_id, req_id, tuple(block_ids), peer_engine, now))
             log.debug("kvpush P offer %s req=%s blocks=%d t=%.6f matched=%s", transfer_id, req_id, len(block_ids), now, result is not None)
-            streamed = isinstance(result, Match) and self.config.drive_writes and self.config.stream_writes
-            if streamed:
-                self._streaming.add(transfer_id)
-            elif isinstance(result, Match) and self.config.drive_writes:
-                driven = self._post(result)
+            here = isinstance(result, Match) and self.config.drive_writes  # this thread copies it
+            if here:
+                self._writing.add(transfer_id)
             else:
                 self._settle(result)
-        if streamed:
-            self._stream(result)
-        elif driven is not None:
-            self._drive(driven)
+        if here:
+            try:
+                if self.config.stream_writes:
+                    self._stream(result)
+                else:
+                    self._drive(result)
+            finally:
+                with self._lock:
+                    self._writing.discard(transfer_id)
         self._reactor.wake()
 
-    def _drive(self, item: _InFlight) -> None:
-        """Complete a WRITE just posted from the compute thread before returning: on a CPU host
-        the copy is CPU work on this instance's cores either way, and finishing it here hands
-        the KV over without waiting for another thread to be scheduled. Not yet in `_inflight`,
-        so the reactor does not release it under this thread's feet."""
+    def _drive(self, match: Match) -> None:
+        """Post the WRITE and complete it before returning: on a CPU host the copy is CPU work on
+        this instance's cores either way, and finishing it here hands the KV over without waiting
+        for another thread to be scheduled. It joins `_inflight` only then, so the reactor does
+        not release it under this thread's feet."""
+        item = self._post(match)
+        if item is None:
+            return
         deadline = time.monotonic() + SYNC_DRIVE_S
         while item.state(self.engine) == "PROC" and time.monotonic() < deadline:
             pass
@@ -191,17 +196,13 @@ class Producer:
             self._poll()
 
     def _stream(self, match: Match) -> None:
-        tid = match.offer.transfer_id
         try:
             self._stream_parts(match)
         except Exception as exc:  # a bug here must cost this push, not the engine's compute thread
-            log.exception("kvpush: streamed WRITE %s failed unexpectedly", tid)
+            log.exception("kvpush: streamed WRITE %s failed unexpectedly", match.offer.transfer_id)
             with self._lock:
                 self._finish(match, self._peers.conns.get(match.registration.peer_engine), time.monotonic(),
                              time.monotonic(), False, f"prefill error during the streamed WRITE: {exc!r}")
-        finally:
-            with self._lock:
-                self._streaming.discard(tid)
 
     def _stream_parts(self, match: Match) -> None:
         """Write one part (layer) after the other from the compute thread, telling D STREAMING
@@ -337,25 +338,28 @@ class Producer:
             self._reactor.wake()  # it may be asleep until a distant deadline
 
     def _post(self, match: Match) -> "_InFlight | None":
-        """Post the match's WRITE; its in-flight record, or None if the push already ended here."""
+        """Post the match's WRITE; its in-flight record, or None if the push already ended here.
+        The lock is taken for the bookkeeping only: on CPU the copy happens inside the post."""
         engine_id = match.registration.peer_engine
-        conn, peer = self._peers.conns.get(engine_id), self._peers.nixl.get(engine_id)
         now = time.monotonic()
-        if conn is None or peer is None or conn.gone():
-            self._finish(match, None, now, now, False, f"decode engine {engine_id} disconnected before the WRITE")
-            return None
-        if not match.src_blocks:
-            conn.send(wire.Done(match.offer.transfer_id, 0))
-            self._finish(match, None, now, now, True)
-            return None
-        write = self._take_prepared(match, engine_id, peer)
+        with self._lock:
+            conn, peer = self._peers.conns.get(engine_id), self._peers.nixl.get(engine_id)
+            if conn is None or peer is None or conn.gone():
+                self._finish(match, None, now, now, False, f"decode engine {engine_id} disconnected before the WRITE")
+                return None
+            if not match.src_blocks:
+                conn.send(wire.Done(match.offer.transfer_id, 0))
+                self._finish(match, None, now, now, True)
+                return None
+            write = self._take_prepared(match, engine_id, peer)
         ahead = write is not None
         try:
             if write is None:
                 write = self.engine.prepare_write(peer, match.src_blocks, match.dst_blocks)
             self.engine.post(write, engine_id)
         except TransferError as exc:
-            self._finish(match, conn, now, time.monotonic(), False, str(exc))
+            with self._lock:
+                self._finish(match, conn, now, time.monotonic(), False, str(exc))
             return None
         posted = time.monotonic()
         log.debug("kvpush P post %s bytes=%d descs=%d ahead=%s wait=%.6f t=%.6f", match.offer.transfer_id,
@@ -497,7 +501,7 @@ class Producer:
                 offer = self._state.cancel(msg.transfer_id, conn.engine_id, now)
                 if offer is not None:
                     self._freed.append(offer.req_id)
-                writing = msg.transfer_id in self._streaming or any(
+                writing = msg.transfer_id in self._writing or any(
                     i.match.offer.transfer_id == msg.transfer_id for i in self._inflight)
                 if not writing:  # else the WRITE's own DONE or FAIL answers
                     conn.send(wire.Fail(msg.transfer_id, "cancelled by decode"))
