@@ -1,6 +1,7 @@
-"""The router in front of real vLLM 1P1D on CPU (tiny local model), with vLLM's NIXL connectors.
+"""The router in front of real vLLM 1P1D on CPU (tiny local model), with kvpush's push connector
+and vLLM's NIXL connectors.
 
-Per protocol (nixl-pull, nixl-push) one deployment is shared by the tests: prefill and decode started
+Per protocol (kvpush, nixl-pull, nixl-push) one deployment is shared by the tests: prefill and decode started
 with the argv/env of `build_plan` (prefill on core 0, decode on core 1), the router as
 `python -m kvpush.router --config <the plan's router.json>`. A plain vLLM server with the same
 settings gives the reference greedy answers. Heavy: run under `flock /tmp/kvpush-vllm.lock`.
@@ -125,7 +126,7 @@ class Deployment:
         return metric_sum(get(self.router.url + "/metrics")[1], name, **labels) or 0.0
 
 
-@pytest.fixture(scope="module", params=["nixl-pull", "nixl-push"])
+@pytest.fixture(scope="module", params=["kvpush", "nixl-pull", "nixl-push"])
 def deployment(request, model_dir, reference_answers, tmp_path_factory):
     protocol = request.param
     workdir = tmp_path_factory.mktemp(protocol)
@@ -183,8 +184,59 @@ def test_answers_equal_a_single_server_and_kv_came_by_transfer(deployment, refer
 
 
 @pytest.mark.timeout(900)
+def test_killing_prefill_mid_push_is_seen_at_once_and_every_request_still_ends(deployment):
+    """kvpush's last test (it kills the prefill instance) while decode holds blocks for requests
+    whose prefill is queued or running. The router sees the prefill leg fail within 2 s; each
+    request cut short is retried and then served by decode alone (the router's fallback) or ends
+    with an error, never hangs; decode frees every block."""
+    if deployment.protocol != "kvpush":
+        pytest.skip("push's failure path: decode waits on prefill from the start")
+    rng = random.Random(5)
+    prompts = [[rng.randint(10, 2800) for _ in range(1500)] for _ in range(12)]
+    served_before = {o: deployment.router_metric("kvpush_router_requests_total", outcome=o)
+                     for o in ("success", "failed", "unavailable")}
+    fallbacks_before = deployment.router_metric("kvpush_router_fallbacks_total")
+
+    def one(prompt: list[int]) -> tuple[int, str, float]:
+        status, raw = complete(deployment.router.url, prompt, stream=False, max_tokens=4, timeout_s=120)
+        return status, raw, time.monotonic()
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [pool.submit(one, p) for p in prompts]
+        deadline = time.monotonic() + 120
+        while deployment.router_metric("kvpush_router_requests_total", outcome="success") <= served_before["success"] \
+                and time.monotonic() < deadline:
+            time.sleep(0.02)
+        killed = time.monotonic()  # one request is answered, the others are at prefill
+        deployment.prefill.kill()
+        while deployment.router_metric("kvpush_router_leg_failures_total", instance="prefill-0") < 1 \
+                and time.monotonic() < killed + 10:
+            time.sleep(0.02)
+        seen = time.monotonic() - killed
+        results = [f.result() for f in futures]
+    last = max(ended for _, _, ended in results) - killed
+    fallbacks = deployment.router_metric("kvpush_router_fallbacks_total") - fallbacks_before
+    served = {o: deployment.router_metric("kvpush_router_requests_total", outcome=o) - before
+              for o, before in served_before.items()}
+    print(f"\nkilled prefill with {len(prompts)} requests sent: the router saw it after {seen * 1000:.0f} ms; "
+          f"{served} ({fallbacks:.0f} by decode alone), the last {last:.1f} s after the kill")
+    assert seen < 2.0
+    assert last > 0, "every request had ended before the kill"
+    assert sum(served.values()) == len(prompts)
+    assert fallbacks >= 1 or served["failed"] + served["unavailable"] >= 1, "the kill cut no request short"
+    assert all(status == 200 or (status >= 500 and json.loads(raw)["error"]["message"]) for status, raw, _ in results)
+    deadline = time.monotonic() + 10
+    while (usage := metric_sum(get(deployment.decode.url + "/metrics")[1], "vllm:kv_cache_usage_perc")) \
+            and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert usage == 0, usage
+
+
+@pytest.mark.timeout(900)
 def test_killing_decode_mid_run_ends_every_request_clearly(deployment):
-    """Last test of each deployment: it kills the decode instance."""
+    """Last test of the pull and vLLM push deployments: it kills the decode instance."""
+    if deployment.protocol == "kvpush":
+        pytest.skip("kvpush's deployment ended with its prefill killed")
     prompts = PROMPTS[:6]
 
     def one(prompt: list[int]) -> tuple[int, str]:
