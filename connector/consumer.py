@@ -49,6 +49,7 @@ class Consumer:
         self._liveness = PeerLiveness(silence_s=config.peer_silence_s)  # reactor thread only
         self._conns: dict[str, Connection] = {}
         self._connecting: dict[str, list[wire.Message]] = {}  # P engine -> what waits for its connection
+        self._silenced: set[str] = set()  # P engines this side hung up on for not answering (reactor thread)
         self._outcomes: list[Outcome] = []
         self._started: list[Pending] = []  # streamed transfers whose WRITE began
         self.counters: Counter = Counter()
@@ -72,12 +73,14 @@ class Consumer:
         msg = wire.Register(transfer_id, tuple(block_ids), first_block, num_tokens)
         self._reactor.call_soon(lambda: self._send(peer_engine, host, port, msg))
 
-    def cancel(self, transfer_id: str) -> None:
-        """D's request went away: ask P not to write (the outcome still arrives, or times out)."""
+    def cancel(self, transfer_id: str) -> bool:
+        """D's request went away: ask P not to write (the outcome still arrives, or times out).
+        False if the transfer has its outcome already."""
         with self._lock:
             pending = self._state.pending.get(transfer_id)
         if pending is not None:
             self._reactor.call_soon(lambda: self._send_existing(pending.peer_engine, wire.Cancel(transfer_id)))
+        return pending is not None
 
     def take_outcomes(self) -> list[Outcome]:
         with self._lock:
@@ -97,13 +100,14 @@ class Consumer:
         with self._lock:
             return counts_since(self.counters + self._state.dropped, self._counted, frozenset({"landed_parts"}))
 
-    def wait_for_outcome(self, timeout_s: float) -> None:
+    def wait_for_outcome(self, timeout_s: float, even_if_none_pending: bool = False) -> None:
         """Sleep until an outcome (or a streamed WRITE's start) is ready or `timeout_s` passes; at
-        once when one is ready or nothing is pending. For an engine step that computes nothing:
-        vLLM would otherwise step again after 1 ms, and on CPU those idle steps take a whole core
-        from whatever shares it."""
+        once when one is ready, or when nothing is pending unless `even_if_none_pending` (vLLM
+        steps for blocks the worker holds back). For an engine step that computes nothing: vLLM
+        would otherwise step again after 1 ms, and on CPU those idle steps take a whole core from
+        whatever shares it."""
         with self._outcome_ready:
-            if not self._outcomes and not self._started and self._state.pending:
+            if not self._outcomes and not self._started and (self._state.pending or even_if_none_pending):
                 self._outcome_ready.wait(timeout_s)
 
     def wait_landed(self, transfer_ids: list[str], regions: tuple[int, ...], timeout_s: float) -> None:
@@ -121,7 +125,8 @@ class Consumer:
                 pending = self._state.pending.get(tid)
                 if pending is not None:
                     self._add_outcomes([self._state.fail(tid, pending.peer_engine,
-                                                         f"streamed KV from {pending.peer_engine} did not land within {timeout_s:g} s")])
+                                                         f"streamed KV from {pending.peer_engine} did not land within {timeout_s:g} s",
+                                                         may_still_land=True)])
                     self._reactor.call_soon(lambda p=pending: self._send_existing(p.peer_engine, wire.Cancel(p.transfer_id)))
 
     def _add_outcomes(self, outcomes: list[Outcome]) -> None:
@@ -168,9 +173,9 @@ class Consumer:
         if conn is not None:
             conn.send(msg)
 
-    def _peer_failed(self, peer_engine: str, reason: str) -> None:
+    def _peer_failed(self, peer_engine: str, reason: str, may_still_land: bool = False) -> None:
         with self._lock:
-            lost = self._state.peer_gone(peer_engine, reason, len(self._hello.regions))
+            lost = self._state.peer_gone(peer_engine, reason, len(self._hello.regions), may_still_land)
             self._add_outcomes(lost)
         failed = [o for o in lost if not o.ok]
         if failed:
@@ -193,6 +198,7 @@ class Consumer:
             self._add_outcomes(late)
             to_ping, silent = self._liveness.due(self._busy_peers(), now)
         for engine_id in silent:
+            self._silenced.add(engine_id)
             self._reactor.close(self._conns[engine_id],
                                 f"no answer on the side channel for {self._liveness.silence_s:g} s; prefill is dead or hung")
         for engine_id in to_ping:
@@ -210,7 +216,9 @@ class Consumer:
         if conn.engine_id is not None and self._conns.get(conn.engine_id) is conn:
             del self._conns[conn.engine_id]
             self._liveness.forget(conn.engine_id)
-            self._peer_failed(conn.engine_id, f"side channel to prefill {conn.engine_id} lost ({reason})")
+            silenced = conn.engine_id in self._silenced  # else P went away: nothing of it lands later
+            self._silenced.discard(conn.engine_id)
+            self._peer_failed(conn.engine_id, f"side channel to prefill {conn.engine_id} lost ({reason})", silenced)
 
     def on_message(self, conn: Connection, msg: wire.Message) -> None:
         now = time.monotonic()
@@ -246,7 +254,7 @@ class Consumer:
             if isinstance(msg, wire.Done):
                 outcome = self._state.done(msg.transfer_id, engine_id, msg.num_bytes)
             elif isinstance(msg, wire.Fail):
-                outcome = self._state.fail(msg.transfer_id, engine_id, msg.reason)
+                outcome = self._state.fail(msg.transfer_id, engine_id, msg.reason, msg.may_still_land)
             else:
                 self.counters["unexpected"] += 1
                 return

@@ -384,7 +384,8 @@ class Producer:
             self.engine.release(self._prepared.pop(tid).write)
 
     def _finish(self, match: Match, conn: Connection | None, posted: float, now: float, ok: bool,
-                reason: str = "", num_bytes: int = 0, num_descriptors: int = 0, ahead: bool = False) -> None:
+                reason: str = "", num_bytes: int = 0, num_descriptors: int = 0, ahead: bool = False,
+                may_still_land: bool = False) -> None:
         tid = match.offer.transfer_id
         if ok:
             self.counters["sent"] += 1
@@ -394,7 +395,7 @@ class Producer:
             self.counters["failed"] += 1
             log.warning("kvpush: push %s (request %s) failed: %s", tid, match.offer.req_id, reason)
             if conn is not None:
-                conn.send(wire.Fail(tid, reason))
+                conn.send(wire.Fail(tid, reason, may_still_land))
         self._freed.append(match.offer.req_id)
         self._records.append(SendRecord(tid, match.offer.req_id, ok, num_bytes, match.offer.created,
                                         match.registration.created, posted, now, reason, num_descriptors, ahead))
@@ -440,11 +441,13 @@ class Producer:
                 state = item.state(self.engine)
                 engine_id = item.match.registration.peer_engine
                 reason = item.error or f"NIXL WRITE to {engine_id} failed"
+                overdue = False
                 if state == "PROC":
                     if engine_id == gone_engine:
                         reason = f"decode engine {engine_id} disconnected during the WRITE ({why})"
                     elif now > item.deadline:
                         reason = f"NIXL WRITE to {engine_id} still copying {self.config.timeout_s:g} s after it was posted"
+                        overdue = True
                     else:
                         still.append(item)
                         continue
@@ -454,7 +457,7 @@ class Producer:
                 ok = state == "DONE"
                 self._finish(item.match, item.conn, item.posted, time.monotonic(), ok, "" if ok else reason,
                              item.num_bytes if ok else 0, sum(w.num_descriptors for w in item.writes),
-                             item.prepared_ahead)
+                             item.prepared_ahead, may_still_land=overdue)
             self._inflight = still
 
     def on_malformed(self, conn: Connection, error: str) -> None:

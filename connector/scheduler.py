@@ -42,6 +42,7 @@ class PushScheduler:
         # req id -> transfer id: reported received, not yet scheduled. A streamed WRITE may still
         # be landing in its blocks (it is reported as it starts), so they must outlive an abort.
         self._received: dict[str, str] = {}
+        self._transfer_of: dict[str, str] = {}  # req id -> transfer id, every consumer request with one
 
     @staticmethod
     def params_of(request: Any) -> PushParams | None:
@@ -86,6 +87,7 @@ class PushScheduler:
             end = -(-(local + num_external_tokens) // self.block_size)
             spec_blocks, report = tuple(block_ids[first_block:end]), True
             self._awaiting[req_id] = params.transfer_id
+            self._transfer_of[req_id] = params.transfer_id
         else:  # everything was local: P only needs to hear that nothing is to be written
             spec_blocks, report = (), False
         self._meta.recvs.append(RecvSpec(req_id, params.transfer_id, params.peer_engine_id, params.peer_host,
@@ -124,12 +126,18 @@ class PushScheduler:
             return False, None
         self._handled.discard(req_id)
         self._local_hit.pop(req_id, None)
+        transfer_id = self._transfer_of.pop(req_id, None)
         received = self._received.pop(req_id, None)
         if received is not None:
             self._meta.releases.append((req_id, received))
             return True, None
         tid = self._awaiting.pop(req_id, None)
         if tid is None:
+            if transfer_id is not None and request.status.name == "FINISHED_ERROR":
+                # failed on its KV load: the worker decides when the blocks are free again (a
+                # prefill given up on may still be writing them)
+                self._meta.releases.append((req_id, transfer_id))
+                return True, None
             return False, None
         unsent = [r for r in self._meta.recvs if r.req_id == req_id]
         if unsent:  # the worker never saw it: nothing can be written into these blocks

@@ -46,6 +46,11 @@ class Settings:
     # D: a P that accepted a transfer (it holds the request) but sent nothing this long fails it;
     # P's own bounds (transfer_timeout_s, the pings) come first in every failure seen so far
     accepted_timeout_s: float = 300.0
+    # D: the blocks of a transfer given up on while P may still be writing them (P went silent, a
+    # landing or acceptance was overdue) stay out of vLLM's hands this long after the failure;
+    # 0 turns it off. Only with kv_load_failure_policy "fail": under "recompute" the request keeps
+    # its blocks and a late WRITE brings the same prompt's KV.
+    late_write_hold_s: float = 30.0
 
     @classmethod
     def from_vllm(cls, vllm_config: Any, kv_cache_config: Any = None) -> "Settings":
@@ -89,6 +94,8 @@ class Settings:
             kv_cache_layout=(getattr(kv_cache_config, "kv_cache_layout", None)
                              or getattr(vllm_config.cache_config, "kv_cache_layout", None)),
             accepted_timeout_s=_positive(extra.get("accepted_timeout_s", 300.0), "accepted_timeout_s"),
+            late_write_hold_s=(_non_negative(extra.get("late_write_hold_s", 30.0), "late_write_hold_s")
+                               if getattr(kv, "kv_load_failure_policy", "fail") == "fail" else 0.0),
         )
 
 

@@ -200,6 +200,9 @@ class Outcome:
     ok: bool
     reason: str = ""
     num_bytes: int = 0
+    # a failure D declared while P may still be alive with bytes under way (P silent, a landing
+    # or acceptance overdue, or P's own WRITE overdue): those blocks must not be reused at once
+    may_still_land: bool = False
 
 
 @dataclass
@@ -260,9 +263,9 @@ class ConsumerState:
         p = self._take(transfer_id, peer_engine, "done")
         return Outcome(p, True, num_bytes=num_bytes) if p else None
 
-    def fail(self, transfer_id: str, peer_engine: str, reason: str) -> Outcome | None:
+    def fail(self, transfer_id: str, peer_engine: str, reason: str, may_still_land: bool = False) -> Outcome | None:
         p = self._take(transfer_id, peer_engine, "fail")
-        return Outcome(p, False, reason) if p else None
+        return Outcome(p, False, reason, may_still_land=may_still_land) if p else None
 
     def _take(self, transfer_id: str, peer_engine: str, what: str) -> Pending | None:
         p = self.pending.get(transfer_id)
@@ -276,15 +279,16 @@ class ConsumerState:
         self.landing.pop(transfer_id, None)
         return self.pending.pop(transfer_id)
 
-    def peer_gone(self, peer_engine: str, reason: str, num_regions: int = 0) -> list[Outcome]:
+    def peer_gone(self, peer_engine: str, reason: str, num_regions: int = 0, may_still_land: bool = False) -> list[Outcome]:
         """Every transfer from that peer fails, except a streamed one whose `num_regions` regions
-        had all landed: its bytes are all there, only DONE was lost."""
+        had all landed: its bytes are all there, only DONE was lost. `may_still_land`: the peer
+        was given up on (silent), not seen to go away."""
         out = []
         for p in [p for p in self.pending.values() if p.peer_engine == peer_engine]:
             landed = self.landing.get(p.transfer_id)
             complete = landed is not None and num_regions > 0 and len(landed) >= num_regions
             self._forget(p.transfer_id)
-            out.append(Outcome(p, True) if complete else Outcome(p, False, reason))
+            out.append(Outcome(p, True) if complete else Outcome(p, False, reason, may_still_land=may_still_land))
         return out
 
     def expire(self, now: float) -> list[Outcome]:
@@ -292,9 +296,11 @@ class ConsumerState:
         for p in list(self.pending.values()):
             accepted_at = self.accepted.get(p.transfer_id)
             if accepted_at is None and p.created < now - self.timeout_s:
-                out.append(Outcome(p, False, f"prefill {p.peer_engine} did not accept the transfer within {self.timeout_s:g} s"))
+                out.append(Outcome(p, False, f"prefill {p.peer_engine} did not accept the transfer within {self.timeout_s:g} s",
+                                   may_still_land=True))
             elif accepted_at is not None and accepted_at < now - self.accepted_timeout_s:
-                out.append(Outcome(p, False, f"prefill {p.peer_engine} accepted the transfer but sent nothing within {self.accepted_timeout_s:g} s"))
+                out.append(Outcome(p, False, f"prefill {p.peer_engine} accepted the transfer but sent nothing within {self.accepted_timeout_s:g} s",
+                                   may_still_land=True))
             else:
                 continue
             self._forget(p.transfer_id)

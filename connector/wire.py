@@ -138,6 +138,7 @@ class Fail:
     type: ClassVar[str] = "fail"
     transfer_id: str
     reason: str
+    may_still_land: bool = False  # P gave up on a WRITE it could not recall: bytes may land later
 
 
 @dataclass(frozen=True)
@@ -207,6 +208,12 @@ def _text(value: Any, what: str) -> str:
 def _int(value: Any, what: str, lo: int = 0) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= MAX_INT:
         raise WireError(f"{what} must be an integer in [{lo}, 2**63)")
+    return value
+
+
+def _bool(value: Any, what: str) -> bool:
+    if not isinstance(value, bool):
+        raise WireError(f"{what} must be true or false")
     return value
 
 
@@ -299,7 +306,7 @@ _BUILDERS = {
     Streaming: _simple(Streaming, {"transfer_id": _str}),
     Landed: _simple(Landed, {"transfer_id": _str, "regions": _ints}),
     Done: _simple(Done, {"transfer_id": _str, "num_bytes": _int}),
-    Fail: _simple(Fail, {"transfer_id": _str, "reason": _text}),
+    Fail: _simple(Fail, {"transfer_id": _str, "reason": _text, "may_still_land": _bool}),
     Ping: _simple(Ping, {}),
     Pong: _simple(Pong, {}),
 }

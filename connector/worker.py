@@ -54,6 +54,10 @@ class PushWorker:
         self._cancelled: set[str] = set()  # transfers whose request ended while vLLM waited for them
         self._evict: set[int] = set()  # blocks vLLM cached for a streamed WRITE that then failed
         self._echo: set[str] = set()  # ended requests to report received again (vLLM frees them)
+        # Transfers given up on while P may still be writing (Outcome.may_still_land) -> until when
+        # their blocks stay out of vLLM's hands; and ended requests held back that way -> until when
+        self._late: dict[str, float] = {}
+        self._held: dict[str, float] = {}
         self._loading_now: set[str] = set()
         self._layer_wait_s: float | None = None  # this forward pass's waits for streamed layers
         # vLLM called wait_for_layer_load at least once: only then may a WRITE still landing be
@@ -120,6 +124,8 @@ class PushWorker:
             self._failed_early.pop(req_id, None)
             if tid in self._landing:
                 self._landing[tid] = True
+            elif tid in self._late:
+                self._held[req_id] = self._late[tid]
             else:
                 self._echo.add(req_id)
         for r in meta.recvs:
@@ -134,8 +140,8 @@ class PushWorker:
             self.consumer.expect(r.req_id, r.transfer_id, r.peer_engine, r.peer_host, r.peer_port + self.tp_rank,
                                  list(r.block_ids), r.first_block, r.num_tokens)
         for tid in meta.cancels:
-            self._cancelled.add(tid)
-            self.consumer.cancel(tid)
+            if self.consumer.cancel(tid):  # else its outcome is in: nothing more to wait for
+                self._cancelled.add(tid)
 
     def wait_for_layer(self, layer_name: str) -> None:
         """Before a layer's attention: that layer's bytes of every streamed WRITE still landing."""
@@ -181,11 +187,13 @@ class PushWorker:
             if self._layer_wait_s is not None:
                 self._stats.record_layer_wait(self._layer_wait_s)
                 self._layer_wait_s = None
+            now = time.monotonic()
             recving, self._echo = self._echo, set()
+            recving |= self._release_held(now)
             if self._idle_step and not self._refused:
-                # decode's idle wait: vLLM steps only for our outcomes now, so sleep until one comes
-                # (or a new request may be waiting at the engine: hence the bound)
-                self.consumer.wait_for_outcome(self.settings.idle_wait_ms / 1000)
+                # decode's idle wait: vLLM steps only for our outcomes (or held blocks) now, so sleep
+                # until one comes (or a new request may be waiting at the engine: hence the bound)
+                self.consumer.wait_for_outcome(self.settings.idle_wait_ms / 1000, even_if_none_pending=bool(self._held))
             started, outcomes = self.consumer.take()
             for p in started if self._layer_hook_seen else ():  # else: its outcome reports it, as unstreamed
                 ended = p.transfer_id in self._cancelled  # vLLM frees a finished request's blocks when told
@@ -194,26 +202,60 @@ class PushWorker:
                     recving.add(p.req_id)
             refused, self._refused = self._refused, []
             for o in refused + outcomes:
-                tid = o.pending.transfer_id
+                tid, req_id = o.pending.transfer_id, o.pending.req_id
+                ended = tid in self._cancelled
                 self._cancelled.discard(tid)
                 if tid in self._silent:
                     self._silent.discard(tid)
                     continue
                 self._stats.record_recv(o)
+                late = self._note_late(o, now)
                 request_ended = self._landing.pop(tid, None)
                 if request_ended is not None:  # already reported received
                     if request_ended:
-                        recving.add(o.pending.req_id)
+                        self._report_ended(req_id, tid, late, recving)
                         if not o.ok:  # vLLM may have cached them as loaded; freed now, not recomputed
                             self._evict.update(o.pending.block_ids)
                     elif not o.ok:
                         self._streamed_failure(o.pending)
                     continue
-                recving.add(o.pending.req_id)
+                if late and not ended:
+                    # vLLM fails the request on the load errors and keeps its blocks until it is
+                    # reported received, which waits for the hold
+                    self._held[req_id] = self._late[tid]
+                else:
+                    self._report_ended(req_id, tid, late, recving)
                 if not o.ok:
                     self._load_errors.update(o.pending.block_ids)
             return None, (recving or None)
         return None, None
+
+    def _note_late(self, outcome: Outcome, now: float) -> bool:
+        """A failure D declared while P may still write into the blocks: hold them back."""
+        hold_s = self.settings.late_write_hold_s
+        if outcome.ok or not outcome.may_still_land or hold_s <= 0:
+            return False
+        self._late[outcome.pending.transfer_id] = now + hold_s
+        log.warning("kvpush: holding the %d blocks of transfer %s (request %s) for %g s: prefill %s may still write "
+                    "into them (%s)", len(outcome.pending.block_ids), outcome.pending.transfer_id, outcome.pending.req_id,
+                    hold_s, outcome.pending.peer_engine, outcome.reason)
+        return True
+
+    def _report_ended(self, req_id: str, tid: str, late: bool, recving: set[str]) -> None:
+        """Report a request received (vLLM frees an ended request's blocks then), or hold it."""
+        if late:
+            self._held[req_id] = self._late[tid]
+        else:
+            recving.add(req_id)
+
+    def _release_held(self, now: float) -> set[str]:
+        """Held requests whose blocks vLLM may have back now."""
+        due = {req_id for req_id, until in self._held.items() if until <= now}
+        for req_id in due:
+            del self._held[req_id]
+        for tid in [t for t, until in self._late.items() if until <= now]:
+            del self._late[tid]
+        return due
 
     def _streamed_failure(self, pending: Pending) -> None:
         """vLLM took this request's blocks for loaded (and may have cached them) when the WRITE

@@ -21,6 +21,7 @@ from server_process import ServerProcess
 from kvpush.deploy.tiny_model import make_tiny_model
 from kvpush.deploy.topology import TinyModelSpec, parse_topology
 
+LATE_WRITE_HOLD_S = 4  # short, so a test can watch held blocks come back
 PORTS = {"prefill_http": 17100, "decode_http": 17101, "reference_http": 17102,
          "prefill_side": 17200, "decode_side": 17210, "router": 17000}
 
@@ -28,7 +29,7 @@ TOPOLOGY = """
 name: kvpush-connector-e2e
 platform: cpu
 model: {{path: {model}, served_name: tiny, max_model_len: 2048, enforce_eager: true}}
-connector: {{type: kvpush, backend: UCX, transfer_timeout_s: 5}}
+connector: {{type: kvpush, backend: UCX, transfer_timeout_s: 5, extra_config: {{late_write_hold_s: {hold_s}}}}}
 hosts:
   local: {{address: 127.0.0.1, workdir: {workdir}}}
 prefill: [{{cpu_cores: "0", kv_cache_gib: 1, http_port: {prefill_http}, side_channel_port: {prefill_side}}}]
@@ -39,7 +40,7 @@ env: {{UCX_MODULES: "^ib", UCX_MEM_EVENTS: "no", VLLM_LOGGING_LEVEL: "DEBUG"}}
 
 
 def deployment_plan(model_dir: Path, workdir: Path):
-    topo = parse_topology(TOPOLOGY.format(model=model_dir, workdir=workdir, **PORTS))
+    topo = parse_topology(TOPOLOGY.format(model=model_dir, workdir=workdir, hold_s=LATE_WRITE_HOLD_S, **PORTS))
     return topo, build_plan(topo)
 
 

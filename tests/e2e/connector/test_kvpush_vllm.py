@@ -4,6 +4,8 @@ Order matters: the last test kills the prefill server.
 Heavy (three vLLM servers): run under `flock /tmp/kvpush-vllm.lock python -m pytest ...`."""
 from __future__ import annotations
 
+import os
+import signal
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -17,7 +19,7 @@ from kvpush.deploy.runners.local import LocalRunner
 
 sys.path.insert(0, str(Path(__file__).parent))
 from harness import (  # noqa: E402
-    PORTS, Server, completion_body, ensure_model, kv_usage, post, push_request, random_prompts, reference_of, deployment_plan,
+    LATE_WRITE_HOLD_S, PORTS, Server, completion_body, ensure_model, grep_log, kv_usage, post, push_request, random_prompts, reference_of, deployment_plan,
 )
 
 MAX_TOKENS = 8
@@ -143,6 +145,39 @@ def test_32_concurrent_requests_all_correct(cluster, pool):
 def test_kv_usage_returns_to_zero(cluster):
     assert wait_kv_usage_zero(cluster["prefill"]) == 0
     assert wait_kv_usage_zero(cluster["decode"]) == 0
+
+
+def test_a_stalled_prefill_fails_decode_fast_and_its_blocks_come_back_after_the_hold(cluster, pool):
+    """Prefill stopped (SIGSTOP) with requests in flight: decode gives up on it within ~1 s (its
+    pings go unanswered) and fails those requests, but keeps their blocks from reuse for
+    late_write_hold_s, since a prefill that resumes may finish a copy it had begun. The blocks come
+    back after the hold although prefill is still stopped; once it resumes, its own are freed too."""
+    c = cluster
+    prompts = random_prompts(12, 900, seed=4)[-8:]
+    futures = [pool.submit(push_request, c["prefill"].url, c["decode"].url, c["plan"], completion_body(p, MAX_TOKENS), pool)
+               for p in prompts]
+    time.sleep(0.5)  # requests registered on D, queued/prefilling/pushing on P
+    os.killpg(c["prefill"].proc.pid, signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        held = []
+        while time.monotonic() < stopped + 3 and not held:
+            held = grep_log(c["decode"], "kvpush: holding the .* blocks of transfer")
+            time.sleep(0.1)
+        assert held, "decode held back no blocks: the stop hit nothing in flight"
+        assert kv_usage(c["decode"]) > 0  # held, while decode has nothing else to do
+        time.sleep(LATE_WRITE_HOLD_S)
+        assert wait_kv_usage_zero(c["decode"], timeout_s=5) == 0  # back, with prefill still stopped
+        print(f"\nprefill stopped: decode held the blocks of {len(held)} transfer(s), back to zero "
+              f"{time.monotonic() - stopped:.1f} s after the stop")
+    finally:
+        os.killpg(c["prefill"].proc.pid, signal.SIGCONT)
+    results = [f.result(timeout=60) for f in futures]
+    failed = [r for r in results if r.decode_status != 200]
+    assert failed and max(r.decode_done_at - stopped for r in failed) < 2.0
+    assert wait_kv_usage_zero(c["prefill"]) == 0
+    after = push_request(c["prefill"].url, c["decode"].url, c["plan"], completion_body(prompts[0], MAX_TOKENS), pool)
+    assert after.decode_status == 200  # decode reconnects to the resumed prefill
 
 
 def test_killing_prefill_fails_decode_requests_fast(cluster, pool):

@@ -120,6 +120,7 @@ def test_dead_peer_fails_fast_not_hang(decode_side):
     latency = time.monotonic() - killed
     print(f"\ndead peer -> failure outcome in {latency * 1000:.1f} ms: {outcome.reason}")
     assert not outcome.ok and latency < 1.0
+    assert not outcome.may_still_land  # a dead process writes nothing more: its blocks are free at once
     # and a peer that is not there at all fails at once too
     started = time.monotonic()
     consumer.expect("rq", "t-nobody", "P.other", "127.0.0.1", peer.port, [6], 0, 16)
@@ -346,6 +347,7 @@ def test_a_prefill_stalled_mid_stream_writes_no_further_layer_once_decode_gave_u
         [outcome] = wait_outcomes(consumer, 1, timeout_s=3.0)
         landed = consumer.counters["landed_parts"]
         assert not outcome.ok and "no answer" in outcome.reason
+        assert outcome.may_still_land  # the worker keeps these blocks from vLLM for late_write_hold_s
         assert 2 <= landed < layers - 2, f"P was stopped after {landed} of {layers} layers: not mid-stream"
         os.kill(peer.proc.pid, signal.SIGCONT)
         [record] = peer.status()["records"]  # answered only once P runs again

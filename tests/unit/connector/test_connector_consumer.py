@@ -24,6 +24,7 @@ class StandInPrefill:
 
     def __init__(self, engine_id: str):
         self.engine_id = engine_id
+        self.mute = False  # stop answering PINGs: a hung prefill
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         self.registered: dict[str, float] = {}
@@ -32,16 +33,21 @@ class StandInPrefill:
 
     def _serve(self) -> None:
         conn, _ = self.listener.accept()
+        self.conn = conn
         reader = wire.FrameReader()
-        with conn:
+        with conn, contextlib.suppress(OSError):
             while data := conn.recv(65536):
                 for msg in map(wire.decode, reader.feed(data)):
                     if isinstance(msg, wire.Hello):
                         conn.sendall(wire.encode(wire.Welcome(self.engine_id)))
-                    elif isinstance(msg, wire.Ping):
+                    elif isinstance(msg, wire.Ping) and not self.mute:
                         conn.sendall(wire.encode(wire.Pong()))
                     elif isinstance(msg, wire.Register):
                         self.registered[msg.transfer_id] = time.monotonic()
+
+    def hang_up(self) -> None:
+        """Close the decode connection, as the kernel does for a prefill process that exited."""
+        self.conn.shutdown(socket.SHUT_RDWR)
 
     def close(self) -> None:
         self.listener.close()
@@ -109,3 +115,24 @@ def test_what_is_sent_while_connecting_follows_the_hello_in_order():
     finally:
         consumer.close()
         good.close()
+
+
+def test_a_prefill_given_up_on_for_silence_may_still_write_one_that_hung_up_may_not():
+    outcomes = {}
+    for how in ("silent", "hung up"):
+        p = StandInPrefill("P")
+        consumer = Consumer(ConsumerConfig("D", 0, IDENTITY, frozenset({"P"}), peer_silence_s=0.3),
+                            "agent-D", b"meta", REGIONS)
+        try:
+            consumer.expect("r", "t", "P", "127.0.0.1", p.port, [1], 0, 16)
+            assert wait_for(lambda: p.registered, 2.0)
+            if how == "silent":
+                p.mute = True
+            else:
+                p.hang_up()
+            [outcomes[how]] = wait_for(consumer.take_outcomes, 3.0)
+        finally:
+            consumer.close()
+            p.close()
+    assert outcomes["silent"].may_still_land and "no answer" in outcomes["silent"].reason
+    assert not outcomes["hung up"].may_still_land

@@ -189,3 +189,18 @@ def test_decode_drops_blocks_of_a_failed_streamed_write_from_the_prefix_cache():
     tp_ranks = Evictions(frozenset({3})).aggregate(Evictions(frozenset({4})))
     s.evict(tp_ranks.blocks)
     assert evicted == [{3, 4}]
+
+
+def test_decode_request_failed_on_its_kv_load_after_computing_leaves_its_blocks_to_the_worker():
+    """A streamed WRITE that failed while its request ran: vLLM fails the request (policy fail), and
+    its blocks wait for the worker's word, since a prefill given up on may still be writing them."""
+    s = PushScheduler(BS, is_producer=False, engine_id="D.e")
+    r = received_request(s)
+    assert s.build_connector_meta(sched_out(r=1)).loading == ["r"]
+    r.status = SimpleNamespace(name="FINISHED_ERROR")
+    assert s.request_finished(r, [1, 2]) == (True, None)
+    assert s.build_connector_meta(sched_out()).releases == [("r", "t1")]
+    other = received_request(s)  # the same transfer id again: finishing normally frees at once
+    s.build_connector_meta(sched_out(r=1))
+    other.status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
+    assert s.request_finished(other, [1, 2]) == (False, None)

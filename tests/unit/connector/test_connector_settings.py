@@ -38,6 +38,16 @@ def test_the_accepted_transfer_safety_net_is_configurable_and_must_be_positive()
             Settings.from_vllm(vllm_config(extra={"accepted_timeout_s": bad}))
 
 
+def test_blocks_given_up_on_are_held_back_only_where_vllm_would_free_them():
+    assert Settings.from_vllm(vllm_config()).late_write_hold_s == 30.0
+    assert Settings.from_vllm(vllm_config(extra={"late_write_hold_s": 0})).late_write_hold_s == 0.0
+    recompute = vllm_config()
+    recompute.kv_transfer_config.kv_load_failure_policy = "recompute"  # the request keeps its blocks
+    assert Settings.from_vllm(recompute).late_write_hold_s == 0.0
+    with pytest.raises(UnsupportedDeployment, match="late_write_hold_s must be a number >= 0"):
+        Settings.from_vllm(vllm_config(extra={"late_write_hold_s": -1}))
+
+
 def test_idle_wait_defaults_by_platform_and_refuses_nonsense():
     assert Settings.from_vllm(vllm_config()).idle_wait_ms == 20.0
     gpu = vllm_config()

@@ -199,3 +199,20 @@ def test_accepted_registration_waits_past_the_timeout():
     assert s.expire(now=60.0) == ([], []) and s.next_deadline() is None
     assert isinstance(s.offer(offer("a", at=61.0)), Match)
     assert "a" not in s.accepted
+
+
+def test_failures_d_declares_while_p_may_still_write_say_so():
+    c = ConsumerState(timeout_s=1.0, accepted_timeout_s=5.0)
+    for tid in ("silent", "late", "unaccepted", "told"):
+        c.add(pending(tid))
+    c.accept("late", "P.e", now=0.0)
+    [silent] = [o for o in c.peer_gone("P.e", "no answer", may_still_land=True) if o.pending.transfer_id == "silent"]
+    assert silent.may_still_land
+    c.add(pending("late"))
+    c.add(pending("unaccepted"))
+    c.accept("late", "P.e", now=0.0)
+    assert all(o.may_still_land for o in c.expire(now=10.0))
+    c.add(pending("told"))
+    assert not c.fail("told", "P.e", "WRITE failed").may_still_land
+    c.add(pending("gone"))
+    assert not c.peer_gone("P.e", "connection closed by peer")[0].may_still_land

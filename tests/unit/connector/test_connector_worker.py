@@ -1,6 +1,7 @@
 """Worker-side bookkeeping with stand-in push services: when vLLM hears finished/failed."""
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 from kvpush.connector.metadata import PushMetadata, RecvSpec, SendSpec
@@ -43,6 +44,8 @@ class FakeProducer:
 class FakeConsumer:
     def __init__(self):
         self.expected, self.outcomes, self.waits, self.started, self.landing_waits = [], [], [], [], []
+        self.settled: set[str] = set()  # transfer ids whose outcome was handed out
+        self.forced_waits = 0  # idle waits asked for with nothing pending
 
     def take(self):
         started, self.started = self.started, []
@@ -51,17 +54,19 @@ class FakeConsumer:
     def wait_landed(self, transfer_ids, regions, timeout_s):
         self.landing_waits.append((sorted(transfer_ids), regions))
 
-    def wait_for_outcome(self, timeout_s):
+    def wait_for_outcome(self, timeout_s, even_if_none_pending=False):
         self.waits.append(timeout_s)
+        self.forced_waits += even_if_none_pending
 
     def expect(self, *args):
         self.expected.append(args)
 
     def cancel(self, tid):
-        pass
+        return tid not in self.settled
 
     def take_outcomes(self):
         out, self.outcomes = self.outcomes, []
+        self.settled.update(o.pending.transfer_id for o in out)
         return out
 
     dropped: dict = {}
@@ -71,8 +76,9 @@ class FakeConsumer:
         return counts
 
 
-def worker(producer: bool) -> PushWorker:
-    settings = SimpleNamespace(tp_size=1, is_producer=producer, idle_wait_ms=7.0, transfer_timeout_s=30.0)
+def worker(producer: bool, late_write_hold_s: float = 30.0) -> PushWorker:
+    settings = SimpleNamespace(tp_size=1, is_producer=producer, idle_wait_ms=7.0, transfer_timeout_s=30.0,
+                               late_write_hold_s=late_write_hold_s)
     w = PushWorker(settings, num_blocks=10, tp_rank=0)
     if producer:
         w.producer = FakeProducer()
@@ -266,3 +272,57 @@ def test_dropped_and_refused_messages_reach_vllms_stats():
     w.consumer.dropped = {"malformed": 2, "unknown_done": 1}
     assert w.take_stats().data["dropped"] == {"malformed": 2, "unknown_done": 1}
     assert w.take_stats() is None  # nothing new since
+
+
+HOLD_S = 0.05
+
+
+def late_failure(tid="t", req="r") -> Outcome:
+    """D gave up on P (silent), which may still be writing into the blocks."""
+    return Outcome(Pending(tid, req, "P", (3, 4), 0.0), False, "no answer", may_still_land=True)
+
+
+def test_a_request_whose_prefill_went_silent_fails_now_but_its_blocks_wait_out_the_hold():
+    w = worker(False, late_write_hold_s=HOLD_S)
+    w.bind(PushMetadata(recvs=[RecvSpec("r", "t", "P", "h", 5, 1, (3, 4), 0, 200)]))
+    w.consumer.outcomes.append(late_failure())
+    # load errors now (vLLM fails the request at once), "received" (vLLM frees its blocks) only later
+    assert w.get_finished(set()) == (None, None) and w.load_errors() == {3, 4}
+    w.bind(PushMetadata(cancels=["t"], idle=True))  # vLLM ended the request: nothing left to cancel
+    assert w.get_finished(set()) == (None, None) and not w._cancelled
+    assert w.consumer.forced_waits == 1  # the idle step sleeps: vLLM keeps stepping for held blocks
+    time.sleep(HOLD_S)
+    assert w.get_finished(set()) == (None, {"r"})
+    assert w.get_finished(set()) == (None, None) and not w._late and not w._held
+
+
+def test_a_streamed_request_failed_while_running_is_held_when_vllm_hands_it_back():
+    w = streaming_decode()
+    w.settings.late_write_hold_s = HOLD_S
+    w.consumer.outcomes.append(late_failure())
+    assert w.get_finished(set()) == (None, None) and w.load_errors() == {3, 4}
+    w.bind(PushMetadata(releases=[("r", "t")]))  # vLLM failed it and left its blocks to us
+    assert w.get_finished(set()) == (None, None)
+    time.sleep(HOLD_S)
+    assert w.get_finished(set()) == (None, {"r"})
+
+
+def test_a_request_that_ended_while_its_kv_was_awaited_is_held_after_a_late_failure():
+    w = worker(False, late_write_hold_s=HOLD_S)
+    w.bind(PushMetadata(recvs=[RecvSpec("r", "t", "P", "h", 5, 1, (3, 4), 0, 200)]))
+    w.bind(PushMetadata(cancels=["t"]))
+    w.consumer.outcomes.append(late_failure())
+    assert w.get_finished(set()) == (None, None)
+    time.sleep(HOLD_S)
+    assert w.get_finished(set()) == (None, {"r"})
+
+
+def test_a_failure_prefill_reported_itself_or_a_zero_hold_frees_at_once():
+    for hold_s, outcome in ((30.0, Outcome(Pending("t", "r", "P", (3, 4), 0.0), False, "WRITE failed")),
+                            (0.0, late_failure())):
+        w = worker(False, late_write_hold_s=hold_s)
+        w.bind(PushMetadata(recvs=[RecvSpec("r", "t", "P", "h", 5, 1, (3, 4), 0, 200)]))
+        w.consumer.outcomes.append(outcome)
+        assert w.get_finished(set()) == (None, {"r"})
+        w.bind(PushMetadata(releases=[("r", "t")]))
+        assert w.get_finished(set()) == (None, {"r"})
