@@ -203,7 +203,6 @@ class PushWorker:
             refused, self._refused = self._refused, []
             for o in refused + outcomes:
                 tid, req_id = o.pending.transfer_id, o.pending.req_id
-                ended = tid in self._cancelled
                 self._cancelled.discard(tid)
                 if tid in self._silent:
                     self._silent.discard(tid)
@@ -213,18 +212,15 @@ class PushWorker:
                 request_ended = self._landing.pop(tid, None)
                 if request_ended is not None:  # already reported received
                     if request_ended:
-                        self._report_ended(req_id, tid, late, recving)
+                        self._report_or_hold(req_id, tid, late, recving)
                         if not o.ok:  # vLLM may have cached them as loaded; freed now, not recomputed
                             self._evict.update(o.pending.block_ids)
                     elif not o.ok:
                         self._streamed_failure(o.pending)
                     continue
-                if late and not ended:
-                    # vLLM fails the request on the load errors and keeps its blocks until it is
-                    # reported received, which waits for the hold
-                    self._held[req_id] = self._late[tid]
-                else:
-                    self._report_ended(req_id, tid, late, recving)
+                # a request still waiting is failed by vLLM on the load errors, which keeps its blocks
+                # until it is reported received: that waits for the hold too
+                self._report_or_hold(req_id, tid, late, recving)
                 if not o.ok:
                     self._load_errors.update(o.pending.block_ids)
             return None, (recving or None)
@@ -241,7 +237,7 @@ class PushWorker:
                     hold_s, outcome.pending.peer_engine, outcome.reason)
         return True
 
-    def _report_ended(self, req_id: str, tid: str, late: bool, recving: set[str]) -> None:
+    def _report_or_hold(self, req_id: str, tid: str, late: bool, recving: set[str]) -> None:
         """Report a request received (vLLM frees an ended request's blocks then), or hold it."""
         if late:
             self._held[req_id] = self._late[tid]
