@@ -1,19 +1,12 @@
 """benchmarks/handoff_timeline.py: joining the connector's DEBUG stamps and the figures derived from them."""
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+from benchmark_scripts import load_benchmark
 
 pytestmark = pytest.mark.unit
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "handoff_timeline.py"
-_spec = importlib.util.spec_from_file_location("handoff_timeline", _PATH)
-ht = importlib.util.module_from_spec(_spec)
-sys.modules["handoff_timeline"] = ht  # dataclasses look their module up
-_spec.loader.exec_module(ht)
+ht = load_benchmark("handoff_timeline")
 
 TID = "78b1b6d8f28243709725bab05af26253"
 LOG = [

@@ -1,21 +1,15 @@
 """benchmarks/rounds_across_runs.py: per-round pairs from bench reports and what they add up to."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
+from benchmark_scripts import load_benchmark
 
 pytestmark = pytest.mark.unit
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "rounds_across_runs.py"
-_spec = importlib.util.spec_from_file_location("rounds_across_runs", _PATH)
-rar = importlib.util.module_from_spec(_spec)
-sys.modules["rounds_across_runs"] = rar  # dataclasses look their module up
-_spec.loader.exec_module(rar)
+rar = load_benchmark("rounds_across_runs")
 
 
 def point(rate: float, rnd: int, ttft: float, prefill: float | None) -> dict:
