@@ -171,10 +171,12 @@ class Producer:
                 self._settle(result)
         if here:
             try:
-                if self.config.stream_writes:
-                    self._stream(result)
-                else:
-                    self._drive(result)
+                (self._stream if self.config.stream_writes else self._drive)(result)
+            except Exception as exc:  # a bug here must cost this push, not the engine's compute thread
+                log.exception("kvpush: WRITE %s failed unexpectedly", transfer_id)
+                with self._lock:
+                    self._finish(result, self._peers.conns.get(peer_engine), now, time.monotonic(), False,
+                                 f"prefill error during the WRITE: {exc!r}")
             finally:
                 with self._lock:
                     self._writing.discard(transfer_id)
@@ -196,15 +198,6 @@ class Producer:
             self._poll()
 
     def _stream(self, match: Match) -> None:
-        try:
-            self._stream_parts(match)
-        except Exception as exc:  # a bug here must cost this push, not the engine's compute thread
-            log.exception("kvpush: streamed WRITE %s failed unexpectedly", match.offer.transfer_id)
-            with self._lock:
-                self._finish(match, self._peers.conns.get(match.registration.peer_engine), time.monotonic(),
-                             time.monotonic(), False, f"prefill error during the streamed WRITE: {exc!r}")
-
-    def _stream_parts(self, match: Match) -> None:
         """Write one part (layer) after the other from the compute thread, telling D STREAMING
         before the first and LANDED after each, so D can schedule the request and compute each
         layer as soon as it is there. A part still copying after STREAM_DRIVE_S goes on in flight

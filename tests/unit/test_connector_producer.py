@@ -431,3 +431,19 @@ def test_over_tcp_bad_frames_are_counted_and_the_frames_behind_them_still_served
     while producer.counters["malformed"] < 3 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert producer.take_counts()["malformed"] == 3 and not producer._state.registrations
+
+
+@pytest.mark.parametrize("stream_writes", [True, False])
+def test_an_unexpected_error_in_a_write_costs_that_push_not_the_compute_thread(setup, stream_writes):
+    producer, engine, conn = setup(stream_writes=stream_writes)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("engine bug")
+
+    engine.prepare_parts = engine.post = broken
+    register(producer, conn, "t13", [5, 6])
+    producer.offer("t13", "r13", [1, 2], "D")  # returns: vLLM's engine goes on
+    record = producer.take_records()[0]
+    assert not record.ok and "prefill error during the WRITE: RuntimeError('engine bug')" in record.reason
+    assert producer.take_freed() == ["r13"] and isinstance(conn.sent[-1], wire.Fail)
+    assert not producer._writing
