@@ -44,8 +44,10 @@ def _deployment_name(file: Optional[Path], deployment: Optional[str]) -> str:
     return deployment
 
 
-def _status_document(name: str, rows: list[ProcessStatus]) -> dict:
-    return {"deployment": name, "healthy": all(r.healthy for r in rows), "processes": [r.to_dict() for r in rows]}
+def _status_document(name: str, rows: list[ProcessStatus], error: str | None = None) -> dict:
+    document = {"deployment": name, "healthy": error is None and all(r.healthy for r in rows),
+                "processes": [r.to_dict() for r in rows]}
+    return document if error is None else {**document, "error": error}
 
 
 class _ProgressEvents(Events):
@@ -159,7 +161,7 @@ def register(app: typer.Typer) -> None:
                 state = require_state(name)
             except KvpushError as exc:
                 if json_output:  # a script reading stdout still gets a document
-                    print_json({"deployment": name, "healthy": False, "error": str(exc), "processes": []}, json_indent)
+                    print_json(_status_document(name, [], str(exc)), json_indent)
                 raise
             return deployment_status(state, ssh)
 

@@ -236,8 +236,7 @@ class Producer:
             while state == "PROC" and time.monotonic() < deadline:
                 state = self.engine.state(write)
             if state == "PROC":
-                with self._lock:
-                    self._go_on_in_flight(match, conn, started, write, parts[i + 1:], landed_bytes)
+                self._go_on_in_flight(match, conn, started, write, parts[i + 1:], landed_bytes)
                 return
             self.engine.release(write)
             if state != "DONE":
@@ -271,8 +270,9 @@ class Producer:
             except TransferError as exc:
                 error = str(exc)
         num_bytes = landed_bytes + sum(w.num_bytes for w in writes)
-        self._inflight.append(_InFlight(match, writes, conn, started, False, error, num_bytes,
-                                        time.monotonic() + self.config.timeout_s))
+        with self._lock:  # only now may the reactor poll (and release) them
+            self._queue(_InFlight(match, writes, conn, started, False, error, num_bytes,
+                                  time.monotonic() + self.config.timeout_s))
 
     def accept(self, transfer_ids: list[str]) -> None:
         """P's scheduler has these requests (queued or prefilling): tell D, whose no-show timer
