@@ -18,10 +18,10 @@ from kvpush.deploy.bench.results import ModeRun, figure, paired_ratios, point_at
 from kvpush.deploy.bench.runner import BenchEvents, BenchOptions, BenchReport, run_bench
 from kvpush.deploy.errors import KvpushError
 from kvpush.deploy.lifecycle import Events, LifecycleOptions
-from kvpush.deploy.runners import SshOptions
 from kvpush.deploy.topology import check_key_files, resolve_topology
 
 from .console import err, note, out, print_json, styled
+from .lifecycle_cmd import ACCEPT, CONNECT_TIMEOUT, KNOWN_HOSTS, ssh_options
 
 DEFAULT_MODES = ",".join(MODES)
 DEFAULT_RATES = "0.5,1,2,4"
@@ -201,7 +201,9 @@ def register(app: typer.Typer) -> None:
         tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="Local tokenizer directory for the client (default: the model path)."),
         client_timeout: float = typer.Option(900.0, "--client-timeout", help="Seconds one rate's `vllm bench serve` may take."),
         ready_timeout: float = typer.Option(600.0, "--timeout", help="Seconds each process may take to become ready."),
-        known_hosts: str = typer.Option("~/.ssh/known_hosts", "--known-hosts", envvar="KVPUSH_KNOWN_HOSTS", help="known_hosts file for SSH hosts."),
+        accept_new_host_keys: bool = ACCEPT,
+        known_hosts: str = KNOWN_HOSTS,
+        connect_timeout: float = CONNECT_TIMEOUT,
         json_output: bool = typer.Option(False, "--json", help="Print the whole result document as JSON instead of tables."),
     ) -> None:
         """Compare connector modes under load with `vllm bench serve` through the router: TTFT, TPOT, ITL, E2E,
@@ -213,7 +215,7 @@ def register(app: typer.Typer) -> None:
             modes=parse_modes(modes), rates=parse_rates(rates), input_len=input_len, output_len=output_len,
             num_prompts=num_prompts, out_dir=out_dir, kv_heavy=kv_heavy, baseline=baseline, port_base=port_base,
             rounds=rounds, seed=seed, tokenizer=tokenizer, client_timeout_s=client_timeout,
-            lifecycle=LifecycleOptions(ssh=SshOptions(known_hosts=known_hosts), ready_timeout_s=ready_timeout),
+            lifecycle=LifecycleOptions(ssh=ssh_options(accept_new_host_keys, known_hosts, connect_timeout), ready_timeout_s=ready_timeout),
         )
         options.validate()
         columns = [SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),

@@ -136,7 +136,9 @@ def _valid_core_list(value: str) -> str:
 
 
 def _core_number_as_text(value: Any) -> Any:
-    return str(value) if isinstance(value, int) and not isinstance(value, bool) else value  # `cpu_cores: 3` unquoted
+    if isinstance(value, bool):
+        raise ValueError("is true/false, not a core list; give cores like \"0-3,8\"")
+    return str(value) if isinstance(value, int) else value  # `cpu_cores: 3` unquoted
 
 
 CoreList = Annotated[str, BeforeValidator(_core_number_as_text), AfterValidator(_valid_core_list)]  # "0-3,8"

@@ -10,6 +10,7 @@ from rich.console import Console
 
 from kvpush.cli.bench_cmd import paired_lines, rate_table
 from kvpush.deploy.bench.results import ModeRun
+from kvpush.deploy.errors import KvpushError
 
 from test_bench_results import recorded_point  # noqa: F401  (fixture from recorded output)
 
@@ -31,6 +32,26 @@ def test_bad_options_are_one_line_usage_errors(tmp_path, args, message):
     assert message in result.stderr
     assert len(result.stderr.strip().splitlines()) <= 2  # the topology note + the error
     assert not (tmp_path / "out").exists()  # nothing started, nothing written
+
+
+def test_bench_takes_the_same_ssh_options_as_up(monkeypatch, tmp_path):
+    from typer.testing import CliRunner
+
+    from kvpush.cli import bench_cmd
+    from kvpush.cli.main import app
+
+    seen = []
+
+    def recording_bench(topo, options, events):
+        seen.append(options.lifecycle.ssh)
+        raise KvpushError("stop here")
+
+    monkeypatch.setattr(bench_cmd, "run_bench", recording_bench)
+    result = CliRunner().invoke(app, ["bench", "--known-hosts", "/tmp/kh", "--connect-timeout", "3", "--accept-new-host-keys",
+                                      "--out", str(tmp_path / "out")])
+    assert str(result.exception) == "stop here"
+    (ssh,) = seen
+    assert (ssh.known_hosts, ssh.connect_timeout_s, ssh.auth_timeout_s, ssh.accept_new_host_keys) == ("/tmp/kh", 3.0, 3.0, True)
 
 
 def test_help_documents_the_command():

@@ -112,6 +112,7 @@ decode: [{devices: [2, 3, 4, 5], tensor_parallel_size: 4}]
     ("empty workdir", MINIMAL + "hosts: {local: {address: 127.0.0.1, workdir: ' '}}\n", 7, "hosts.local.workdir", "is empty"),
     ("list as a key", MINIMAL + "? [a, b]\n: 1\n", 7, "list or mapping used as a key", "plain names"),
     ("boolean port", MINIMAL + "router: {port: true}\n", 7, "router.port", "true/false, not a number"),
+    ("boolean core list", MINIMAL.replace("  - {}\ndecode", "  - {cpu_cores: true}\ndecode"), 4, "prefill[0].cpu_cores", "true/false, not a core list"),
     ("boolean device", "platform: cuda\nmodel: {path: /m}\nprefill: [{devices: [true]}]\ndecode: [{devices: [2]}]\n", 3, "prefill[0].devices[0]", "true/false"),
     ("no hosts", MINIMAL + "hosts: {}\n", 7, "hosts", "defines no hosts"),
     ("odd tp size is a later prefill", """platform: cuda

@@ -25,10 +25,13 @@ LATE_WRITE_HOLD_S = 4  # short, so a test can watch held blocks come back
 PORTS = {"prefill_http": 17100, "decode_http": 17101, "reference_http": 17102,
          "prefill_side": 17200, "decode_side": 17210, "router": 17000}
 
+# float32, not the templates' bf16: the random-weight model's logits are near ties, and bf16's
+# rounding flips some greedy picks with decode's batch shape; in float32 every answer can be
+# compared exactly, also under concurrent load. (This AVX2 CPU also prefills float32 faster.)
 TOPOLOGY = """
 name: kvpush-connector-e2e
 platform: cpu
-model: {{path: {model}, served_name: tiny, max_model_len: 2048, enforce_eager: true}}
+model: {{path: {model}, served_name: tiny, max_model_len: 2048, enforce_eager: true, dtype: float32}}
 connector: {{type: kvpush, backend: UCX, transfer_timeout_s: 5, extra_config: {{late_write_hold_s: {hold_s}}}}}
 hosts:
   local: {{address: 127.0.0.1, workdir: {workdir}}}
@@ -125,6 +128,23 @@ def random_prompts(n: int, max_len: int, seed: int = 0, vocab: int = 2800) -> li
     rng = random.Random(seed)
     lengths = [1, 2, 127, 128, 129, 255, 256, 257, max_len] + [rng.randint(1, max_len) for _ in range(n)]
     return [[rng.randint(10, vocab - 1) for _ in range(k)] for k in lengths[:n]]
+
+
+def full_length_prompts(n: int, length: int, seed: int = 0, vocab: int = 2800) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randint(10, vocab - 1) for _ in range(length)] for _ in range(n)]
+
+
+def wait_until_queued_on_prefill(prefill: Server, decode: Server, timeout_s: float = 10.0) -> None:
+    """Returns once prefill has requests waiting and decode holds blocks for them: a stop or kill
+    now hits registered transfers that prefill has not yet written."""
+    deadline = time.monotonic() + timeout_s
+    while prefill.metric("vllm:num_requests_waiting") < 1 or kv_usage(decode) <= 0:
+        if time.monotonic() > deadline:
+            raise AssertionError("prefill never had requests queued behind registered transfers")
+        time.sleep(0.02)
 
 
 def kv_usage(server: Server) -> float:

@@ -19,7 +19,8 @@ from kvpush.deploy.runners.local import LocalRunner
 
 sys.path.insert(0, str(Path(__file__).parent))
 from harness import (  # noqa: E402
-    LATE_WRITE_HOLD_S, PORTS, Server, completion_body, ensure_model, grep_log, kv_usage, post, push_request, random_prompts, reference_of, deployment_plan,
+    LATE_WRITE_HOLD_S, PORTS, Server, completion_body, deployment_plan, ensure_model, full_length_prompts, grep_log, kv_usage, post, push_request,
+    random_prompts, reference_of, wait_until_queued_on_prefill,
 )
 
 MAX_TOKENS = 8
@@ -130,16 +131,16 @@ def test_32_concurrent_requests_all_correct(cluster, pool):
                for p in c["prompts"]["concurrent"]]
     results = [f.result() for f in futures]
     assert all(r.decode_status == 200 for r in results), [r.decode for r in results if r.decode_status != 200][:3]
-    # The random-weight model's logits are nearly flat: D decoding 32 requests in one batch may
-    # pick a different greedy token a few tokens in than the reference did in smaller batches.
-    # The token sampled right after the prompt depends on the transferred KV only: it must match.
+    # In float32 (harness.TOPOLOGY) decode's batch of 32 picks the same greedy tokens as the
+    # reference did in smaller batches. The first token is the one that depends on the transferred
+    # KV alone; it is counted apart so that a failure says which kind of difference it was.
     tokenizer = Tokenizer.from_file(str(WORK / "model" / "tokenizer.json"))
     first = [tokenizer.encode(r.text).ids[:1] == tokenizer.encode(w).ids[:1]
              for r, w in zip(results, c["expected"]["concurrent"])]
     exact = sum(r.text == w for r, w in zip(results, c["expected"]["concurrent"]))
     print(f"\n32 concurrent P/D requests in {time.monotonic() - started:.1f} s: {exact}/32 identical to the "
           f"reference, {sum(first)}/32 with the identical first token")
-    assert all(first) and exact >= 28
+    assert all(first) and exact == 32
 
 
 def test_kv_usage_returns_to_zero(cluster):
@@ -153,10 +154,10 @@ def test_a_stalled_prefill_fails_decode_fast_and_its_blocks_come_back_after_the_
     late_write_hold_s, since a prefill that resumes may finish a copy it had begun. The blocks come
     back after the hold although prefill is still stopped; once it resumes, its own are freed too."""
     c = cluster
-    prompts = random_prompts(12, 900, seed=4)[-8:]
+    prompts = full_length_prompts(16, 900, seed=4)
     futures = [pool.submit(push_request, c["prefill"].url, c["decode"].url, c["plan"], completion_body(p, MAX_TOKENS), pool)
                for p in prompts]
-    time.sleep(0.5)  # requests registered on D, queued/prefilling/pushing on P
+    wait_until_queued_on_prefill(c["prefill"], c["decode"])
     os.killpg(c["prefill"].proc.pid, signal.SIGSTOP)
     stopped = time.monotonic()
     try:
@@ -182,17 +183,17 @@ def test_a_stalled_prefill_fails_decode_fast_and_its_blocks_come_back_after_the_
 
 def test_killing_prefill_fails_decode_requests_fast(cluster, pool):
     c = cluster
-    prompts = random_prompts(12, 900, seed=3)[-8:]
+    prompts = full_length_prompts(16, 900, seed=3)
     futures = [pool.submit(push_request, c["prefill"].url, c["decode"].url, c["plan"], completion_body(p, MAX_TOKENS), pool)
                for p in prompts]
-    time.sleep(0.5)  # requests registered on D, queued/prefilling/pushing on P
+    wait_until_queued_on_prefill(c["prefill"], c["decode"])
     killed = time.monotonic()
     c["prefill"].kill()
     results = [f.result(timeout=30) for f in futures]
     failed = [r for r in results if r.decode_status != 200]
     assert failed, "killing P failed no request; the test did not hit in-flight transfers"
     slowest = max(r.decode_done_at - killed for r in failed)
-    print(f"\nkilled P with 8 requests in flight: {len(failed)} failed, {len(results) - len(failed)} completed "
+    print(f"\nkilled P with {len(prompts)} requests sent: {len(failed)} failed, {len(results) - len(failed)} completed "
           f"before the kill; last failure reached the client {slowest * 1000:.0f} ms after the kill")
     assert slowest < 2.0
     assert wait_kv_usage_zero(c["decode"]) == 0
