@@ -30,7 +30,7 @@ PORTS = {"prefill_http": 18300, "decode_http": 18301, "reference_http": 18302, "
 TOPOLOGY = """
 name: router-e2e
 platform: cpu
-model: {{path: {model}, served_name: tiny, max_model_len: 2048, enforce_eager: true,
+model: {{path: {model}, served_name: tiny, max_model_len: 2048, enforce_eager: true, dtype: float32,
          extra_args: ["--no-enable-prefix-caching"]}}
 connector: {{type: {protocol}, backend: UCX}}
 hosts:
@@ -40,14 +40,18 @@ decode: [{{cpu_cores: "1", kv_cache_gib: 1, http_port: {decode_http}, side_chann
 router: {{port: {router}}}
 env: {{UCX_MODULES: "^ib", UCX_MEM_EVENTS: "no"}}
 """
-N_PROMPTS = 24
+N_PROMPTS = 54
 MAX_TOKENS = 12
-# Prefix caching is off everywhere, so a prompt sent twice is transferred twice.
+# Prompts of 1 to 900 tokens: the first ones sit at the edges of KV blocks and at the extremes.
+EDGE_LENGTHS = [1, 2, 15, 16, 17, 127, 128, 129, 900]
+# Prefix caching is off everywhere, so a prompt sent twice is transferred twice. float32, as in the
+# connector's e2e harness: greedy answers then do not depend on decode's batch shape.
 
 
 def _prompt(seed: int) -> list[int]:
     rng = random.Random(seed)
-    return [rng.randint(10, 2800) for _ in range(rng.randint(5, 300))]
+    length = EDGE_LENGTHS[seed] if seed < len(EDGE_LENGTHS) else rng.randint(1, 900)
+    return [rng.randint(10, 2800) for _ in range(length)]
 
 
 PROMPTS = [_prompt(i) for i in range(N_PROMPTS)]
