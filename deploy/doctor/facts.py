@@ -81,6 +81,11 @@ class HostFacts:
         return self.raw.get("cpus", [])
 
     @property
+    def cpu_flags(self) -> list[str] | None:
+        """The CPU's feature flags, or None where the probe could not read them."""
+        return self.raw.get("cpu_flags")
+
+    @property
     def model(self) -> dict | None:
         return self.raw.get("model")
 

@@ -174,6 +174,19 @@ def machine_identity():
     return ident
 
 
+def cpu_flags():
+    """The first processor's feature flags from /proc/cpuinfo (x86 "flags", Arm "Features"); None if unknown."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    return value.split()
+    except OSError:
+        pass
+    return None
+
+
 def _hash_file(path, size):
     import hashlib
 
@@ -341,7 +354,7 @@ def main(argv):
     facts = {"started_at": STARTED_AT, "host": request["host"],
              "python": {"executable": sys.executable, "version": sys.version.split()[0]},
              "env": {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES)},
-             "machine": machine_identity()}
+             "machine": machine_identity(), "cpu_flags": cpu_flags()}
     try:
         facts["cpus"] = sorted(os.sched_getaffinity(0))
     except AttributeError:

@@ -174,6 +174,17 @@ def test_accelerators_ok_fail_on_missing_gpus_and_missing_driver():
     assert r.status is Status.FAIL and "nvidia-smi not found" in r.summary
 
 
+def test_accelerators_warn_where_bf16_is_emulated_on_cpu():
+    avx2 = ["fpu", "sse2", "avx", "avx2", "fma"]
+    r = only(check_accelerators.check_accelerators(context(LOCAL, {"local": facts("local", cpu_flags=avx2)})), Status.WARN)
+    assert "no bf16 instructions" in r.summary and "model.dtype: float32" in r.remedy
+    only(check_accelerators.check_accelerators(context(LOCAL, {"local": facts("local", cpu_flags=avx2 + ["avx512_bf16"])})), Status.OK)
+    only(check_accelerators.check_accelerators(context(LOCAL, {"local": facts("local", cpu_flags=None)})), Status.OK)  # unknown
+    only(check_accelerators.check_accelerators(context(LOCAL, {"local": facts("local", cpu_flags=["fp", "asimd", "bf16"])})), Status.OK)  # Arm
+    in_float32 = LOCAL.model_copy(update={"model": LOCAL.model.model_copy(update={"dtype": "float32"})})
+    only(check_accelerators.check_accelerators(context(in_float32, {"local": facts("local", cpu_flags=avx2)})), Status.OK)
+
+
 def test_accelerators_cpu_cores_must_exist():
     only(check_accelerators.check_accelerators(context(LOCAL, {"local": facts("local", cpus=[0, 1])})), Status.OK)
     r = only(check_accelerators.check_accelerators(context(LOCAL, {"local": facts("local", cpus=[0])})), Status.FAIL)
