@@ -53,7 +53,7 @@ def check_accelerators(ctx: DoctorContext) -> list[CheckResult]:
         if ctx.topo.model.dtype == "bfloat16" and bf16_is_emulated(facts.cpu_flags):
             return warn("accelerators", facts.host, f"{summary}; this CPU has no bf16 instructions (avx512_bf16, amx_bf16), "
                         "so vLLM computes bf16 by converting", "set model.dtype: float32 (on an AVX2 CPU float32 prefilled "
-                        "~2.5x faster; its KV takes twice the bytes per token)", ev,
+                        "2.5-5x faster; its KV takes twice the bytes per token)", ev,
                         Evidence("/proc/cpuinfo: flags", ("avx512_bf16: absent", "amx_bf16: absent")))
         return ok("accelerators", facts.host, summary, ev)
 
