@@ -7,8 +7,11 @@ import sys
 
 import pytest
 from rich.console import Console
+from typer.testing import CliRunner
 
+from kvpush.cli import bench_cmd
 from kvpush.cli.bench_cmd import paired_lines, rate_table
+from kvpush.cli.main import app
 from kvpush.deploy.bench.results import ModeRun
 from kvpush.deploy.errors import KvpushError
 
@@ -35,11 +38,6 @@ def test_bad_options_are_one_line_usage_errors(tmp_path, args, message):
 
 
 def test_bench_takes_the_same_ssh_options_as_up(monkeypatch, tmp_path):
-    from typer.testing import CliRunner
-
-    from kvpush.cli import bench_cmd
-    from kvpush.cli.main import app
-
     seen = []
 
     def recording_bench(topo, options, events):
