@@ -9,7 +9,6 @@ settings gives the reference greedy answers. Heavy: run under `flock /tmp/kvpush
 from __future__ import annotations
 
 import json
-import random
 import sys
 import time
 import urllib.error
@@ -23,6 +22,7 @@ from kvpush.deploy.plan import build_plan
 from kvpush.deploy.tiny_model import make_tiny_model
 from kvpush.deploy.topology import TinyModelSpec, parse_topology
 from kvpush.deploy.vllm_metrics import PROMPT_TOKENS_BY_SOURCE, metric_sum
+from random_prompts import full_length_prompts, random_prompts
 from server_process import ServerProcess
 
 PORTS = {"prefill_http": 18300, "decode_http": 18301, "reference_http": 18302, "router": 18310,
@@ -42,19 +42,9 @@ env: {{UCX_MODULES: "^ib", UCX_MEM_EVENTS: "no"}}
 """
 N_PROMPTS = 54
 MAX_TOKENS = 12
-# Prompts of 1 to 900 tokens: the first ones sit at the edges of KV blocks and at the extremes.
-EDGE_LENGTHS = [1, 2, 15, 16, 17, 127, 128, 129, 900]
+PROMPTS = random_prompts(N_PROMPTS, 900)
 # Prefix caching is off everywhere, so a prompt sent twice is transferred twice. float32, as in the
 # connector's e2e harness: greedy answers then do not depend on decode's batch shape.
-
-
-def _prompt(seed: int) -> list[int]:
-    rng = random.Random(seed)
-    length = EDGE_LENGTHS[seed] if seed < len(EDGE_LENGTHS) else rng.randint(1, 900)
-    return [rng.randint(10, 2800) for _ in range(length)]
-
-
-PROMPTS = [_prompt(i) for i in range(N_PROMPTS)]
 
 
 def get(url: str, timeout_s: float = 10) -> tuple[int, str]:
@@ -195,8 +185,7 @@ def test_killing_prefill_mid_push_is_seen_at_once_and_every_request_still_ends(d
     with an error, never hangs; decode frees every block."""
     if deployment.protocol != "kvpush":
         pytest.skip("push's failure path: decode waits on prefill from the start")
-    rng = random.Random(5)
-    prompts = [[rng.randint(10, 2800) for _ in range(1500)] for _ in range(12)]
+    prompts = full_length_prompts(12, 1500, seed=5)
     served_before = {o: deployment.router_metric("kvpush_router_requests_total", outcome=o)
                      for o in ("success", "failed", "unavailable")}
     fallbacks_before = deployment.router_metric("kvpush_router_fallbacks_total")

@@ -7,7 +7,6 @@ The two legs of a request are sent the way the router contract says.
 from __future__ import annotations
 
 import json
-import random
 import re
 import time
 import urllib.error
@@ -121,20 +120,6 @@ def push_request(prefill_url: str, decode_url: str, plan, body: dict, pool: Thre
     fd = pool.submit(timed_post, decode_url, d_body)
     (ps, pr, _), (ds, dr, d_done) = fp.result(), fd.result()
     return Legs(ps, pr, ds, dr, time.monotonic() - started, d_done)
-
-
-def random_prompts(n: int, max_len: int, seed: int = 0, vocab: int = 2800) -> list[list[int]]:
-    rng = random.Random(seed)
-    lengths = [1, 2, 127, 128, 129, 255, 256, 257, max_len] + [rng.randint(1, max_len) for _ in range(n)]
-    return _random_tokens(rng, lengths[:n], vocab)
-
-
-def full_length_prompts(n: int, length: int, seed: int = 0, vocab: int = 2800) -> list[list[int]]:
-    return _random_tokens(random.Random(seed), [length] * n, vocab)
-
-
-def _random_tokens(rng: random.Random, lengths: list[int], vocab: int) -> list[list[int]]:
-    return [[rng.randint(10, vocab - 1) for _ in range(k)] for k in lengths]
 
 
 def wait_until_queued_on_prefill(prefill: Server, decode: Server, timeout_s: float = 10.0) -> None:

@@ -19,9 +19,10 @@ from kvpush.deploy.runners.local import LocalRunner
 
 sys.path.insert(0, str(Path(__file__).parent))
 from harness import (  # noqa: E402
-    LATE_WRITE_HOLD_S, PORTS, Server, completion_body, deployment_plan, ensure_model, full_length_prompts, grep_log, kv_usage, post, push_request,
-    random_prompts, reference_of, wait_until_queued_on_prefill,
+    LATE_WRITE_HOLD_S, PORTS, Server, completion_body, deployment_plan, ensure_model, grep_log, kv_usage, post, push_request,
+    reference_of, wait_until_queued_on_prefill,
 )
+from random_prompts import full_length_prompts, random_prompts  # noqa: E402
 
 MAX_TOKENS = 8
 pytestmark = pytest.mark.timeout(1800)
