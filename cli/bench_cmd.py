@@ -16,7 +16,7 @@ from rich.text import Text
 from kvpush.deploy.bench.modes import DEFAULT_BASELINE, MODES, parse_modes, parse_rates
 from kvpush.deploy.bench.results import ModeRun, figure, paired_ratios, point_at, rates_of, ratio
 from kvpush.deploy.bench.runner import BenchEvents, BenchOptions, BenchReport, run_bench
-from kvpush.deploy.errors import KvpushError
+from kvpush.common.errors import KvpushError
 from kvpush.deploy.lifecycle import Events, LifecycleOptions
 from kvpush.deploy.topology import check_key_files, resolve_topology
 

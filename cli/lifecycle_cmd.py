@@ -12,7 +12,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
-from kvpush.deploy.errors import KvpushError, UsageError
+from kvpush.common.errors import KvpushError, UsageError
 from kvpush.deploy.lifecycle import Events, LifecycleOptions, down, up
 from kvpush.deploy.observe import ProcessStatus, deployment_status, require_state, stream_logs
 from kvpush.deploy.plan import build_plan

@@ -5,7 +5,7 @@ import sys
 
 import typer
 
-from kvpush.deploy.errors import KvpushError
+from kvpush.common.errors import KvpushError
 
 from . import bench_cmd, doctor_cmd, lifecycle_cmd, plan_cmd, request_cmd, router_cmd
 from .console import err, styled

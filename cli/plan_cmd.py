@@ -9,7 +9,7 @@ import typer
 from pydantic import ValidationError
 from rich.table import Table
 
-from kvpush.deploy.errors import UsageError
+from kvpush.common.errors import UsageError
 from kvpush.deploy.plan import Plan, build_plan
 from kvpush.deploy.topology import TinyModelSpec, parse_topology, pydantic_message, resolve_topology
 from kvpush.templates import DEFAULT_TEMPLATE, template_names, template_summary, template_text

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from kvpush.deploy.errors import KvpushError, UsageError
+from kvpush.common.errors import KvpushError, UsageError
 
 from .console import note
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .metadata import PushMetadata, RecvSpec, SendSpec
-from .params import ParamsError, PushParams
+from kvpush.common.kv_params import ParamsError, PushParams
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from .errors import KvpushError
+from kvpush.common.errors import KvpushError
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from .changes import Changes, diff_deployment, is_running, launch_digest
-from .errors import KvpushError
+from kvpush.common.errors import KvpushError
 from .hosts import connected
 from .plan import HostPlan, Plan, build_plan
 from .provision import ProvisionResult, WheelSource, local_digest, provision_host
@@ -19,7 +19,7 @@ from .runners import Runner, SshOptions, fan_out, values_or_raise
 from .state import DeploymentState, HostRecord, ProcessRecord, load_state, locked, remove_state, save_state
 from .tiny_model import MARKER as TINY_MODEL_MARKER
 from .topology import Topology
-from .vllm_metrics import external_kv_tokens
+from kvpush.common.vllm_metrics import external_kv_tokens
 
 LOG_TAIL_LINES = 30
 ROUTER_ROTATION_WAIT_S = 60.0

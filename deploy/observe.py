@@ -8,11 +8,11 @@ from dataclasses import asdict, dataclass
 from typing import Callable
 
 from .changes import is_running
-from .errors import KvpushError, UsageError
+from kvpush.common.errors import KvpushError, UsageError
 from .hosts import connected
 from .runners import Runner, SshOptions, fan_out
 from .state import DeploymentState, ProcessRecord, load_state
-from .vllm_metrics import vllm_load
+from kvpush.common.vllm_metrics import vllm_load
 
 
 @dataclass

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import host_probe
-from .errors import KvpushError
+from kvpush.common.errors import KvpushError
 from .plan import HostPlan
 from .runners import HostError, Runner
 

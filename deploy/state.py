@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from .errors import KvpushError
+from kvpush.common.errors import KvpushError
 from .plan import HostPlan
 
 STATE_VERSION = 1

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .errors import UsageError
+from kvpush.common.errors import UsageError
 from .yaml_source import SourceDocument, YamlSyntaxError, load_yaml_file, parse_yaml
 
 ConnectorType = Literal["kvpush", "nixl-push", "nixl-pull", "colocated"]

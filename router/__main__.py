@@ -15,7 +15,7 @@ def run_router(config_path: str, worker_fd: int | None = None) -> int:
 
     from pydantic import ValidationError
 
-    from kvpush.deploy.errors import KvpushError
+    from kvpush.common.errors import KvpushError
 
     from .app import resolve_api_key, run
     from .config import RouterConfig

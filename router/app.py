@@ -43,7 +43,7 @@ def resolve_api_key(config: RouterConfig) -> str | None:
         return None
     key = os.environ.get(config.api_key_env, "")
     if not key:
-        from kvpush.deploy.errors import UsageError
+        from kvpush.common.errors import UsageError
 
         raise UsageError(f"router config: api_key_env names {config.api_key_env}, which is unset or empty; "
                          f"export it or remove api_key_env from the topology's router section")

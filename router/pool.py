@@ -10,7 +10,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from kvpush.deploy.vllm_metrics import vllm_load
+from kvpush.common.vllm_metrics import vllm_load
 
 from .config import Policy, Upstream
 from .metrics import RouterMetrics

@@ -1,7 +1,7 @@
 """How each transfer protocol shapes the two legs of one request: bodies and kv_transfer_params.
 
-Pure functions; the dispatcher decides when each leg is sent. The `kvpush` field names are the
-contract with kvpush's connector (it may import them from here).
+Pure functions; the dispatcher decides when each leg is sent. kvpush's own fields are the
+connector's contract (kvpush.common.kv_params).
 """
 from __future__ import annotations
 
@@ -9,17 +9,9 @@ import copy
 import uuid
 from dataclasses import dataclass
 
-from .config import Upstream
+from kvpush.common.kv_params import CONSUMER, PRODUCER, PushParams
 
-# --- the kvpush contract -------------------------------------------------------------------
-KVPUSH_ROLE = "kvpush_role"
-KVPUSH_PRODUCER = "producer"
-KVPUSH_CONSUMER = "consumer"
-TRANSFER_ID = "transfer_id"
-PEER_ENGINE_ID = "peer_engine_id"
-PEER_HOST = "peer_host"
-PEER_PORT = "peer_port"
-PEER_TP_SIZE = "peer_tp_size"
+from .config import Upstream
 
 KV_PARAMS = "kv_transfer_params"
 CONCURRENT_PROTOCOLS = ("kvpush", "nixl-push")
@@ -49,24 +41,13 @@ def with_params(body: dict, params: dict | None) -> dict:
 
 
 def kvpush_producer_params(transfer_id: str, decode: Upstream) -> dict:
-    return {
-        KVPUSH_ROLE: KVPUSH_PRODUCER,
-        TRANSFER_ID: transfer_id,
-        PEER_ENGINE_ID: decode.engine_id,
-        PEER_HOST: decode.side_channel_host,
-        PEER_PORT: decode.side_channel_port,
-    }
+    return PushParams(PRODUCER, transfer_id, decode.engine_id, decode.side_channel_host, decode.side_channel_port,
+                      decode.tp_size).to_dict()
 
 
 def kvpush_consumer_params(transfer_id: str, prefill: Upstream) -> dict:
-    return {
-        KVPUSH_ROLE: KVPUSH_CONSUMER,
-        TRANSFER_ID: transfer_id,
-        PEER_ENGINE_ID: prefill.engine_id,
-        PEER_HOST: prefill.side_channel_host,
-        PEER_PORT: prefill.side_channel_port,
-        PEER_TP_SIZE: prefill.tp_size,
-    }
+    return PushParams(CONSUMER, transfer_id, prefill.engine_id, prefill.side_channel_host, prefill.side_channel_port,
+                      prefill.tp_size).to_dict()
 
 
 def nixl_producer_params() -> dict:

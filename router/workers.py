@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvpush.deploy.errors import KvpushError
+from kvpush.common.errors import KvpushError
 
 from .app import LISTEN_BACKLOG, STOP_SIGNALS, describe_process
 from .config import RouterConfig

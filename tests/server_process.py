@@ -9,7 +9,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from kvpush.deploy.vllm_metrics import metric_sum
+from kvpush.common.vllm_metrics import metric_sum
 
 
 class ServerProcess:

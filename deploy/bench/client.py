@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import KvpushError
+from kvpush.common.errors import KvpushError
 from ..plan import on_cores
 
 PERCENTILE_METRICS = "ttft,tpot,itl,e2el"

@@ -6,7 +6,7 @@ import json
 import math
 from pathlib import PurePosixPath
 
-from ..errors import UsageError
+from kvpush.common.errors import UsageError
 from ..topology import ConnectorType, Topology, TinyModelSpec, side_channel_ports
 
 MODES: tuple[ConnectorType, ...] = ("kvpush", "nixl-push", "nixl-pull", "colocated")

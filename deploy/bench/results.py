@@ -6,7 +6,7 @@ import json
 import statistics
 from dataclasses import asdict, dataclass, field, replace
 
-from ..errors import KvpushError
+from kvpush.common.errors import KvpushError
 from .scrape import InstanceFigures, RouterFigures, ms_per_request
 
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from ..errors import KvpushError, UsageError
+from kvpush.common.errors import KvpushError, UsageError
 from ..hosts import connected
 from ..lifecycle import Events, LifecycleOptions, down, prove_kv_transfer, up
 from ..plan import build_plan

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ..vllm_metrics import PROMPT_TOKENS_BY_SOURCE, metric_sum
+from kvpush.common.vllm_metrics import PROMPT_TOKENS_BY_SOURCE, metric_sum
 
 HANDOFF_GAP = "kvpush_router_handoff_gap_seconds"
 ROUTER_RETRIES = "kvpush_router_retries_total"

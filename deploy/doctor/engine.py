@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Mapping
 
-from kvpush.deploy.errors import UsageError
+from kvpush.common.errors import UsageError
 from kvpush.deploy.plan import bind_address, build_plan
 from kvpush.deploy.topology import Topology
 

@@ -11,7 +11,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable, Literal
 
-from kvpush.deploy.errors import KvpushError
+from kvpush.common.errors import KvpushError
 
 ProcessState = Literal["alive", "zombie", "dead"]
 

@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Generic, Iterable, TypeVar
 
-from kvpush.deploy.errors import KvpushError
+from kvpush.common.errors import KvpushError
 
 K = TypeVar("K")
 T = TypeVar("T")

@@ -21,7 +21,7 @@ import pytest
 from kvpush.deploy.plan import build_plan
 from kvpush.deploy.tiny_model import make_tiny_model
 from kvpush.deploy.topology import TinyModelSpec, parse_topology
-from kvpush.deploy.vllm_metrics import PROMPT_TOKENS_BY_SOURCE, metric_sum
+from kvpush.common.vllm_metrics import PROMPT_TOKENS_BY_SOURCE, metric_sum
 from random_prompts import full_length_prompts, random_prompts
 from server_process import ServerProcess
 

@@ -18,7 +18,7 @@ from kvpush.deploy.runners import LocalRunner
 from kvpush.deploy.state import load_state
 from kvpush.deploy.tiny_model import make_tiny_model
 from kvpush.deploy.topology import TinyModelSpec
-from kvpush.deploy.vllm_metrics import external_kv_tokens
+from kvpush.common.vllm_metrics import external_kv_tokens
 from lifecycle_helpers import RecordingEvents, kill_leftovers, options, processes_under
 from sshd_hosts import SshdCluster, topology_for
 

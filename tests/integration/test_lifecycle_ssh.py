@@ -9,7 +9,7 @@ import time
 import pytest
 
 from kvpush.cli.main import run as cli_run
-from kvpush.deploy.errors import KvpushError
+from kvpush.common.errors import KvpushError
 from kvpush.deploy.lifecycle import StartFailure, down, up
 from kvpush.deploy.observe import deployment_status, require_state
 from kvpush.deploy.state import load_state

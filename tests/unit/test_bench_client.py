@@ -12,7 +12,7 @@ import time
 import pytest
 
 from kvpush.deploy.bench.client import BenchClient, LoadSpec, bench_serve_argv
-from kvpush.deploy.errors import KvpushError
+from kvpush.common.errors import KvpushError
 
 
 def _load(tmp_path, **changes) -> LoadSpec:

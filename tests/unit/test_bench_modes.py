@@ -7,7 +7,7 @@ from kvpush.deploy.bench.modes import (
     KV_HEAVY_SPEC, MODE_PORT_STRIDE, MODES, bench_topology, kv_bytes_per_token, parse_modes, parse_rates, ports_of,
     topology_hash,
 )
-from kvpush.deploy.errors import UsageError
+from kvpush.common.errors import UsageError
 from kvpush.deploy.plan import build_plan
 from kvpush.deploy.topology import parse_topology
 from kvpush.templates import DEFAULT_TEMPLATE, template_text

@@ -12,7 +12,7 @@ from kvpush.deploy.bench.results import (
     pool_points, ratios_vs_baseline,
 )
 from kvpush.deploy.bench.scrape import instance_figures, router_figures
-from kvpush.deploy.errors import KvpushError
+from kvpush.common.errors import KvpushError
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "bench"
 TINY_KV_BYTES_PER_TOKEN = 1024  # default tiny model: 2 layers x 2 KV heads x 64 x K,V x bf16

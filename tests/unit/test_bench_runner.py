@@ -12,7 +12,7 @@ from kvpush.deploy.bench import runner as bench_runner
 from kvpush.deploy.bench.results import ClientResult, RatePoint, Stats
 from kvpush.deploy.bench.runner import BenchOptions, run_bench, seed_for
 from kvpush.deploy.bench.scrape import RouterFigures
-from kvpush.deploy.errors import KvpushError, UsageError
+from kvpush.common.errors import KvpushError, UsageError
 from kvpush.deploy.lifecycle import DownResult
 from kvpush.deploy.topology import parse_topology
 from kvpush.templates import DEFAULT_TEMPLATE, template_text

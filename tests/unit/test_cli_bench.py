@@ -13,7 +13,7 @@ from kvpush.cli import bench_cmd
 from kvpush.cli.bench_cmd import paired_lines, rate_table
 from kvpush.cli.main import app
 from kvpush.deploy.bench.results import ModeRun
-from kvpush.deploy.errors import KvpushError
+from kvpush.common.errors import KvpushError
 
 from test_bench_results import recorded_point  # noqa: F401  (fixture from recorded output)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from kvpush.cli import main
-from kvpush.deploy.errors import UsageError
+from kvpush.common.errors import UsageError
 
 
 def _run_raising(monkeypatch, capsys, exc: Exception) -> tuple[int, str]:

@@ -6,14 +6,14 @@ import threading
 import pytest
 
 from kvpush.deploy.changes import diff_deployment, is_running, launch_digest
-from kvpush.deploy.errors import KvpushError
+from kvpush.common.errors import KvpushError
 from kvpush.deploy.plan import build_plan
 from kvpush.deploy.runners import HostError, ProcessInfo, fan_out, values_or_raise
 from kvpush.deploy.runners.base import (detached_start_command, parse_proc_table, signal_groups_command)
 from kvpush.deploy.runners.local import LocalRunner
 from kvpush.deploy.state import DeploymentState, ProcessRecord, load_state, locked, save_state, state_path
 from kvpush.deploy.topology import parse_topology
-from kvpush.deploy.vllm_metrics import external_kv_tokens, vllm_load
+from kvpush.common.vllm_metrics import external_kv_tokens, vllm_load
 from kvpush.templates import DEFAULT_TEMPLATE, template_text
 
 TOPOLOGY = """

@@ -1,6 +1,7 @@
 """Leg bodies per protocol: the exact fields each connector reads."""
 from __future__ import annotations
 
+from kvpush.common.kv_params import PushParams
 from kvpush.router.config import Upstream
 from kvpush.router.protocols import concurrent_legs, new_transfer_id, pull_decode_leg, pull_prefill_leg
 
@@ -12,11 +13,22 @@ def test_kvpush_contract_exact_fields():
     body = {"model": "m", "prompt": "hi", "max_tokens": 50, "stream": True, "stream_options": {"include_usage": True}}
     legs = concurrent_legs("kvpush", body, chat=False, transfer_id="T1", prefill=P, decode=D)
     assert legs.prefill == {"model": "m", "prompt": "hi", "max_tokens": 1, "stream": False, "kv_transfer_params": {
-        "kvpush_role": "producer", "transfer_id": "T1", "peer_engine_id": "dep.d0", "peer_host": "10.0.0.2", "peer_port": 5601}}
+        "kvpush_role": "producer", "transfer_id": "T1", "peer_engine_id": "dep.d0", "peer_host": "10.0.0.2", "peer_port": 5601,
+        "peer_tp_size": 1}}
     assert legs.decode == {**body, "kv_transfer_params": {
         "kvpush_role": "consumer", "transfer_id": "T1", "peer_engine_id": "dep.p0", "peer_host": "10.0.0.1",
         "peer_port": 5600, "peer_tp_size": 2}}
     assert "kv_transfer_params" not in body and body["max_tokens"] == 50  # the client's body is not mutated
+
+
+def test_connector_reads_what_the_router_writes():
+    """The contract test: each kvpush leg the router builds parses, on the connector's side, into
+    the peer at the other end of that leg."""
+    legs = concurrent_legs("kvpush", {"prompt": "x"}, chat=False, transfer_id="T9", prefill=P, decode=D)
+    producer = PushParams.parse(legs.prefill["kv_transfer_params"])
+    consumer = PushParams.parse(legs.decode["kv_transfer_params"])
+    assert producer == PushParams("producer", "T9", D.engine_id, D.side_channel_host, D.side_channel_port, D.tp_size)
+    assert consumer == PushParams("consumer", "T9", P.engine_id, P.side_channel_host, P.side_channel_port, P.tp_size)
 
 
 def test_chat_prefill_leg_caps_both_token_limits():

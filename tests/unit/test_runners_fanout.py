@@ -4,7 +4,7 @@ from __future__ import annotations
 import threading
 import time
 
-from kvpush.deploy.errors import KvpushError
+from kvpush.common.errors import KvpushError
 from kvpush.deploy.runners import fan_out, values_or_raise, FanOutError
 
 import pytest

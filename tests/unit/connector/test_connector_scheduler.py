@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvpush.connector.params import ParamsError, PushParams
+from kvpush.common.kv_params import ParamsError, PushParams
 from kvpush.connector.scheduler import PushScheduler
 
 BS = 4
