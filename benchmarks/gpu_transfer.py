@@ -74,9 +74,8 @@ WRITER_ENGINE, RECEIVER_ENGINE = "bench.prefill", "bench.decode"
 
 def _identity(shape, regions) -> "wire_mod.LayoutIdentity":
     """What both sides' push services compare at handshake."""
-    return wire_mod.LayoutIdentity("bench-model", str(shape.dtype).removeprefix("torch."), shape.block_size, 1,
-                                   tuple(f"layer{i}" for i in range(shape.num_layers)),
-                                   tuple(r.block_len for r in regions))
+    return wire_mod.LayoutIdentity("bench-model", str(shape.dtype).removeprefix("torch."), shape.block_size,
+                                   tuple(f"layer{i}" for i in range(shape.num_layers)), 1)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_kv_layouts as kvl  # noqa: E402
 

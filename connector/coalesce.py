@@ -17,7 +17,12 @@ from typing import Sequence
 
 import numpy as np
 
-from .wire import Region
+from .wire import HeadLayout, Region
+
+# A head slice of a block may be cut into this many ranges (a K/V split); more means the layout
+# puts tokens outside the heads (NHD), one range per token: refused rather than pushed that way.
+MAX_SLICE_CHUNKS = 2
+HEAD_MAJOR_LAYOUTS = "LBHNC, BLHNC or BHLNC"
 
 
 class CoalesceError(ValueError):
@@ -65,6 +70,39 @@ def pair_segments(local: Sequence[Region], remote: Sequence[Region]) -> tuple[Se
         else:
             segments.append(Segment(mine.base, theirs.base, mine.block_len, mine.stride, theirs.stride, (index,)))
         prev = (mine, theirs)
+    return tuple(segments)
+
+
+def slice_segments(local: Sequence[Region], local_heads: Sequence[HeadLayout], local_first: int,
+                   remote: Sequence[Region], remote_heads: Sequence[HeadLayout], remote_first: int,
+                   num_heads: int) -> tuple[Segment, ...]:
+    """Segments that move `num_heads` heads of every block: from local head `local_first` on of
+    region i here into remote head `remote_first` on of region i there. Whole blocks on both
+    sides (equal TP) pair as `pair_segments` does, merging neighbours; a head slice is one
+    segment per region and chunk, its blocks one descriptor each (a slice is never packed)."""
+    if len(local) != len(remote) or len(local_heads) != len(local) or len(remote_heads) != len(remote):
+        raise CoalesceError(f"{len(local)} KV regions here vs {len(remote)} on the peer")
+    whole = all(local_first == 0 == remote_first and lh.heads == num_heads == rh.heads
+                for lh, rh in zip(local_heads, remote_heads))
+    if whole:
+        return pair_segments(local, remote)
+    segments = []
+    for i, (mine, my_heads, theirs, their_heads) in enumerate(zip(local, local_heads, remote, remote_heads)):
+        if my_heads.head_bytes != their_heads.head_bytes:
+            raise CoalesceError(f"KV region {i}: {my_heads.head_bytes}-byte heads here vs {their_heads.head_bytes} on the peer")
+        if local_first + num_heads > my_heads.heads or remote_first + num_heads > their_heads.heads:
+            raise CoalesceError(f"KV region {i}: heads {local_first}..{local_first + num_heads - 1} here -> "
+                                f"{remote_first}..{remote_first + num_heads - 1} there, but the blocks hold "
+                                f"{my_heads.heads} and {their_heads.heads}")
+        chunks = max(len(my_heads.chunk_offsets), len(their_heads.chunk_offsets))
+        if chunks > MAX_SLICE_CHUNKS or len(my_heads.chunk_offsets) != len(their_heads.chunk_offsets):
+            raise CoalesceError(f"a head slice of a block is {chunks} separate ranges in this KV layout (tokens lie "
+                                f"outside the heads); TP sizes that differ need a head-major layout ({HEAD_MAJOR_LAYOUTS}): "
+                                f"set VLLM_KV_CACHE_LAYOUT=BLHNC on both instances")
+        for mine_at, theirs_at in zip(my_heads.chunk_offsets, their_heads.chunk_offsets):
+            segments.append(Segment(mine.base + mine_at + local_first * my_heads.head_bytes,
+                                    theirs.base + theirs_at + remote_first * their_heads.head_bytes,
+                                    num_heads * my_heads.head_bytes, mine.stride, theirs.stride, (i,)))
     return tuple(segments)
 
 
@@ -131,9 +169,13 @@ class Plan:
              remote_device: int = 0) -> "Plan":
         return cls(pair_segments(local, remote), local_device, remote_device)
 
+    @property
+    def num_regions(self) -> int:
+        return len({i for s in self.segments for i in s.regions})
+
     def parts(self, src_blocks, dst_blocks) -> list[tuple[np.ndarray, np.ndarray, tuple[int, ...]]]:
-        """`descriptors` cut into one part per segment, in local address order (layer order for
-        a layer-major cache): (local rows, remote rows, indices of the regions the part fills).
+        """`descriptors` cut into one part per set of regions, in local address order (layer order
+        for a layer-major cache): (local rows, remote rows, indices of the regions the part fills).
         Sent one after another, they let the receiver use each layer as soon as its part lands."""
         local, remote = self.descriptors(src_blocks, dst_blocks)
         packed = [s for s in self.segments if s.packed]
@@ -145,11 +187,15 @@ class Plan:
         for seg in packed + loose:
             start[id(seg)] = at  # the row order `descriptors` writes: packed segments first
             at += rows[id(seg)]
-        out = []
+        groups: dict[tuple[int, ...], list[tuple[int, int]]] = {}  # the segments that fill a region set
         for seg in sorted(self.segments, key=lambda s: s.local_base):
             lo, hi = start[id(seg)], start[id(seg)] + rows[id(seg)]
             if hi > lo:
-                out.append((local[lo:hi], remote[lo:hi], seg.regions))
+                groups.setdefault(seg.regions, []).append((lo, hi))
+        out = []
+        for regions, spans in groups.items():
+            pick = np.concatenate([np.arange(lo, hi) for lo, hi in spans]) if len(spans) > 1 else slice(*spans[0])
+            out.append((local[pick], remote[pick], regions))
         return out
 
     def descriptors(self, src_blocks, dst_blocks) -> tuple[np.ndarray, np.ndarray]:

@@ -5,9 +5,12 @@ them, and turns P's DONE/FAIL, a lost connection or a timeout into one outcome p
 A WRITE that P streams (STREAMING, then LANDED per layer, then DONE) is handed out twice: as
 started (`take`: vLLM may schedule the request now) and as its outcome; in between the
 compute thread waits for each layer's bytes in `wait_landed`.
-One connection per P engine, opened on first use with a HELLO carrying this agent's NIXL metadata
+One connection per P rank this rank takes KV heads from (its side channel listens on the
+instance's port + its rank), opened on first use with a HELLO carrying this agent's NIXL metadata
 and KV layout; what is sent to a P while its connection is being made waits for it (the reactor
 never blocks on a connect). A connection that dies fails every transfer pending on it at once.
+A transfer from a prefill with another TP size has one part per source rank (fanin.py): vLLM
+hears of it once, when every part is in; the first part to fail cancels the others.
 """
 from __future__ import annotations
 
@@ -15,11 +18,13 @@ import logging
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from . import wire
 from .channel import Connection, Reactor
+from .fanin import RANK_SEPARATOR, Parts, base_name, rank_key, rank_of
 from .liveness import DEFAULT_SILENCE_S, PeerLiveness
+from .sharding import HeadSharding, ShardingError, sources_of
 from .state import ConsumerState, Outcome, Pending, counts_since
 
 log = logging.getLogger(__name__)
@@ -35,14 +40,17 @@ class ConsumerConfig:
     connect_timeout_s: float = 1.0
     peer_silence_s: float = DEFAULT_SILENCE_S  # a P waited on that answers no ping this long is gone
     accepted_timeout_s: float = 300.0  # a P that accepted a transfer and then sent nothing this long
+    sharding: HeadSharding = field(default_factory=lambda: HeadSharding(1, 1))  # this instance's heads over its ranks
+    head_layouts: tuple[wire.HeadLayout, ...] = ()  # per region; () = one head filling each block
 
 
 class Consumer:
     def __init__(self, config: ConsumerConfig, agent_name: str, agent_metadata: bytes, regions: tuple[wire.Region, ...],
                  device_id: int = 0):
         self.config = config
-        self._hello = wire.Hello(config.engine_id, config.tp_rank, agent_name, agent_metadata, config.identity, regions,
-                                 device_id)
+        head_layouts = config.head_layouts or tuple(wire.HeadLayout.whole(r.block_len) for r in regions)
+        self._hello = wire.Hello(config.engine_id, config.tp_rank, config.sharding.tp_size, agent_name, agent_metadata,
+                                 config.identity, regions, head_layouts, device_id)
         self._lock = threading.Lock()
         self._outcome_ready = threading.Condition(self._lock)
         self._state = ConsumerState(config.timeout_s, config.accepted_timeout_s)
@@ -51,6 +59,7 @@ class Consumer:
         self._connecting: dict[str, list[wire.Message]] = {}  # P engine -> what waits for its connection
         self._silenced: set[str] = set()  # P engines this side hung up on for not answering (reactor thread)
         self._outcomes: list[Outcome] = []
+        self._parts = Parts()  # lock held
         self._started: list[Pending] = []  # streamed transfers whose WRITE began
         self.counters: Counter = Counter()
         self._counted: Counter = Counter()  # what take_counts already handed out
@@ -59,28 +68,44 @@ class Consumer:
 
     # ---- compute thread ----------------------------------------------------------------------
     def expect(self, req_id: str, transfer_id: str, peer_engine: str, host: str, port: int,
-               block_ids: list[int], first_block: int, num_tokens: int) -> None:
+               block_ids: list[int], first_block: int, num_tokens: int, peer_tp_size: int = 1) -> None:
+        """Register these blocks with every rank of prefill `peer_engine` (TP `peer_tp_size`, side
+        channel on `port` + rank) that holds KV heads of this rank."""
         now = time.monotonic()
-        pending = Pending(transfer_id, req_id, peer_engine, tuple(block_ids), now)
+        whole = Pending(transfer_id, req_id, peer_engine, tuple(block_ids), now)
         with self._lock:
             if peer_engine not in self.config.allowed_engines:
                 self.counters["refused_peer"] += 1
-                self._add_outcomes([Outcome(pending, False, f"prefill engine {peer_engine!r} is not in allowed_engines {sorted(self.config.allowed_engines)}")])
+                self._add_whole(Outcome(whole, False, f"prefill engine {peer_engine!r} is not in allowed_engines {sorted(self.config.allowed_engines)}"))
                 return
-            if not self._state.add(pending):
+            try:
+                prefill = HeadSharding(self.config.sharding.total_heads, peer_tp_size)
+            except ShardingError as exc:
+                self.counters["refused_peer"] += 1
+                self._add_whole(Outcome(whole, False, f"prefill {peer_engine} runs TP {peer_tp_size}: {exc}"))
                 return
-        log.debug("kvpush D expect %s req=%s blocks=%d first=%d t=%.6f", transfer_id, req_id, len(block_ids), first_block, now)
+            if transfer_id in self._parts:
+                self._state.dropped["duplicate_registration"] += 1
+                return
+            sources = sources_of(self.config.tp_rank, prefill, self.config.sharding)
+            keys = [rank_key(transfer_id, rank) for rank in sources]
+            self._parts.add(whole, keys)
+            for rank, key in zip(sources, keys):
+                self._state.add(Pending(key, req_id, rank_key(peer_engine, rank), tuple(block_ids), now))
+        log.debug("kvpush D expect %s req=%s blocks=%d first=%d from ranks %s t=%.6f", transfer_id, req_id, len(block_ids),
+                  first_block, sources, now)
         msg = wire.Register(transfer_id, tuple(block_ids), first_block, num_tokens)
-        self._reactor.call_soon(lambda: self._send(peer_engine, host, port, msg))
+        for rank in sources:
+            self._reactor.call_soon(lambda r=rank: self._send(rank_key(peer_engine, r), host, port + r, msg))
 
     def cancel(self, transfer_id: str) -> bool:
-        """D's request went away: ask P not to write (the outcome still arrives, or times out).
-        False if the transfer has its outcome already."""
+        """D's request went away: ask P's ranks not to write (the outcome still arrives, or times
+        out). False if the transfer has its outcome already."""
         with self._lock:
-            pending = self._state.pending.get(transfer_id)
-        if pending is not None:
-            self._reactor.call_soon(lambda: self._send_existing(pending.peer_engine, wire.Cancel(transfer_id)))
-        return pending is not None
+            running = [self._state.pending[k] for k in self._parts.running(transfer_id) if k in self._state.pending]
+        for pending in running:
+            self._reactor.call_soon(lambda p=pending: self._send_existing(p.peer_engine, wire.Cancel(transfer_id)))
+        return bool(running)
 
     def take_outcomes(self) -> list[Outcome]:
         with self._lock:
@@ -111,29 +136,45 @@ class Consumer:
                 self._outcome_ready.wait(timeout_s)
 
     def wait_landed(self, transfer_ids: list[str], regions: tuple[int, ...], timeout_s: float) -> None:
-        """Block until those regions of every one of these streamed transfers hold their bytes or
-        the transfer has its outcome. One still short of that after `timeout_s` is failed here."""
+        """Block until those regions of every one of these streamed transfers hold their bytes
+        (from every source rank) or the transfer is over or failing. One still short of that after
+        `timeout_s` is failed here."""
         deadline = time.monotonic() + timeout_s
         with self._outcome_ready:
             while True:
-                short = [t for t in transfer_ids if not self._state.has_landed(t, regions)]
+                short = [k for t in transfer_ids if not self._parts.failing(t)
+                         for k in self._parts.running(t) if not self._state.has_landed(k, regions)]
                 left = deadline - time.monotonic()
                 if not short or left <= 0:
                     break
                 self._outcome_ready.wait(left)
-            for tid in short:
-                pending = self._state.pending.get(tid)
+            for key in short:
+                pending = self._state.pending.get(key)
                 if pending is not None:
-                    self._add_outcomes([self._state.fail(tid, pending.peer_engine,
+                    self._add_outcomes([self._state.fail(key, pending.peer_engine,
                                                          f"streamed KV from {pending.peer_engine} did not land within {timeout_s:g} s",
                                                          may_still_land=True)])
-                    self._reactor.call_soon(lambda p=pending: self._send_existing(p.peer_engine, wire.Cancel(p.transfer_id)))
+                    self._reactor.call_soon(lambda p=pending: self._send_existing(p.peer_engine, wire.Cancel(base_name(p.transfer_id))))
 
     def _add_outcomes(self, outcomes: list[Outcome]) -> None:
+        """Parts' outcomes (lock held): a transfer's outcome once all its parts have one; the
+        parts still running when one fails are cancelled."""
+        for part in outcomes:
+            whole, cancel, started = self._parts.settle(part)
+            if started is not None:
+                self._started.append(started)
+                self._outcome_ready.notify_all()
+            for key in cancel:
+                pending = self._state.pending.get(key)
+                if pending is not None:
+                    self._reactor.call_soon(lambda p=pending: self._send_existing(p.peer_engine, wire.Cancel(base_name(p.transfer_id))))
+            if whole is not None:
+                self._add_whole(whole)
+
+    def _add_whole(self, outcome: Outcome) -> None:
         """Lock held."""
-        if outcomes:
-            self._outcomes.extend(outcomes)
-            self._outcome_ready.notify_all()
+        self._outcomes.append(outcome)
+        self._outcome_ready.notify_all()
 
     def close(self) -> None:
         self._reactor.stop()
@@ -155,7 +196,7 @@ class Consumer:
     def _on_connected(self, peer_engine: str, address: str, conn: Connection | None, error: str) -> None:
         waiting = self._connecting.pop(peer_engine, [])
         if conn is None:
-            self._peer_failed(peer_engine, f"cannot reach prefill {peer_engine} side channel at {address}: {error}")
+            self._peer_failed(peer_engine, f"cannot reach prefill {_named(peer_engine)} side channel at {address}: {error}")
             return
         conn.engine_id = peer_engine
         self._conns[peer_engine] = conn
@@ -179,7 +220,7 @@ class Consumer:
             self._add_outcomes(lost)
         failed = [o for o in lost if not o.ok]
         if failed:
-            log.warning("kvpush: %d transfer(s) from %s failed: %s", len(failed), peer_engine, reason)
+            log.warning("kvpush: %d transfer(s) from %s failed: %s", len(failed), _named(peer_engine), reason)
 
     def _busy_peers(self) -> set[str]:
         """P engines with a transfer pending and a connection to ask them on (lock held)."""
@@ -206,7 +247,7 @@ class Consumer:
         for o in late:
             log.warning("kvpush: transfer %s (request %s) failed: %s", o.pending.transfer_id, o.pending.req_id, o.reason)
         for o in late:  # let P free its side if it is still holding it
-            self._send_existing(o.pending.peer_engine, wire.Cancel(o.pending.transfer_id))
+            self._send_existing(o.pending.peer_engine, wire.Cancel(base_name(o.pending.transfer_id)))
 
     def on_malformed(self, conn: Connection, error: str) -> None:
         self.counters["malformed"] += 1
@@ -218,50 +259,59 @@ class Consumer:
             self._liveness.forget(conn.engine_id)
             silenced = conn.engine_id in self._silenced  # else P went away: nothing of it lands later
             self._silenced.discard(conn.engine_id)
-            self._peer_failed(conn.engine_id, f"side channel to prefill {conn.engine_id} lost ({reason})", silenced)
+            self._peer_failed(conn.engine_id, f"side channel to prefill {_named(conn.engine_id)} lost ({reason})", silenced)
 
     def on_message(self, conn: Connection, msg: wire.Message) -> None:
         now = time.monotonic()
-        engine_id = conn.engine_id or ""
-        self._liveness.heard(engine_id)
+        peer_key = conn.engine_id or ""
+        self._liveness.heard(peer_key)
         if isinstance(msg, wire.Pong):
             return
         if isinstance(msg, wire.Welcome):
-            if msg.engine_id != engine_id:
+            if msg.engine_id != base_name(peer_key):
                 self._reactor.close(conn, f"peer says it is {msg.engine_id!r}")
             return
         if isinstance(msg, wire.Refuse):
-            log.error("kvpush: prefill %s refused the handshake: %s", engine_id, msg.reason)
-            self._peer_failed(engine_id, f"handshake refused by {engine_id}: {msg.reason}")
+            log.error("kvpush: prefill %s refused the handshake: %s", _named(peer_key), msg.reason)
+            self._peer_failed(peer_key, f"handshake refused by {_named(peer_key)}: {msg.reason}")
             return
+        key = rank_key(msg.transfer_id, rank_of(peer_key)) if hasattr(msg, "transfer_id") and peer_key else ""
         with self._lock:
             if isinstance(msg, wire.Accepted):
-                self._state.accept(msg.transfer_id, engine_id, now)
-                log.debug("kvpush D accepted %s t=%.6f", msg.transfer_id, now)
+                self._state.accept(key, peer_key, now)
+                log.debug("kvpush D accepted %s t=%.6f", key, now)
                 return
             if isinstance(msg, wire.Streaming):
-                started = self._state.streaming(msg.transfer_id, engine_id)
+                started = self._state.streaming(key, peer_key)
                 if started is not None:
-                    self._started.append(started)
-                    self._outcome_ready.notify_all()
-                log.debug("kvpush D streaming %s t=%.6f", msg.transfer_id, now)
+                    whole = self._parts.streaming(key)
+                    if whole is not None:
+                        self._started.append(whole)
+                        self._outcome_ready.notify_all()
+                log.debug("kvpush D streaming %s t=%.6f", key, now)
                 return
             if isinstance(msg, wire.Landed):
-                if self._state.landed(msg.transfer_id, engine_id, msg.regions, len(self._hello.regions)):
+                if self._state.landed(key, peer_key, msg.regions, len(self._hello.regions)):
                     self.counters["landed_parts"] += 1
                     self._outcome_ready.notify_all()
                 return
             if isinstance(msg, wire.Done):
-                outcome = self._state.done(msg.transfer_id, engine_id, msg.num_bytes)
+                outcome = self._state.done(key, peer_key, msg.num_bytes)
             elif isinstance(msg, wire.Fail):
-                outcome = self._state.fail(msg.transfer_id, engine_id, msg.reason, msg.may_still_land)
+                outcome = self._state.fail(key, peer_key, msg.reason, msg.may_still_land)
             else:
                 self.counters["unexpected"] += 1
                 return
             if outcome is not None:
                 self._add_outcomes([outcome])
         if outcome is not None:
-            log.debug("kvpush D outcome %s req=%s ok=%s bytes=%d since_register=%.6f t=%.6f", msg.transfer_id,
+            log.debug("kvpush D outcome %s req=%s ok=%s bytes=%d since_register=%.6f t=%.6f", key,
                       outcome.pending.req_id, outcome.ok, outcome.num_bytes, now - outcome.pending.created, now)
             if not outcome.ok:
-                log.warning("kvpush: transfer %s (request %s) failed: %s", msg.transfer_id, outcome.pending.req_id, outcome.reason)
+                log.warning("kvpush: transfer %s (request %s) from %s failed: %s", msg.transfer_id, outcome.pending.req_id,
+                            _named(peer_key), outcome.reason)
+
+
+def _named(peer_key: str) -> str:
+    """A prefill rank as a user reads it: engine id and rank."""
+    return f"{base_name(peer_key)} rank {rank_of(peer_key)}" if RANK_SEPARATOR in peer_key else peer_key

@@ -13,7 +13,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from .wire import Region
+from .wire import HeadLayout, Region
 
 
 class LayoutError(ValueError):
@@ -61,6 +61,44 @@ def regions_of(view: TensorView, num_blocks: int) -> list[Region]:
         offset = sum(i * s for i, s in zip(outer, view.strides[:dim])) * view.itemsize
         regions.append(Region(base=view.data_ptr + offset, block_len=block_len, stride=stride, num_blocks=num_blocks))
     return regions
+
+
+def head_layout(view: TensorView, num_blocks: int, heads: int) -> HeadLayout:
+    """Where this rank's `heads` KV heads lie inside each block of the tensor's regions.
+
+    The head dimension is the first one after the block dimension whose size is `heads`, or the
+    second when the first is a K/V split of size 2 (vLLM's per-layer views: [blocks, heads,
+    tokens, content], its CPU cache [blocks, heads, block_size, 2 * head_size], FlashInfer's
+    [blocks, 2, heads, tokens, head_size]). Dimensions whose stride is larger lie outside the
+    heads: a head slice of a block is one range per index of those. A cache without a head
+    dimension (a latent cache) holds one head filling the block.
+    """
+    block_len = regions_of(view, num_blocks)[0].block_len
+    dim = block_dim(view, num_blocks)
+    inner = list(zip(view.shape[dim + 1:], view.strides[dim + 1:]))
+    sizes = [n for n, _ in inner]
+    at = 1 if len(sizes) > 1 and sizes[0] == 2 and sizes[1] == heads else next(
+        (i for i, n in enumerate(sizes) if n == heads), None)
+    if at is None:
+        if heads == 1:
+            return HeadLayout.whole(block_len)
+        raise LayoutError(f"KV tensor of shape {view.shape}: no dimension of {heads} heads after the block dimension")
+    head_stride = inner[at][1]
+    outside, inside = [], 1
+    for i, (n, stride) in enumerate(inner):
+        if i == at or n == 1:
+            continue
+        if stride > head_stride or (stride == head_stride and i < at):
+            outside.append((n, stride))
+        else:
+            inside *= n
+    if inside != head_stride:
+        if heads == 1:  # a size-1 head dimension may carry any stride: the block is the head
+            return HeadLayout.whole(block_len)
+        raise LayoutError(f"KV tensor of shape {view.shape}, strides {view.strides}: a head is not one dense range")
+    offsets = sorted(sum(i * s for i, (_, s) in zip(index, outside))
+                     for index in itertools.product(*(range(n) for n, _ in outside)))
+    return HeadLayout(heads, head_stride * view.itemsize, tuple(o * view.itemsize for o in offsets))
 
 
 def kv_regions(views: Iterable[TensorView], num_blocks: int) -> list[Region]:

@@ -15,6 +15,7 @@ class SendSpec:
     transfer_id: str
     block_ids: tuple[int, ...]
     peer_engine: str
+    peer_tp_size: int = 1
 
 
 @dataclass(frozen=True)
@@ -37,8 +38,8 @@ class RecvSpec:
 class PushMetadata:
     sends: list[SendSpec] = field(default_factory=list)
     recvs: list[RecvSpec] = field(default_factory=list)
-    accepts: list[str] = field(default_factory=list)  # P: transfer ids of newly arrived requests
-    aborts: list[tuple[str, str]] = field(default_factory=list)  # P: (transfer id, reason)
+    accepts: list[tuple[str, int]] = field(default_factory=list)  # P: (transfer id, decode TP size) of new requests
+    aborts: list[tuple[str, str, int]] = field(default_factory=list)  # P: (transfer id, reason, decode TP size)
     cancels: list[str] = field(default_factory=list)  # D: transfer ids
     # D: requests this step computes for the first time since their KV was reported received
     loading: list[str] = field(default_factory=list)

@@ -20,6 +20,9 @@ from dataclasses import dataclass, field
 
 from . import wire
 from .channel import Connection, Reactor
+from .coalesce import CoalesceError, Plan, slice_segments
+from .fanin import base_name, rank_key, rank_of
+from .sharding import HeadSharding, ShardingError, pieces_for_prefill, targets_of
 from .state import Match, Offer, ProducerState, Registration, Rejection, counts_since
 from .transfer import NixlEngine, Peer, TransferError, Write
 
@@ -86,7 +89,11 @@ class ProducerConfig:
     host: str
     port: int
     timeout_s: float = 5.0  # unmatched halves expire, and a posted WRITE must end, within this
-    tp_rank: int = 0  # D's rank r talks to P's rank r only
+    tp_rank: int = 0
+    # how this instance's KV heads lie over its ranks; which decode ranks this rank writes into
+    # follows from it and the decode's TP size (sharding.py)
+    sharding: HeadSharding = field(default_factory=lambda: HeadSharding(1, 1))
+    head_layouts: tuple[wire.HeadLayout, ...] = ()  # per region; () = one head filling each block
     # DRAM: the copy is CPU work, so the compute thread that posted a WRITE completes it at once.
     # VRAM: the GPU's copy engines do it; the compute thread returns to vLLM.
     drive_writes: bool = True
@@ -96,7 +103,7 @@ class ProducerConfig:
 
 @dataclass
 class _Peers:
-    """D engines that completed a handshake: their connection and prepared NIXL peer."""
+    """D ranks that completed a handshake (keyed engine#rank): their connection and NIXL peer."""
 
     conns: dict[str, Connection] = field(default_factory=dict)
     nixl: dict[str, Peer] = field(default_factory=dict)
@@ -114,6 +121,7 @@ class Producer:
         self._prepared: dict[str, _Prepared] = {}  # transfer id ->
         self._counted: Counter = Counter()  # what take_counts already handed out
         self._freed: list[str] = []
+        self._parts_left: dict[str, int] = {}  # request -> pushes (one per decode rank) not yet ended
         self._records: list[SendRecord] = []
         self.counters: Counter = Counter()
         self._reactor = Reactor(f"kvpush-p-{config.engine_id}", self)
@@ -121,9 +129,17 @@ class Producer:
         self._reactor.start()
 
     # ---- compute thread ----------------------------------------------------------------------
-    def prepare(self, transfer_id: str, block_ids: list[int] | tuple[int, ...], peer_engine: str) -> bool:
-        """Make the WRITE of a request whose prefill is about to complete, if D's registration and
-        connection are here; `offer` then only posts it. False if nothing was made."""
+    def prepare(self, transfer_id: str, block_ids: list[int] | tuple[int, ...], peer_engine: str,
+                peer_tp_size: int = 1) -> bool:
+        """Make the WRITEs of a request whose prefill is about to complete, one per decode rank
+        whose registration and connection are here; `offer` then only posts them. False if
+        nothing was made."""
+        made = False
+        for rank in self._targets(peer_tp_size):
+            made |= self._prepare(rank_key(transfer_id, rank), block_ids, rank_key(peer_engine, rank))
+        return made
+
+    def _prepare(self, transfer_id: str, block_ids: list[int] | tuple[int, ...], peer_engine: str) -> bool:
         with self._lock:
             reg = self._state.registrations.get(transfer_id)
             peer = self._peers.nixl.get(peer_engine)
@@ -141,46 +157,57 @@ class Producer:
             self._prepared[transfer_id] = _Prepared(peer_engine, peer, src, reg.block_ids, write)
             return True
 
-    def peer(self, engine_id: str) -> Peer | None:
-        """The NIXL peer of a decode engine that completed its handshake."""
+    def peer(self, engine_id: str, rank: int = 0) -> Peer | None:
+        """The NIXL peer of a decode rank that completed its handshake."""
         with self._lock:
-            return self._peers.nixl.get(engine_id)
+            return self._peers.nixl.get(rank_key(engine_id, rank))
 
-    def has_registration(self, transfer_id: str) -> bool:
-        """D's registration for this transfer is here and not yet matched."""
-        with self._lock:
-            return transfer_id in self._state.registrations
-
-    def offer(self, transfer_id: str, req_id: str, block_ids: list[int], peer_engine: str) -> None:
-        """The request's prefill is done and these are its blocks. Copies (CPU) happen on this
-        thread without the producer's lock, so the reactor keeps answering D meanwhile."""
+    def offer(self, transfer_id: str, req_id: str, block_ids: list[int], peer_engine: str, peer_tp_size: int = 1) -> None:
+        """The request's prefill is done and these are its blocks: one push per decode rank that
+        takes KV heads from this rank. Copies (CPU) happen on this thread without the producer's
+        lock, so the reactor keeps answering D meanwhile. Its blocks are freed once every push ended."""
         now = time.monotonic()
+        here: list[Match] = []
         with self._lock:
-            if peer_engine not in self.config.allowed_engines:
-                self.counters["refused_peer"] += 1
-                log.error("kvpush: request %s names decode engine %r, which is not in allowed_engines %s; not sending its KV",
-                          req_id, peer_engine, sorted(self.config.allowed_engines))
-                self._freed.append(req_id)
+            targets = self._targets(peer_tp_size)
+            if peer_engine not in self.config.allowed_engines or not targets:
+                if targets:
+                    self.counters["refused_peer"] += 1
+                    log.error("kvpush: request %s names decode engine %r, which is not in allowed_engines %s; not sending its KV",
+                              req_id, peer_engine, sorted(self.config.allowed_engines))
+                self._freed.append(req_id)  # else no decode rank takes heads from this rank
                 return
-            result = self._state.offer(Offer(transfer_id, req_id, tuple(block_ids), peer_engine, now))
-            log.debug("kvpush P offer %s req=%s blocks=%d t=%.6f matched=%s", transfer_id, req_id, len(block_ids), now, result is not None)
-            here = isinstance(result, Match) and self.config.drive_writes  # this thread copies it
-            if here:
-                self._writing.add(transfer_id)
-            else:
-                self._settle(result)
-        if here:
+            self._parts_left[req_id] = self._parts_left.get(req_id, 0) + len(targets)
+            for rank in targets:
+                key = rank_key(transfer_id, rank)
+                result = self._state.offer(Offer(key, req_id, tuple(block_ids), rank_key(peer_engine, rank), now))
+                log.debug("kvpush P offer %s req=%s blocks=%d t=%.6f matched=%s", key, req_id, len(block_ids), now, result is not None)
+                if isinstance(result, Match) and self.config.drive_writes:  # this thread copies it
+                    self._writing.add(key)
+                    here.append(result)
+                else:
+                    self._settle(result)
+        for match in here:
+            key = match.offer.transfer_id
             try:
-                (self._stream if self.config.stream_writes else self._drive)(result)
+                (self._stream if self.config.stream_writes else self._drive)(match)
             except Exception as exc:  # a bug here must cost this push, not the engine's compute thread
-                log.exception("kvpush: WRITE %s failed unexpectedly", transfer_id)
+                log.exception("kvpush: WRITE %s failed unexpectedly", key)
                 with self._lock:
-                    self._finish(result, self._peers.conns.get(peer_engine), now, time.monotonic(), False,
+                    self._finish(match, self._peers.conns.get(match.offer.peer_engine), now, time.monotonic(), False,
                                  f"prefill error during the WRITE: {exc!r}")
             finally:
                 with self._lock:
-                    self._writing.discard(transfer_id)
+                    self._writing.discard(key)
         self._reactor.wake()
+
+    def _targets(self, peer_tp_size: int) -> list[int]:
+        """The decode ranks (of a decode instance with this TP size) this rank writes into."""
+        try:
+            decode = HeadSharding(self.config.sharding.total_heads, peer_tp_size)
+        except ShardingError:
+            return []  # refused at the decode rank's handshake; nothing to write
+        return targets_of(self.config.tp_rank, self.config.sharding, decode)
 
     def _drive(self, match: Match) -> None:
         """Post the WRITE and complete it before returning: on a CPU host the copy is CPU work on
@@ -216,7 +243,7 @@ class Producer:
             with self._lock:
                 self._finish(match, conn, started, time.monotonic(), False, str(exc))
             return
-        conn.send(wire.Streaming(tid))
+        conn.send(wire.Streaming(base_name(tid)))
         landed_bytes = 0
         descriptors = sum(w.num_descriptors for w, _ in parts)
         for i, (write, regions) in enumerate(parts):
@@ -244,7 +271,7 @@ class Producer:
                                   f"NIXL WRITE to {engine_id} failed (layer part {i + 1} of {len(parts)})")
                 return
             landed_bytes += write.num_bytes
-            conn.send(wire.Landed(tid, regions))
+            conn.send(wire.Landed(base_name(tid), regions))
         with self._lock:
             self._finish(match, conn, started, time.monotonic(), True, num_bytes=landed_bytes, num_descriptors=descriptors)
 
@@ -274,21 +301,23 @@ class Producer:
             self._queue(_InFlight(match, writes, conn, started, False, error, num_bytes,
                                   time.monotonic() + self.config.timeout_s))
 
-    def accept(self, transfer_ids: list[str]) -> None:
-        """P's scheduler has these requests (queued or prefilling): tell D, whose no-show timer
-        stops, now or when its registration arrives."""
+    def accept(self, transfers: list[tuple[str, int]]) -> None:
+        """P's scheduler has these requests (queued or prefilling), given as (transfer id, decode
+        TP size): tell each decode rank, whose no-show timer stops, now or when it registers."""
         with self._lock:
-            for tid in transfer_ids:
-                reg = self._state.accept(tid)
-                if reg is not None:
-                    self._send(reg.peer_engine, wire.Accepted(tid))
+            for tid, peer_tp_size in transfers:
+                for rank in self._targets(peer_tp_size):
+                    reg = self._state.accept(rank_key(tid, rank))
+                    if reg is not None:
+                        self._send(reg.peer_engine, wire.Accepted(tid))
 
-    def abort(self, transfer_id: str, reason: str) -> None:
-        """P's request ended before its prefill completed: tell D now or when it registers."""
+    def abort(self, transfer_id: str, reason: str, peer_tp_size: int = 1) -> None:
+        """P's request ended before its prefill completed: tell D's ranks now or when they register."""
         with self._lock:
-            reg = self._state.abort(transfer_id, reason, time.monotonic())
-            if reg is not None:
-                self._send_fail(reg.peer_engine, transfer_id, reason)
+            for rank in self._targets(peer_tp_size):
+                reg = self._state.abort(rank_key(transfer_id, rank), reason, time.monotonic())
+                if reg is not None:
+                    self._send_fail(reg.peer_engine, transfer_id, reason)
 
     def take_freed(self) -> list[str]:
         with self._lock:
@@ -316,11 +345,11 @@ class Producer:
         if isinstance(result, Rejection):
             self.counters["rejected"] += 1
             if result.tell_decode:
-                self._send_fail(result.peer_engine, result.transfer_id, result.reason)
+                self._send_fail(result.peer_engine, base_name(result.transfer_id), result.reason)
             else:
                 log.warning("kvpush: request %s refused: %s", result.req_id, result.reason)
             if result.req_id is not None:
-                self._freed.append(result.req_id)
+                self._push_ended(result.req_id)
         elif isinstance(result, Match):
             self._queue(self._post(result))
 
@@ -341,7 +370,7 @@ class Producer:
                 self._finish(match, None, now, now, False, f"decode engine {engine_id} disconnected before the WRITE")
                 return None
             if not match.src_blocks:
-                conn.send(wire.Done(match.offer.transfer_id, 0))
+                conn.send(wire.Done(base_name(match.offer.transfer_id), 0))
                 self._finish(match, None, now, now, True)
                 return None
             write = self._take_prepared(match, engine_id, peer)
@@ -383,17 +412,26 @@ class Producer:
         if ok:
             self.counters["sent"] += 1
             if conn is not None:
-                conn.send(wire.Done(tid, num_bytes))
+                conn.send(wire.Done(base_name(tid), num_bytes))
         else:
             self.counters["failed"] += 1
             log.warning("kvpush: push %s (request %s) failed: %s", tid, match.offer.req_id, reason)
             if conn is not None:
-                conn.send(wire.Fail(tid, reason, may_still_land))
-        self._freed.append(match.offer.req_id)
+                conn.send(wire.Fail(base_name(tid), reason, may_still_land))
+        self._push_ended(match.offer.req_id)
         self._records.append(SendRecord(tid, match.offer.req_id, ok, num_bytes, match.offer.created,
                                         match.registration.created, posted, now, reason, num_descriptors, ahead))
         log.debug("kvpush P done %s ok=%s bytes=%d prefill_end_to_done=%.6f t=%.6f", tid, ok, num_bytes,
                   now - match.offer.created, now)
+
+    def _push_ended(self, req_id: str) -> None:
+        """One of the request's pushes ended (any way): its blocks are free after the last."""
+        left = self._parts_left.get(req_id, 1) - 1
+        if left > 0:
+            self._parts_left[req_id] = left
+            return
+        self._parts_left.pop(req_id, None)
+        self._freed.append(req_id)
 
     def _send_fail(self, engine_id: str, transfer_id: str, reason: str) -> None:
         self._send(engine_id, wire.Fail(transfer_id, reason))
@@ -420,9 +458,10 @@ class Producer:
             for o in offers:
                 log.warning("kvpush: decode engine %s never registered transfer %s (request %s) within %g s; freeing its blocks",
                             o.peer_engine, o.transfer_id, o.req_id, self.config.timeout_s)
-                self._freed.append(o.req_id)
+                self._push_ended(o.req_id)
             for r in regs:
-                self._send_fail(r.peer_engine, r.transfer_id, f"prefill {self.config.engine_id} had no request for transfer {r.transfer_id} within {self.config.timeout_s:g} s")
+                tid = base_name(r.transfer_id)
+                self._send_fail(r.peer_engine, tid, f"prefill {self.config.engine_id} had no request for transfer {tid} within {self.config.timeout_s:g} s")
 
     def _poll(self, gone_engine: str | None = None, why: str = "") -> None:
         """Finish WRITEs that completed or failed, or still copy past their deadline, or go to
@@ -477,32 +516,39 @@ class Producer:
             conn.send(wire.Pong())
             return
         now = time.monotonic()
+        peer_key = conn.engine_id
         with self._lock:
             if isinstance(msg, wire.Register):
-                log.debug("kvpush P register %s from %s blocks=%d t=%.6f", msg.transfer_id, conn.engine_id, len(msg.block_ids), now)
-                bad = self._bad_registration(conn.engine_id, msg)
+                key = self._part_key(msg.transfer_id, peer_key)
+                log.debug("kvpush P register %s from %s blocks=%d t=%.6f", key, peer_key, len(msg.block_ids), now)
+                bad = self._bad_registration(peer_key, msg)
                 if bad:
                     self.counters["bad_registration"] += 1
-                    log.warning("kvpush: refused registration %s from %s: %s", msg.transfer_id, conn.engine_id, bad)
-                    offer = self._state.cancel(msg.transfer_id, conn.engine_id, now)
+                    log.warning("kvpush: refused registration %s from %s: %s", msg.transfer_id, peer_key, bad)
+                    offer = self._state.cancel(key, peer_key, now)
                     if offer is not None:
-                        self._freed.append(offer.req_id)
+                        self._push_ended(offer.req_id)
                     conn.send(wire.Fail(msg.transfer_id, bad))
                     return
-                result = self._state.register(Registration(msg.transfer_id, conn.engine_id, msg.block_ids, msg.first_block, now))
-                if result is None and msg.transfer_id in self._state.accepted:
+                result = self._state.register(Registration(key, peer_key, msg.block_ids, msg.first_block, now))
+                if result is None and key in self._state.accepted:
                     conn.send(wire.Accepted(msg.transfer_id))
                 self._settle(result)
             elif isinstance(msg, wire.Cancel):
-                offer = self._state.cancel(msg.transfer_id, conn.engine_id, now)
+                key = self._part_key(msg.transfer_id, peer_key)
+                offer = self._state.cancel(key, peer_key, now)
                 if offer is not None:
-                    self._freed.append(offer.req_id)
-                writing = msg.transfer_id in self._writing or any(
-                    i.match.offer.transfer_id == msg.transfer_id for i in self._inflight)
+                    self._push_ended(offer.req_id)
+                writing = key in self._writing or any(i.match.offer.transfer_id == key for i in self._inflight)
                 if not writing:  # else the WRITE's own DONE or FAIL answers
                     conn.send(wire.Fail(msg.transfer_id, "cancelled by decode"))
             else:
                 self.counters["unexpected"] += 1
+
+    @staticmethod
+    def _part_key(transfer_id: str, peer_key: str) -> str:
+        """This side's name of the push of `transfer_id` to the decode rank behind `peer_key`."""
+        return rank_key(transfer_id, rank_of(peer_key))
 
     def _bad_registration(self, engine_id: str, msg: wire.Register) -> str:
         """Why D's registration cannot be written into as it stands ("" if it can)."""
@@ -516,36 +562,53 @@ class Producer:
         if conn.engine_id is not None:  # this connection already speaks for an engine
             self.counters["repeated_hello"] += 1
             return
-        reason = self._check_hello(hello)
-        if reason is None:
+        reason, plan = self._check_hello(hello)
+        if plan is not None:
             try:
-                peer = self.engine.add_peer(hello.agent_metadata, hello.regions, hello.device_id)
+                peer = self.engine.add_peer(hello.agent_metadata, hello.regions, hello.device_id, plan.segments)
             except TransferError as exc:
                 reason = str(exc)
         if reason is not None:
             self.counters["refused_handshake"] += 1
-            log.error("kvpush: refused handshake from %s (%s): %s", hello.engine_id, conn.peer, reason)
+            log.error("kvpush: refused handshake from %s rank %d (%s): %s", hello.engine_id, hello.tp_rank, conn.peer, reason)
             conn.send(wire.Refuse(self.config.engine_id, reason))
             self._reactor.close(conn, "handshake refused")
             return
+        key = rank_key(hello.engine_id, hello.tp_rank)
         with self._lock:
-            old = self._peers.conns.get(hello.engine_id)
-            conn.engine_id = hello.engine_id
-            self._peers.conns[hello.engine_id] = conn
-            self._peers.nixl[hello.engine_id] = peer
+            old = self._peers.conns.get(key)
+            conn.engine_id = key
+            self._peers.conns[key] = conn
+            self._peers.nixl[key] = peer
         if old is not None and old is not conn:
             self._reactor.close(old, "replaced by a new connection")
         conn.send(wire.Welcome(self.config.engine_id))
-        log.info("kvpush: handshake with decode engine %s (%s) done", hello.engine_id, conn.peer)
+        log.info("kvpush: handshake with decode engine %s rank %d (%s) done: %d segment(s) per block run",
+                 hello.engine_id, hello.tp_rank, conn.peer, len(plan.segments))
 
-    def _check_hello(self, hello: wire.Hello) -> str | None:
-        if hello.engine_id not in self.config.allowed_engines:
-            return f"engine {hello.engine_id!r} is not in this prefill's allowed_engines {sorted(self.config.allowed_engines)}"
-        if hello.tp_rank != self.config.tp_rank:
-            return (f"decode rank {hello.tp_rank} reached prefill rank {self.config.tp_rank}'s side channel "
-                    f"(rank r listens on side_channel_port + r; both sides need equal TP sizes)")
-        diffs = self.config.identity.mismatches(hello.identity)
+    def _check_hello(self, hello: wire.Hello) -> tuple[str | None, Plan | None]:
+        """Why this decode rank cannot be written into (None if it can), else how: the pairing of
+        this rank's heads with the decode rank's, region by region."""
+        cfg = self.config
+        if hello.engine_id not in cfg.allowed_engines:
+            return f"engine {hello.engine_id!r} is not in this prefill's allowed_engines {sorted(cfg.allowed_engines)}", None
+        diffs = cfg.identity.mismatches(hello.identity)
         if diffs:
-            return f"KV layout of prefill {self.config.engine_id} vs decode {hello.engine_id} differs: " + "; ".join(diffs)
-        return None
-
+            return f"KV layout of prefill {cfg.engine_id} vs decode {hello.engine_id} differs: " + "; ".join(diffs), None
+        try:
+            decode = HeadSharding(cfg.sharding.total_heads, hello.tp_size)
+        except ShardingError as exc:
+            return f"decode {hello.engine_id}: {exc}", None
+        pieces = [p for p in pieces_for_prefill(cfg.tp_rank, cfg.sharding, decode) if p.d_rank == hello.tp_rank]
+        if not pieces:
+            return (f"decode rank {hello.tp_rank} (TP {hello.tp_size}) takes no KV heads from prefill rank {cfg.tp_rank} "
+                    f"(TP {cfg.sharding.tp_size}, {cfg.sharding.total_heads} KV heads) but reached its side channel"), None
+        piece = pieces[0]
+        local_heads = cfg.head_layouts or tuple(wire.HeadLayout.whole(r.block_len) for r in self.engine.regions)
+        try:
+            segments = slice_segments(
+                self.engine.regions, local_heads, piece.start - cfg.sharding.heads_of(cfg.tp_rank).start,
+                hello.regions, hello.head_layouts, piece.start - decode.heads_of(hello.tp_rank).start, piece.num_heads)
+        except CoalesceError as exc:
+            return f"KV blocks of prefill {cfg.engine_id} rank {cfg.tp_rank} and decode {hello.engine_id} rank {hello.tp_rank} do not pair: {exc}", None
+        return None, Plan(segments, self.engine.device_id, hello.device_id)

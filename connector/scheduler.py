@@ -57,7 +57,7 @@ class PushScheduler:
         if params is not None and params.role == "producer":
             # known from arrival on, so an abort while still queued reaches D too
             self._producing[request.request_id] = _Producing(request, params)
-            self._meta.accepts.append(params.transfer_id)
+            self._meta.accepts.append((params.transfer_id, params.peer_tp_size))
 
     # ---- D ------------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
@@ -103,7 +103,8 @@ class PushScheduler:
                 if not n or item.request.num_computed_tokens + n < item.request.num_prompt_tokens:
                     continue
                 block_ids = tuple(self.kv_cache_manager.get_block_ids(req_id)[0])
-                self._meta.sends.append(SendSpec(req_id, item.params.transfer_id, block_ids, item.params.peer_engine_id))
+                self._meta.sends.append(SendSpec(req_id, item.params.transfer_id, block_ids, item.params.peer_engine_id,
+                                                 item.params.peer_tp_size))
                 self._promised.add(req_id)
                 del self._producing[req_id]
         elif self._received:
@@ -122,7 +123,8 @@ class PushScheduler:
             if req_id in self._promised:
                 return True, None
             if item is not None:
-                self._meta.aborts.append((item.params.transfer_id, f"prefill request ended before its prefill completed ({request.status.name})"))
+                self._meta.aborts.append((item.params.transfer_id, f"prefill request ended before its prefill completed ({request.status.name})",
+                                          item.params.peer_tp_size))
             return False, None
         self._handled.discard(req_id)
         self._local_hit.pop(req_id, None)

@@ -34,6 +34,7 @@ class Settings:
     model: str
     tp_size: int
     block_size: int
+    kv_heads: int  # the model's KV heads, however TP splits them
     progress_delay_us: int | None  # NIXL progress thread's poll timeout; None: transfer.PROGRESS_DELAY_US
     # D: how long a step that computes nothing sleeps for a transfer's outcome. A request that
     # arrives meanwhile waits up to that long to be scheduled. Stepping every ms instead kept a
@@ -84,6 +85,7 @@ class Settings:
             buffer_device="cpu" if on_cpu else str(kv.kv_buffer_device),
             model=str(vllm_config.model_config.model),
             tp_size=int(parallel.tensor_parallel_size),
+            kv_heads=int(vllm_config.model_config.get_total_num_kv_heads()),
             block_size=int(vllm_config.cache_config.block_size),
             progress_delay_us=(None if extra.get("progress_delay_us") is None
                                else int(_non_negative(extra["progress_delay_us"], "progress_delay_us"))),

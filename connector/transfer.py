@@ -21,7 +21,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from .coalesce import Plan
+from .coalesce import Plan, Segment
 from .layout import descriptor_indices, descriptor_table, region_spans
 from .wire import Region
 
@@ -119,11 +119,14 @@ class NixlEngine:
         self.metadata: bytes = self._agent.get_agent_metadata()
         self._peers: dict[str, Peer] = {}
 
-    def add_peer(self, agent_metadata: bytes, regions: Sequence[Region], device_id: int = 0) -> Peer:
+    def add_peer(self, agent_metadata: bytes, regions: Sequence[Region], device_id: int = 0,
+                 segments: Sequence[Segment] | None = None) -> Peer:
         """Load a peer's metadata, pair its regions with ours and connect (once per peer).
-        `device_id` is the GPU the peer's regions live on (0 for DRAM)."""
+        `device_id` is the GPU the peer's regions live on (0 for DRAM); `segments` say what of
+        each block goes where (coalesce.slice_segments), default: whole blocks, region i to i."""
         try:
-            plan = Plan.pair(self.regions, regions, self.device_id, device_id)
+            plan = (Plan(segments, self.device_id, device_id) if segments is not None
+                    else Plan.pair(self.regions, regions, self.device_id, device_id))
         except ValueError as exc:
             raise TransferError(f"cannot pair KV regions with the peer's: {exc}") from exc
         with self._lock:

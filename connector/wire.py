@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import struct
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar, Union
@@ -34,14 +35,14 @@ class Region:
 
 @dataclass(frozen=True)
 class LayoutIdentity:
-    """What must be equal on both sides for block i of one to mean block i of the other."""
+    """What must be equal on both sides for block i of one to mean block i of the other. TP sizes
+    may differ: each side's HELLO says how its heads lie (HeadLayout) and P pairs them."""
 
     model: str
     dtype: str
     block_size: int
-    tp_size: int
     layer_names: tuple[str, ...]
-    block_lens: tuple[int, ...]  # bytes per block, per region
+    kv_heads: int  # the model's KV heads (1 for a latent cache), however TP splits them
 
     def mismatches(self, other: "LayoutIdentity") -> list[str]:
         """Human-readable differences, naming this side's value first."""
@@ -59,14 +60,33 @@ class LayoutIdentity:
 
 
 @dataclass(frozen=True)
+class HeadLayout:
+    """Where a region's KV heads lie inside each of its blocks: local head h of chunk c occupies
+    bytes [chunk_offsets[c] + h * head_bytes, + head_bytes). One chunk when heads are outermost
+    in the block (vLLM's CPU layout, LBHNC/BLHNC/BHLNC); more when something lies outside them
+    (a K/V split: 2; tokens, as in NHD: one per token, too many to push a head slice)."""
+
+    heads: int
+    head_bytes: int
+    chunk_offsets: tuple[int, ...]
+
+    @classmethod
+    def whole(cls, block_len: int) -> "HeadLayout":
+        """One head filling the block (a rank's only head, or a latent cache)."""
+        return cls(1, block_len, (0,))
+
+
+@dataclass(frozen=True)
 class Hello:
     type: ClassVar[str] = "hello"
     engine_id: str
     tp_rank: int
+    tp_size: int
     agent_name: str
     agent_metadata: bytes
     identity: LayoutIdentity
     regions: tuple[Region, ...]
+    head_layouts: tuple[HeadLayout, ...]  # one per region
     device_id: int = 0  # the GPU the regions live on (NIXL descriptors name it); 0 for DRAM
 
 
@@ -157,7 +177,9 @@ Message = Union[Hello, Welcome, Refuse, Register, Cancel, Accepted, Streaming, L
 _TYPES: dict[str, type] = {cls.type: cls for cls in (Hello, Welcome, Refuse, Register, Cancel, Accepted, Streaming, Landed,
                                                      Done, Fail, Ping, Pong)}
 MAX_ID_CHARS = 256
-MAX_INT = 2 ** 63 - 1  # every integer on the wire is an index, a size or an address: it fits an int64
+ID_PATTERN = re.compile(r"[A-Za-z0-9._:-]+")
+MAX_INT = 2 ** 63 - 1
+MAX_LIST = 65536  # layers, regions: far above any model  # every integer on the wire is an index, a size or an address: it fits an int64
 
 
 def encode(msg: Message) -> bytes:
@@ -199,6 +221,14 @@ def _str(value: Any, what: str) -> str:
     return value
 
 
+def _id(value: Any, what: str) -> str:
+    """An engine or transfer id: a name, never something that could spell a rank suffix (#)."""
+    text = _str(value, what)
+    if not ID_PATTERN.fullmatch(text):
+        raise WireError(f"{what} must be letters, digits and . _ : - only")
+    return text
+
+
 def _text(value: Any, what: str) -> str:
     if not isinstance(value, str) or len(value) > 4096:
         raise WireError(f"{what} must be a string of at most 4096 chars")
@@ -228,15 +258,14 @@ def _identity(body: Any) -> LayoutIdentity:
         raise WireError("identity must be an object")
     _exact_keys(body, LayoutIdentity)
     names = body["layer_names"]
-    if not isinstance(names, list):
-        raise WireError("layer_names must be a list")
+    if not isinstance(names, list) or len(names) > MAX_LIST:
+        raise WireError(f"layer_names must be a list of at most {MAX_LIST}")
     return LayoutIdentity(
         model=_text(body["model"], "model"),
         dtype=_str(body["dtype"], "dtype"),
         block_size=_int(body["block_size"], "block_size", 1),
-        tp_size=_int(body["tp_size"], "tp_size", 1),
         layer_names=tuple(_str(n, "layer name") for n in names),
-        block_lens=_ints(body["block_lens"], "block_lens"),
+        kv_heads=_int(body["kv_heads"], "kv_heads", 1),
     )
 
 
@@ -252,26 +281,41 @@ def _region(body: Any) -> Region:
     )
 
 
+def _head_layout(body: Any, region: Region) -> HeadLayout:
+    if not isinstance(body, dict):
+        raise WireError("head layout must be an object")
+    _exact_keys(body, HeadLayout)
+    layout = HeadLayout(heads=_int(body["heads"], "heads", 1), head_bytes=_int(body["head_bytes"], "head_bytes", 1),
+                        chunk_offsets=_ints(body["chunk_offsets"], "chunk_offsets"))
+    if not layout.chunk_offsets or any(o + layout.heads * layout.head_bytes > region.block_len for o in layout.chunk_offsets):
+        raise WireError("head layout reaches past its region's block")
+    return layout
+
+
 def _hello(body: dict) -> Hello:
     _exact_keys(body, Hello)
-    regions = body["regions"]
-    if not isinstance(regions, list) or not regions:
-        raise WireError("regions must be a non-empty list")
+    regions, head_layouts = body["regions"], body["head_layouts"]
+    if not isinstance(regions, list) or not regions or len(regions) > MAX_LIST:
+        raise WireError(f"regions must be a non-empty list of at most {MAX_LIST}")
+    if not isinstance(head_layouts, list) or len(head_layouts) != len(regions):
+        raise WireError("head_layouts must list one layout per region")
     try:
         metadata = base64.b64decode(body["agent_metadata"], validate=True)
     except (TypeError, ValueError):
         raise WireError("agent_metadata is not base64") from None
-    identity = _identity(body["identity"])
     parsed = tuple(_region(r) for r in regions)
-    if tuple(r.block_len for r in parsed) != identity.block_lens:
-        raise WireError("regions' block_len disagree with identity.block_lens")
+    tp_rank, tp_size = _int(body["tp_rank"], "tp_rank"), _int(body["tp_size"], "tp_size", 1)
+    if tp_rank >= tp_size:
+        raise WireError(f"tp_rank {tp_rank} is not below tp_size {tp_size}")
     return Hello(
-        engine_id=_str(body["engine_id"], "engine_id"),
-        tp_rank=_int(body["tp_rank"], "tp_rank"),
+        engine_id=_id(body["engine_id"], "engine_id"),
+        tp_rank=tp_rank,
+        tp_size=tp_size,
         agent_name=_str(body["agent_name"], "agent_name"),
         agent_metadata=metadata,
-        identity=identity,
+        identity=_identity(body["identity"]),
         regions=parsed,
+        head_layouts=tuple(_head_layout(h, r) for h, r in zip(head_layouts, parsed)),
         device_id=_int(body["device_id"], "device_id"),
     )
 
@@ -282,7 +326,7 @@ def _register(body: dict) -> Register:
     if len(set(block_ids)) != len(block_ids):
         raise WireError("block_ids has duplicates")
     return Register(
-        transfer_id=_str(body["transfer_id"], "transfer_id"),
+        transfer_id=_id(body["transfer_id"], "transfer_id"),
         block_ids=block_ids,
         first_block=_int(body["first_block"], "first_block"),
         num_tokens=_int(body["num_tokens"], "num_tokens"),
@@ -299,14 +343,14 @@ def _simple(cls: type, checks: dict):
 _BUILDERS = {
     Hello: _hello,
     Register: _register,
-    Welcome: _simple(Welcome, {"engine_id": _str}),
-    Refuse: _simple(Refuse, {"engine_id": _str, "reason": _text}),
-    Cancel: _simple(Cancel, {"transfer_id": _str}),
-    Accepted: _simple(Accepted, {"transfer_id": _str}),
-    Streaming: _simple(Streaming, {"transfer_id": _str}),
-    Landed: _simple(Landed, {"transfer_id": _str, "regions": _ints}),
-    Done: _simple(Done, {"transfer_id": _str, "num_bytes": _int}),
-    Fail: _simple(Fail, {"transfer_id": _str, "reason": _text, "may_still_land": _bool}),
+    Welcome: _simple(Welcome, {"engine_id": _id}),
+    Refuse: _simple(Refuse, {"engine_id": _id, "reason": _text}),
+    Cancel: _simple(Cancel, {"transfer_id": _id}),
+    Accepted: _simple(Accepted, {"transfer_id": _id}),
+    Streaming: _simple(Streaming, {"transfer_id": _id}),
+    Landed: _simple(Landed, {"transfer_id": _id, "regions": _ints}),
+    Done: _simple(Done, {"transfer_id": _id, "num_bytes": _int}),
+    Fail: _simple(Fail, {"transfer_id": _id, "reason": _text, "may_still_land": _bool}),
     Ping: _simple(Ping, {}),
     Pong: _simple(Pong, {}),
 }

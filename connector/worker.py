@@ -19,14 +19,15 @@ from typing import Any, Callable
 from .cache_layout import layout_cost_note
 from .consumer import Consumer, ConsumerConfig
 from .hugepages import back_with_huge_pages
-from .layout import TensorView, kv_regions, region_spans, regions_of
+from .layout import TensorView, head_layout, kv_regions, region_spans, regions_of
 from .metadata import PushMetadata
 from .producer import Producer, ProducerConfig
 from .settings import Settings
+from .sharding import HeadSharding
 from .state import Outcome, Pending
 from .stats import PushStats
 from .transfer import NixlEngine
-from .wire import LayoutIdentity, Region
+from .wire import HeadLayout, LayoutIdentity, Region
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,6 @@ class PushWorker:
         # D
         self._silent: set[str] = set()  # transfer ids vLLM is not waiting for
         self._load_errors: set[int] = set()
-        self._refused: list[Outcome] = []
         # transfer id -> "its request has ended": a streamed WRITE reported received at its start,
         # without an outcome yet. An ended one is reported again at the outcome (vLLM frees it then).
         self._landing: dict[str, bool] = {}
@@ -75,8 +75,10 @@ class PushWorker:
         regions = kv_regions((TensorView.of(t) for t in tensors), self.num_blocks)
         self._layer_regions = _regions_by_layer(kv_caches, regions, self.num_blocks)
         self._all_regions = tuple(range(len(regions)))  # for a layer name vLLM did not register
-        identity = LayoutIdentity(s.model, str(tensors[0].dtype).removeprefix("torch."), s.block_size, s.tp_size,
-                                  tuple(sorted(kv_caches)), tuple(r.block_len for r in regions))
+        identity = LayoutIdentity(s.model, str(tensors[0].dtype).removeprefix("torch."), s.block_size,
+                                  tuple(sorted(kv_caches)), s.kv_heads)
+        sharding = HeadSharding(s.kv_heads, s.tp_size)
+        head_layouts = _head_layouts(kv_caches, regions, self.num_blocks, sharding.heads_per_rank)
         on_gpu = bool(tensors[0].is_cuda)
         mem_type = "VRAM" if on_gpu else "DRAM"
         device_id = (tensors[0].device.index or 0) if on_gpu else 0
@@ -99,8 +101,9 @@ class PushWorker:
             port = s.side_channel_port + self.tp_rank
             try:
                 self.producer = Producer(ProducerConfig(s.engine_id, identity, s.allowed_engines, s.side_channel_host,
-                                                        port, s.transfer_timeout_s, tp_rank=self.tp_rank,
-                                                        drive_writes=not on_gpu, stream_writes=s.stream_writes),
+                                                        port, s.transfer_timeout_s, tp_rank=self.tp_rank, sharding=sharding,
+                                                        head_layouts=head_layouts, drive_writes=not on_gpu,
+                                                        stream_writes=s.stream_writes),
                                          self.engine)
             except OSError as exc:
                 raise RuntimeError(f"kvpush: prefill {s.engine_id} cannot listen on {s.side_channel_host}:{port} for its "
@@ -109,8 +112,9 @@ class PushWorker:
         else:
             self.consumer = Consumer(ConsumerConfig(s.engine_id, self.tp_rank, identity, s.allowed_engines,
                                                     s.transfer_timeout_s, peer_silence_s=s.peer_silence_s,
-                                                    accepted_timeout_s=s.accepted_timeout_s), name, self.engine.metadata, tuple(regions),
-                                     device_id)
+                                                    accepted_timeout_s=s.accepted_timeout_s, sharding=sharding,
+                                                    head_layouts=head_layouts),
+                                     name, self.engine.metadata, tuple(regions), device_id)
 
     # ---- D ------------------------------------------------------------------------------------
     def bind(self, meta: PushMetadata) -> None:
@@ -131,14 +135,8 @@ class PushWorker:
         for r in meta.recvs:
             if not r.report:
                 self._silent.add(r.transfer_id)
-            if r.peer_tp_size != self.settings.tp_size:
-                reason = f"prefill {r.peer_engine} runs TP {r.peer_tp_size}, this decode TP {self.settings.tp_size}; kvpush needs equal TP sizes"
-                log.error("kvpush: transfer %s (request %s) refused: %s", r.transfer_id, r.req_id, reason)
-                pending = Pending(r.transfer_id, r.req_id, r.peer_engine, r.block_ids, time.monotonic())
-                self._refused.append(Outcome(pending, False, reason))
-                continue
-            self.consumer.expect(r.req_id, r.transfer_id, r.peer_engine, r.peer_host, r.peer_port + self.tp_rank,
-                                 list(r.block_ids), r.first_block, r.num_tokens)
+            self.consumer.expect(r.req_id, r.transfer_id, r.peer_engine, r.peer_host, r.peer_port,
+                                 list(r.block_ids), r.first_block, r.num_tokens, r.peer_tp_size)
         for tid in meta.cancels:
             if self.consumer.cancel(tid):  # else its outcome is in: nothing more to wait for
                 self._cancelled.add(tid)
@@ -164,13 +162,13 @@ class PushWorker:
             # the forward's kernels are still running: make the WRITEs meanwhile, then wait for the
             # KV they write (UCX copies on its own streams, unordered with the compute stream)
             for s in meta.sends:
-                self.producer.prepare(s.transfer_id, s.block_ids, s.peer_engine)
+                self.producer.prepare(s.transfer_id, s.block_ids, s.peer_engine, s.peer_tp_size)
             self._sync_device()
         for s in meta.sends:
             self._offered.add(s.req_id)
-            self.producer.offer(s.transfer_id, s.req_id, list(s.block_ids), s.peer_engine)
-        for tid, reason in meta.aborts:
-            self.producer.abort(tid, reason)
+            self.producer.offer(s.transfer_id, s.req_id, list(s.block_ids), s.peer_engine, s.peer_tp_size)
+        for tid, reason, peer_tp_size in meta.aborts:
+            self.producer.abort(tid, reason, peer_tp_size)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self.producer is not None:
@@ -190,7 +188,7 @@ class PushWorker:
             now = time.monotonic()
             recving, self._echo = self._echo, set()
             recving |= self._release_held(now)
-            if self._idle_step and not self._refused:
+            if self._idle_step:
                 # decode's idle wait: vLLM steps only for our outcomes (or held blocks) now, so sleep
                 # until one comes (or a new request may be waiting at the engine: hence the bound)
                 self.consumer.wait_for_outcome(self.settings.idle_wait_ms / 1000, even_if_none_pending=bool(self._held))
@@ -200,8 +198,7 @@ class PushWorker:
                 self._landing[p.transfer_id] = ended
                 if not ended:
                     recving.add(p.req_id)
-            refused, self._refused = self._refused, []
-            for o in refused + outcomes:
+            for o in outcomes:
                 tid, req_id = o.pending.transfer_id, o.pending.req_id
                 self._cancelled.discard(tid)
                 if tid in self._silent:
@@ -286,6 +283,17 @@ class PushWorker:
                 service.close()
         if self.engine is not None:
             self.engine.close()
+
+
+def _head_layouts(kv_caches: dict[str, Any], regions: list[Region], num_blocks: int, heads: int) -> tuple[HeadLayout, ...]:
+    """Per region (kv_regions over the same tensors), where this rank's heads lie in its blocks."""
+    by_base: dict[int, HeadLayout] = {}
+    for tensor in kv_caches.values():
+        view = TensorView.of(tensor)
+        layout = head_layout(view, num_blocks, heads)
+        for r in regions_of(view, num_blocks):
+            by_base.setdefault(r.base, layout)
+    return tuple(by_base[r.base] for r in regions)
 
 
 def _regions_by_layer(kv_caches: dict[str, Any], regions: list[Region], num_blocks: int) -> dict[str, tuple[int, ...]]:

@@ -12,12 +12,14 @@ import pytest
 
 from kvpush.connector import wire
 from kvpush.connector.producer import Producer, ProducerConfig
+from kvpush.connector.sharding import HeadSharding
 from kvpush.connector.transfer import TransferError, Write
 
 pytestmark = pytest.mark.unit
 
-IDENTITY = wire.LayoutIdentity("m", "bfloat16", 16, 1, ("l0",), (4096,))
+IDENTITY = wire.LayoutIdentity("m", "bfloat16", 16, ("l0",), 1)
 REGIONS = (wire.Region(1 << 20, 4096, 4096, 64),)
+HEADS = (wire.HeadLayout.whole(4096),)
 
 
 class FakeEngine:
@@ -32,8 +34,10 @@ class FakeEngine:
         self.state_calls = 0
         self.failing: Write | None = None
         self._posted_at: dict[int, float] = {}
+        self.regions = REGIONS
+        self.device_id = 0
 
-    def add_peer(self, metadata, regions, device_id=0):
+    def add_peer(self, metadata, regions, device_id=0, segments=None):
         self.peers.append((metadata, tuple(regions), device_id))
         return SimpleNamespace(regions=tuple(regions))
 
@@ -89,7 +93,7 @@ def setup():
                                            drive_writes=drive_writes, stream_writes=stream_writes), engine)
         made.append(producer)
         conn = FakeConn()
-        producer.on_message(conn, wire.Hello("D", 0, "agent-D", b"meta", IDENTITY, REGIONS, device_id=5))
+        producer.on_message(conn, wire.Hello("D", 0, 1, "agent-D", b"meta", IDENTITY, REGIONS, HEADS, device_id=5))
         return producer, engine, conn
 
     yield make
@@ -389,17 +393,25 @@ def test_a_second_request_with_the_same_transfer_id_is_freed_and_decode_is_not_t
 
 def test_a_second_hello_on_a_connection_does_not_change_whom_it_speaks_for(setup):
     producer, engine, conn = setup()
-    producer.on_message(conn, wire.Hello("D2", 0, "agent-D2", b"meta", IDENTITY, REGIONS))
-    assert conn.engine_id == "D" and len(engine.peers) == 1
+    producer.on_message(conn, wire.Hello("D2", 0, 1, "agent-D2", b"meta", IDENTITY, REGIONS, HEADS))
+    assert conn.engine_id == "D#0" and len(engine.peers) == 1
     assert producer.take_counts() == {"repeated_hello": 1}
     assert producer.take_counts() == {}  # each count is handed out once
 
 
-def test_a_decode_rank_reaching_another_prefill_rank_is_refused(setup):
-    producer, engine, _ = setup()
-    conn = FakeConn()
-    producer.on_message(conn, wire.Hello("D2", 1, "agent-D2", b"meta", IDENTITY, REGIONS))
-    assert isinstance(conn.sent[-1], wire.Refuse) and "decode rank 1 reached prefill rank 0" in conn.sent[-1].reason
+def test_a_decode_rank_reaching_a_prefill_rank_without_its_heads_is_refused():
+    """P TP2 rank 0 holds KV head 0 of 2; decode TP2 rank 1 holds head 1, which P rank 1 writes."""
+    engine = FakeEngine()
+    producer = Producer(ProducerConfig("P", wire.LayoutIdentity("m", "bfloat16", 16, ("l0",), 2), frozenset({"D2"}),
+                                       "127.0.0.1", 0, tp_rank=0, sharding=HeadSharding(2, 2)), engine)
+    try:
+        conn = FakeConn()
+        producer.on_message(conn, wire.Hello("D2", 1, 2, "agent-D2", b"meta", producer.config.identity, REGIONS, HEADS))
+        assert isinstance(conn.sent[-1], wire.Refuse)
+        assert "decode rank 1 (TP 2) takes no KV heads from prefill rank 0 (TP 2, 2 KV heads)" in conn.sent[-1].reason
+        assert engine.peers == []
+    finally:
+        producer.close()
 
 
 def read_until(sock, reader, kind, timeout_s=2.0):
@@ -421,7 +433,7 @@ def test_over_tcp_bad_frames_are_counted_and_the_frames_behind_them_still_served
     producer, engine, _ = setup()
     with socket.create_connection(("127.0.0.1", producer.port)) as sock:
         reader = wire.FrameReader()
-        sock.sendall(wire.encode(wire.Hello("D2", 0, "agent-D2", b"meta", IDENTITY, REGIONS)))
+        sock.sendall(wire.encode(wire.Hello("D2", 0, 1, "agent-D2", b"meta", IDENTITY, REGIONS, HEADS)))
         assert isinstance(read_until(sock, reader, wire.Welcome)[-1], wire.Welcome)
         nested = b"[" * 100_000 + b"]" * 100_000
         huge = b'{"type":"register","transfer_id":"x","block_ids":[%d],"first_block":0,"num_tokens":1}' % 2 ** 70

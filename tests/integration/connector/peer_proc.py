@@ -1,6 +1,6 @@
 """A prefill-side push peer in its own process, driven over stdin/stdout by the tests.
 
-Commands (one JSON object per line): {"offer": [tid, req, [blocks], peer]}, {"accept": [tids]},
+Commands (one JSON object per line): {"offer": [tid, req, [blocks], peer]}, {"accept": [tids]} (decode TP 1),
 {"abort": [tid, reason]}, {"prepare": [tid, [blocks], peer]} (prints {"prepared": bool}),
 {"freed": true} -> prints {"freed": [...], "records": [...]}. Prints {"port": P} once ready.
 """
@@ -47,10 +47,7 @@ def layer_major_buffer(num_blocks: int, layers: int, block_shape: tuple[int, ...
 
 
 def identity(arr: np.ndarray, model: str = "test-model", layers: int = 0) -> LayoutIdentity:
-    if not layers:
-        return LayoutIdentity(model, "uint8", 16, 1, ("layer0",), (int(np.prod(arr.shape[1:])) * arr.itemsize,))
-    block_len = int(np.prod(arr.shape[2:])) * arr.itemsize
-    return LayoutIdentity(model, "uint8", 16, 1, tuple(f"layer{i}" for i in range(layers)), (block_len,) * layers)
+    return LayoutIdentity(model, "uint8", 16, tuple(f"layer{i}" for i in range(max(layers, 1))), 1)
 
 
 class PeerProcess:
@@ -108,7 +105,7 @@ def main() -> None:
         if "offer" in cmd:
             producer.offer(*cmd["offer"])
         elif "accept" in cmd:
-            producer.accept(cmd["accept"])
+            producer.accept([(tid, 1) for tid in cmd["accept"]])
         elif "abort" in cmd:
             producer.abort(*cmd["abort"])
         elif "prepare" in cmd:

@@ -14,8 +14,9 @@ from kvpush.connector.consumer import Consumer, ConsumerConfig
 
 pytestmark = pytest.mark.unit
 
-IDENTITY = wire.LayoutIdentity("m", "bfloat16", 16, 1, ("l0",), (4096,))
+IDENTITY = wire.LayoutIdentity("m", "bfloat16", 16, ("l0",), 1)
 REGIONS = (wire.Region(1 << 20, 4096, 4096, 64),)
+HEADS = (wire.HeadLayout.whole(4096),)
 
 
 class StandInPrefill:
@@ -97,7 +98,7 @@ def test_a_prefill_that_does_not_answer_the_connect_holds_up_no_other_prefill():
             assert good.registered["t-good"] - asked < 0.3  # blocked ~1 s behind the other connect before
             outcomes = wait_for(consumer.take_outcomes, 3.0)
         assert [(o.pending.transfer_id, o.ok) for o in outcomes] == [("t-stuck", False)]
-        assert "cannot reach prefill P.stuck side channel" in outcomes[0].reason
+        assert "cannot reach prefill P.stuck rank 0 side channel" in outcomes[0].reason
     finally:
         consumer.close()
         good.close()

@@ -136,7 +136,7 @@ def test_prefill_marks_request_in_the_step_its_prefill_completes():
     s.on_new_request(r)
     s.update_state_after_alloc(r, Blocks([4, 6]), 0)
     meta = s.build_connector_meta(sched_out(r=6))  # first chunk: 6 of 10
-    assert meta.sends == [] and meta.accepts == ["t1"]
+    assert meta.sends == [] and meta.accepts == [("t1", 1)]
     r.num_computed_tokens = 6
     [send] = s.build_connector_meta(sched_out(r=4)).sends
     assert send.block_ids == (4, 6, 8) and send.peer_engine == "X.e"
@@ -151,7 +151,7 @@ def test_prefill_abort_before_completion_frees_and_tells_decode():
     r = Req("r", list(range(10)), params("producer"))
     s.update_state_after_alloc(r, Blocks([4]), 0)
     assert s.request_finished(r, [4]) == (False, None)
-    [(tid, reason)] = s.build_connector_meta(sched_out()).aborts
+    [(tid, reason, peer_tp_size)] = s.build_connector_meta(sched_out()).aborts
     assert tid == "t1" and "FINISHED_ABORTED" in reason
 
 

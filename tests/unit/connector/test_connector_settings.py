@@ -12,7 +12,8 @@ def vllm_config(role="kv_consumer", extra=None, use_mla=False, dp=1, pp=1):
     kv = SimpleNamespace(kv_role=role, engine_id="dep.decode-0", kv_buffer_device="cpu",
                          kv_connector_extra_config={"side_channel_host": "127.0.0.1", "side_channel_port": 9,
                                                     "allowed_engines": ["dep.prefill-0"], **(extra or {})})
-    return SimpleNamespace(kv_transfer_config=kv, model_config=SimpleNamespace(model="/m", use_mla=use_mla),
+    return SimpleNamespace(kv_transfer_config=kv, model_config=SimpleNamespace(model="/m", use_mla=use_mla,
+                                                                                     get_total_num_kv_heads=lambda: 8),
                            parallel_config=SimpleNamespace(tensor_parallel_size=1, data_parallel_size=dp, pipeline_parallel_size=pp),
                            cache_config=SimpleNamespace(block_size=128))
 
@@ -21,6 +22,7 @@ def test_settings_from_config():
     s = Settings.from_vllm(vllm_config(extra={"transfer_timeout_s": 2}))
     assert not s.is_producer and s.allowed_engines == {"dep.prefill-0"} and s.transfer_timeout_s == 2.0
     assert Settings.from_vllm(vllm_config("kv_producer")).is_producer
+    assert s.kv_heads == 8  # before TP splits them
 
 
 def test_huge_pages_default_on_and_switchable_with_a_boolean_only():

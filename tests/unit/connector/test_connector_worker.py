@@ -98,8 +98,8 @@ def test_prefill_reports_sent_only_after_scheduler_finished_it():
 
 def test_prefill_reports_when_push_ends_after_finish():
     w = worker(True)
-    w.bind(PushMetadata(accepts=["t"]))
-    assert w.producer.accepted == ["t"]
+    w.bind(PushMetadata(accepts=[("t", 1)]))
+    assert w.producer.accepted == [("t", 1)]
     w.save(PushMetadata(sends=[SendSpec("r", "t", (1,), "D")]))
     assert w.get_finished({"r"}) == (None, None)
     w.producer.freed.append("r")
@@ -114,7 +114,7 @@ def test_gpu_prefill_makes_writes_while_the_forward_runs_and_offers_after_it_fin
     w.bind(meta)  # before the forward pass: nothing to do for P's sends yet
     assert log == []
     w.save(meta)  # wait_for_save: kernels queued; the KV must be written before UCX copies it
-    assert log == ["prepare", "sync", "offer"] and w.producer.prepared == [("t", (1, 2), "D")]
+    assert log == ["prepare", "sync", "offer"] and w.producer.prepared == [("t", (1, 2), "D", 1)]
 
 
 def test_cpu_prefill_offers_at_once():
@@ -126,7 +126,7 @@ def test_cpu_prefill_offers_at_once():
 def test_prefill_without_sends_does_not_wait_for_the_device():
     w = worker(True)
     w._sync_device = lambda: (_ for _ in ()).throw(AssertionError("synced for nothing"))
-    w.bind(PushMetadata(accepts=["t"]))
+    w.bind(PushMetadata(accepts=[("t", 1)]))
     w.save(PushMetadata())
     assert w.producer.prepared == [] and w.producer.offers == []
 
@@ -235,11 +235,13 @@ def test_decode_notify_only_transfer_is_not_reported():
     assert w.get_finished(set()) == (None, None)
 
 
-def test_decode_tp_mismatch_fails_request_without_transfer():
+def test_decode_hands_the_prefills_tp_size_and_base_port_to_the_consumer():
+    """Which prefill ranks to register with (and their ports, base + rank) follow from the
+    prefill's TP size: the consumer decides, for every rank of this decode alike."""
     w = worker(False)
+    w.tp_rank = 1
     w.bind(PushMetadata(recvs=[RecvSpec("r", "t", "P", "h", 5, 2, (3,), 0, 100)]))
-    assert w.consumer.expected == []
-    assert w.get_finished(set()) == (None, {"r"}) and w.load_errors() == {3}
+    assert w.consumer.expected == [("r", "t", "P", "h", 5, [3], 0, 100, 2)]
 
 
 def test_stats_reduce_and_aggregate():
@@ -259,12 +261,6 @@ def test_decode_sleeps_for_an_outcome_only_in_a_step_that_computes_nothing():
     w.bind(PushMetadata(idle=False))  # a forward ran: report at once, never hold the step up
     w.get_finished(set())
     assert w.consumer.waits == [0.007]
-
-
-def test_decode_with_a_refusal_to_report_does_not_sleep():
-    w = worker(False)
-    w.bind(PushMetadata(recvs=[RecvSpec("r", "t", "P", "h", 5, 2, (3,), 0, 100)], idle=True))
-    assert w.get_finished(set()) == (None, {"r"}) and w.consumer.waits == []
 
 
 def test_dropped_and_refused_messages_reach_vllms_stats():
