@@ -13,7 +13,7 @@ from typing import Literal
 
 from kvpush.router.config import RouterConfig, Timeouts, Upstream
 
-from .topology import ROUTER_PROCESS_NAME, HostSpec, InstanceSpec, Role, Topology
+from .topology import ROUTER_PROCESS_NAME, HostSpec, InstanceSpec, Role, Topology, core_list_text, parse_core_list
 
 ProcessRole = Literal["prefill", "decode", "router"]
 
@@ -183,6 +183,8 @@ def _vllm_process(topo: Topology, role: Role, spec: InstanceSpec) -> ProcessPlan
         argv.append("--enforce-eager")
     if spec.tensor_parallel_size > 1:
         argv += ["--tensor-parallel-size", str(spec.tensor_parallel_size)]
+        if topo.platform == "cpu":  # one worker process per rank; vLLM's CPU build has no ray
+            argv += ["--distributed-executor-backend", "mp"]
     if spec.data_parallel_size > 1:
         argv += ["--data-parallel-size", str(spec.data_parallel_size)]
     kv_config = kv_transfer_config(topo, role, spec)
@@ -196,13 +198,13 @@ def _vllm_process(topo: Topology, role: Role, spec: InstanceSpec) -> ProcessPlan
         env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = bind_address(host)
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(spec.side_channel_port)
     if topo.platform == "cpu":
-        # A CPU instance has one worker (TP x DP = 1): run it inside the engine process (vLLM's
-        # "uni" executor) instead of a worker process behind a shared-memory queue whose reader
-        # yield-spins. Measured on the 2-core host: a decode waiting for pushed KV used 0.98 of its
-        # core with the worker process (engine 0.84, spinning) and 0.15 without; TPOT fell from
-        # 12-13 ms to 9-10 ms in both push and pull (docs/benchmarks.md, run 20). The topology's
-        # `env` may still set it to "1".
-        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        if spec.tensor_parallel_size == 1:
+            # One worker: run it inside the engine process (vLLM's "uni" executor) instead of a
+            # worker process behind a shared-memory queue whose reader yield-spins. Measured on
+            # the 2-core host: a decode waiting for pushed KV used 0.98 of its core with the worker
+            # process (engine 0.84, spinning) and 0.15 without; TPOT fell from 12-13 ms to 9-10 ms
+            # in both push and pull (docs/benchmarks.md). The topology's `env` may set it to "1".
+            env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if spec.cpu_cores is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = spec.cpu_cores
         if spec.kv_cache_gib is not None:
@@ -215,7 +217,7 @@ def _vllm_process(topo: Topology, role: Role, spec: InstanceSpec) -> ProcessPlan
         # The whole instance on its cores, not only vLLM's OpenMP threads: otherwise its API server
         # and engine loop float onto the other instance's core. Measured: a decode engine stepping
         # every ms while it waits for pushed KV took half of prefill's core (docs/benchmarks.md).
-        argv = on_cores(spec.cpu_cores, argv)
+        argv = on_cores(core_list_text(parse_core_list(spec.cpu_cores)), argv)
 
     from .topology import side_channel_ports  # local import keeps the public surface small
 
@@ -229,7 +231,7 @@ def _vllm_process(topo: Topology, role: Role, spec: InstanceSpec) -> ProcessPlan
         log_path=f"{workdir}/logs/{spec.name}.log",
         http_port=spec.http_port,
         health_url=f"http://{bind_address(host)}:{spec.http_port}/health",
-        side_channel_ports=side_channel_ports(spec) if kv_config is not None else [],
+        side_channel_ports=side_channel_ports(spec, topo.connector.type) if kv_config is not None else [],
     )
 
 

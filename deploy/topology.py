@@ -79,6 +79,8 @@ class TinyModelSpec(_Model):
 
 class ModelSpec(_Model):
     path: Annotated[str, _not_blank("give the model directory")] = Field(description="model directory on every host that runs vLLM")
+    kv_heads: IntNotBool | None = Field(None, ge=1, description="the model's KV heads, to check TP sizes before launch "
+                                                                "(default: tiny.kv_heads, or config.json where the model is on this machine)")
     served_name: str | None = None
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "bfloat16"
     max_model_len: IntNotBool | None = Field(None, ge=16)
@@ -131,7 +133,17 @@ class HostSpec(_Model):
 
 
 def _valid_core_list(value: str) -> str:
+    if "|" in value:
+        raise ValueError(f"'{value}' has per-rank lists ('|'); give one core list like '0-3,8' here")
     parse_core_list(value)  # raises ValueError with the reason
+    return value
+
+
+def _valid_rank_core_lists(value: str) -> str:
+    for group in value.split("|"):
+        if not group.strip():
+            raise ValueError(f"'{value}' has an empty rank core list; write one list per rank, e.g. '0|1' or '0-1|2-3'")
+        parse_core_list(group)
     return value
 
 
@@ -142,13 +154,18 @@ def _core_number_as_text(value: Any) -> Any:
 
 
 CoreList = Annotated[str, BeforeValidator(_core_number_as_text), AfterValidator(_valid_core_list)]  # "0-3,8"
+# One core list per TP rank, '|'-separated as VLLM_CPU_OMP_THREADS_BIND takes them: "0-1|2-3"
+RankCoreLists = Annotated[str, BeforeValidator(_core_number_as_text), AfterValidator(_valid_rank_core_lists)]
 
 
 class InstanceSpec(_Model):
     name: str | None = None
     host: str | None = None
     devices: list[IntNotBool] = Field(default_factory=list, description="GPU indices (platform cuda)")
-    cpu_cores: CoreList | None = Field(None, description="cores for VLLM_CPU_OMP_THREADS_BIND (platform cpu)")
+    cpu_cores: RankCoreLists | None = Field(None, description="cores for VLLM_CPU_OMP_THREADS_BIND (platform cpu): one "
+                                                              "list per TP rank, '|'-separated, e.g. '0|1'")
+    share_cores: bool = Field(False, description="platform cpu: this instance may share cores with other instances "
+                                                 "that say so too, and its ranks with each other (a small machine)")
     kv_cache_gib: IntNotBool | None = Field(None, ge=1, description="VLLM_CPU_KVCACHE_SPACE (platform cpu)")
     tensor_parallel_size: IntNotBool = Field(1, ge=1)
     data_parallel_size: IntNotBool = Field(1, ge=1)
@@ -228,9 +245,33 @@ def _stringify_env(value: Any) -> Any:
     return value
 
 
+def rank_core_lists(text: str) -> list[set[int]]:
+    """'0-1|2-3' -> [{0, 1}, {2, 3}]: the cores of each TP rank."""
+    return [parse_core_list(group) for group in str(text).split("|")]
+
+
+def core_list_text(cores: set[int]) -> str:
+    """{0, 1, 2, 5} -> '0-2,5' (what taskset takes)."""
+    out, run = [], []
+    for core in sorted(cores):
+        if run and core == run[-1] + 1:
+            run.append(core)
+            continue
+        if run:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+        run = [core]
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ",".join(out)
+
+
 def parse_core_list(text: str) -> set[int]:
-    """'0-3,8' -> {0,1,2,3,8}; raises ValueError with a fix hint."""
+    """'0-3,8' -> {0,1,2,3,8}; per-rank lists ('0|1') give their union; raises ValueError with a fix hint."""
     cores: set[int] = set()
+    if "|" in str(text):
+        for group in rank_core_lists(text):
+            cores |= group
+        return cores
     for part in str(text).split(","):
         part = part.strip()
         m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
@@ -245,14 +286,15 @@ def parse_core_list(text: str) -> set[int]:
     return cores
 
 
-def side_channel_ports(spec: InstanceSpec) -> list[int]:
-    """Every port an instance's NIXL side channel listens on.
+def side_channel_ports(spec: InstanceSpec, connector: ConnectorType = "kvpush") -> list[int]:
+    """Every port an instance's side channel listens on.
 
-    vLLM offsets the configured port by the data-parallel rank, and kvpush's connector listens on
-    one port per tensor-parallel rank of each data-parallel rank (base + dp_rank * tp + tp_rank).
+    kvpush's connector listens on one port per tensor-parallel rank of each data-parallel rank
+    (base + dp_rank * tp + tp_rank); vLLM's NIXL connectors on one per data-parallel rank, in the
+    engine process (base + dp_rank).
     """
     assert spec.side_channel_port is not None
-    count = spec.data_parallel_size * spec.tensor_parallel_size
+    count = spec.data_parallel_size * (spec.tensor_parallel_size if connector == "kvpush" else 1)
     return [spec.side_channel_port + i for i in range(count)]
 
 
@@ -317,7 +359,7 @@ def _apply_defaults(topo: Topology, problems: _Problem) -> None:
             spec.http_port = next_http[role] + index
         if spec.side_channel_port is None:
             spec.side_channel_port = next_side
-        next_side = max(next_side, spec.side_channel_port + len(side_channel_ports(spec)))
+        next_side = max(next_side, spec.side_channel_port + len(side_channel_ports(spec, topo.connector.type)))
 
 
 def _check_cross_fields(topo: Topology, problems: _Problem) -> None:
@@ -363,7 +405,7 @@ def _check_cross_fields(topo: Topology, problems: _Problem) -> None:
             problems.fail(base + ("host",), f"unknown host '{spec.host}'; define it under hosts: or use one of {', '.join(topo.hosts)}")
         claim_port(spec.host, spec.http_port, base + ("http_port",), f"{spec.name} HTTP")
         if topo.connector.type != "colocated":
-            for rank, port in enumerate(side_channel_ports(spec)):
+            for rank, port in enumerate(side_channel_ports(spec, topo.connector.type)):
                 if port > 65535:
                     problems.fail(base + ("side_channel_port",), f"rank {rank} would listen on port {port} > 65535; lower side_channel_port")
                 what = f"{spec.name} side channel" + (f" rank {rank}" if rank else "")
@@ -385,31 +427,65 @@ def _check_cross_fields(topo: Topology, problems: _Problem) -> None:
         else:
             if spec.devices:
                 problems.fail(base + ("devices",), "GPU devices need platform: cuda; remove devices or set platform: cuda")
-            if ranks != 1:
-                problems.fail(base + ("tensor_parallel_size",), f"CPU instances run with TP x DP = 1 here (got {ranks}); set tensor_parallel_size and data_parallel_size to 1")
+            if spec.data_parallel_size != 1:
+                problems.fail(base + ("data_parallel_size",), f"CPU instances run one data-parallel rank (got {spec.data_parallel_size}); "
+                              "set data_parallel_size: 1 and run one instance per rank")
             if spec.cpu_cores is not None:
-                for core in parse_core_list(spec.cpu_cores):
-                    key = (spec.host, core)
-                    if key in cores:
-                        problems.fail(base + ("cpu_cores",), f"core {core} on host '{spec.host}' is also given to {_field_name(cores[key])}; give each instance its own cores")
-                    cores[key] = base
-    if topo.connector.type != "colocated":
-        _check_one_tp_size(topo, problems)
+                _claim_cores(topo, role, index, spec, cores, problems)
+    _check_tp_sizes(topo, problems)
     if topo.connector.backend == "LIBFABRIC" and topo.platform == "cpu":
         problems.fail(("connector", "backend"), "LIBFABRIC (EFA) needs platform: cuda hosts with EFA; use backend: UCX for CPU deployments")
 
 
-def _check_one_tp_size(topo: Topology, problems: _Problem) -> None:
-    """Blame the first instance whose TP size differs from the most common one (ties: the first instance's)."""
-    specs = [spec for _, _, spec in topo.instances()]
-    sizes = [spec.tensor_parallel_size for spec in specs]
-    usual = max(dict.fromkeys(sizes), key=sizes.count)  # dict.fromkeys keeps first-seen order for ties
-    reference = specs[sizes.index(usual)]
+def _claim_cores(topo: Topology, role: Role, index: int, spec: InstanceSpec, cores: dict, problems: _Problem) -> None:
+    """One core list per rank; a core given twice (two instances, or two ranks of one) only where
+    every instance involved says share_cores."""
+    base = (role, index)
+    groups = rank_core_lists(spec.cpu_cores)
+    ranks = spec.tensor_parallel_size
+    if len(groups) != ranks:
+        example = "|".join(str(i) for i in range(ranks)) if ranks > 1 else "0-3"
+        problems.fail(base + ("cpu_cores",), f"gives {len(groups)} core list(s) for {ranks} TP rank(s); give one per rank, "
+                      f"'|'-separated, e.g. '{example}'")
+    for rank, group in enumerate(groups):
+        for core in sorted(group):
+            key = (spec.host, core)
+            if key in cores:
+                other_path, other_rank = cores[key]
+                other = getattr(topo, other_path[0])[other_path[1]]
+                if not (spec.share_cores and other.share_cores):
+                    whom = f"its rank {other_rank}" if other is spec else f"{_field_name(other_path)} ({other.name})"
+                    problems.fail(base + ("cpu_cores",), f"core {core} on host '{spec.host}' is also given to {whom}; give each "
+                                  "instance and rank its own cores, or set share_cores: true on every instance that shares them "
+                                  "(a small machine)")
+            cores[key] = (base, rank)
+
+
+def known_kv_heads(topo: Topology) -> int | None:
+    """The model's KV heads where known before launch: model.kv_heads, the tiny model's, or the
+    config.json of a model present on this machine. None: doctor checks on the hosts."""
+    if topo.model.kv_heads is not None:
+        return topo.model.kv_heads
+    if topo.model.tiny is not None:
+        return topo.model.tiny.kv_heads
+    from .model_config import kv_heads_of
+
+    return kv_heads_of(Path(topo.model.path).expanduser())
+
+
+def _check_tp_sizes(topo: Topology, problems: _Problem) -> None:
+    """Each instance's TP size splits the model's KV heads the way vLLM can; prefill and decode
+    may use different sizes (kvpush re-shards the heads at the transfer)."""
+    heads = known_kv_heads(topo)
+    if heads is None:
+        return
+    from kvpush.connector.sharding import tp_problem
+
     for role, index, spec in topo.instances():
-        if spec.tensor_parallel_size != usual:
+        problem = tp_problem(heads, spec.tensor_parallel_size)
+        if problem:
             problems.fail((role, index, "tensor_parallel_size"),
-                          f"{spec.name} uses TP size {spec.tensor_parallel_size} but {reference.name} uses {usual}; "
-                          "kvpush supports homogeneous TP only, use one size everywhere")
+                          f"{spec.name} uses TP size {spec.tensor_parallel_size} but the model has {heads} KV heads: {problem}")
 
 
 def check_key_files(topo: Topology) -> None:

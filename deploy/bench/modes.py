@@ -93,7 +93,7 @@ def ports_of(topo: Topology) -> list[int]:
     ports = [topo.router.port]
     for _, _, spec in topo.instances():
         ports.append(spec.http_port)
-        ports.extend(side_channel_ports(spec))
+        ports.extend(side_channel_ports(spec, topo.connector.type))
     return ports
 
 

@@ -1,7 +1,7 @@
 """Accelerators: the GPUs (or CPU cores) each instance is given exist, are free, and TP fits."""
 from __future__ import annotations
 
-from kvpush.deploy.topology import parse_core_list
+from kvpush.deploy.topology import core_list_text, parse_core_list, rank_core_lists
 
 from .context import Check, DoctorContext, hung
 from .facts import HostFacts, Section
@@ -48,7 +48,9 @@ def check_accelerators(ctx: DoctorContext) -> list[CheckResult]:
             if absent:
                 return fail("accelerators", facts.host, f"{spec.name} is given cores {_ranges(absent)} that {facts.host} lacks",
                             f"set {spec.name}'s cpu_cores within {_ranges(sorted(have))}", ev)
-            lines.append(f"{spec.name}: cores {spec.cpu_cores}")
+            ranks = rank_core_lists(spec.cpu_cores)
+            lines.append(f"{spec.name}: cores {spec.cpu_cores}" if len(ranks) == 1 else
+                         f"{spec.name}: TP{len(ranks)} on " + ", ".join(f"rank {r} cores {core_list_text(c)}" for r, c in enumerate(ranks)))
         summary = "CPU mode; " + "; ".join(lines)
         if ctx.topo.model.dtype == "bfloat16" and bf16_is_emulated(facts.cpu_flags):
             return warn("accelerators", facts.host, f"{summary}; this CPU has no bf16 instructions (avx512_bf16, amx_bf16), "

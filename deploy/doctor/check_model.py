@@ -1,6 +1,9 @@
 """Model: present on every vLLM host, identical everywhere, and its dtype/length fit the topology."""
 from __future__ import annotations
 
+from kvpush.connector.sharding import tp_problem
+from kvpush.deploy.model_config import kv_heads_from_config
+
 from .context import Check, DoctorContext
 from .facts import HostFacts
 from .result import TOPOLOGY_SUBJECT, CheckResult, Evidence, fail, ok, skip, warn
@@ -76,15 +79,26 @@ def check_model_fit(ctx: DoctorContext) -> list[CheckResult]:
     if spec.max_model_len and limit and spec.max_model_len > limit and not config.get("rope_scaling"):
         return [fail("model-fit", TOPOLOGY_SUBJECT, f"max_model_len {spec.max_model_len} > the model's {limit} positions",
                      f"set model.max_model_len to at most {limit}", ev, scope="topology")]
+    heads = kv_heads_from_config(config)
+    for _, _, instance in ctx.topo.instances():
+        problem = tp_problem(heads, instance.tensor_parallel_size) if heads else ""
+        if problem:
+            return [fail("model-fit", TOPOLOGY_SUBJECT, f"{instance.name}: TP size {instance.tensor_parallel_size} vs the "
+                         f"model's {heads} KV heads: {problem}", f"change {instance.name}'s tensor_parallel_size",
+                         Evidence("config.json: KV heads vs each instance's TP size",
+                                  (f"KV heads: {heads}", *(f"{s.name}: TP {s.tensor_parallel_size}" for _, _, s in ctx.topo.instances()))),
+                         scope="topology")]
     if native and spec.dtype != "auto" and spec.dtype != native:
         risk = "overflow risk" if (native, spec.dtype) == ("bfloat16", "float16") else "twice the memory" if spec.dtype == "float32" else "precision loss"
         return [warn("model-fit", TOPOLOGY_SUBJECT, f"dtype {spec.dtype} differs from the model's {native} ({risk})",
                      f"set model.dtype: {native} (or auto)", ev, scope="topology")]
-    return [ok("model-fit", TOPOLOGY_SUBJECT, f"dtype {spec.dtype}, max_model_len {spec.max_model_len or limit} fit", ev, scope="topology")]
+    sizes = sorted({s.tensor_parallel_size for _, _, s in ctx.topo.instances()})
+    return [ok("model-fit", TOPOLOGY_SUBJECT, f"dtype {spec.dtype}, max_model_len {spec.max_model_len or limit}, "
+               f"TP {'/'.join(map(str, sizes))} over {heads} KV heads fit", ev, scope="topology")]
 
 
 CHECKS = [
     Check("model-present", "host", "model directory, config.json and weights on every vLLM host", check_model_present),
     Check("model-match", "topology", "same config and weights digest on every host", check_model_match),
-    Check("model-fit", "topology", "dtype and max_model_len fit the model", check_model_fit),
+    Check("model-fit", "topology", "dtype, max_model_len and every instance's TP size fit the model", check_model_fit),
 ]

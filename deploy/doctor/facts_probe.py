@@ -25,7 +25,7 @@ SAMPLE_BYTES = 1024 * 1024
 # Only these config.json keys matter to the checks; shipping the whole config is noise.
 CONFIG_KEYS = ("architectures", "model_type", "torch_dtype", "dtype", "max_position_embeddings",
                "num_hidden_layers", "num_key_value_heads", "num_attention_heads", "hidden_size",
-               "head_dim", "vocab_size", "rope_scaling")
+               "head_dim", "vocab_size", "rope_scaling", "kv_lora_rank")
 
 
 def _ulimit(resource_name, hard=False, unit=1):

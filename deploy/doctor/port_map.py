@@ -37,7 +37,7 @@ def port_claims(topo: Topology, running: frozenset[str] = frozenset()) -> list[P
         addr = bind_address(topo.hosts[spec.host])
         claims.append(PortClaim(spec.host, addr, spec.http_port, f"{spec.name} HTTP", spec.name))
         if disaggregated:
-            for rank, port in enumerate(side_channel_ports(spec)):
+            for rank, port in enumerate(side_channel_ports(spec, topo.connector.type)):
                 suffix = f" rank {rank}" if rank else ""
                 claims.append(PortClaim(spec.host, addr, port, f"{spec.name} side channel{suffix}", spec.name))
     if "router" not in running:
@@ -59,9 +59,9 @@ def reach_targets(topo: Topology) -> list[ReachTarget]:
     if topo.connector.type != "colocated":
         for p in topo.prefill:
             for d in topo.decode:
-                for rank, port in enumerate(side_channel_ports(p)):
+                for rank, port in enumerate(side_channel_ports(p, topo.connector.type)):
                     add(d.host, p.host, port, f"{p.name} side channel" + (f" rank {rank}" if rank else ""), "decode -> prefill side channel")
-                for rank, port in enumerate(side_channel_ports(d)):
+                for rank, port in enumerate(side_channel_ports(d, topo.connector.type)):
                     add(p.host, d.host, port, f"{d.name} side channel" + (f" rank {rank}" if rank else ""), "prefill -> decode side channel")
     for _, _, spec in topo.instances():
         add(topo.router.host, spec.host, spec.http_port, f"{spec.name} HTTP", "router -> instance HTTP")

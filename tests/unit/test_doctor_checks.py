@@ -191,6 +191,12 @@ def test_accelerators_cpu_cores_must_exist():
     assert "decode-0 is given cores 1" in r.summary
 
 
+def test_accelerators_show_each_tp_ranks_cores():
+    tp2 = parse_topology(template_text("local-cpu-tp2"))
+    r = only(check_accelerators.check_accelerators(context(tp2, {"local": facts("local", cpus=[0, 1])})), Status.OK)
+    assert "prefill-0: TP2 on rank 0 cores 0, rank 1 cores 1" in r.summary
+
+
 def test_devices_free_names_the_busy_gpu_and_process():
     busy = modeled("nvidia_apps_busy.txt", "nvidia-smi --query-compute-apps=...")
     r = next(r for r in check_accelerators.check_devices_free(context(P5EN, {"p5en-a": facts("p5en-a", {"nvidia_gpus": GPUS, "nvidia_apps": busy})})) if r.subject == "p5en-a")
@@ -309,6 +315,18 @@ def test_model_present_match_and_fit():
     short = model(cfg={"torch_dtype": "bfloat16", "max_position_embeddings": 1024})
     r = only(check_model.check_model_fit(context(TWO_CPU_HOSTS, {"a": facts("a", model=short)})), Status.FAIL)
     assert "2048" in r.summary and "1024" in r.remedy
+
+
+def test_model_fit_checks_every_tp_size_against_the_models_kv_heads():
+    """A real model's heads are known on the hosts only: TP 2 splits 2 KV heads, TP 3 cannot."""
+    config = {"torch_dtype": "bfloat16", "max_position_embeddings": 4096, "num_key_value_heads": 2}
+    tp = TWO_CPU_HOSTS.model_copy(deep=True)
+    tp.prefill[0].tensor_parallel_size = 3
+    r = only(check_model.check_model_fit(context(tp, {"a": facts("a", model=model(cfg=config))})), Status.FAIL)
+    assert r.summary.startswith("prefill-0: TP size 3 vs the model's 2 KV heads") and "tensor_parallel_size" in r.remedy
+    tp.prefill[0].tensor_parallel_size = 2
+    r = only(check_model.check_model_fit(context(tp, {"a": facts("a", model=model(cfg=config))})), Status.OK)
+    assert "TP 1/2 over 2 KV heads fit" in r.summary
 
 
 # -- ports ------------------------------------------------------------------------------------------

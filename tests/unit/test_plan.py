@@ -119,6 +119,24 @@ def test_cpu_instances_run_their_worker_inside_the_engine_process():
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in gpu.env
 
 
+def test_cpu_tensor_parallel_instance_binds_each_rank_to_its_cores():
+    plan = build_plan(parse_topology(template_text("local-cpu-tp2")))
+    prefill = plan.process("prefill-0")
+    assert prefill.argv[:3] == ["taskset", "--cpu-list", "0-1"]  # the whole tree on the union
+    assert prefill.env["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"  # each rank's OpenMP threads on its own
+    at = prefill.argv.index("--tensor-parallel-size")
+    assert prefill.argv[at:at + 4] == ["--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"]
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in prefill.env  # the ranks are worker processes anyway
+    assert prefill.side_channel_ports == [5600, 5601] and plan.process("decode-0").side_channel_ports == [5602, 5603]
+    config = RouterConfig.model_validate_json(plan.host("local").files[0].content)
+    assert [u.tp_size for u in config.prefill + config.decode] == [2, 2]
+
+
+def test_hetero_template_pairs_prefill_tp2_with_decode_tp1():
+    topo = parse_topology(template_text("local-cpu-hetero"))
+    assert [s.tensor_parallel_size for _, _, s in topo.instances()] == [2, 1]
+
+
 def test_cuda_instance_gets_visible_devices():
     topo = parse_topology(template_text("p5en-1p1d"))
     plan = build_plan(topo)
@@ -140,7 +158,7 @@ def test_every_template_validates_and_plans(name):
 
 
 def test_required_templates_are_shipped():
-    assert {"local-cpu", "p5en-1p1d", "xpyd"} <= set(template_names())
+    assert {"local-cpu", "local-cpu-tp2", "local-cpu-hetero", "p5en-1p1d", "xpyd"} <= set(template_names())
 
 
 def test_xpyd_spreads_over_four_hosts():

@@ -96,11 +96,24 @@ prefill: [{}]
 decode: [{host: b}]
 router: {host: a}
 """, 5, "prefill[0]", "names no host"),
-    ("mixed tp sizes", """platform: cuda
-model: {path: /m}
+    ("tp size does not split the kv heads", """platform: cuda
+model: {path: /m, kv_heads: 8}
 prefill: [{devices: [0, 1], tensor_parallel_size: 2}]
-decode: [{devices: [2, 3, 4, 5], tensor_parallel_size: 4}]
-""", 4, "decode[0].tensor_parallel_size", "homogeneous"),
+decode: [{devices: [2, 3, 4], tensor_parallel_size: 3}]
+""", 4, "decode[0].tensor_parallel_size", "decode-0 uses TP size 3 but the model has 8 KV heads"),
+    ("one core list for two ranks", MINIMAL.replace("  - {}\ndecode", "  - {cpu_cores: '0-1', tensor_parallel_size: 2}\ndecode"),
+     4, "prefill[0].cpu_cores", "gives 1 core list(s) for 2 TP rank(s); give one per rank, '|'-separated, e.g. '0|1'"),
+    ("instances share cores unasked", MINIMAL.replace("  - {}\ndecode:\n  - {}",
+                                                      "  - {cpu_cores: '0|1', tensor_parallel_size: 2, share_cores: true}\n"
+                                                      "decode:\n  - {cpu_cores: '0|1', tensor_parallel_size: 2}"),
+     6, "decode[0].cpu_cores", "core 0 on host 'local' is also given to prefill[0] (prefill-0); give each instance and rank its own cores, or set share_cores: true"),
+    ("two ranks on one core", MINIMAL.replace("  - {}\ndecode", "  - {cpu_cores: '0|0', tensor_parallel_size: 2}\ndecode"),
+     4, "prefill[0].cpu_cores", "core 0 on host 'local' is also given to its rank 0"),
+    ("empty rank core list", MINIMAL.replace("  - {}\ndecode", "  - {cpu_cores: '0|', tensor_parallel_size: 2}\ndecode"),
+     4, "prefill[0].cpu_cores", "empty rank core list"),
+    ("data parallel on cpu", MINIMAL.replace("  - {}\ndecode", "  - {data_parallel_size: 2}\ndecode"),
+     4, "prefill[0].data_parallel_size", "set data_parallel_size: 1"),
+    ("per-rank lists for the router", MINIMAL + "router: {cpu_cores: '0|1'}\n", 7, "router.cpu_cores", "one core list like"),
     ("libfabric on cpu", MINIMAL + "connector: {backend: LIBFABRIC}\n", 7, "connector.backend", "UCX"),
     ("bad deployment name", "name: My_Deploy\n" + MINIMAL, 1, "name", "lowercase"),
     ("bad dtype", MINIMAL.replace("path: /models/tiny", "path: /models/tiny\n  dtype: fp8"), 3, "model.dtype", "'bfloat16'"),
@@ -115,11 +128,9 @@ decode: [{devices: [2, 3, 4, 5], tensor_parallel_size: 4}]
     ("boolean core list", MINIMAL.replace("  - {}\ndecode", "  - {cpu_cores: true}\ndecode"), 4, "prefill[0].cpu_cores", "true/false, not a core list"),
     ("boolean device", "platform: cuda\nmodel: {path: /m}\nprefill: [{devices: [true]}]\ndecode: [{devices: [2]}]\n", 3, "prefill[0].devices[0]", "true/false"),
     ("no hosts", MINIMAL + "hosts: {}\n", 7, "hosts", "defines no hosts"),
-    ("odd tp size is a later prefill", """platform: cuda
-model: {path: /m}
-prefill: [{devices: [0]}, {devices: [1, 2], tensor_parallel_size: 2}]
-decode: [{devices: [3]}]
-""", 3, "prefill[1].tensor_parallel_size", "prefill-1 uses TP size 2 but prefill-0 uses 1"),
+    ("tp size against the tiny model's heads", MINIMAL.replace("path: /models/tiny", "path: /models/tiny\n  tiny: {heads: 8, kv_heads: 4}")
+     .replace("  - {}\ndecode", "  - {tensor_parallel_size: 3, cpu_cores: '0|1|2'}\ndecode"), 5, "prefill[0].tensor_parallel_size",
+     "prefill-0 uses TP size 3 but the model has 4 KV heads"),
     ("tiny model heads", MINIMAL.replace("path: /models/tiny", "path: /models/tiny\n  tiny: {heads: 3, kv_heads: 2}"), 3, "model.tiny", "multiple of kv_heads"),
 ]
 
@@ -157,6 +168,25 @@ def test_unreadable_topology_file_is_one_line(tmp_path, make, phrase):
 def test_device_file_is_not_called_missing():
     with pytest.raises(TopologyError, match="/dev/null: is not a regular file"):
         load_topology("/dev/null")
+
+
+def test_prefill_and_decode_may_use_different_tp_sizes_that_split_the_heads():
+    topo = parse_topology("""platform: cuda
+model: {path: /m, kv_heads: 8}
+prefill: [{devices: [0, 1]}, {devices: [2, 3, 4, 5], tensor_parallel_size: 4}]
+decode: [{devices: [6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], tensor_parallel_size: 16}]
+""".replace("[0, 1]}", "[0], tensor_parallel_size: 1}"))
+    assert [s.tensor_parallel_size for _, _, s in topo.instances()] == [1, 4, 16]
+
+
+def test_instances_that_ask_share_cores_and_each_rank_gets_its_list():
+    topo = parse_topology(MINIMAL.replace("  - {}\ndecode:\n  - {}",
+                                          "  - {cpu_cores: '0|1', tensor_parallel_size: 2, share_cores: true}\n"
+                                          "decode:\n  - {cpu_cores: '0-1', share_cores: true}"))
+    assert [s.cpu_cores for _, _, s in topo.instances()] == ["0|1", "0-1"]
+    # kvpush's connector listens once per TP rank; vLLM's NIXL connectors once per instance
+    assert side_channel_ports(topo.prefill[0]) == [5600, 5601]
+    assert side_channel_ports(topo.prefill[0], "nixl-pull") == [5600]
 
 
 def test_unquoted_core_number_is_a_core_list():
