@@ -64,7 +64,7 @@ class SaveQueue:
     def __init__(self, producer: PushService, name: str = "kvpush-save"):
         self._producer = producer
         self._steps: deque[_Step] = deque()
-        self._cond = threading.Condition()
+        self._cond = threading.Condition(threading.Lock())
         self._busy = False  # the thread is handling a step it took off the queue
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -149,14 +149,16 @@ class SaveQueue:
             return False
 
 
-def cuda_forward_marks(device: Any) -> Callable[[], ForwardMark]:
+def cuda_forward_marks(device: Any, blocking: bool = False) -> Callable[[], ForwardMark]:
     """What wait_for_save calls on CUDA: an event recorded on the calling thread's current stream
-    of `device`. Its waiter (the queue's thread) sleeps in the driver instead of spinning a core,
-    and torch lets go of the GIL meanwhile."""
+    of `device`. Its waiter (the queue's thread) spins in the driver, CUDA's default, without the
+    GIL: a core while a step with pushes computes, as the compute thread's own waits do. An event
+    whose waiter sleeps instead (`blocking`) took twice as long to record on an H200 and woke its
+    waiter ~1 ms later (docs/benchmarks.md)."""
     import torch
 
     def mark() -> ForwardMark:
-        event = torch.cuda.Event(blocking=True)
+        event = torch.cuda.Event(blocking=blocking)
         event.record(torch.cuda.current_stream(device))
         return event
 
