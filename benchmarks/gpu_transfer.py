@@ -8,8 +8,8 @@ regions, device id) and registers its blocks for each push, as in a deployment. 
 size and block pattern the writer pushes its blocks in each mode and the receiver checks every
 byte after each push:
 - producer: the connector's path on a GPU. D's Consumer registers its blocks; Producer.prepare
-  makes the WRITE (the worker calls it in wait_for_save while the forward's kernels still run);
-  the clock starts at Producer.offer (prefill finished: after the worker waited for the kernels) and the Producer's own
+  makes the WRITE (the worker's save queue calls it while the forward's kernels still run);
+  the clock starts at Producer.offer (prefill finished: the save queue saw the forward end) and the Producer's own
   records give "posted" and "DONE" (its side-channel thread polls completion every 0.2 ms);
 - producer-late: the same without Producer.prepare (D registered after the forward pass started):
   offer makes and posts the WRITE;
@@ -73,9 +73,16 @@ WRITER_ENGINE, RECEIVER_ENGINE = "bench.prefill", "bench.decode"
 
 
 def _identity(shape, regions) -> "wire_mod.LayoutIdentity":
-    """What both sides' push services compare at handshake."""
+    """What both sides' push services compare at handshake (layer names sorted, as the connector's
+    worker lists vLLM's)."""
     return wire_mod.LayoutIdentity("bench-model", str(shape.dtype).removeprefix("torch."), shape.block_size,
-                                   tuple(f"layer{i}" for i in range(shape.num_layers)), 1)
+                                   tuple(sorted(layer_names(shape.num_layers))), 1)
+
+
+def layer_names(num_layers: int) -> list[str]:
+    return [f"layer{i}" for i in range(num_layers)]
+
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_kv_layouts as kvl  # noqa: E402
 
@@ -117,6 +124,15 @@ def receiver_main(conn, device: str) -> None:
                         time.sleep(0.0005)
                     conn.send(("outcome", outcome is not None and outcome.ok,
                                "timed out" if outcome is None else outcome.reason))
+                elif op == "outcomes":  # wait for P's DONE/FAIL of several pushes: {tid: (ok, reason)}
+                    _, tids, timeout_s = msg
+                    deadline = time.monotonic() + timeout_s
+                    got: dict = {}
+                    while len(got) < len(tids) and time.monotonic() < deadline:
+                        got.update({o.pending.transfer_id: (o.ok, o.reason) for o in consumer.take_outcomes()
+                                    if o.pending.transfer_id in tids})
+                        time.sleep(0.0005)
+                    conn.send(("outcomes", {tid: got.get(tid, (False, "timed out")) for tid in tids}))
                 elif op == "poison":
                     kvl.poison(cache)
                     _sync(device)

@@ -1,10 +1,11 @@
 """P's push service: accepts D's handshakes and registrations on the side channel, matches them
 with finished blocks, WRITEs with NIXL and tells D DONE or FAIL.
 
-`prepare()` is called from the compute thread while a GPU still runs the forward pass in which a
-request's prefill completes: if D's registration is already here, the request's coalesced WRITE is
-made then (see transfer.prepare_write), off the critical path. `offer()` is called once the forward
-is done; if D's registration is here, the WRITE (made ahead, or now) is posted right there. With
+On a GPU, `prepare()` is called (by the worker's save queue, save_order.py) while the GPU still
+runs the forward pass in which a request's prefill completes: if D's registration is already here,
+the request's coalesced WRITE is made then (see transfer.prepare_write), off the critical path.
+`offer()` is called once the forward is done (on CPU by the compute thread, on a GPU by the save
+queue); if D's registration is here, the WRITE (made ahead, or now) is posted right there. With
 `stream_writes` (CPU) the compute thread instead writes layer by layer, telling D STREAMING first and
 LANDED after each layer, so that D's forward pass overlaps the copy. Everything that
 arrives later is handled on the reactor thread. `take_freed()` hands back the requests whose
@@ -318,6 +319,23 @@ class Producer:
                 reg = self._state.abort(rank_key(transfer_id, rank), reason, time.monotonic())
                 if reg is not None:
                     self._send_fail(reg.peer_engine, transfer_id, reason)
+
+    def withdraw(self, transfer_id: str, req_id: str, reason: str, peer_tp_size: int = 1) -> None:
+        """A request whose prefill completed but whose KV is not to be sent after all (the forward
+        pass that wrote it failed): D's ranks hear FAIL, now or when they register, and its blocks
+        are free."""
+        with self._lock:
+            self.counters["failed"] += 1
+            log.warning("kvpush: push %s (request %s) withdrawn: %s", transfer_id, req_id, reason)
+            for rank in self._targets(peer_tp_size):
+                key = rank_key(transfer_id, rank)
+                reg = self._state.abort(key, reason, time.monotonic())
+                if reg is not None:
+                    self._send_fail(reg.peer_engine, transfer_id, reason)
+                prepared = self._prepared.pop(key, None)
+                if prepared is not None:
+                    self.engine.release(prepared.write)
+            self._freed.append(req_id)
 
     def take_freed(self) -> list[str]:
         with self._lock:

@@ -1,9 +1,11 @@
 """Worker-side half of the connector: owns the NIXL engine and the push service of its role.
 
 P: `save()` (from wait_for_save, right after the forward pass in which prefills complete was
-launched) makes the WRITEs whose registration from D is already there, while a GPU still runs the
-forward's kernels, then waits for them and offers the finished blocks: the Producer posts them at
-once or when D's registration comes.
+launched) offers the finished blocks: the Producer posts their WRITE at once or when D's
+registration comes. On CPU the forward is done by then. On a GPU its kernels are still running:
+save() records where the forward ends on its stream and hands the step to a SaveQueue
+(save_order.py), whose thread makes the WRITEs meanwhile and offers the blocks once the forward
+is done; the compute thread returns to vLLM at once.
 D: `bind()` registers newly allocated blocks with P at once. A WRITE that P streams layer by layer
 is reported received as it starts; every forward pass until it is over waits, layer by layer
 (`wait_for_layer_load`), for that layer's bytes of every such WRITE. One that fails then has its
@@ -22,6 +24,7 @@ from .hugepages import back_with_huge_pages
 from .layout import TensorView, head_layout, kv_regions, region_spans, regions_of
 from .metadata import PushMetadata
 from .producer import Producer, ProducerConfig
+from .save_order import ForwardMark, SaveQueue, cuda_forward_marks
 from .settings import Settings
 from .sharding import HeadSharding
 from .state import Outcome, Pending
@@ -67,7 +70,9 @@ class PushWorker:
         self._all_regions: tuple[int, ...] = ()
         self._idle_step = False
         self._stats = PushStats()
-        self._sync_device: Callable[[], None] | None = None  # CUDA: wait for the forward pass's kernels
+        # CUDA: marks the end of this step's forward pass on its stream; the queue offers after it
+        self._forward_mark: Callable[[], ForwardMark] | None = None
+        self._saves: SaveQueue | None = None
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         s = self.settings
@@ -83,7 +88,7 @@ class PushWorker:
         mem_type = "VRAM" if on_gpu else "DRAM"
         device_id = (tensors[0].device.index or 0) if on_gpu else 0
         if on_gpu:
-            self._sync_device = _cuda_device_sync(tensors[0].device)
+            self._forward_mark = cuda_forward_marks(tensors[0].device)
         note = layout_cost_note(s.kv_cache_layout, regions, on_gpu)
         if note is not None:
             (log.warning if on_gpu else log.info)(note)
@@ -158,14 +163,18 @@ class PushWorker:
     def save(self, meta: PushMetadata) -> None:
         if self.producer is None:
             return
-        if meta.sends and self._sync_device is not None:
-            # the forward's kernels are still running: make the WRITEs meanwhile, then wait for the
-            # KV they write (UCX copies on its own streams, unordered with the compute stream)
-            for s in meta.sends:
-                self.producer.prepare(s.transfer_id, s.block_ids, s.peer_engine, s.peer_tp_size)
-            self._sync_device()
         for s in meta.sends:
             self._offered.add(s.req_id)
+        if self._forward_mark is not None:
+            # the forward's kernels are still running: the queue's thread makes the WRITEs meanwhile
+            # and offers the blocks once the KV is written; aborts go behind them, so that this
+            # thread never waits on the Producer's lock
+            if meta.sends or meta.aborts:
+                if self._saves is None:
+                    self._saves = SaveQueue(self.producer, f"kvpush-save-tp{self.tp_rank}")
+                self._saves.submit(self._forward_mark() if meta.sends else None, meta.sends, meta.aborts)
+            return
+        for s in meta.sends:
             self.producer.offer(s.transfer_id, s.req_id, list(s.block_ids), s.peer_engine, s.peer_tp_size)
         for tid, reason, peer_tp_size in meta.aborts:
             self.producer.abort(tid, reason, peer_tp_size)
@@ -278,6 +287,8 @@ class PushWorker:
         return stats
 
     def shutdown(self) -> None:
+        if self._saves is not None:
+            self._saves.close()
         for service in (self.producer, self.consumer):
             if service is not None:
                 service.close()
@@ -302,9 +313,3 @@ def _regions_by_layer(kv_caches: dict[str, Any], regions: list[Region], num_bloc
     return {name: tuple(index[r.base] for r in regions_of(TensorView.of(tensor), num_blocks))
             for name, tensor in kv_caches.items()}
 
-
-def _cuda_device_sync(device: Any) -> Callable[[], None]:
-    import torch
-
-    # the whole device, not the current stream: vLLM may write KV from a stream of its own
-    return lambda: torch.cuda.synchronize(device)

@@ -459,3 +459,23 @@ def test_an_unexpected_error_in_a_write_costs_that_push_not_the_compute_thread(s
     assert not record.ok and "prefill error during the WRITE: RuntimeError('engine bug')" in record.reason
     assert producer.take_freed() == ["r13"] and isinstance(conn.sent[-1], wire.Fail)
     assert not producer._writing
+
+
+def test_a_withdrawn_push_fails_decode_frees_its_blocks_and_releases_the_write_made_ahead(setup):
+    producer, engine, conn = setup(drive_writes=False)
+    register(producer, conn, "t20", [5, 6])
+    assert producer.prepare("t20", [1, 2], "D")
+    made = engine.prepared[0][2]
+    producer.withdraw("t20", "r20", "forward pass failed")
+    assert producer.take_freed() == ["r20"] and made in engine.released and not engine.posted
+    [fail] = [m for m in conn.sent if isinstance(m, wire.Fail)]
+    assert fail.transfer_id == "t20" and "forward pass failed" in fail.reason
+
+
+def test_a_push_withdrawn_before_decode_registered_is_failed_when_it_registers(setup):
+    producer, engine, conn = setup(drive_writes=False)
+    producer.withdraw("t21", "r21", "forward pass failed")
+    assert producer.take_freed() == ["r21"]
+    register(producer, conn, "t21", [5])
+    [fail] = [m for m in conn.sent if isinstance(m, wire.Fail)]
+    assert fail.transfer_id == "t21" and not engine.prepared and not engine.posted

@@ -3,6 +3,9 @@
 Commands (one JSON object per line): {"offer": [tid, req, [blocks], peer]}, {"accept": [tids]} (decode TP 1),
 {"abort": [tid, reason]}, {"prepare": [tid, [blocks], peer]} (prints {"prepared": bool}),
 {"freed": true} -> prints {"freed": [...], "records": [...]}. Prints {"port": P} once ready.
+With {"save_queue": true} in its config (a GPU's path: the side-channel thread polls the WRITEs),
+{"save": [[tid, req, [blocks], peer], ...]} hands a step to a SaveQueue as wait_for_save does, its
+forward pass standing in as a gate that {"forward_done": true} opens (oldest first).
 """
 from __future__ import annotations
 
@@ -10,13 +13,17 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
+from collections import deque
 from pathlib import Path
 
 import numpy as np
 
 from kvpush.connector.layout import TensorView, kv_regions
+from kvpush.connector.metadata import SendSpec
 from kvpush.connector.producer import Producer, ProducerConfig
+from kvpush.connector.save_order import SaveQueue
 from kvpush.connector.transfer import NixlEngine
 from kvpush.connector.wire import LayoutIdentity
 
@@ -85,6 +92,19 @@ def wait_outcomes(consumer, n: int, timeout_s: float = 5.0) -> list:
     return got
 
 
+class ForwardGate:
+    """A forward pass's end on the stream, reached when the test says so."""
+
+    def __init__(self):
+        self._done = threading.Event()
+
+    def synchronize(self) -> None:
+        self._done.wait()
+
+    def open(self) -> None:
+        self._done.set()
+
+
 def main() -> None:
     cfg = json.loads(sys.argv[1])
     layers = cfg.get("layers", 0)
@@ -97,8 +117,11 @@ def main() -> None:
     engine = NixlEngine(cfg["engine_id"], regions)
     producer = Producer(ProducerConfig(cfg["engine_id"], identity(arr, cfg.get("model", "test-model"), layers),
                                        frozenset(cfg["allowed"]), "127.0.0.1", cfg.get("port", 0),
-                                       cfg.get("timeout_s", 5.0), stream_writes=cfg.get("stream_writes", False)),
+                                       cfg.get("timeout_s", 5.0), stream_writes=cfg.get("stream_writes", False),
+                                       drive_writes=not cfg.get("save_queue", False)),
                         engine)
+    saves = SaveQueue(producer) if cfg.get("save_queue") else None
+    gates: deque[ForwardGate] = deque()
     print(json.dumps({"port": producer.port}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -110,10 +133,17 @@ def main() -> None:
             producer.abort(*cmd["abort"])
         elif "prepare" in cmd:
             print(json.dumps({"prepared": producer.prepare(*cmd["prepare"])}), flush=True)
+        elif "save" in cmd:
+            gates.append(ForwardGate())
+            saves.submit(gates[-1], [SendSpec(req, tid, tuple(blocks), peer) for tid, req, blocks, peer in cmd["save"]])
+        elif "forward_done" in cmd:
+            gates.popleft().open()
         elif "freed" in cmd:
             recs = [r.__dict__ for r in producer.take_records()]
             print(json.dumps({"freed": producer.take_freed(), "records": recs,
                               "counters": dict(producer.counters)}), flush=True)
+    if saves is not None:
+        saves.close()
     producer.close()
 
 

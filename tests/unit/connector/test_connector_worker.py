@@ -1,6 +1,7 @@
 """Worker-side bookkeeping with stand-in push services: when vLLM hears finished/failed."""
 from __future__ import annotations
 
+import threading
 import time
 from types import SimpleNamespace
 
@@ -25,7 +26,10 @@ class FakeProducer:
         self.log.append("offer")
 
     def abort(self, *args):
-        pass
+        self.log.append("abort")
+
+    def withdraw(self, *args):
+        self.log.append("withdraw")
 
     def accept(self, tids):
         self.accepted += tids
@@ -106,15 +110,38 @@ def test_prefill_reports_when_push_ends_after_finish():
     assert w.get_finished(set()) == ({"r"}, None)
 
 
-def test_gpu_prefill_makes_writes_while_the_forward_runs_and_offers_after_it_finished():
+class ForwardPass:
+    """Stand-in for the event wait_for_save records on the compute stream: done when the test says."""
+
+    def __init__(self, log: list):
+        self.log = log
+        self.done = threading.Event()
+        self.waited_on: threading.Thread | None = None
+
+    def synchronize(self) -> None:
+        self.waited_on = threading.current_thread()
+        assert self.done.wait(5)
+        self.log.append("forward done")
+
+
+def test_gpu_prefill_returns_at_once_and_its_blocks_are_freed_only_after_the_write_ended():
     w = worker(True)
     log = w.producer.log
-    w._sync_device = lambda: log.append("sync")
-    meta = PushMetadata(sends=[SendSpec("r", "t", (1, 2), "D")])
-    w.bind(meta)  # before the forward pass: nothing to do for P's sends yet
-    assert log == []
-    w.save(meta)  # wait_for_save: kernels queued; the KV must be written before UCX copies it
-    assert log == ["prepare", "sync", "offer"] and w.producer.prepared == [("t", (1, 2), "D", 1)]
+    forward = ForwardPass(log)
+    w._forward_mark = lambda: forward
+    w.save(PushMetadata(sends=[SendSpec("r", "t", (1, 2), "D")], aborts=[("t0", "request gone", 1)]))
+    try:
+        assert "offer" not in log  # back in vLLM while the forward's kernels still run
+        assert w.get_finished({"r"}) == (None, None)
+        forward.done.set()
+        assert w._saves.drain(5)
+        assert log == ["prepare", "forward done", "offer", "abort"]  # the WRITE made ahead, posted after the KV
+        assert forward.waited_on not in (None, threading.current_thread())
+        assert w.get_finished(set()) == (None, None)  # offered and finished in vLLM, but the WRITE is still on
+        w.producer.freed.append("r")  # the Producer saw the WRITE end
+        assert w.get_finished(set()) == ({"r"}, None)
+    finally:
+        w._saves.close()
 
 
 def test_cpu_prefill_offers_at_once():
@@ -123,12 +150,12 @@ def test_cpu_prefill_offers_at_once():
     assert w.producer.log == ["offer"]
 
 
-def test_prefill_without_sends_does_not_wait_for_the_device():
+def test_gpu_prefill_without_sends_marks_nothing_on_the_stream():
     w = worker(True)
-    w._sync_device = lambda: (_ for _ in ()).throw(AssertionError("synced for nothing"))
+    w._forward_mark = lambda: (_ for _ in ()).throw(AssertionError("marked a step with nothing to push"))
     w.bind(PushMetadata(accepts=[("t", 1)]))
     w.save(PushMetadata())
-    assert w.producer.prepared == [] and w.producer.offers == []
+    assert w.producer.prepared == [] and w.producer.offers == [] and w._saves is None
 
 
 def test_decode_failure_reports_blocks_and_finished():

@@ -1,0 +1,55 @@
+"""benchmarks/gpu_wait_for_save.py on CPU memory: the stand-in model runner steps both workloads
+in every mode through the connector's PushWorker, pushes to a real decode receiver process over
+real NIXL (UCX on DRAM), and every byte of every push is checked; the timings mean nothing here."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+BENCH = REPO / "benchmarks" / "gpu_wait_for_save.py"
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("wait-for-save") / "results.json"
+    env = dict(os.environ, UCX_MODULES="^ib", UCX_MEM_EVENTS="no", NIXL_LOG_LEVEL="WARN", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, str(BENCH), "--device", "cpu", "--rounds", "2", "--json", str(out)]
+    # own session: on a timeout the benchmark and its receiver process go down together
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env,
+                            start_new_session=True)
+    try:
+        stdout, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc.returncode, stdout, json.loads(out.read_text()) if out.exists() else {}
+
+
+def test_every_push_of_every_mode_moved_the_right_bytes_and_was_reported_once(bench_run):
+    rc, stdout, results = bench_run
+    assert rc == 0, stdout[-3000:]
+    assert "all bytes verified: True" in stdout and "WRONG" not in stdout
+    pushed = [r for r in results["runs"] if r["mode"] != "none"]
+    assert pushed and all(r["verified"] and r["outcomes_ok"] == r["pushes"] > 0 for r in pushed)
+    assert all(r["reported_once"] for r in results["runs"])  # finished_sending exactly once per push
+
+
+def test_each_workload_and_mode_is_measured_in_every_round(bench_run):
+    _, stdout, results = bench_run
+    runs = {(r["workload"], r["mode"], r["round"]) for r in results["runs"]}
+    assert runs == {(w, m, i) for w in ("prefill", "decode") for m in ("none", "queue", "sync") for i in range(2)}
+    for r in results["runs"]:
+        assert r["steps_per_s"] > 0 and len(r["save_ms"]) == r["timed_steps"] == len(r["push_step"])
+        assert any(r["push_step"]) == (r["mode"] != "none")
+    rows = {(s["workload"], s["mode"]): s for s in results["summary"]}
+    assert rows[("prefill", "none")]["steps_ratio_vs_none"] == 1.0
+    assert rows[("decode", "queue")]["push_steps"] > 0 and rows[("decode", "queue")]["save_push_p99_ms"] >= 0
+    assert stdout.count("-- targets") == 2 and "before (sync)" in stdout
