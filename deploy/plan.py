@@ -14,6 +14,7 @@ from typing import Literal
 from kvpush.router.config import RouterConfig, Timeouts, Upstream
 
 from .topology import ROUTER_PROCESS_NAME, HostSpec, InstanceSpec, Role, Topology
+from .topology_values import url_host
 
 ProcessRole = Literal["prefill", "decode", "router"]
 
@@ -276,7 +277,7 @@ def _router_process(topo: Topology) -> tuple[ProcessPlan, FilePlan]:
         cwd=workdir,
         log_path=f"{workdir}/logs/router.log",
         http_port=topo.router.port,
-        health_url=f"http://{'127.0.0.1' if topo.router.bind in ('0.0.0.0', '::') else topo.router.bind}:{topo.router.port}/health",
+        health_url=f"http://{'127.0.0.1' if topo.router.bind in ('0.0.0.0', '::') else url_host(topo.router.bind)}:{topo.router.port}/health",
     )
     return proc, FilePlan(path=config_path, content=router_config(topo).model_dump_json(indent=2))
 

@@ -103,11 +103,20 @@ def test_state_round_trip_and_location(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temp file left behind
 
 
-def test_unreadable_state_names_the_file(tmp_path, monkeypatch):
+@pytest.mark.parametrize("content", [
+    b"{not json", b"[]", b"null", b'"text"', b"\xff\xfe", b'{"processes": []}', b'{"hosts": {"h": 3}}',
+    b'{"deployment": "t", "processes": {"a": {"name": "a"}}}',
+    b'{"deployment": "t", "processes": {"a": {"name": "a", "role": "decode", "host": "h", "pid": "12", "pgid": 12, '
+    b'"start_time": null, "http_port": 1, "health_url": "", "log_path": "", "digest": "", "started_at": 0}}}',
+], ids=["garbage", "list", "null", "string", "not-utf8", "processes-list", "host-number", "short-record", "pid-text"])
+def test_corrupt_state_is_one_line_naming_the_file_and_the_way_out(tmp_path, monkeypatch, content):
     monkeypatch.setenv("KVPUSH_STATE_DIR", str(tmp_path))
-    (tmp_path / "t.json").write_text("{not json")
-    with pytest.raises(KvpushError, match=r"t\.json: unreadable deployment state"):
+    (tmp_path / "t.json").write_bytes(content)
+    with pytest.raises(KvpushError) as exc:
         load_state("t")
+    message = str(exc.value)
+    assert message.startswith(f"{tmp_path / 't.json'}: not a kvpush deployment state (") and "\n" not in message
+    assert f"mv {tmp_path / 't.json'} {tmp_path / 't.json'}.bad" in message and "rerun `kvpush up`" in message
 
 
 def test_lock_excludes_a_second_command(tmp_path, monkeypatch):
