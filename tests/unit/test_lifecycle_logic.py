@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -148,6 +149,25 @@ def test_detached_start_backgrounds_one_simple_command():
     assert "&& nohup" not in text  # `a && b &` would background a subshell and $! would be wrong
 
 
+def test_detached_start_sources_an_env_file_so_its_values_stay_off_every_argv(tmp_path):
+    env_file = tmp_path / "secret.env"
+    env_file.write_text("SECRET_VALUE=s3cr3t-value\n")
+    env_file.chmod(0o600)
+    text = detached_start_command(["/py"], {"K": "v"}, "/w", "/w/p.log", str(env_file))
+    assert f"set -a; . {env_file} || exit 1; set +a; " in text and "s3cr3t" not in text
+    runner = LocalRunner()
+    out = tmp_path / "out"
+    started = runner.start_detached(["sh", "-c", f"echo \"$SECRET_VALUE $K\" > {out}"], {"K": "v"}, str(tmp_path),
+                                    str(tmp_path / "p.log"), env_file=str(env_file))
+    deadline = time.monotonic() + 10  # a guard against a hang, not a time bound
+    while not (out.exists() and out.read_text()):
+        assert time.monotonic() < deadline, f"pid {started.pid} wrote nothing"
+        time.sleep(0.02)
+    assert out.read_text() == "s3cr3t-value v\n"
+    with pytest.raises(HostError, match="starting"):  # a missing env file starts nothing
+        runner.start_detached(["true"], {}, str(tmp_path), str(tmp_path / "q.log"), env_file=str(tmp_path / "missing.env"))
+
+
 def test_proc_table_parsing_handles_odd_command_names():
     text = ("btime 1000\n100\n"
             "42 42 (my (odd) prog) S 1 42 42 0 -1 0 0 0 0 0 0 0 0 0 20 0 1 0 250 0 0\n"
@@ -227,10 +247,13 @@ class _ProofRunner:
         self.fallbacks = fallbacks
         self.external = 0
         self.prompts: list[str] = []
+        self.authorization: dict[str, set] = {"metrics": set(), "completions": set()}
 
-    def http(self, method, url, body=None, timeout=5.0):
+    def http(self, method, url, body=None, timeout=5.0, headers=None):
         from kvpush.deploy.runners.base import HttpResponse
 
+        kind = "metrics" if url.endswith("/metrics") else "completions"
+        self.authorization[kind].add((headers or {}).get("Authorization"))
         if url.endswith("/metrics"):
             return HttpResponse(200, f'vllm:prompt_tokens_by_source_total{{source="external_kv_transfer"}} {self.external}.0\n'.encode())
         self.prompts.append(__import__("json").loads(body)["prompt"])
@@ -252,6 +275,16 @@ def test_proof_asks_again_when_the_router_let_decode_compute_the_prompt(monkeypa
     monkeypatch.setattr(lifecycle, "ROUTER_ROTATION_WAIT_S", 0.0)
     with pytest.raises(KvpushError, match="no decode instance received prompt tokens by KV transfer"):
         lifecycle.prove_kv_transfer({"local": _ProofRunner(fallbacks=10**6)}, plan)
+
+
+def test_proof_sends_the_routers_key_to_the_router_and_the_instances_key_to_decode(monkeypatch):
+    import kvpush.deploy.lifecycle as lifecycle
+    from kvpush.deploy.secrets import AccessKeys
+
+    plan = build_plan(parse_topology(template_text(DEFAULT_TEMPLATE)))
+    runner = _ProofRunner(fallbacks=0)
+    lifecycle.prove_kv_transfer({"local": runner}, plan, keys=AccessKeys(client="client-key", instance="instance-key"))
+    assert runner.authorization == {"metrics": {"Bearer instance-key"}, "completions": {"Bearer client-key"}}
 
 
 def test_doctor_gate_names_doctor_once(monkeypatch):
