@@ -69,7 +69,8 @@ HOSTILE: list[tuple[str, str | bytes, str]] = [
     ("integer-of-5000-digits", instance("kv_cache_gib: " + "9" * 5000), "cannot be read"),
     # numbers
     ("kv-cache-1e26", instance("kv_cache_gib: 1e26"), "kv_cache_gib"),
-    ("kv-cache-float-1e26", instance("kv_cache_gib: 1.0e+26"), "less than or equal to"),
+    ("kv-cache-float-1e26", instance("kv_cache_gib: 1.0e+26"), "kv_cache_gib"),
+    ("kv-cache-float-1e6", instance("kv_cache_gib: 1.0e+6"), "less than or equal to 65536"),
     ("kv-cache-inf", instance("kv_cache_gib: .inf"), "kv_cache_gib"),
     ("transfer-timeout-inf", with_lines("connector: {transfer_timeout_s: .inf}"), "finite"),
     ("decode-timeout-nan", router("decode_timeout_s: .nan"), "finite"),
