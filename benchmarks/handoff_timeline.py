@@ -40,6 +40,7 @@ from typing import Iterable
 import aiohttp
 
 from kvpush.deploy.plan import build_plan, router_config
+from kvpush.deploy.secrets import AccessKeys, kept_secret
 from kvpush.deploy.topology import load_topology
 from kvpush.router.protocols import concurrent_legs, new_transfer_id
 
@@ -147,7 +148,9 @@ async def run_requests(args: argparse.Namespace) -> list[Timeline]:
     rng = random.Random(args.seed)
     fixed_prompt = [rng.randrange(100, 2000) for _ in range(args.input_len)]
     timelines, tasks = [], []
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=args.timeout_s)) as session:
+    # The instances `kvpush up` started take the deployment's instance key (docs/security.md).
+    headers = AccessKeys.of(kept_secret(topo.name), None).headers("prefill")
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=args.timeout_s), headers=headers) as session:
         for i in range(args.requests):
             prompt = fixed_prompt if args.repeat_prompt else [rng.randrange(100, 2000) for _ in range(args.input_len)]
             body = {"model": topo.model.name, "prompt": prompt, "max_tokens": args.output_len, "temperature": 0,

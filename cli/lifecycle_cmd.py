@@ -17,6 +17,7 @@ from kvpush.deploy.lifecycle import Events, LifecycleOptions, down, up
 from kvpush.deploy.observe import ProcessStatus, deployment_status, require_state, stream_logs
 from kvpush.deploy.plan import build_plan
 from kvpush.deploy.runners import SshOptions
+from kvpush.deploy.secrets import observed_keys
 from kvpush.deploy.topology import NAME_PATTERN, check_key_files, resolve_topology
 
 from .console import err, note, out, print_json, styled
@@ -92,13 +93,16 @@ def register(app: typer.Typer) -> None:
         no_provision: bool = typer.Option(False, "--no-provision", help="Skip checking/installing kvpush on the hosts."),
         skip_doctor: bool = typer.Option(False, "--skip-doctor", help="Launch even if doctor's fast checks fail."),
         timeout: float = typer.Option(600.0, "--timeout", help="Seconds each process may take to become ready."),
+        rotate_secret: bool = typer.Option(False, "--rotate-secret", help="Make a new deployment secret and keys; "
+                                           "every process that reads them restarts (docs/security.md)."),
     ) -> None:
         """Start the deployment (only what changed), wait until ready, and prove KV moves through the router."""
         topo, source = resolve_topology(file)
         check_key_files(topo)
         note(f"topology: {source}")
         options = LifecycleOptions(ssh=ssh_options(accept_new_host_keys, known_hosts, connect_timeout),
-                                   ready_timeout_s=timeout, provision=not no_provision, doctor=not skip_doctor)
+                                   ready_timeout_s=timeout, provision=not no_provision, doctor=not skip_doctor,
+                                   rotate_secret=rotate_secret)
         columns = [SpinnerColumn(), TextColumn("[bold]{task.description}"), TextColumn("{task.fields[status]}", markup=False), TimeElapsedColumn()]
         with Progress(*columns, console=err, transient=False) as progress:
             result = up(topo, options, _ProgressEvents(progress))
@@ -154,6 +158,7 @@ def register(app: typer.Typer) -> None:
         if interval <= 0:
             raise UsageError(f"--interval: must be more than 0 seconds (got {interval:g})")
         ssh = ssh_options(False, known_hosts, connect_timeout)
+        keys = observed_keys(name, resolve_topology(file)[0] if deployment is None else None)
         json_indent = None if watch else 2  # --watch --json: one document per line, one line per refresh
 
         def current_rows() -> list[ProcessStatus]:
@@ -163,7 +168,7 @@ def register(app: typer.Typer) -> None:
                 if json_output:  # a script reading stdout still gets a document
                     print_json(_status_document(name, [], str(exc)), json_indent)
                 raise
-            return deployment_status(state, ssh)
+            return deployment_status(state, ssh, keys)
 
         if watch and json_output:
             while True:

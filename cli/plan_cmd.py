@@ -11,6 +11,7 @@ from rich.table import Table
 
 from kvpush.common.errors import UsageError
 from kvpush.deploy.plan import Plan, build_plan
+from kvpush.deploy.redact import redact_plan
 from kvpush.deploy.topology import TinyModelSpec, parse_topology, pydantic_message, resolve_topology
 from kvpush.templates import DEFAULT_TEMPLATE, template_names, template_summary, template_text
 
@@ -30,12 +31,17 @@ def render_plan(plan: Plan) -> None:
         out.rule(f"host {host.name} ({who}{', local' if host.is_local else ', ssh'})  workdir {host.workdir}")
         for f in host.files:
             out.print(styled("  [cyan]file[/cyan] {} ({} bytes)", f.path, len(f.content)), highlight=False)
+        for f in host.secret_files:
+            users = f"; read by {', '.join(f.used_by)}" if f.used_by else ""
+            out.print(styled("  [cyan]secret[/cyan] {} ({}, mode 0600, written by `up`{})", f.path, f.kind, users), highlight=False)
         for proc in host.processes:
             ports = f"http {proc.http_port}" + (f", side channel {','.join(map(str, proc.side_channel_ports))}" if proc.side_channel_ports else "")
             out.print(styled("  [bold green]{}[/bold green] ({}) {}; log {}", proc.name, proc.role, ports, proc.log_path), highlight=False)
             out.print(f"    cwd  {proc.cwd}", highlight=False)
             for key in sorted(proc.env):
                 out.print(f"    env  {key}={shlex.quote(proc.env[key])}", highlight=False)
+            if proc.env_file:
+                out.print(f"    env  (and the variables in {proc.env_file})", highlight=False)
             out.print(f"    argv {shlex.join(proc.argv)}", highlight=False)
             out.print(f"    health {proc.health_url}", highlight=False)
 
@@ -48,7 +54,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Print the launch plan (per host: env, argv, ports, logs) without touching any host."""
         topo, source = resolve_topology(file)
-        plan = build_plan(topo)
+        plan = redact_plan(build_plan(topo))
         if json_output:
             print_json(plan.to_dict())
         else:

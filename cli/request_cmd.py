@@ -1,14 +1,14 @@
 """`kvpush request`: one streamed completion through the deployment's router; prints answer and TTFT."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Optional
 
 import typer
 
 from kvpush.deploy.client import stream_completion
-from kvpush.deploy.plan import build_plan, router_config
+from kvpush.deploy.plan import build_plan
+from kvpush.deploy.secrets import client_api_key
 from kvpush.deploy.topology import resolve_topology
 
 from .console import note, out, print_json, styled
@@ -25,9 +25,8 @@ def register(app: typer.Typer) -> None:
         """Send one streamed, greedy completion through the router; print the answer and its TTFT."""
         topo, source = resolve_topology(topology)
         plan = build_plan(topo)
-        config = router_config(topo)
-        api_key = os.environ.get(config.api_key_env) if config.api_key_env else None
-        result = stream_completion(plan.router_url, plan.served_model_name, prompt, max_tokens=max_tokens, api_key=api_key)
+        result = stream_completion(plan.router_url, plan.served_model_name, prompt, max_tokens=max_tokens,
+                                   api_key=client_api_key(topo))
         if json_output:
             print_json({"router": plan.router_url, "text": result.text, "ttft_ms": result.ttft_s * 1e3,
                         "latency_ms": result.latency_s * 1e3, "completion_tokens": result.completion_tokens,

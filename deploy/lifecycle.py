@@ -16,9 +16,11 @@ from .hosts import connected
 from .plan import HostPlan, Plan, build_plan
 from .provision import ProvisionResult, WheelSource, local_digest, provision_host
 from .runners import Runner, SshOptions, fan_out, values_or_raise
+from .secrets import AccessKeys, SecretDelivery, client_api_key, ensure_local_secret, restart_users_of
 from .state import DeploymentState, HostRecord, ProcessRecord, load_state, locked, remove_state, save_state
 from .tiny_model import MARKER as TINY_MODEL_MARKER
 from .topology import Topology
+from kvpush.common.deployment_secret import fingerprint as secret_fingerprint
 from kvpush.common.vllm_metrics import external_kv_tokens
 
 LOG_TAIL_LINES = 30
@@ -33,6 +35,7 @@ class LifecycleOptions:
     provision: bool = True
     prove: bool = True  # send one request through the router and check KV moved
     doctor: bool = True  # run doctor's fast checks first and refuse to launch on a failure
+    rotate_secret: bool = False  # a new deployment secret (and keys); every process that reads one restarts
 
 
 class Events:
@@ -125,7 +128,7 @@ def _start_on_host(runner: Runner, host: HostPlan, names: list[str]) -> dict[str
     started = {}
     for proc in host.processes:
         if proc.name in names:
-            s = runner.start_detached(proc.argv, proc.env, proc.cwd, proc.log_path)
+            s = runner.start_detached(proc.argv, proc.env, proc.cwd, proc.log_path, env_file=proc.env_file)
             started[proc.name] = ProcessRecord(
                 name=proc.name, role=proc.role, host=host.name, pid=s.pid, pgid=s.pgid, start_time=s.start_time,
                 http_port=proc.http_port, health_url=proc.health_url, log_path=proc.log_path,
@@ -134,7 +137,7 @@ def _start_on_host(runner: Runner, host: HostPlan, names: list[str]) -> dict[str
     return started
 
 
-def _probe_health(runner: Runner, records: list[ProcessRecord]) -> dict[str, str]:
+def _probe_health(runner: Runner, records: list[ProcessRecord], keys: AccessKeys = AccessKeys()) -> dict[str, str]:
     """Per process: 'ready', 'dead', or a short waiting reason."""
     infos = runner.inspect([r.pid for r in records])
     out = {}
@@ -144,7 +147,7 @@ def _probe_health(runner: Runner, records: list[ProcessRecord]) -> dict[str, str
             out[r.name] = "dead: " + _why_not_running(r, info)
             continue
         try:
-            status = runner.http("GET", r.health_url, timeout=3).status
+            status = runner.http("GET", r.health_url, timeout=3, headers=keys.headers(r.role)).status
             out[r.name] = "ready" if status == 200 else f"health answers {status}"
         except OSError as exc:  # refused while the server is still loading; anything else is shown
             out[r.name] = "starting" if isinstance(exc, ConnectionError) else f"waiting ({exc or type(exc).__name__})"
@@ -160,7 +163,7 @@ def _why_not_running(record: ProcessRecord, info) -> str:
 
 
 def _wait_ready(runners: dict[str, Runner], records: list[ProcessRecord], timeout_s: float, events: Events,
-                since: float) -> dict[str, float]:
+                since: float, keys: AccessKeys = AccessKeys()) -> dict[str, float]:
     pending = {r.name: r for r in records}
     ready: dict[str, float] = {}
     end = time.monotonic() + timeout_s
@@ -168,7 +171,7 @@ def _wait_ready(runners: dict[str, Runner], records: list[ProcessRecord], timeou
         by_host: dict[str, list[ProcessRecord]] = {}
         for r in pending.values():
             by_host.setdefault(r.host, []).append(r)
-        results = values_or_raise(fan_out(list(by_host), lambda h: _probe_health(runners[h], by_host[h])))
+        results = values_or_raise(fan_out(list(by_host), lambda h: _probe_health(runners[h], by_host[h], keys)))
         for host_states in results.values():
             for name, status in host_states.items():
                 record = pending[name]
@@ -195,12 +198,12 @@ def _wait_ready(runners: dict[str, Runner], records: list[ProcessRecord], timeou
 # -- proof -------------------------------------------------------------------------------------
 
 
-def _decode_kv_tokens(runners: dict[str, Runner], plan: Plan) -> float:
+def _decode_kv_tokens(runners: dict[str, Runner], plan: Plan, keys: AccessKeys) -> float:
     total = 0.0
     for proc in plan.processes():
         if proc.role == "decode":
             url = proc.health_url.rsplit("/", 1)[0] + "/metrics"
-            total += external_kv_tokens(runners[proc.host].http("GET", url, timeout=10).text())
+            total += external_kv_tokens(runners[proc.host].http("GET", url, timeout=10, headers=keys.headers(proc.role)).text())
     return total
 
 
@@ -212,16 +215,18 @@ def _proof_body(model: str) -> bytes:
     return json.dumps({"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0}).encode()
 
 
-def prove_kv_transfer(runners: dict[str, Runner], plan: Plan, timeout_s: float = 120.0) -> Proof:
+def prove_kv_transfer(runners: dict[str, Runner], plan: Plan, timeout_s: float = 120.0,
+                      keys: AccessKeys = AccessKeys()) -> Proof:
     """One real completion through the router; decode must report prompt tokens received by KV transfer."""
     router = next(p for p in plan.processes() if p.role == "router")
     url = plan.router_url + "/v1/completions"
     give_up = time.monotonic() + ROUTER_ROTATION_WAIT_S
     while True:
-        before = _decode_kv_tokens(runners, plan)
+        before = _decode_kv_tokens(runners, plan, keys)
         started = time.monotonic()
         try:
-            response = runners[router.host].http("POST", url, _proof_body(plan.served_model_name), timeout=timeout_s)
+            response = runners[router.host].http("POST", url, _proof_body(plan.served_model_name), timeout=timeout_s,
+                                                 headers=keys.headers("router"))
         except OSError as exc:
             raise KvpushError(f"proof request to the router {url} failed: {exc}; see `kvpush logs router`") from None
         latency = time.monotonic() - started
@@ -238,7 +243,7 @@ def prove_kv_transfer(runners: dict[str, Runner], plan: Plan, timeout_s: float =
             answer = json.loads(response.body)["choices"][0]["text"]
         except (ValueError, KeyError, IndexError):
             raise KvpushError(f"proof request to the router {url} answered no completion: {response.text()[:200]}") from None
-        moved = _decode_kv_tokens(runners, plan) - before
+        moved = _decode_kv_tokens(runners, plan, keys) - before
         if moved > 0:
             return Proof(answer, latency, moved)
         if time.monotonic() >= give_up:
@@ -265,7 +270,13 @@ def _doctor_gate(topo: Topology, runners: dict[str, Runner], running: frozenset[
 def up(topo: Topology, options: LifecycleOptions = LifecycleOptions(), events: Events = Events()) -> UpResult:
     begun = time.monotonic()
     plan = build_plan(topo)
+    client_key = client_api_key(topo)  # an unset variable is bad input: refused before anything is touched
     with locked(plan.deployment):
+        secret, new_secret = ensure_local_secret(plan.deployment, options.rotate_secret)
+        keys = AccessKeys.of(secret, client_key)
+        delivery = SecretDelivery(plan, secret, keys)
+        if new_secret:
+            events.note(f"deployment secret: made a new one (fingerprint {secret_fingerprint(secret)})")
         state = load_state(plan.deployment) or DeploymentState(plan.deployment)
         hosts = _host_records(plan)
         # Hosts that only the old state knows still need connecting: their processes may have to stop.
@@ -285,7 +296,10 @@ def up(topo: Topology, options: LifecycleOptions = LifecycleOptions(), events: E
 
             running = _running_processes(runners, state)
             changes = result.changes = diff_deployment(plan, state, running)
+            stale = delivery.stale(runners)
+            restart_users_of(stale, changes)  # a new secret or key reaches a process only at its start
             if changes.nothing_to_do:
+                delivery.write(runners, stale)  # files that no running process reads
                 events.note(f"deployment {plan.deployment} is up and unchanged; nothing to do")
                 result.total_s = time.monotonic() - begun
                 return result
@@ -309,6 +323,7 @@ def up(topo: Topology, options: LifecycleOptions = LifecycleOptions(), events: E
             state.plan_hash = plan.topology_digest
             save_state(state)
 
+            delivery.write(runners, stale)
             launch = set(changes.to_launch)
             launch_hosts = [h for h in plan.hosts if launch & {p.name for p in h.processes}]
             values_or_raise(fan_out(launch_hosts, lambda h: _prepare_host(runners[h.name], h, topo), name=lambda h: h.name))
@@ -324,10 +339,10 @@ def up(topo: Topology, options: LifecycleOptions = LifecycleOptions(), events: E
             save_state(state)
             try:
                 values_or_raise(outcomes)
-                result.ready_s = _wait_ready(runners, list(new_records.values()), options.ready_timeout_s, events, started_at)
+                result.ready_s = _wait_ready(runners, list(new_records.values()), options.ready_timeout_s, events, started_at, keys)
                 if options.prove and plan.connector != "colocated":
                     events.process("proof", "one request through the router")
-                    result.proof = prove_kv_transfer(runners, plan)
+                    result.proof = prove_kv_transfer(runners, plan, keys=keys)
                     events.process("proof", f"KV moved: {result.proof.external_kv_tokens:.0f} prompt tokens", done=True)
             except KvpushError:
                 events.note(f"stopping the {len(new_records)} process(es) this `up` started")

@@ -11,6 +11,7 @@ from .changes import is_running
 from kvpush.common.errors import KvpushError, UsageError
 from .hosts import connected
 from .runners import Runner, SshOptions, fan_out
+from .secrets import AccessKeys
 from .state import DeploymentState, ProcessRecord, load_state
 from kvpush.common.vllm_metrics import vllm_load
 
@@ -45,7 +46,7 @@ def require_state(deployment: str) -> DeploymentState:
     return state
 
 
-def _host_status(runner: Runner, records: list[ProcessRecord]) -> list[ProcessStatus]:
+def _host_status(runner: Runner, records: list[ProcessRecord], keys: AccessKeys) -> list[ProcessStatus]:
     infos = runner.inspect([r.pid for r in records])
     now = time.time()
     rows = []
@@ -57,10 +58,12 @@ def _host_status(runner: Runner, records: list[ProcessRecord]) -> list[ProcessSt
                             "-", None, None, None, (now - r.start_time) if alive and r.start_time else None, r.restarts)
         if alive:
             try:
-                code = runner.http("GET", r.health_url, timeout=3).status
+                headers = keys.headers(r.role)
+                code = runner.http("GET", r.health_url, timeout=3, headers=headers).status
                 row.health = "ok" if code == 200 else f"HTTP {code}"
                 if r.role != "router" and code == 200:
-                    load = vllm_load(runner.http("GET", r.health_url.rsplit("/", 1)[0] + "/metrics", timeout=3).text())
+                    metrics_url = r.health_url.rsplit("/", 1)[0] + "/metrics"
+                    load = vllm_load(runner.http("GET", metrics_url, timeout=3, headers=headers).text())
                     row.running, row.waiting, row.kv_usage = load.running, load.waiting, load.kv_usage
             except OSError as exc:
                 row.health, row.error = "no answer", str(exc)
@@ -68,13 +71,13 @@ def _host_status(runner: Runner, records: list[ProcessRecord]) -> list[ProcessSt
     return rows
 
 
-def deployment_status(state: DeploymentState, ssh: SshOptions) -> list[ProcessStatus]:
+def deployment_status(state: DeploymentState, ssh: SshOptions, keys: AccessKeys = AccessKeys()) -> list[ProcessStatus]:
     by_host: dict[str, list[ProcessRecord]] = {}
     for r in state.processes.values():
         by_host.setdefault(r.host, []).append(r)
     rows: list[ProcessStatus] = []
     with connected({h: state.hosts[h] for h in by_host}, ssh) as (runners, unreachable):
-        results = fan_out(list(runners), lambda h: _host_status(runners[h], by_host[h]))
+        results = fan_out(list(runners), lambda h: _host_status(runners[h], by_host[h], keys))
         failures = dict(unreachable)
         failures.update({h: r.error for h, r in results.items() if not r.ok})
         for h, result in results.items():

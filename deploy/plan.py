@@ -14,8 +14,17 @@ from typing import Literal
 from kvpush.router.config import RouterConfig, Timeouts, Upstream
 
 from .topology import ROUTER_PROCESS_NAME, HostSpec, InstanceSpec, Role, Topology, core_list_text, parse_core_list
+from .topology_values import url_host
 
 ProcessRole = Literal["prefill", "decode", "router"]
+# Files `up` writes (mode 0600) from the deployment secret; the plan names them, never their content.
+SecretKind = Literal["deployment-secret", "instance-env", "router-upstream-key", "router-client-key"]
+SECRET_FILE_NAMES: dict[SecretKind, str] = {
+    "deployment-secret": "deployment.secret",  # the secret itself (the connector derives its keys)
+    "instance-env": "instance-api-key.env",  # VLLM_API_KEY=..., sourced by each vLLM launch
+    "router-upstream-key": "router-upstream.key",  # the same key, for the router's requests to the instances
+    "router-client-key": "router-client.key",  # the key clients send to the router (router.api_key_env/_file)
+}
 
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 ROUTER_MODULE = "kvpush.router"
@@ -45,6 +54,7 @@ class ProcessPlan:
     http_port: int
     health_url: str
     side_channel_ports: list[int] = field(default_factory=list)
+    env_file: str | None = None  # a 0600 file of secret variables the launch sources (written by `up`)
 
     def digest(self) -> str:
         """Changes whenever anything about how this process is launched changes."""
@@ -55,6 +65,13 @@ class ProcessPlan:
 class FilePlan:
     path: str
     content: str
+
+
+@dataclass(frozen=True)
+class SecretFilePlan:
+    path: str
+    kind: SecretKind
+    used_by: list[str]  # processes that read it at start: a new content restarts them
 
 
 @dataclass(frozen=True)
@@ -69,6 +86,7 @@ class HostPlan:
     python: str
     files: list[FilePlan]
     processes: list[ProcessPlan]
+    secret_files: list[SecretFilePlan] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -122,6 +140,10 @@ def bind_address(host: HostSpec) -> str:
     return "127.0.0.1" if host.address == "localhost" else host.address
 
 
+def secret_path(topo: Topology, host: HostSpec, kind: SecretKind) -> str:
+    return f"{deployment_dir(topo, host)}/{SECRET_FILE_NAMES[kind]}"
+
+
 def engine_id(topo: Topology, spec: InstanceSpec) -> str:
     """Stable engine identity: the connector's allowlists name peers by it."""
     return f"{topo.name}.{spec.name}"
@@ -141,6 +163,7 @@ def kv_transfer_config(topo: Topology, role: Role, spec: InstanceSpec) -> dict |
             "side_channel_port": spec.side_channel_port,
             "allowed_engines": sorted(engine_id(topo, p) for p in peers),
             "transfer_timeout_s": topo.connector.transfer_timeout_s,
+            "secret_file": secret_path(topo, host, "deployment-secret"),  # a path on that host (~ expanded there)
             **topo.connector.extra_config,
         }
         return {
@@ -232,6 +255,7 @@ def _vllm_process(topo: Topology, role: Role, spec: InstanceSpec) -> ProcessPlan
         http_port=spec.http_port,
         health_url=f"http://{bind_address(host)}:{spec.http_port}/health",
         side_channel_ports=side_channel_ports(spec, topo.connector.type) if kv_config is not None else [],
+        env_file=secret_path(topo, host, "instance-env"),
     )
 
 
@@ -248,6 +272,7 @@ def router_config(topo: Topology) -> RouterConfig:
         )
 
     r = topo.router
+    router_host = topo.hosts[r.host]
     colocated = topo.connector.type == "colocated"
     return RouterConfig(
         bind=r.bind,
@@ -255,7 +280,10 @@ def router_config(topo: Topology) -> RouterConfig:
         protocol=topo.connector.type,
         policy=r.policy,
         served_model_name=topo.model.name,
-        api_key_env=r.api_key_env,
+        # Keys travel as files on the router's host, written by `up` (an env var of the machine
+        # running kvpush would not reach a remote router).
+        api_key_file=secret_path(topo, router_host, "router-client-key") if has_client_key(topo) else None,
+        upstream_api_key_file=secret_path(topo, router_host, "router-upstream-key"),
         max_prompt_chars=r.max_prompt_chars,
         workers=r.workers,
         timeouts=Timeouts(connect_s=r.connect_timeout_s, prefill_s=r.prefill_timeout_s, decode_s=r.decode_timeout_s),
@@ -278,9 +306,32 @@ def _router_process(topo: Topology) -> tuple[ProcessPlan, FilePlan]:
         cwd=workdir,
         log_path=f"{workdir}/logs/router.log",
         http_port=topo.router.port,
-        health_url=f"http://{'127.0.0.1' if topo.router.bind in ('0.0.0.0', '::') else topo.router.bind}:{topo.router.port}/health",
+        health_url=f"http://{'127.0.0.1' if topo.router.bind in ('0.0.0.0', '::') else url_host(topo.router.bind)}:{topo.router.port}/health",
     )
     return proc, FilePlan(path=config_path, content=router_config(topo).model_dump_json(indent=2))
+
+
+def has_client_key(topo: Topology) -> bool:
+    """Whether clients must send the router a key (router.api_key_env or router.api_key_file)."""
+    return topo.router.api_key_env is not None or topo.router.api_key_file is not None
+
+
+def _secret_files(topo: Topology, processes: list[ProcessPlan]) -> list[SecretFilePlan]:
+    """Every host of the deployment holds the secret; vLLM hosts their key as an env file, the
+    router's host the router's keys."""
+    if not processes:
+        return []
+    host = topo.hosts[processes[0].host]
+    instances = [p.name for p in processes if p.role != "router"]
+    files = [SecretFilePlan(secret_path(topo, host, "deployment-secret"), "deployment-secret",
+                            instances if topo.connector.type == "kvpush" else [])]
+    if instances:
+        files.append(SecretFilePlan(secret_path(topo, host, "instance-env"), "instance-env", instances))
+    if any(p.role == "router" for p in processes):
+        files.append(SecretFilePlan(secret_path(topo, host, "router-upstream-key"), "router-upstream-key", [ROUTER_PROCESS_NAME]))
+        if has_client_key(topo):
+            files.append(SecretFilePlan(secret_path(topo, host, "router-client-key"), "router-client-key", [ROUTER_PROCESS_NAME]))
+    return files
 
 
 def build_plan(topo: Topology) -> Plan:
@@ -304,6 +355,7 @@ def build_plan(topo: Topology) -> Plan:
             python=spec.interpreter,
             files=files[name],
             processes=processes[name],
+            secret_files=_secret_files(topo, processes[name]),
         )
         for name, spec in topo.hosts.items()
         if processes[name] or files[name]

@@ -71,9 +71,22 @@ class DeploymentState:
 
     @classmethod
     def from_json(cls, text: str) -> "DeploymentState":
+        """Raises ValueError saying what is wrong when the text is not a state this version wrote."""
         data = json.loads(text)
-        data["hosts"] = {k: HostRecord(**v) for k, v in data.get("hosts", {}).items()}
-        data["processes"] = {k: ProcessRecord(**v) for k, v in data.get("processes", {}).items()}
+        if not isinstance(data, dict):
+            raise ValueError(f"holds {'null' if data is None else 'a JSON ' + type(data).__name__}, not an object")
+        for key, record_type in (("hosts", HostRecord), ("processes", ProcessRecord)):
+            records = data.get(key, {})
+            if not isinstance(records, dict) or not all(isinstance(v, dict) for v in records.values()):
+                raise ValueError(f"'{key}' is not a mapping of records")
+            try:
+                data[key] = {k: record_type(**v) for k, v in records.items()}
+            except TypeError:
+                raise ValueError(f"a record under '{key}' lacks fields or has unknown ones") from None
+        for record in data["processes"].values():
+            if not all(isinstance(getattr(record, f), int) and not isinstance(getattr(record, f), bool)
+                       for f in ("pid", "pgid", "http_port")):
+                raise ValueError(f"process {record.name!r} has a pid, pgid or port that is not a number")
         return cls(**data)
 
     def processes_on(self, host: str) -> list[ProcessRecord]:
@@ -90,8 +103,17 @@ def load_state(deployment: str) -> DeploymentState | None:
         return DeploymentState.from_json(path.read_text())
     except FileNotFoundError:
         return None
-    except (ValueError, TypeError, KeyError) as exc:
-        raise KvpushError(f"{path}: unreadable deployment state ({exc}); move it aside and run `kvpush down` on the hosts by hand") from None
+    except UnicodeDecodeError:
+        raise _corrupt(path, deployment, "not UTF-8 text") from None
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise _corrupt(path, deployment, str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__) from None
+    except OSError as exc:
+        raise KvpushError(f"{path}: cannot read the deployment state ({exc.strerror or exc}); check its permissions") from None
+
+
+def _corrupt(path: Path, deployment: str, why: str) -> KvpushError:
+    return KvpushError(f"{path}: not a kvpush deployment state ({why}); move it aside (mv {path} {path}.bad), stop "
+                       f"deployment {deployment}'s processes on its hosts by hand if any run, then rerun `kvpush up`")
 
 
 def save_state(state: DeploymentState) -> None:

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kvpush.common.errors import UsageError
+from . import topology_values as values
 from .yaml_source import SourceDocument, YamlSyntaxError, load_yaml_file, parse_yaml
 
 ConnectorType = Literal["kvpush", "nixl-push", "nixl-pull", "colocated"]
@@ -47,6 +48,11 @@ def _not_blank(fix: str) -> AfterValidator:
 
 
 IntNotBool = Annotated[int, BeforeValidator(_not_bool)]
+PathText = Annotated[str, AfterValidator(values.path)]
+PlainName = Annotated[str, AfterValidator(values.plain_name)]
+EnvMap = Annotated[dict[str, str], AfterValidator(values.env_map)]
+ExtraArgs = Annotated[list[str], AfterValidator(values.extra_args)]
+DAY_S = 86_400.0  # upper bound of every timeout
 
 
 class TopologyError(UsageError):
@@ -54,20 +60,20 @@ class TopologyError(UsageError):
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=False)
+    model_config = ConfigDict(extra="forbid", validate_assignment=False, allow_inf_nan=False)
 
 
 class TinyModelSpec(_Model):
     """Settings for the small causal LM that kvpush makes locally (no model hub needed)."""
 
-    seed: IntNotBool = 0
+    seed: IntNotBool = Field(0, ge=0, le=2**32 - 1)
     layers: IntNotBool = Field(2, ge=1, le=64)
-    hidden_size: IntNotBool = Field(256, ge=32)
-    heads: IntNotBool = Field(4, ge=1)
-    kv_heads: IntNotBool = Field(2, ge=1)
-    head_dim: IntNotBool = Field(64, ge=8)
-    vocab_size: IntNotBool = Field(4096, ge=300)
-    max_position_embeddings: IntNotBool = Field(4096, ge=128)
+    hidden_size: IntNotBool = Field(256, ge=32, le=16384)
+    heads: IntNotBool = Field(4, ge=1, le=256)
+    kv_heads: IntNotBool = Field(2, ge=1, le=256)
+    head_dim: IntNotBool = Field(64, ge=8, le=1024)
+    vocab_size: IntNotBool = Field(4096, ge=300, le=1_000_000)
+    max_position_embeddings: IntNotBool = Field(4096, ge=128, le=1 << 20)
 
     @model_validator(mode="after")
     def _kv_heads_divide_heads(self) -> "TinyModelSpec":
@@ -78,15 +84,16 @@ class TinyModelSpec(_Model):
 
 
 class ModelSpec(_Model):
-    path: Annotated[str, _not_blank("give the model directory")] = Field(description="model directory on every host that runs vLLM")
-    kv_heads: IntNotBool | None = Field(None, ge=1, description="the model's KV heads, to check TP sizes before launch "
-                                                                "(default: tiny.kv_heads, or config.json where the model is on this machine)")
-    served_name: str | None = None
+    path: Annotated[PathText, _not_blank("give the model directory")] = Field(description="model directory on every host that runs vLLM")
+    kv_heads: IntNotBool | None = Field(None, ge=1, le=4096, description="the model's KV heads, to check TP sizes before "
+                                                                         "launch (default: tiny.kv_heads, or config.json "
+                                                                         "where the model is on this machine)")
+    served_name: PlainName | None = None
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "bfloat16"
-    max_model_len: IntNotBool | None = Field(None, ge=16)
-    block_size: IntNotBool | None = Field(None, ge=1)
+    max_model_len: IntNotBool | None = Field(None, ge=16, le=1 << 24)
+    block_size: IntNotBool | None = Field(None, ge=1, le=4096)
     enforce_eager: bool = False
-    extra_args: list[str] = Field(default_factory=list)
+    extra_args: ExtraArgs = Field(default_factory=list)
     tiny: TinyModelSpec | None = Field(
         None, description="if set, `up` makes this tiny model at `path` on each host where it is missing"
     )
@@ -102,18 +109,18 @@ class ConnectorSpec(_Model):
     # Seconds after which a registration or finished-block set that never matched is failed. A
     # backstop for a leg that never reached the other side: a dead or hung prefill is noticed in
     # ~1 s by the side channel's ping, and a busy one may hold a request queued for many seconds.
-    transfer_timeout_s: float = Field(30.0, gt=0)
-    extra_config: dict[str, Any] = Field(default_factory=dict)
+    transfer_timeout_s: float = Field(30.0, gt=0, le=DAY_S)
+    extra_config: Annotated[dict[str, Any], AfterValidator(values.extra_config)] = Field(default_factory=dict)
 
 
 class HostSpec(_Model):
-    address: Annotated[str, _not_blank("give the host's IP address or DNS name")]
+    address: Annotated[str, _not_blank("give the host's IP address or DNS name"), AfterValidator(values.host_address)]
     ssh_port: IntNotBool = Field(22, ge=1, le=65535)
-    user: str | None = None
-    key: str | None = None
-    workdir: Annotated[str, _not_blank("give a directory, or remove the field for ~/.kvpush")] = "~/.kvpush"
-    python: str | None = Field(None, description="interpreter that runs vLLM there (default: <venv>/bin/python)")
-    venv: str | None = None
+    user: PlainName | None = None
+    key: PathText | None = None
+    workdir: Annotated[PathText, _not_blank("give a directory, or remove the field for ~/.kvpush")] = "~/.kvpush"
+    python: PathText | None = Field(None, description="interpreter that runs vLLM there (default: <venv>/bin/python)")
+    venv: PathText | None = None
 
     @property
     def is_local(self) -> bool:
@@ -161,18 +168,18 @@ RankCoreLists = Annotated[str, BeforeValidator(_core_number_as_text), AfterValid
 class InstanceSpec(_Model):
     name: str | None = None
     host: str | None = None
-    devices: list[IntNotBool] = Field(default_factory=list, description="GPU indices (platform cuda)")
+    devices: list[Annotated[IntNotBool, Field(le=1023)]] = Field(default_factory=list, description="GPU indices (platform cuda)")
     cpu_cores: RankCoreLists | None = Field(None, description="cores for VLLM_CPU_OMP_THREADS_BIND (platform cpu): one "
                                                               "list per TP rank, '|'-separated, e.g. '0|1'")
     share_cores: bool = Field(False, description="platform cpu: this instance may share cores with other instances "
                                                  "that say so too, and its ranks with each other (a small machine)")
-    kv_cache_gib: IntNotBool | None = Field(None, ge=1, description="VLLM_CPU_KVCACHE_SPACE (platform cpu)")
-    tensor_parallel_size: IntNotBool = Field(1, ge=1)
-    data_parallel_size: IntNotBool = Field(1, ge=1)
+    kv_cache_gib: IntNotBool | None = Field(None, ge=1, le=1 << 16, description="VLLM_CPU_KVCACHE_SPACE (platform cpu)")
+    tensor_parallel_size: IntNotBool = Field(1, ge=1, le=64)
+    data_parallel_size: IntNotBool = Field(1, ge=1, le=256)
     http_port: IntNotBool | None = Field(None, ge=1, le=65535)
     side_channel_port: IntNotBool | None = Field(None, ge=1, le=65535)
-    env: dict[str, str] = Field(default_factory=dict)
-    extra_args: list[str] = Field(default_factory=list)
+    env: EnvMap = Field(default_factory=dict)
+    extra_args: ExtraArgs = Field(default_factory=list)
 
     @field_validator("env", mode="before")
     @classmethod
@@ -191,17 +198,25 @@ class InstanceSpec(_Model):
 
 class RouterSpec(_Model):
     host: str | None = None
-    bind: str = "127.0.0.1"
+    bind: Annotated[str, AfterValidator(values.bind_address)] = "127.0.0.1"
     port: IntNotBool = Field(8000, ge=1, le=65535)
     policy: Policy = "round-robin"
-    api_key_env: str | None = Field(None, description="name of an env var holding the API key")
-    prefill_timeout_s: float = Field(600.0, gt=0)
-    decode_timeout_s: float = Field(600.0, gt=0)
-    connect_timeout_s: float = Field(5.0, gt=0)
-    max_prompt_chars: IntNotBool = Field(4_000_000, ge=1)
+    api_key_env: Annotated[str, AfterValidator(values.env_name)] | None = Field(
+        None, description="name of an env var, on the machine running kvpush, holding the router's API key")
+    api_key_file: PathText | None = Field(None, description="file on the machine running kvpush holding the router's API key")
+    prefill_timeout_s: float = Field(600.0, gt=0, le=DAY_S)
+    decode_timeout_s: float = Field(600.0, gt=0, le=DAY_S)
+    connect_timeout_s: float = Field(5.0, gt=0, le=DAY_S)
+    max_prompt_chars: IntNotBool = Field(4_000_000, ge=1, le=100_000_000)
     cpu_cores: CoreList | None = Field(None, description="cores the router process runs on (taskset); may share an instance's")
     workers: IntNotBool = Field(1, ge=1, le=64, description="router processes sharing the port, each relaying its share of "
                                                     "the streams; give the router at least as many cpu_cores")
+
+    @model_validator(mode="after")
+    def _one_key_source(self) -> "RouterSpec":
+        if self.api_key_env is not None and self.api_key_file is not None:
+            raise ValueError("gives both api_key_env and api_key_file; keep one")
+        return self
 
 
 class Topology(_Model):
@@ -213,7 +228,7 @@ class Topology(_Model):
     prefill: list[InstanceSpec] = Field(default_factory=list)
     decode: list[InstanceSpec] = Field(default_factory=list)
     router: RouterSpec = Field(default_factory=RouterSpec)
-    env: dict[str, str] = Field(default_factory=dict)
+    env: EnvMap = Field(default_factory=dict)
 
     @field_validator("env", mode="before")
     @classmethod

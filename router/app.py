@@ -38,22 +38,45 @@ ROUTER_KEY = web.AppKey("router", "Router")
 
 
 def resolve_api_key(config: RouterConfig) -> str | None:
-    """The key named by api_key_env; naming a variable that is unset is a configuration error."""
+    """The key clients must send: from api_key_file, or the variable api_key_env names (unset is a
+    configuration error)."""
+    from kvpush.common.errors import UsageError
+
+    if config.api_key_env and config.api_key_file:
+        raise UsageError("router config: gives both api_key_env and api_key_file; keep one")
+    if config.api_key_file:
+        return _key_from_file(config.api_key_file, "api_key_file")
     if not config.api_key_env:
         return None
     key = os.environ.get(config.api_key_env, "")
     if not key:
-        from kvpush.common.errors import UsageError
-
         raise UsageError(f"router config: api_key_env names {config.api_key_env}, which is unset or empty; "
                          f"export it or remove api_key_env from the topology's router section")
     return key
 
 
+def resolve_upstream_api_key(config: RouterConfig, client_key: str | None) -> str | None:
+    """The key sent to the instances: upstream_api_key_file's, else the clients' key."""
+    if config.upstream_api_key_file:
+        return _key_from_file(config.upstream_api_key_file, "upstream_api_key_file")
+    return client_key
+
+
+def _key_from_file(path: str, field: str) -> str:
+    from kvpush.common.deployment_secret import SecretFileError, read_key_file
+    from kvpush.common.errors import UsageError
+
+    try:
+        return read_key_file(path, missing_hint="`kvpush up` writes it, or fix the path")
+    except SecretFileError as exc:
+        raise UsageError(f"router config: {field}: {exc}") from None
+
+
 class Router:
     def __init__(self, config: RouterConfig, api_key: str | None):
         self.config = config
-        self.api_key = api_key
+        self.api_key = api_key  # what clients must send
+        self.upstream_api_key = resolve_upstream_api_key(config, api_key)
         self.metrics = RouterMetrics()
         self.prefill = Pool("prefill", config.prefill, config.policy, config.eject_after_failures, self.metrics)
         self.decode = Pool("decode", config.decode, config.policy, config.eject_after_failures, self.metrics)
@@ -67,7 +90,7 @@ class Router:
         # Idle upstream connections are dropped before vLLM's (uvicorn's) 5 s keep-alive closes them,
         # so a leg never goes out on a connection the server is closing at that moment.
         self.upstream = UpstreamClient(keepalive_s=UPSTREAM_KEEPALIVE_S)
-        self.dispatcher = Dispatcher(self.config, self.prefill, self.decode, self.metrics, self.upstream, self.api_key)
+        self.dispatcher = Dispatcher(self.config, self.prefill, self.decode, self.metrics, self.upstream, self.upstream_api_key)
         # Instances enter rotation on their first healthy answer: one round now, so a router
         # started beside ready instances serves at once, and one started beside loading ones
         # reports 503 on /health until they are up (never sends them legs while they load).
@@ -92,7 +115,8 @@ class Router:
 
     async def _get(self, base_url: str, path: str, timeout_s: float) -> tuple[int, str]:
         assert self.upstream is not None
-        resp = await self.upstream.request("GET", base_url, path, {}, None, timeout_s, timeout_s)
+        headers = {"Authorization": f"Bearer {self.upstream_api_key}"} if self.upstream_api_key else {}
+        resp = await self.upstream.request("GET", base_url, path, headers, None, timeout_s, timeout_s)
         try:
             return resp.status, (await resp.read()).decode(errors="replace")
         finally:
@@ -166,8 +190,8 @@ class Router:
         """The request as-is to the first decode instance that answers; None if none does."""
         assert self.upstream is not None
         headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
+        if self.upstream_api_key:
+            headers["Authorization"] = f"Bearer {self.upstream_api_key}"
         body = await request.read()
         timeouts = self.config.timeouts
         for inst in self.decode.available():

@@ -51,6 +51,10 @@ class RouterConfig(_Model):
     policy: Policy = "round-robin"
     served_model_name: str
     api_key_env: str | None = None  # name of an env var that holds the API key
+    api_key_file: str | None = None  # or a file (owner-only) whose first line is the API key clients must send
+    # A file (owner-only) holding the key the router sends to the instances (their --api-key /
+    # VLLM_API_KEY); unset: the instances get the client's key, as when they share one key.
+    upstream_api_key_file: str | None = None
     max_prompt_chars: int = 4_000_000
     timeouts: Timeouts = Field(default_factory=Timeouts)
     metrics_refresh_s: float = 1.0

@@ -6,6 +6,8 @@ forwards completions to the first decode upstream. Any other invocation (`-` for
 ...) runs the real interpreter, so provisioning works unchanged.
 Env: STANDIN_EXIT=1 exits at once (a process that fails to start); STANDIN_READY_DELAY=S delays /health;
 STANDIN_ROUTER_503=N makes the router answer its first N completions with 503 (instance not in rotation).
+Keys as the real ones take them: the vLLM stand-in answers 401 on /v1 without `Bearer $VLLM_API_KEY`
+when that is set; the router stand-in wants its api_key_file's key and sends upstream_api_key_file's.
 """
 import json
 import os
@@ -22,7 +24,11 @@ def _arg(argv, flag, default=None):
     return argv[argv.index(flag) + 1] if flag in argv else default
 
 
-def serve(role, host, port, decode_url=None):
+def _key(path):
+    return open(os.path.expanduser(path)).read().strip() if path else None
+
+
+def serve(role, host, port, decode_url=None, required_key=None, upstream_key=None):
     started = time.monotonic()
     ready_after = float(os.environ.get("STANDIN_READY_DELAY", "0"))
     counters = {"external": 0}
@@ -55,11 +61,16 @@ def serve(role, host, port, decode_url=None):
 
         def do_POST(self):
             body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            if required_key and self.headers.get("Authorization") != "Bearer " + required_key:
+                return self._send(401, json.dumps({"error": "Unauthorized"}))
             counters["posts"] = counters.get("posts", 0) + 1
             if decode_url and counters["posts"] <= int(os.environ.get("STANDIN_ROUTER_503", "0")):
                 return self._send(503, json.dumps({"error": {"message": "no decode instance in rotation"}}))
             if decode_url:
-                req = urllib.request.Request(decode_url + "/v1/completions", body, {"Content-Type": "application/json"})
+                headers = {"Content-Type": "application/json"}
+                if upstream_key:
+                    headers["Authorization"] = "Bearer " + upstream_key
+                req = urllib.request.Request(decode_url + "/v1/completions", body, headers)
                 with urllib.request.urlopen(req, timeout=10) as resp:
                     return self._send(200, resp.read().decode())
             counters["external"] += len(json.loads(body).get("prompt", "").split())
@@ -76,9 +87,10 @@ def main(argv):
             print("stand-in: exiting at once as STANDIN_EXIT=1 asks", flush=True)
             sys.exit(3)
         if argv[1] == VLLM:
-            serve("vllm", _arg(argv, "--host", "127.0.0.1"), int(_arg(argv, "--port")))
+            serve("vllm", _arg(argv, "--host", "127.0.0.1"), int(_arg(argv, "--port")), required_key=os.environ.get("VLLM_API_KEY"))
         config = json.load(open(_arg(argv, "--config")))
-        serve("router", config["bind"], config["port"], config["decode"][0]["url"])
+        serve("router", config["bind"], config["port"], config["decode"][0]["url"],
+              required_key=_key(config.get("api_key_file")), upstream_key=_key(config.get("upstream_api_key_file")))
     os.execv(sys.executable, [sys.executable] + argv)
 
 

@@ -16,6 +16,7 @@ from kvpush.common.errors import KvpushError
 from ..plan import on_cores
 
 PERCENTILE_METRICS = "ttft,tpot,itl,e2el"
+API_KEY_VARIABLE = "OPENAI_API_KEY"  # vLLM's benchmark client sends it as `Authorization: Bearer ...`
 PERCENTILES = "50,90,99"
 
 
@@ -95,8 +96,8 @@ class BenchClient:
                                           env=env, start_new_session=True)
         self._ready = False
 
-    def run(self, load: LoadSpec, log_path: Path, timeout_s: float) -> Path:
-        """Run one load level; returns the result JSON."""
+    def run(self, load: LoadSpec, log_path: Path, timeout_s: float, api_key: str | None = None) -> Path:
+        """Run one load level (with the router's API key, if it takes one); returns the result JSON."""
         Path(load.result_dir).mkdir(parents=True, exist_ok=True)
         load.result_path.unlink(missing_ok=True)
         deadline = time.monotonic() + timeout_s
@@ -107,7 +108,9 @@ class BenchClient:
                 if "error" in answer:
                     raise KvpushError(f"`vllm bench serve` could not start: {answer['error']}; its output is {self.log_path}")
                 self._ready = True
-            job = {"argv": bench_serve_argv(load), "log": str(log_path)}
+            # The key goes on the worker's stdin, never in an argv; unset when the router takes none,
+            # so a key of the user's own environment is never sent to the deployment.
+            job = {"argv": bench_serve_argv(load), "log": str(log_path), "env": {API_KEY_VARIABLE: api_key}}
             assert self._proc is not None and self._proc.stdin is not None
             self._proc.stdin.write((json.dumps(job) + "\n").encode())
             self._proc.stdin.flush()

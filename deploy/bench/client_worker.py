@@ -2,8 +2,9 @@
 
 Importing vLLM's benchmark client costs 15-50 s of CPU on a loaded 2-core machine; a bench runs it
 16 times. This process imports it once and then, for each JSON line on stdin
-(`{"argv": ["vllm", "bench", "serve", ...], "log": PATH}`), runs vLLM's own CLI `main()` with that
-argv, its stdout and stderr going to PATH, and answers one JSON line (`{"rc": N}`) on its original
+(`{"argv": ["vllm", "bench", "serve", ...], "log": PATH, "env": {NAME: VALUE or null}}`), runs
+vLLM's own CLI `main()` with that argv and environment (null: unset; the router's API key travels
+this way, never in an argv), its stdout and stderr going to PATH, and answers one JSON line (`{"rc": N}`) on its original
 stdout. It prints `{"ready": true}` once the import is done. Run as
 `python -m kvpush.deploy.bench.client_worker`.
 """
@@ -18,13 +19,15 @@ from typing import Callable, TextIO
 READY = {"ready": True}
 
 
-def run_job(entry: Callable[[], object], argv: list[str], log_path: str) -> int:
-    """Run `entry` as if started with `argv`, fds 1 and 2 sent to log_path; its exit status."""
+def run_job(entry: Callable[[], object], argv: list[str], log_path: str, env: dict[str, str | None] | None = None) -> int:
+    """Run `entry` as if started with `argv` and `env` set, fds 1 and 2 sent to log_path; its exit status."""
     sys.stdout.flush()
     sys.stderr.flush()
     saved = os.dup(1), os.dup(2)
     log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     previous = sys.argv, sys.stdout, sys.stderr
+    previous_env = {name: os.environ.get(name) for name in env or {}}
+    _set_env(env or {})
     try:
         os.dup2(log_fd, 1)
         os.dup2(log_fd, 2)
@@ -50,10 +53,19 @@ def run_job(entry: Callable[[], object], argv: list[str], log_path: str) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         sys.argv, sys.stdout, sys.stderr = previous
+        _set_env(previous_env)
         os.dup2(saved[0], 1)
         os.dup2(saved[1], 2)
         for fd in (*saved, log_fd):
             os.close(fd)
+
+
+def _set_env(values: dict[str, str | None]) -> None:
+    for name, value in values.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 def serve(entry: Callable[[], object], jobs: TextIO, answers: TextIO) -> None:
@@ -64,7 +76,7 @@ def serve(entry: Callable[[], object], jobs: TextIO, answers: TextIO) -> None:
         if not line.strip():
             continue
         job = json.loads(line)
-        rc = run_job(entry, job["argv"], job["log"])
+        rc = run_job(entry, job["argv"], job["log"], job.get("env"))
         answers.write(json.dumps({"rc": rc}) + "\n")
         answers.flush()
 

@@ -17,6 +17,7 @@ from kvpush.common.errors import KvpushError, UsageError
 from ..hosts import connected
 from ..lifecycle import Events, LifecycleOptions, down, prove_kv_transfer, up
 from ..plan import build_plan
+from ..secrets import AccessKeys, client_api_key, kept_secret
 from ..runners import Runner
 from ..state import HostRecord, load_state
 from ..tiny_model import describe, make_tiny_model
@@ -177,20 +178,20 @@ def router_base_url(topo: Topology) -> str:
     return plan_url if host.is_local else f"http://{host.address}:{topo.router.port}"
 
 
-def _scrape(runners: dict[str, Runner], endpoints: list[Endpoint]) -> dict[str, str]:
+def _scrape(runners: dict[str, Runner], endpoints: list[Endpoint], keys: AccessKeys) -> dict[str, str]:
     pages = {}
     for e in endpoints:
-        response = runners[e.host].http("GET", e.metrics_url, timeout=15)
+        response = runners[e.host].http("GET", e.metrics_url, timeout=15, headers=keys.headers(e.role))
         if response.status != 200:
             raise KvpushError(f"{e.name} on host {e.host}: {e.metrics_url} answered HTTP {response.status}")
         pages[e.name] = response.text()
     return pages
 
 
-def _wait_in_rotation(runner: Runner, router: Endpoint, timeout_s: float) -> None:
+def _wait_in_rotation(runner: Runner, router: Endpoint, timeout_s: float, keys: AccessKeys) -> None:
     end = time.monotonic() + timeout_s
     while True:
-        response = runner.http("GET", router.metrics_url, timeout=15)
+        response = runner.http("GET", router.metrics_url, timeout=15, headers=keys.headers("router"))
         left = out_of_rotation(response.text()) if response.status == 200 else ["(router /metrics unavailable)"]
         if not left:
             return
@@ -200,10 +201,10 @@ def _wait_in_rotation(runner: Runner, router: Endpoint, timeout_s: float) -> Non
         time.sleep(0.2)
 
 
-def _warm_up(runner: Runner, base_url: str, model: str) -> None:
+def _warm_up(runner: Runner, base_url: str, model: str, keys: AccessKeys) -> None:
     for i in range(WARMUP_REQUESTS):
         body = json.dumps({"model": model, "prompt": f"warm up {i} {time.time()}", "max_tokens": 2, "temperature": 0}).encode()
-        response = runner.http("POST", base_url + "/v1/completions", body, timeout=300)
+        response = runner.http("POST", base_url + "/v1/completions", body, timeout=300, headers=keys.headers("router"))
         if response.status != 200:
             raise KvpushError(f"warm-up request through the router {base_url} answered HTTP {response.status}: "
                               f"{response.text()[:200]}; see `kvpush logs`")
@@ -285,6 +286,7 @@ class Deployed:
     base_url: str
     tokenizer: str
     runners: dict[str, Runner]
+    keys: AccessKeys = AccessKeys()
 
 
 def _deploy(topo: Topology, options: BenchOptions, events: BenchEvents, run: ModeRun, stack: ExitStack,
@@ -307,16 +309,18 @@ def _deploy(topo: Topology, options: BenchOptions, events: BenchEvents, run: Mod
         connected({h: state.hosts[h] for h in {e.host for e in endpoints}}, options.lifecycle.ssh))
     if unreachable:
         raise KvpushError("cannot reach " + "; ".join(unreachable.values()))
-    deployed = Deployed(topo, run, endpoints, router, router_base_url(topo), resolve_tokenizer(topo, options.tokenizer), runners)
+    keys = AccessKeys.of(kept_secret(topo.name), client_api_key(topo))  # `up` just made or checked both
+    deployed = Deployed(topo, run, endpoints, router, router_base_url(topo), resolve_tokenizer(topo, options.tokenizer),
+                        runners, keys)
     with timed(run, "rotation"):
-        _wait_in_rotation(runners[router.host], router, ROTATION_TIMEOUT_S)
+        _wait_in_rotation(runners[router.host], router, ROTATION_TIMEOUT_S, keys)
     if options.lifecycle.prove and topo.connector.type != "colocated":
         events.mode(run.mode, "proving KV moves")
         with timed(run, "prove"):
-            prove_kv_transfer(runners, build_plan(topo))
+            prove_kv_transfer(runners, build_plan(topo), keys=keys)
     events.mode(run.mode, "warming up")
     with timed(run, "warm_up"):
-        _warm_up(runners[router.host], deployed.base_url, topo.model.name)
+        _warm_up(runners[router.host], deployed.base_url, topo.model.name, keys)
     events.mode(run.mode, "sampling idle CPU")
     with timed(run, "idle_cpu"):
         run.idle_cores = _idle_cores(runners, state)
@@ -334,11 +338,11 @@ def _measure(d: Deployed, options: BenchOptions, events: BenchEvents, client: Be
     load = LoadSpec(base_url=d.base_url, served_model=d.topo.model.name, tokenizer=d.tokenizer, rate=rate,
                     num_prompts=options.num_prompts, input_len=options.input_len, output_len=options.output_len,
                     seed=seed, result_dir=str(raw_dir), result_filename=f"{name}.json")
-    before = _scrape(d.runners, d.endpoints)
+    before = _scrape(d.runners, d.endpoints, d.keys)
     events.rate_started(d.run.mode, rate, options.num_prompts / rate)
     with timed(d.run, f"rate {rate:g}" + (f" round {round_index + 1}" if options.rounds > 1 else "")):
-        path = client.run(load, options.out_dir / "logs" / f"{name}.log", options.client_timeout_s)
-    after = _scrape(d.runners, d.endpoints)
+        path = client.run(load, options.out_dir / "logs" / f"{name}.log", options.client_timeout_s, d.keys.client)
+    after = _scrape(d.runners, d.endpoints, d.keys)
     (raw_dir / f"{name}-metrics.json").write_text(json.dumps({"before": before, "after": after}))
     text = path.read_text()
     point = RatePoint(
@@ -446,6 +450,7 @@ def client_cores(topo: Topology) -> str | None:
 
 def run_bench(topo: Topology, options: BenchOptions, events: BenchEvents = BenchEvents()) -> BenchReport:
     options.validate()
+    client_api_key(topo)  # an unset router key is bad input before any deployment starts, not a failure per mode
     options.out_dir.mkdir(parents=True, exist_ok=True)
     report = BenchReport(options, configuration(topo, options))
     client = BenchClient(options.out_dir / "logs" / "client.log", cpu_cores=client_cores(topo))

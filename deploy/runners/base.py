@@ -96,7 +96,8 @@ class Runner(ABC):
         """Send TERM/KILL/... to each process group; groups already gone are ignored."""
 
     @abstractmethod
-    def http(self, method: str, url: str, body: bytes | None = None, timeout: float = 5.0) -> HttpResponse:
+    def http(self, method: str, url: str, body: bytes | None = None, timeout: float = 5.0,
+             headers: dict[str, str] | None = None) -> HttpResponse:
         """An HTTP request made from the host itself (so host-local binds are reachable)."""
 
     @abstractmethod
@@ -125,11 +126,13 @@ class Runner(ABC):
             return self.home
         return self.home + value[1:] if value.startswith("~/") else value
 
-    def start_detached(self, argv: list[str], env: dict[str, str], cwd: str, log_path: str) -> Started:
-        """Start a process that outlives this connection: own session and process group, log file."""
+    def start_detached(self, argv: list[str], env: dict[str, str], cwd: str, log_path: str,
+                       env_file: str | None = None) -> Started:
+        """Start a process that outlives this connection: own session and process group, log file;
+        with env_file, the variables in that file too (secrets: never on a command line)."""
         result = self.run(detached_start_command(
             [self.expand(a) for a in argv], {k: self.expand(v) for k, v in env.items()},
-            self.expand(cwd), self.expand(log_path)), timeout=30)
+            self.expand(cwd), self.expand(log_path), self.expand(env_file) if env_file else None), timeout=30)
         result.check(f"starting {shlex.join(argv[:3])}")
         try:
             pid = int(result.stdout.strip().splitlines()[-1])
@@ -148,18 +151,22 @@ class Runner(ABC):
         return result.stdout
 
 
-def detached_start_command(argv: list[str], env: dict[str, str], cwd: str, log_path: str) -> str:
+def detached_start_command(argv: list[str], env: dict[str, str], cwd: str, log_path: str,
+                           env_file: str | None = None) -> str:
     """Shell text that starts argv detached and prints its PID.
 
     The backgrounded command must be one simple command so `$!` is its PID (`a && b &` would
     background a subshell), and every std stream is redirected so the SSH channel can close.
     setsid gives it its own session and process group, so signalling the group stops it all.
+    env_file's variables are exported by this shell (`set -a`) and so inherited: their values
+    never appear in an argv (`ps`), where `env K=V` words would.
     """
     log_dir = log_path.rsplit("/", 1)[0] if "/" in log_path else "."
     q = shlex.quote
     env_words = " ".join(q(f"{k}={v}") for k, v in sorted(env.items()))
+    source = f"set -a; . {q(env_file)} || exit 1; set +a; " if env_file else ""
     return (
-        f"mkdir -p {q(cwd)} {q(log_dir)} || exit 1; cd {q(cwd)} || exit 1; "
+        f"mkdir -p {q(cwd)} {q(log_dir)} || exit 1; cd {q(cwd)} || exit 1; {source}"
         f"if [ -f {q(log_path)} ]; then mv -f {q(log_path)} {q(log_path + '.1')}; fi; "
         f"env {env_words} nohup setsid {shlex.join(argv)} >{q(log_path)} 2>&1 </dev/null & echo $!"
     )

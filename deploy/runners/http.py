@@ -18,8 +18,10 @@ def split_url(url: str) -> tuple[str, int, str]:
     return parts.hostname or "127.0.0.1", parts.port or 80, path
 
 
-def exchange(sock, host: str, port: int, method: str, path: str, body: bytes | None) -> HttpResponse:
+def exchange(sock, host: str, port: int, method: str, path: str, body: bytes | None,
+             headers: dict[str, str] | None = None) -> HttpResponse:
     head = [f"{method} {path} HTTP/1.0", f"Host: {host}:{port}", "Connection: close"]
+    head += [f"{name}: {value}" for name, value in (headers or {}).items()]
     if body is not None:
         head += ["Content-Type: application/json", f"Content-Length: {len(body)}"]
     sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode() + (body or b""))

@@ -108,10 +108,11 @@ class LocalRunner(Runner):
                 except (ProcessLookupError, PermissionError):
                     pass
 
-    def http(self, method: str, url: str, body: bytes | None = None, timeout: float = 5.0) -> HttpResponse:
+    def http(self, method: str, url: str, body: bytes | None = None, timeout: float = 5.0,
+             headers: dict[str, str] | None = None) -> HttpResponse:
         host, port, path = split_url(url)
         with socket.create_connection((host, port), timeout=timeout) as sock:
-            return exchange(sock, host, port, method, path, body)
+            return exchange(sock, host, port, method, path, body, headers)
 
 
 def _terminate(proc: subprocess.Popen) -> None:

@@ -249,7 +249,8 @@ class SshRunner(Runner):
                 for line in lines:
                     on_line(line.decode(errors="replace"))
 
-    def http(self, method: str, url: str, body: bytes | None = None, timeout: float = 5.0) -> HttpResponse:
+    def http(self, method: str, url: str, body: bytes | None = None, timeout: float = 5.0,
+             headers: dict[str, str] | None = None) -> HttpResponse:
         host, port, path = split_url(url)
         try:
             chan = self.connect().get_transport().open_channel(
@@ -258,7 +259,7 @@ class SshRunner(Runner):
             raise ConnectionRefusedError(f"{host}:{port} refused through {self.name}: {exc}") from None
         with chan:
             chan.settimeout(timeout)
-            return exchange(chan, host, port, method, path, body)
+            return exchange(chan, host, port, method, path, body, headers)
 
 
 def _local_user() -> str:

@@ -61,7 +61,7 @@ for line in sys.stdin:
         log.write("connection refused by router\n" if seed == 3 else "ok\n")
     if seed != 3:
         with open(os.path.join(opt("--result-dir"), opt("--result-filename")), "w") as f:
-            json.dump({"completed": 1, "pid": os.getpid(), "rate": opt("--request-rate")}, f)
+            json.dump({"completed": 1, "pid": os.getpid(), "rate": opt("--request-rate"), "env": job.get("env")}, f)
     print(json.dumps({"rc": 3 if seed == 3 else 0}), flush=True)
 '''
 
@@ -134,3 +134,11 @@ def test_a_pinned_client_runs_on_the_given_cores(tmp_path):
         pid = json.loads(result.read_text())["pid"]
         assert os.sched_getaffinity(pid) == {0}
 
+
+
+def test_the_routers_key_reaches_the_client_in_its_job_and_no_key_unsets_the_variable(tmp_path):
+    with _client(tmp_path) as client:
+        keyed = client.run(_load(tmp_path, result_filename="a.json"), tmp_path / "a.log", timeout_s=30, api_key="router-key")
+        open_router = client.run(_load(tmp_path, result_filename="b.json"), tmp_path / "b.log", timeout_s=30)
+    assert json.loads(keyed.read_text())["env"] == {"OPENAI_API_KEY": "router-key"}
+    assert json.loads(open_router.read_text())["env"] == {"OPENAI_API_KEY": None}

@@ -36,3 +36,14 @@ def test_exit_with_a_message_is_status_1_and_the_message_is_logged(tmp_path):
         raise SystemExit("usage: vllm bench serve: bad option")
     assert run_job(entry, ["vllm"], str(tmp_path / "x.log")) == 1
     assert "bad option" in (tmp_path / "x.log").read_text()
+
+
+def test_a_jobs_environment_holds_for_that_job_only(tmp_path, monkeypatch):
+    import os
+
+    monkeypatch.setenv("OPENAI_API_KEY", "the-users-own")
+    seen = []
+    entry = lambda: seen.append(os.environ.get("OPENAI_API_KEY"))
+    assert run_job(entry, ["vllm"], str(tmp_path / "a.log"), {"OPENAI_API_KEY": "router-key"}) == 0
+    assert run_job(entry, ["vllm"], str(tmp_path / "b.log"), {"OPENAI_API_KEY": None}) == 0
+    assert seen == ["router-key", None] and os.environ["OPENAI_API_KEY"] == "the-users-own"

@@ -47,7 +47,7 @@ def test_status_json_of_a_stopped_deployment_is_still_json(tmp_path, watch):
 def test_status_watch_json_prints_one_document_per_refresh(monkeypatch):
     row = ProcessStatus("decode-0", "decode", "local", 42, "running", "ok", 0, 0, 0.1, 5.0, 0)
     monkeypatch.setattr(lifecycle_cmd, "require_state", lambda name: object())
-    monkeypatch.setattr(lifecycle_cmd, "deployment_status", lambda state, ssh: [row])
+    monkeypatch.setattr(lifecycle_cmd, "deployment_status", lambda state, ssh, keys: [row])
     sleeps = []
 
     def sleep(seconds):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -103,11 +104,20 @@ def test_state_round_trip_and_location(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temp file left behind
 
 
-def test_unreadable_state_names_the_file(tmp_path, monkeypatch):
+@pytest.mark.parametrize("content", [
+    b"{not json", b"[]", b"null", b'"text"', b"\xff\xfe", b'{"processes": []}', b'{"hosts": {"h": 3}}',
+    b'{"deployment": "t", "processes": {"a": {"name": "a"}}}',
+    b'{"deployment": "t", "processes": {"a": {"name": "a", "role": "decode", "host": "h", "pid": "12", "pgid": 12, '
+    b'"start_time": null, "http_port": 1, "health_url": "", "log_path": "", "digest": "", "started_at": 0}}}',
+], ids=["garbage", "list", "null", "string", "not-utf8", "processes-list", "host-number", "short-record", "pid-text"])
+def test_corrupt_state_is_one_line_naming_the_file_and_the_way_out(tmp_path, monkeypatch, content):
     monkeypatch.setenv("KVPUSH_STATE_DIR", str(tmp_path))
-    (tmp_path / "t.json").write_text("{not json")
-    with pytest.raises(KvpushError, match=r"t\.json: unreadable deployment state"):
+    (tmp_path / "t.json").write_bytes(content)
+    with pytest.raises(KvpushError) as exc:
         load_state("t")
+    message = str(exc.value)
+    assert message.startswith(f"{tmp_path / 't.json'}: not a kvpush deployment state (") and "\n" not in message
+    assert f"mv {tmp_path / 't.json'} {tmp_path / 't.json'}.bad" in message and "rerun `kvpush up`" in message
 
 
 def test_lock_excludes_a_second_command(tmp_path, monkeypatch):
@@ -137,6 +147,25 @@ def test_detached_start_backgrounds_one_simple_command():
     text = detached_start_command(["/py", "-m", "x", "a b"], {"K": "v w"}, "/w", "/w/logs/p.log")
     assert text.endswith("env 'K=v w' nohup setsid /py -m x 'a b' >/w/logs/p.log 2>&1 </dev/null & echo $!")
     assert "&& nohup" not in text  # `a && b &` would background a subshell and $! would be wrong
+
+
+def test_detached_start_sources_an_env_file_so_its_values_stay_off_every_argv(tmp_path):
+    env_file = tmp_path / "secret.env"
+    env_file.write_text("SECRET_VALUE=s3cr3t-value\n")
+    env_file.chmod(0o600)
+    text = detached_start_command(["/py"], {"K": "v"}, "/w", "/w/p.log", str(env_file))
+    assert f"set -a; . {env_file} || exit 1; set +a; " in text and "s3cr3t" not in text
+    runner = LocalRunner()
+    out = tmp_path / "out"
+    started = runner.start_detached(["sh", "-c", f"echo \"$SECRET_VALUE $K\" > {out}"], {"K": "v"}, str(tmp_path),
+                                    str(tmp_path / "p.log"), env_file=str(env_file))
+    deadline = time.monotonic() + 10  # a guard against a hang, not a time bound
+    while not (out.exists() and out.read_text()):
+        assert time.monotonic() < deadline, f"pid {started.pid} wrote nothing"
+        time.sleep(0.02)
+    assert out.read_text() == "s3cr3t-value v\n"
+    with pytest.raises(HostError, match="starting"):  # a missing env file starts nothing
+        runner.start_detached(["true"], {}, str(tmp_path), str(tmp_path / "q.log"), env_file=str(tmp_path / "missing.env"))
 
 
 def test_proc_table_parsing_handles_odd_command_names():
@@ -218,10 +247,13 @@ class _ProofRunner:
         self.fallbacks = fallbacks
         self.external = 0
         self.prompts: list[str] = []
+        self.authorization: dict[str, set] = {"metrics": set(), "completions": set()}
 
-    def http(self, method, url, body=None, timeout=5.0):
+    def http(self, method, url, body=None, timeout=5.0, headers=None):
         from kvpush.deploy.runners.base import HttpResponse
 
+        kind = "metrics" if url.endswith("/metrics") else "completions"
+        self.authorization[kind].add((headers or {}).get("Authorization"))
         if url.endswith("/metrics"):
             return HttpResponse(200, f'vllm:prompt_tokens_by_source_total{{source="external_kv_transfer"}} {self.external}.0\n'.encode())
         self.prompts.append(__import__("json").loads(body)["prompt"])
@@ -243,6 +275,16 @@ def test_proof_asks_again_when_the_router_let_decode_compute_the_prompt(monkeypa
     monkeypatch.setattr(lifecycle, "ROUTER_ROTATION_WAIT_S", 0.0)
     with pytest.raises(KvpushError, match="no decode instance received prompt tokens by KV transfer"):
         lifecycle.prove_kv_transfer({"local": _ProofRunner(fallbacks=10**6)}, plan)
+
+
+def test_proof_sends_the_routers_key_to_the_router_and_the_instances_key_to_decode(monkeypatch):
+    import kvpush.deploy.lifecycle as lifecycle
+    from kvpush.deploy.secrets import AccessKeys
+
+    plan = build_plan(parse_topology(template_text(DEFAULT_TEMPLATE)))
+    runner = _ProofRunner(fallbacks=0)
+    lifecycle.prove_kv_transfer({"local": runner}, plan, keys=AccessKeys(client="client-key", instance="instance-key"))
+    assert runner.authorization == {"metrics": {"Bearer instance-key"}, "completions": {"Bearer client-key"}}
 
 
 def test_doctor_gate_names_doctor_once(monkeypatch):

@@ -190,3 +190,27 @@ def test_local_cpu_template_keeps_router_off_the_prefill_core():
     topo = parse_topology(template_text("local-cpu"))
     assert topo.router.cpu_cores == topo.decode[0].cpu_cores != topo.prefill[0].cpu_cores
 
+
+
+def test_secrets_appear_in_the_plan_as_paths_only():
+    topo = parse_topology("name: t\nmodel: {path: /m}\nrouter: {api_key_env: MY_KEY}\nprefill: [{}]\ndecode: [{}]\n")
+    plan = build_plan(topo)
+    prefill, router = plan.process("prefill-0"), plan.process("router")
+    config = json.loads(prefill.argv[prefill.argv.index("--kv-transfer-config") + 1])
+    assert config["kv_connector_extra_config"]["secret_file"] == "~/.kvpush/t/deployment.secret"
+    assert prefill.env_file == "~/.kvpush/t/instance-api-key.env" and "VLLM_API_KEY" not in prefill.env
+    assert router.env_file is None
+    router_config = json.loads(plan.host("local").files[0].content)
+    assert router_config["api_key_env"] is None  # the router's host may not have this machine's environment
+    assert router_config["api_key_file"] == "~/.kvpush/t/router-client.key"
+    assert router_config["upstream_api_key_file"] == "~/.kvpush/t/router-upstream.key"
+    without_key = json.loads(build_plan(parse_topology("name: t\nmodel: {path: /m}\nprefill: [{}]\ndecode: [{}]\n"))
+                             .host("local").files[0].content)
+    assert without_key["api_key_file"] is None and without_key["upstream_api_key_file"] == "~/.kvpush/t/router-upstream.key"
+
+
+def test_vllms_own_connectors_get_no_secret_file():
+    topo = parse_topology("name: t\nmodel: {path: /m}\nconnector: {type: nixl-pull}\nprefill: [{}]\ndecode: [{}]\n")
+    prefill = build_plan(topo).process("prefill-0")
+    config = json.loads(prefill.argv[prefill.argv.index("--kv-transfer-config") + 1])
+    assert "secret_file" not in config["kv_connector_extra_config"] and prefill.env_file is not None

@@ -7,7 +7,7 @@ import json
 import pytest
 from router_harness import MODEL, deployment, eventually
 
-from kvpush.router.config import Timeouts
+from kvpush.router.config import RouterConfig, Timeouts
 
 COMPLETION = {"model": MODEL, "prompt": "hello", "max_tokens": 4}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
@@ -455,6 +455,43 @@ def test_api_key_enforced_and_forwarded():
                 assert resp.status == 401
 
     run(scenario())
+
+
+def test_the_instances_get_their_own_key_from_a_file_and_clients_theirs(tmp_path):
+    from kvpush.router.app import resolve_api_key
+
+    (tmp_path / "client.key").write_text("client-key\n")
+    (tmp_path / "upstream.key").write_text("instance-key\n")
+    for name in ("client.key", "upstream.key"):
+        (tmp_path / name).chmod(0o600)
+    files = {"api_key_file": str(tmp_path / "client.key"), "upstream_api_key_file": str(tmp_path / "upstream.key")}
+
+    async def scenario():
+        client_key = resolve_api_key(RouterConfig(protocol="kvpush", served_model_name=MODEL, decode=[], **files))
+        async with deployment("kvpush", api_key=client_key, **files) as dep:
+            status, _ = await dep.post("/v1/completions", COMPLETION, {"Authorization": "Bearer instance-key"})
+            assert status == 401  # the instances' key is not a client's
+            status, _ = await dep.post("/v1/completions", COMPLETION, {"Authorization": "Bearer client-key"})
+            assert status == 200
+            for fake in dep.prefill + dep.decode:
+                assert {r.headers["authorization"] for r in fake.received} == {"Bearer instance-key"}
+
+    run(scenario())
+
+
+def test_a_key_file_others_may_read_or_a_missing_one_is_a_one_line_config_error(tmp_path):
+    from kvpush.common.errors import UsageError
+    from kvpush.router.app import resolve_api_key, resolve_upstream_api_key
+
+    (tmp_path / "open.key").write_text("k\n")
+    (tmp_path / "open.key").chmod(0o644)
+    config = RouterConfig(protocol="kvpush", served_model_name=MODEL, decode=[], api_key_file=str(tmp_path / "open.key"))
+    with pytest.raises(UsageError, match=r"router config: api_key_file: .*open.key: the key file is readable by other users"):
+        resolve_api_key(config)
+    config = RouterConfig(protocol="kvpush", served_model_name=MODEL, decode=[], upstream_api_key_file=str(tmp_path / "no.key"))
+    with pytest.raises(UsageError, match=r"router config: upstream_api_key_file: .*no.key: no such key file"):
+        resolve_upstream_api_key(config, None)
+    assert resolve_upstream_api_key(RouterConfig(protocol="kvpush", served_model_name=MODEL, decode=[]), "c") == "c"
 
 
 def test_bad_requests_get_openai_4xx_and_reach_no_instance():

@@ -1,0 +1,174 @@
+"""The deployment secret on the machine running kvpush and on the hosts, and the keys made from it.
+
+- This machine keeps the secret at `<state dir>/<deployment>.secret` (0600): `up` makes it once,
+  `up --rotate-secret` replaces it; `status` and `bench` derive the instances' key from it.
+- `up` writes the plan's secret files (HostPlan.secret_files) on each host with mode 0600, their
+  content on stdin (never in an argv), and restarts the processes whose files changed.
+- The router's client key comes from router.api_key_env (an environment variable here) or
+  router.api_key_file (a file here); it reaches the router's host as a file too.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvpush.common import deployment_secret as ds
+from kvpush.common.errors import UsageError
+
+from .changes import Changes
+from .plan import HostPlan, Plan, SecretFilePlan
+from .runners import Runner, fan_out, values_or_raise
+from .state import state_dir
+from .topology import Topology
+
+API_KEY_VARIABLE = "VLLM_API_KEY"  # what vLLM reads its --api-key from
+
+
+def local_secret_path(deployment: str) -> Path:
+    return state_dir() / f"{deployment}.secret"
+
+
+def ensure_local_secret(deployment: str, rotate: bool = False) -> tuple[bytes, bool]:
+    """This deployment's secret, and whether it is new: the one kept here, or a new one (none kept
+    yet, or rotate)."""
+    path = local_secret_path(deployment)
+    if not rotate and os.path.lexists(path):
+        return ds.read_secret(path), False
+    secret = ds.new_secret()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")  # created 0600
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(ds.secret_file_text(secret))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return secret, True
+
+
+def kept_secret(deployment: str) -> bytes | None:
+    """The secret kept here, or None when `up` never made one (a deployment from before secrets)."""
+    if not os.path.lexists(local_secret_path(deployment)):
+        return None
+    return ds.read_secret(local_secret_path(deployment))
+
+
+def _valid_key(key: str, where: str) -> str:
+    # It becomes an HTTP header value: printable ASCII without spaces, so nothing can be injected.
+    if not key or not all(33 <= ord(c) <= 126 for c in key):
+        raise UsageError(f"{where}: the router's API key must be printable ASCII without spaces; give another key")
+    return key
+
+
+def client_api_key(topo: Topology) -> str | None:
+    """The key clients send to the router, read on this machine; None when the router takes none."""
+    router = topo.router
+    if router.api_key_env is not None:
+        value = os.environ.get(router.api_key_env, "")
+        if not value:
+            raise UsageError(f"router.api_key_env: {router.api_key_env} is unset or empty on this machine; "
+                             f"export it here (kvpush delivers the key to the router's host as a file)")
+        return _valid_key(value.strip(), f"router.api_key_env ({router.api_key_env})")
+    if router.api_key_file is not None:
+        try:
+            key = ds.read_key_file(router.api_key_file, missing_hint="give the path of a file on this machine")
+        except ds.SecretFileError as exc:
+            raise UsageError(f"router.api_key_file: {exc}") from None
+        return _valid_key(key, f"router.api_key_file ({router.api_key_file})")
+    return None
+
+
+@dataclass(frozen=True)
+class AccessKeys:
+    """The keys kvpush's own requests carry: to the router, and to the vLLM instances."""
+
+    client: str | None = None
+    instance: str | None = None
+
+    @classmethod
+    def of(cls, secret: bytes | None, client: str | None) -> "AccessKeys":
+        return cls(client, ds.derive_token(secret, ds.INSTANCE_API_KEY) if secret is not None else None)
+
+    def headers(self, role: str) -> dict[str, str]:
+        """Authorization for a request to a process of this role (router, prefill, decode)."""
+        key = self.client if role == "router" else self.instance
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def observed_keys(deployment: str, topo: Topology | None) -> AccessKeys:
+    """For commands that only look (status): the keys they can find, never an error for a missing one."""
+    try:
+        secret = kept_secret(deployment)
+    except ds.SecretFileError:
+        secret = None
+    try:
+        client = client_api_key(topo) if topo is not None else None
+    except UsageError:
+        client = None
+    return AccessKeys.of(secret, client)
+
+
+def _content(kind: str, secret: bytes, keys: AccessKeys) -> bytes:
+    if kind == "deployment-secret":
+        return ds.secret_file_text(secret).encode()
+    if kind == "instance-env":
+        return f"{API_KEY_VARIABLE}={keys.instance}\n".encode()  # hex: nothing the shell could read otherwise
+    if kind == "router-upstream-key":
+        return f"{keys.instance}\n".encode()
+    if kind == "router-client-key":
+        assert keys.client is not None
+        return f"{keys.client}\n".encode()
+    raise ValueError(f"unknown secret file kind {kind!r}")
+
+
+def write_private_file(runner: Runner, path: str, data: bytes) -> None:
+    """Write data to path on the runner's host, readable by its owner only from the first byte:
+    mktemp makes the file 0600 before anything is in it, and the data comes on stdin."""
+    target = runner.expand(path)
+    directory = target.rsplit("/", 1)[0] or "/"
+    q = shlex.quote
+    command = (f"umask 077 && mkdir -p {q(directory)} && t=$(mktemp {q(directory + '/.secret.XXXXXX')}) && "
+               f"{{ cat >\"$t\" && mv -f \"$t\" {q(target)}; }} || {{ rm -f \"$t\"; exit 1; }}")
+    runner.run(command, timeout=30, stdin=data).check(f"writing {path}")
+
+
+class SecretDelivery:
+    """The secret files of one `up`: which differ on the hosts, and writing them."""
+
+    def __init__(self, plan: Plan, secret: bytes, keys: AccessKeys):
+        self.plan, self.secret, self.keys = plan, secret, keys
+
+    def _wanted(self, host: HostPlan) -> list[tuple[SecretFilePlan, bytes]]:
+        return [(f, _content(f.kind, self.secret, self.keys)) for f in host.secret_files]
+
+    def stale(self, runners: dict[str, Runner]) -> dict[str, list[SecretFilePlan]]:
+        """Per host: its secret files whose content there is not what this `up` would write."""
+        def differing(host: HostPlan) -> list[SecretFilePlan]:
+            runner = runners[host.name]
+            return [f for f, data in self._wanted(host) if runner.read_file(f.path) != data]
+
+        return values_or_raise(fan_out(self.plan.hosts, differing, name=lambda h: h.name))
+
+    def write(self, runners: dict[str, Runner], stale: dict[str, list[SecretFilePlan]]) -> None:
+        def write_host(host: HostPlan) -> None:
+            paths = {f.path for f in stale.get(host.name, [])}
+            for f, data in self._wanted(host):
+                if f.path in paths:
+                    write_private_file(runners[host.name], f.path, data)
+
+        values_or_raise(fan_out([h for h in self.plan.hosts if stale.get(h.name)], write_host, name=lambda h: h.name))
+
+
+def restart_users_of(stale: dict[str, list[SecretFilePlan]], changes: Changes) -> list[str]:
+    """Running processes that read a stale file at start move from keep to restart; returns them."""
+    users = {name for files in stale.values() for f in files for name in f.used_by}
+    moved = [name for name in changes.keep if name in users]
+    changes.keep = [name for name in changes.keep if name not in users]
+    changes.restart += moved
+    return moved

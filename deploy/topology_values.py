@@ -1,0 +1,135 @@
+"""Checks for single topology values: the file may be hostile, and each value ends up in an argv,
+an environment, a URL or a path on some host.
+
+Each check raises ValueError with the words that follow a field name (what is wrong, the fix), as
+pydantic validators do; topology.py attaches them to its fields.
+"""
+from __future__ import annotations
+
+import ipaddress
+import math
+import re
+from typing import Any
+
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")  # POSIX: what `env` and `export` take as a name
+_LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
+MAX_HOSTNAME = 253
+MAX_PATH = 4096
+MAX_NAME = 256
+
+# Set by kvpush from the deployment secret (docs/security.md): a topology that set them too would
+# hand vLLM a key the router does not know, or point the connector at another secret.
+API_KEY_ENV = "VLLM_API_KEY"
+API_KEY_FLAG = "--api-key"
+SECRET_FILE_KEY = "secret_file"
+
+
+def _has_control(value: str) -> bool:
+    return any(ord(c) < 32 or ord(c) == 127 for c in value)
+
+
+def host_address(value: str) -> str:
+    """An IPv4 address or a DNS name: no port, user, scheme or non-ASCII letters."""
+    if not value.isascii():
+        raise ValueError("has non-ASCII characters; give an IPv4 address or a DNS name "
+                         "(an international name in its xn-- form)")
+    try:
+        ip = ipaddress.ip_address(value)
+    except ValueError:
+        ip = None
+    if ip is not None:
+        if ip.version == 6:
+            raise ValueError("is an IPv6 address; kvpush's side channel listens on IPv4 only, "
+                             "give an IPv4 address or a DNS name (127.0.0.1 for this machine)")
+        return value
+    if re.fullmatch(r"[0-9.]+", value):
+        raise ValueError("is not a valid IPv4 address; each of its four parts is 0-255")
+    labels = value[:-1].split(".") if value.endswith(".") else value.split(".")
+    if len(value) > MAX_HOSTNAME or not all(_LABEL.match(label) for label in labels):
+        raise ValueError("is not an IPv4 address or a DNS name (letters, digits, '-' and '.' only); "
+                         "give the port in ssh_port and the user in user")
+    return value
+
+
+def bind_address(value: str) -> str:
+    """An IP address to listen on (IPv4 or IPv6; 0.0.0.0 or :: for every interface)."""
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        raise ValueError("is not an IP address to listen on; give one such as 127.0.0.1, 0.0.0.0 or ::") from None
+    return value
+
+
+def url_host(address: str) -> str:
+    """An address as it goes between http:// and :port (IPv6 in brackets)."""
+    return f"[{address}]" if ":" in address else address
+
+
+def path(value: str) -> str:
+    if _has_control(value):
+        raise ValueError("has a control character (newline, tab, ...); give a plain path")
+    if len(value) > MAX_PATH:
+        raise ValueError(f"is longer than {MAX_PATH} characters; give a shorter path")
+    return value
+
+
+def plain_name(value: str) -> str:
+    """A user name or a served model name: no spaces or control characters."""
+    if _has_control(value) or any(c.isspace() for c in value):
+        raise ValueError("has a space or control character; give a plain name")
+    if len(value) > MAX_NAME:
+        raise ValueError(f"is longer than {MAX_NAME} characters; give a shorter name")
+    return value
+
+
+def env_name(value: str) -> str:
+    if not ENV_NAME.match(value) or len(value) > MAX_NAME:
+        raise ValueError(f"{value[:60]!r} is not an environment variable name (letters, digits and '_', "
+                         "not starting with a digit); rename it")
+    return value
+
+
+def env_map(value: dict[str, str]) -> dict[str, str]:
+    for key in value:
+        env_name(key)
+        if key == API_KEY_ENV:
+            raise ValueError(f"{API_KEY_ENV} is set by kvpush (the instances' key, made from the deployment "
+                             "secret); remove it, and give the router's key with router.api_key_env or api_key_file")
+    return value
+
+
+def extra_args(value: list[str]) -> list[str]:
+    for arg in value:
+        if arg == API_KEY_FLAG or arg.startswith(API_KEY_FLAG + "="):
+            raise ValueError(f"{API_KEY_FLAG} is set by kvpush (the instances' key, made from the deployment "
+                             "secret); remove it, and give the router's key with router.api_key_env or api_key_file")
+    return value
+
+
+def _json_value(value: Any, where: str) -> None:
+    if value is None or isinstance(value, (str, bool, int)):
+        return
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"{where} is {value}; give a finite number")
+        return
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            _json_value(item, f"{where}[{i}]")
+        return
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise ValueError(f"{where} has the key {key!r}; keys must be text")
+            _json_value(item, f"{where}.{key}")
+        return
+    raise ValueError(f"{where} is a {type(value).__name__}; give text, a number, true/false, a list or a mapping")
+
+
+def extra_config(value: dict[str, Any]) -> dict[str, Any]:
+    """Goes to vLLM as JSON inside --kv-transfer-config: JSON values only, and not kvpush's own keys."""
+    if SECRET_FILE_KEY in value:
+        raise ValueError(f"{SECRET_FILE_KEY} is set by kvpush (the deployment secret's path on each host); remove it")
+    for key, item in value.items():
+        _json_value(item, key)
+    return value

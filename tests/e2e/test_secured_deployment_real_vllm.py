@@ -1,0 +1,115 @@
+"""Real vLLM 1P1D on CPU over two SSH hosts with the router's API key set: `up` and its proof carry
+the keys, clients without the router's key and everyone without the instances' key are refused,
+and the bench's client (vLLM's `vllm bench serve`) sends the key. One deployment.
+
+Heavy (two vLLM servers): run under `flock /tmp/kvpush-heavy.lock`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvpush.common import deployment_secret as ds
+from kvpush.deploy.bench.client import BenchClient, LoadSpec
+from kvpush.deploy.bench.results import parse_client_result
+from kvpush.deploy.hosts import connected
+from kvpush.deploy.lifecycle import down, up
+from kvpush.deploy.observe import deployment_status, require_state
+from kvpush.deploy.secrets import AccessKeys, local_secret_path
+from kvpush.deploy.state import load_state
+from kvpush.deploy.tiny_model import make_tiny_model
+from kvpush.deploy.topology import TinyModelSpec
+from lifecycle_helpers import RecordingEvents, kill_leftovers, options, processes_under
+from sshd_hosts import SshdCluster, topology_for
+
+PORT_BASE = 20200
+CLIENT_KEY = "e2e-router-key-7f3a9c"
+KEY_VARIABLE = "KVPUSH_E2E_ROUTER_KEY"
+
+
+@pytest.fixture(scope="module")
+def e2e_hosts(tmp_path_factory):
+    first = os.environ.get("KVPUSH_TEST_E2E_SSHD_FIRST", "127.0.0.20")
+    with SshdCluster(2, first_address=first, port=2222, root=tmp_path_factory.mktemp("sshd-secured")) as cluster:
+        yield cluster
+
+
+def _argvs_holding(needles: list[str]) -> list[str]:
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            text = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if any(n in text for n in needles):
+            found.append(text[:200])
+    return found
+
+
+def test_keys_guard_a_real_deployment_end_to_end(e2e_hosts, tmp_path, state_dir, monkeypatch):
+    monkeypatch.setenv(KEY_VARIABLE, CLIENT_KEY)
+    model = tmp_path / "tiny-model"
+    make_tiny_model(model, TinyModelSpec(seed=0))
+    topo = topology_for(
+        e2e_hosts, "secured", sys.executable, tmp_path, prefill=[0], decode=[1], router=0, port_base=PORT_BASE,
+        connector="kvpush", model_path=str(model),
+        instance_env={"prefill-0": {"VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_KVCACHE_SPACE": "1"},
+                      "decode-0": {"VLLM_CPU_OMP_THREADS_BIND": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}},
+        extra={"model": {"max_model_len": 2048, "enforce_eager": True, "tiny": {"seed": 0}},
+               "env": {"UCX_MODULES": "^ib", "UCX_MEM_EVENTS": "no"},
+               "router": {"api_key_env": KEY_VARIABLE}},
+    )
+    opts = options(e2e_hosts, ready_timeout_s=400, stop_timeout_s=15)
+    events = RecordingEvents()
+    try:
+        try:
+            result = up(topo, opts, events)
+        except Exception as exc:
+            pytest.fail(f"up failed: {exc}\nnotes: {events.notes}\nlog tails: {events.tails}")
+        assert result.proof is not None and result.proof.external_kv_tokens > 0  # the proof went through the keyed router
+
+        secret = ds.read_secret(local_secret_path("secured"))
+        keys = AccessKeys.of(secret, CLIENT_KEY)
+        assert _argvs_holding([secret.hex(), keys.instance, CLIENT_KEY]) == []
+        rows = deployment_status(require_state("secured"), opts.ssh, keys)
+        assert all(r.healthy for r in rows) and {r.kv_usage is not None for r in rows if r.role != "router"} == {True}, rows
+
+        state = load_state("secured")
+        router, decode = state.processes["router"], state.processes["decode-0"]
+        router_url = router.health_url.rsplit("/", 1)[0]
+        decode_url = decode.health_url.rsplit("/", 1)[0]
+        body = json.dumps({"model": "tiny", "prompt": "one two three four five", "max_tokens": 4, "temperature": 0}).encode()
+        with connected(state.hosts, opts.ssh) as (runners, _):
+            h0, h1 = runners["h0"], runners["h1"]
+            assert h0.http("POST", router_url + "/v1/completions", body, timeout=120).status == 401
+            assert h0.http("POST", router_url + "/v1/completions", body, timeout=120,
+                           headers={"Authorization": "Bearer not-the-key"}).status == 401
+            answered = h0.http("POST", router_url + "/v1/completions", body, timeout=120, headers=keys.headers("router"))
+            assert answered.status == 200 and json.loads(answered.body)["choices"][0]["text"]
+            # Only the router and kvpush reach the instances: not a client, not even with the router's key.
+            assert h1.http("POST", decode_url + "/v1/completions", body, timeout=120).status == 401
+            assert h1.http("POST", decode_url + "/v1/completions", body, timeout=120,
+                           headers={"Authorization": f"Bearer {CLIENT_KEY}"}).status == 401
+            assert h1.http("POST", decode_url + "/v1/completions", body, timeout=120,
+                           headers=keys.headers("decode")).status == 200
+
+        load = LoadSpec(base_url=router_url, served_model="tiny", tokenizer=str(model), rate=8.0, num_prompts=3,
+                        input_len=64, output_len=4, seed=11, result_dir=str(tmp_path / "raw"), result_filename="keyed.json")
+        with BenchClient(tmp_path / "logs" / "client.log") as client:
+            path = client.run(load, tmp_path / "logs" / "keyed.log", timeout_s=400, api_key=CLIENT_KEY)
+        bench = parse_client_result(path.read_text(), str(path))
+        assert (bench.completed, bench.failed) == (3, 0), (tmp_path / "logs" / "keyed.log").read_text()[-2000:]
+
+        for log in tmp_path.glob("h*/secured/logs/*.log"):
+            text = log.read_text(errors="replace")
+            assert not [n for n in (secret.hex(), keys.instance, CLIENT_KEY) if n in text], log
+    finally:
+        stopped = down("secured", opts)
+        left = processes_under(str(model))
+        kill_leftovers(str(model))
+    assert stopped.complete and sorted(stopped.stopped) == ["decode-0", "prefill-0", "router"]
+    assert left == [], "vLLM processes left behind after down"
