@@ -267,6 +267,11 @@ def up(topo: Topology, options: LifecycleOptions = LifecycleOptions(), events: E
     plan = build_plan(topo)
     with locked(plan.deployment):
         state = load_state(plan.deployment) or DeploymentState(plan.deployment)
+        if topo.launcher == "slurm":  # the hosts are the nodes of a running job, found or submitted
+            from .slurm_allocation import allocate
+
+            topo = allocate(topo, state, events)
+            plan = build_plan(topo)
         hosts = _host_records(plan)
         # Hosts that only the old state knows still need connecting: their processes may have to stop.
         all_hosts = {**state.hosts, **hosts}
@@ -369,6 +374,7 @@ class DownResult:
     unreachable: dict[str, str] = field(default_factory=dict)  # host -> error
     left_running: list[str] = field(default_factory=list)
     had_state: bool = True
+    notes: list[str] = field(default_factory=list)  # e.g. the Slurm job it found ended or cancelled
 
     @property
     def complete(self) -> bool:
@@ -378,9 +384,16 @@ class DownResult:
 def down(deployment: str, options: LifecycleOptions = LifecycleOptions(), events: Events = Events()) -> DownResult:
     with locked(deployment):
         state = load_state(deployment)
-        if state is None or not state.processes:
+        from . import slurm_allocation
+
+        ended = slurm_allocation.ended_message(state)
+        if ended is not None:  # nothing of it can run: forget it
             remove_state(deployment)
-            return DownResult(had_state=state is not None)
+            return DownResult(had_state=True, notes=[ended])
+        if state is None or not state.processes:
+            released = slurm_allocation.release(state)
+            remove_state(deployment)
+            return DownResult(had_state=state is not None, notes=[released] if released else [])
         result = DownResult()
         hosts = {n: h for n, h in state.hosts.items() if state.processes_on(n)}
         with connected(hosts, options.ssh) as (runners, unreachable):
@@ -395,5 +408,7 @@ def down(deployment: str, options: LifecycleOptions = LifecycleOptions(), events
         if state.processes:
             save_state(state)  # what could not be stopped stays recorded for the next `down`
         else:
+            released = slurm_allocation.release(state)
+            result.notes += [released] if released else []
             remove_state(deployment)
         return result

@@ -69,6 +69,11 @@ def _host_status(runner: Runner, records: list[ProcessRecord]) -> list[ProcessSt
 
 
 def deployment_status(state: DeploymentState, ssh: SshOptions) -> list[ProcessStatus]:
+    from .slurm_allocation import ended_message
+
+    ended = ended_message(state)
+    if ended is not None:
+        raise KvpushError(ended)
     by_host: dict[str, list[ProcessRecord]] = {}
     for r in state.processes.values():
         by_host.setdefault(r.host, []).append(r)

@@ -13,6 +13,7 @@ from typing import Literal
 
 from kvpush.router.config import RouterConfig, Timeouts, Upstream
 
+from . import slurm_render
 from .topology import ROUTER_PROCESS_NAME, HostSpec, InstanceSpec, Role, Topology
 
 ProcessRole = Literal["prefill", "decode", "router"]
@@ -69,6 +70,7 @@ class HostPlan:
     python: str
     files: list[FilePlan]
     processes: list[ProcessPlan]
+    slurm: dict | None = None  # launcher slurm: job_id, node, srun_options (deploy/slurm_render.py)
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,7 @@ class Plan:
     router_url: str
     hosts: list[HostPlan]
     topology_digest: str
+    slurm: dict | None = None  # launcher slurm: sbatch options and script, each process's srun line
 
     def processes(self) -> list[ProcessPlan]:
         return [p for h in self.hosts for p in h.processes]
@@ -302,6 +305,7 @@ def build_plan(topo: Topology) -> Plan:
             python=spec.interpreter,
             files=files[name],
             processes=processes[name],
+            slurm=slurm_render.host_fields(topo, name),
         )
         for name, spec in topo.hosts.items()
         if processes[name] or files[name]
@@ -315,4 +319,5 @@ def build_plan(topo: Topology) -> Plan:
         router_url=router.health_url.rsplit("/", 1)[0],
         hosts=hosts,
         topology_digest=_digest(topo.model_dump(mode="json")),
+        slurm=slurm_render.plan_fields(topo, hosts),
     )
