@@ -121,8 +121,8 @@ def sbatch_error_field(stderr: str) -> str | None:
     """The topology field an sbatch refusal is about, judged from Slurm's message."""
     text = stderr.lower()
     rules = [
+        ("account", "slurm.account"),  # before partition: "Invalid account or account/partition combination"
         ("partition", "slurm.partition"),
-        ("invalid account", "slurm.account"), ("account", "slurm.account"),
         ("time limit", "slurm.time_limit"), ("invalid time", "slurm.time_limit"),
         ("invalid node name", "hosts.*.node"),
         ("node configuration is not available", "hosts"), ("node count", "hosts"),
