@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 from kvpush.common.errors import KvpushError, UsageError
 
 from .slurm_commands import HOPELESS_REASONS, JobInfo, SlurmClient, job_gone_words, sbatch_error_field
 from .slurm_render import hold_script, job_name, sbatch_options
 from .slurm_topology import bind_allocation, node_count
-from .state import DeploymentState, save_state
+from .state import DeploymentState, load_state, save_state
 from .topology import Topology
 
 
@@ -27,6 +29,7 @@ class Allocation:
     nodes: list[str]
     addresses: dict[str, str]
     submitted: bool  # by kvpush: `down` cancels it
+    new: bool = False  # submitted by this call
 
 
 def refusal_line(topo: Topology, words: str, client: SlurmClient) -> str:
@@ -89,9 +92,9 @@ def submit(topo: Topology, client: SlurmClient, events) -> str:
         raise UsageError(refusal_line(topo, str(exc), client)) from None
 
 
-def acquire(topo: Topology, state: DeploymentState, events, client: SlurmClient) -> Allocation:
-    """The running job to deploy into; a job it submits is recorded in `state` at once, so that
-    `down` can cancel it even if `up` fails later."""
+def acquire(topo: Topology, state: DeploymentState, events, client: SlurmClient, record: bool = True) -> Allocation:
+    """The running job to deploy into; a job it submits is recorded in `state` at once (unless
+    `record` is false), so that `down` can cancel it even if `up` fails later."""
     assert topo.slurm is not None
     given, source = topo.slurm.job_id, "slurm.job_id"
     if not given and os.environ.get("SLURM_JOB_ID"):
@@ -105,22 +108,25 @@ def acquire(topo: Topology, state: DeploymentState, events, client: SlurmClient)
         return Allocation(given, info.nodes, client.node_addresses(info.nodes), submitted=given == state.slurm_submitted_job)
     recorded = state.slurm_submitted_job
     info = client.job(recorded) if recorded else None
-    if recorded and info is not None and info.active:
+    new = not (recorded and info is not None and info.active)
+    if not new:
         job_id = recorded
         events.note(f"Slurm: job {job_id} from the last `up` is {info.state.lower()}; deploying into it")
     else:
         job_id = submit(topo, client, events)
-        state.slurm_submitted_job = job_id
-        save_state(state)
+        if record:
+            state.slurm_submitted_job = job_id
+            save_state(state)
         events.note(f"Slurm: submitted job {job_id} ({job_name(topo)}, {node_count(topo)} node(s))")
     try:
         info = _wait_running(topo, job_id, client, events)
     except KvpushError:
-        state.slurm_submitted_job = None
-        save_state(state)
+        if record:
+            state.slurm_submitted_job = None
+            save_state(state)
         raise
     events.process("slurm", f"job {job_id} running on {','.join(info.nodes)}", done=True)
-    return Allocation(job_id, info.nodes, client.node_addresses(info.nodes), submitted=True)
+    return Allocation(job_id, info.nodes, client.node_addresses(info.nodes), submitted=True, new=new)
 
 
 def _recorded_jobs(state: DeploymentState) -> set[str]:
@@ -185,3 +191,18 @@ def release(state: DeploymentState | None, client: SlurmClient | None = None, ti
         raise KvpushError(f"Slurm job {job_id} is still there {timeout_s:.0f} s after scancel; see `squeue -j {job_id}`")
     state.slurm_submitted_job = None
     return f"cancelled Slurm job {job_id}"
+
+
+@contextmanager
+def allocation_for_checks(topo: Topology, events, client: SlurmClient | None = None) -> Iterator[Topology]:
+    """`doctor` on Slurm: the topology bound to a running job (the given one, the deployment's, or
+    one submitted for the checks and cancelled after them)."""
+    client = client or SlurmClient()
+    state = load_state(topo.name) or DeploymentState(topo.name)
+    allocation = acquire(topo, state, events, client, record=False)
+    try:
+        yield bind_allocation(topo, allocation.job_id, allocation.nodes, allocation.addresses)
+    finally:
+        if allocation.new:
+            client.cancel(allocation.job_id)
+            client.wait_gone(allocation.job_id, 30)

@@ -213,3 +213,20 @@ def test_plan_slurm_script_runs_the_deployment_when_submitted(deploy, slurm_clus
     finally:
         slurm_cluster.command("scancel", job, check=False)
         assert SlurmClient().wait_gone(job, 30)
+
+
+def test_doctor_runs_its_checks_as_one_job_step_per_node_in_a_job_it_cancels_after(deploy, slurm_cluster, tmp_path, capsys):
+    import yaml
+
+    topo = deploy(name="checked")
+    path = tmp_path / "checked.yaml"
+    path.write_text(yaml.safe_dump(topo.model_dump(mode="json", exclude_defaults=True)))
+    code, out, err = _cli(["doctor", str(path), "--json", "--only", "python,packages,memlock,open-files,ports-free,reachability,transfer", "--transfer"], capsys)
+    report = json.loads(out)
+    assert report["hosts"] == ["n1", "n2"], err
+    rows = {(r["subject"], r["check"]): r["status"] for r in report["results"]}
+    assert ("n1", "probe") not in rows and ("n2", "probe") not in rows, report["results"]
+    assert rows[("n1", "ports-free")] == rows[("n2", "ports-free")] == "ok"
+    assert any(check == "reachability" and status == "ok" for (_, check), status in rows.items()), rows
+    assert rows[("n1 -> n2", "transfer")] == "ok", report["results"]  # a real NIXL WRITE between the two nodes' steps
+    assert slurm_cluster.command("squeue", "-h").stdout.strip() == ""  # the job for the checks is gone
