@@ -263,6 +263,20 @@ def _doctor_gate(topo: Topology, runners: dict[str, Runner], running: frozenset[
 
 
 def up(topo: Topology, options: LifecycleOptions = LifecycleOptions(), events: Events = Events()) -> UpResult:
+    try:
+        return _up(topo, options, events)
+    except KvpushError:
+        if topo.launcher == "slurm":  # a job this `up` submitted and nothing runs in: not left held
+            from .slurm_allocation import release_if_idle
+
+            with locked(topo.name):
+                note = release_if_idle(topo.name)
+            if note:
+                events.note(note)
+        raise
+
+
+def _up(topo: Topology, options: LifecycleOptions, events: Events) -> UpResult:
     begun = time.monotonic()
     plan = build_plan(topo)
     with locked(plan.deployment):

@@ -19,7 +19,7 @@ from kvpush.common.errors import KvpushError, UsageError
 from .slurm_commands import HOPELESS_REASONS, JobInfo, SlurmClient, job_gone_words, sbatch_error_field
 from .slurm_render import hold_script, job_name, sbatch_options
 from .slurm_topology import bind_allocation, node_count
-from .state import DeploymentState, load_state, save_state
+from .state import DeploymentState, load_state, remove_state, save_state
 from .topology import Topology
 
 
@@ -206,3 +206,13 @@ def allocation_for_checks(topo: Topology, events, client: SlurmClient | None = N
         if allocation.new:
             client.cancel(allocation.job_id)
             client.wait_gone(allocation.job_id, 30)
+
+
+def release_if_idle(deployment: str, client: SlurmClient | None = None) -> str | None:
+    """After a failed `up`: cancel the job `up` submitted if no process of the deployment runs in it."""
+    state = load_state(deployment)
+    if state is None or not state.slurm_submitted_job or state.processes:
+        return None
+    done = release(state, client)
+    remove_state(deployment)  # no process and no job: nothing left to record
+    return f"{done}: nothing of deployment {deployment} runs in it" if done else None

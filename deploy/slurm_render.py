@@ -97,16 +97,19 @@ def shell_word(value: str) -> str:
 
 
 def step_shell(argv: list[str], env: dict[str, str], cwd: str, log_path: str) -> str:
-    """The step's command: log to the node's file (the previous one kept as .1), then become argv.
+    """The step's command: log to the node's file (the previous one kept as .1), run argv in a
+    process group of its own, and when argv's process ends, end everything it started too.
 
-    `exec` keeps the process the step's only task: when it ends, so does the step, and stopping
-    the step stops everything it started."""
+    Slurm stops a step's processes when the step is cancelled, but a process orphaned by its
+    parent's death (vLLM's engine core, say) can outlive the step where Slurm tracks processes by
+    parentage (proctrack/linuxproc): the group kill is what makes the process tree die with its top."""
     log_dir = log_path.rsplit("/", 1)[0] if "/" in log_path else "."
     log = shell_word(log_path)
     env_words = " ".join(f"{k}={shell_word(v)}" for k, v in sorted(env.items()))
     return (f"mkdir -p {shell_word(cwd)} {shell_word(log_dir)} && cd {shell_word(cwd)} || exit 1; "
             f"if [ -f {log} ]; then mv -f {log} {log}.1; fi; "
-            f"exec env {env_words} {' '.join(shell_word(a) for a in argv)} >{log} 2>&1 </dev/null")
+            f"setsid env {env_words} {' '.join(shell_word(a) for a in argv)} >{log} 2>&1 </dev/null & pid=$!; "
+            "wait $pid; code=$?; kill -KILL -- -$pid 2>/dev/null; exit $code")
 
 
 def srun_argv(job_id: str | None, node: str | None, step_name: str, extra: list[str]) -> list[str]:

@@ -28,6 +28,7 @@ from .local import LocalRunner
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 STEP_APPEAR_TIMEOUT_S = 60.0
 MISSING_FILE_CODE = 44
+ENDED_STEP = -1  # the id of a step that ended before its id was seen: never a live step
 
 
 def srun_log_dir() -> Path:
@@ -117,8 +118,13 @@ class SlurmRunner(Runner):
             if new:
                 step = max(new, key=lambda s: s.step_id)
                 return Started(pid=step.step_id, pgid=step.step_id, start_time=step.start_time)
-            if self.local.inspect([client_pid])[client_pid].state != "alive" or time.monotonic() > end:
+            ended = self.local.inspect([client_pid])[client_pid].state != "alive"
+            if ended or time.monotonic() > end:
                 said = client_log.read_text(errors="replace").strip().splitlines() if client_log.exists() else []
+                if ended and not [ln for ln in said if "error:" in ln and "task 0:" not in ln]:
+                    # The step ran and its process already ended: a dead process, which the caller
+                    # reports with its log like any process that exits before it is ready.
+                    return Started(pid=ENDED_STEP, pgid=ENDED_STEP, start_time=None)
                 self.local.signal_groups([client_pid], "KILL")
                 raise HostError(f"{self._where()}: srun did not start step {step_name}: "
                                 f"{(said or ['no output from srun'])[-1]} (srun's output: {client_log})")

@@ -230,3 +230,48 @@ def test_doctor_runs_its_checks_as_one_job_step_per_node_in_a_job_it_cancels_aft
     assert any(check == "reachability" and status == "ok" for (_, check), status in rows.items()), rows
     assert rows[("n1 -> n2", "transfer")] == "ok", report["results"]  # a real NIXL WRITE between the two nodes' steps
     assert slurm_cluster.command("squeue", "-h").stdout.strip() == ""  # the job for the checks is gone
+
+
+def test_up_inside_an_sbatch_script_deploys_into_that_job(deploy, slurm_cluster, tmp_path, capsys):
+    import sys
+    from pathlib import Path
+
+    import yaml
+
+    topo = deploy(name="batch")
+    path = tmp_path / "batch.yaml"
+    path.write_text(yaml.safe_dump(topo.model_dump(mode="json", exclude_defaults=True)))
+    kvpush = Path(sys.executable).parent / "kvpush"
+    # The job lasts as long as its script: the script keeps running after `up` (sbatch passes the
+    # environment on, SLURM_CONF and KVPUSH_STATE_DIR included).
+    script = f"#!/bin/bash\n{kvpush} up {path} --no-provision --skip-doctor || exit 1\nexec sleep 600\n"
+    job = subprocess.run(["sbatch", "--parsable", "-N2", f"--output={tmp_path / 'batch.out'}"], input=script, text=True,
+                         capture_output=True, check=True).stdout.strip()
+    try:
+        deadline = time.monotonic() + 60
+        while not (load_state("batch") and len(load_state("batch").processes) == 3
+                   and "ready" in (tmp_path / "batch.out").read_text(errors="replace")):
+            assert time.monotonic() < deadline, (tmp_path / "batch.out").read_text(errors="replace")
+            time.sleep(0.5)
+        state = load_state("batch")
+        assert state.slurm_submitted_job is None and {h.slurm["job_id"] for h in state.hosts.values()} == {job}
+        code, out, err = _cli(["status", "-d", "batch", "--json"], capsys)
+        assert code == 0 and json.loads(out)["healthy"], out + err
+        stopped = down("batch", OPTIONS)
+        assert stopped.complete and sorted(stopped.stopped) == ["decode-0", "prefill-0", "router"] and stopped.notes == []
+        assert _steps(slurm_cluster) == {} and SlurmClient().job(job).running  # the job is its script's
+    finally:
+        slurm_cluster.command("scancel", job, check=False)
+        SlurmClient().wait_gone(job, 30)
+
+
+def test_a_failed_up_cancels_the_job_it_submitted(deploy, slurm_cluster):
+    from kvpush.common.errors import KvpushError
+
+    topo = deploy(name="fails", instance_env={"prefill-0": {"STANDIN_EXIT": "1"}})
+    events = RecordingEvents()
+    with pytest.raises(KvpushError, match="process prefill-0 on host n1 exited before it became ready"):
+        up(topo, OPTIONS, events)
+    assert "exiting at once as STANDIN_EXIT=1 asks" in events.tails["prefill-0"]  # its log, read through a step
+    assert any(n.startswith("cancelled Slurm job ") for n in events.notes), events.notes
+    assert slurm_cluster.command("squeue", "-h").stdout.strip() == "" and load_state("fails") is None

@@ -100,7 +100,14 @@ def test_each_process_is_one_srun_step_on_its_node_with_the_whole_node_shared():
     assert plan.host("b").slurm == {"job_id": "42", "node": "n2", "srun_options": []}
 
 
-def test_step_shell_execs_the_process_with_its_log_and_home_relative_paths(tmp_path):
+def test_step_shell_ends_what_the_process_started_when_the_process_ends(tmp_path):
+    marker = f"sleep 3{abs(hash(str(tmp_path))) % 1000}.5"
+    text = step_shell(["sh", "-c", f"{marker} & exit 7"], {}, str(tmp_path), str(tmp_path / "p.log"))
+    assert subprocess.run(["bash", "-c", text]).returncode == 7
+    assert subprocess.run(["pgrep", "-f", marker], capture_output=True).stdout == b""  # the orphan died with it
+
+
+def test_step_shell_runs_the_process_with_its_log_and_home_relative_paths(tmp_path):
     text = step_shell(["sh", "-c", "echo $0 $KV; echo err >&2", "~/x"], {"KV": "a b,c"}, str(tmp_path / "w"), "~/logs/p.log")
     assert text.startswith(f"mkdir -p {tmp_path / 'w'} \"$HOME\"/logs && cd {tmp_path / 'w'}")
     home = tmp_path / "home"
