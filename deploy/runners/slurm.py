@@ -147,8 +147,19 @@ class SlurmRunner(Runner):
         return {p: live.get(int(p), ProcessInfo(int(p), "dead")) for p in pids}
 
     def group_members(self, pgids: list[int]) -> dict[int, list[ProcessInfo]]:
+        """The node's processes of each live step (`scontrol listpids` on the node), e.g. for
+        sampling their CPU use; a live step whose processes are not listed yet stands for itself."""
         live = self._live_steps()
-        return {int(g): [live[int(g)]] if int(g) in live else [] for g in pgids}
+        members: dict[int, list[ProcessInfo]] = {int(g): [] for g in pgids}
+        wanted = [g for g in members if g in live]
+        if wanted:
+            listed = self.run(f"scontrol listpids {shlex.quote(str(self.job_id))}", timeout=60)
+            for pid, step in parse_listpids(listed.stdout if listed.ok else ""):
+                if step in wanted:
+                    members[step].append(ProcessInfo(pid, "alive", None, step))
+            for g in wanted:
+                members[g] = members[g] or [live[g]]
+        return members
 
     def signal_groups(self, pgids: list[int], signal_name: str) -> None:
         for step in pgids:
@@ -163,3 +174,13 @@ class SlurmRunner(Runner):
         target = self.address if host in LOOPBACK else host
         with socket.create_connection((target, port), timeout=timeout) as sock:
             return exchange(sock, host, port, method, path, body)
+
+
+def parse_listpids(text: str) -> list[tuple[int, int]]:
+    """`scontrol listpids JOB`: (pid, step id) per process of a numbered step."""
+    out = []
+    for line in text.splitlines():
+        words = line.split()
+        if len(words) >= 3 and words[0].isdigit() and words[2].isdigit():
+            out.append((int(words[0]), int(words[2])))
+    return out

@@ -9,6 +9,7 @@ import json
 import subprocess
 import time
 
+import psutil
 import pytest
 
 from kvpush.cli.main import run as cli_run
@@ -81,6 +82,13 @@ def test_up_launches_every_process_as_a_job_step_and_down_cancels_the_job(deploy
 
     code, out, _ = _cli(["logs", "prefill", "-d", "s", "-n", "5"], capsys)
     assert code == 0 and out.startswith("prefill-0 | ") and "GET /health" in out
+
+    from kvpush.deploy.hosts import connected
+
+    with connected(state.hosts, SshOptions()) as (runners, _):
+        members = runners["n1"].group_members([state.processes["prefill-0"].pgid])[state.processes["prefill-0"].pgid]
+    commands = [" ".join(psutil.Process(m.pid).cmdline()) for m in members]
+    assert any("vllm.entrypoints.openai.api_server" in c and "--port" in c for c in commands), commands
 
     again = up(topo, OPTIONS)
     assert again.changes.nothing_to_do  # same job, steps still running: nothing to launch

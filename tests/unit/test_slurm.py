@@ -232,7 +232,7 @@ def test_runner_sees_steps_as_processes_and_signals_them_with_scancel():
     runner = SlurmRunner("a", "10.0.0.1", "9", "n1", client=SlurmClient(fake))
     infos = runner.inspect([3, 4])
     assert (infos[3].state, infos[3].pgid, infos[4].state) == ("alive", 3, "dead")  # step 4 runs on another node
-    assert runner.group_members([3, 4]) == {3: [infos[3]], 4: []}
+    assert runner.group_members([3, 4]) == {3: [infos[3]], 4: []}  # listpids said nothing: the step stands for itself
     runner.signal_groups([3], "TERM")
     assert fake.calls[-1] == ["scancel", "--signal=TERM", "9.3"]
 
@@ -248,3 +248,11 @@ def test_runner_reaches_the_nodes_loopback_at_the_nodes_address():
         assert runner.http("GET", f"http://localhost:{server.server_address[1]}/").status == 200
     finally:
         server.shutdown()
+
+
+def test_listpids_parses_each_process_of_a_numbered_step():
+    from kvpush.deploy.runners.slurm import parse_listpids
+
+    text = ("PID      JOBID    STEPID   LOCALID GLOBALID\n10445    4        2        0       0\n"
+            "10446    4        2        -       -\n10175    4        batch    0       0\n")
+    assert parse_listpids(text) == [(10445, 2), (10446, 2)]
