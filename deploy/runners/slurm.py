@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import psutil
+
 from ..slurm_commands import SlurmClient, SlurmError, job_gone_words
 from ..slurm_render import srun_argv, step_shell
 from .base import CommandResult, HostError, HttpResponse, ProcessInfo, Runner, Started
@@ -45,6 +47,7 @@ class SlurmRunner(Runner):
         self.local = LocalRunner(name)
         self._home: str | None = None
         self._lock = threading.Lock()
+        self._step_names: dict[int, str] = {}  # step id -> name, as seen while it ran
 
     def _where(self) -> str:
         return f"host {self.name} (Slurm node {self.node or '?'} of job {self.job_id or '?'})"
@@ -117,6 +120,7 @@ class SlurmRunner(Runner):
             new = [s for s in self.client.steps(self.job_id) if s.name == step_name and s.step_id not in before]
             if new:
                 step = max(new, key=lambda s: s.step_id)
+                self._step_names[step.step_id] = step_name
                 return Started(pid=step.step_id, pgid=step.step_id, start_time=step.start_time)
             ended = self.local.inspect([client_pid])[client_pid].state != "alive"
             if ended or time.monotonic() > end:
@@ -140,6 +144,7 @@ class SlurmRunner(Runner):
             if info is not None and info.active:
                 raise HostError(f"{self._where()}: cannot list the job's steps") from None
             return {}  # the job is gone, and every step with it
+        self._step_names.update({s.step_id: s.name for s in steps})
         return {s.step_id: ProcessInfo(s.step_id, "alive", s.start_time, s.step_id) for s in steps if s.node == self.node}
 
     def inspect(self, pids: list[int]) -> dict[int, ProcessInfo]:
@@ -159,11 +164,32 @@ class SlurmRunner(Runner):
                     members[step].append(ProcessInfo(pid, "alive", None, step))
             for g in wanted:
                 members[g] = members[g] or [live[g]]
+        # The srun on this machine that launched a step ends a moment after its step: until then
+        # it belongs to the step, so a stop waits for it.
+        for step, clients in self._local_clients(list(members)).items():
+            members[step] += clients
         return members
+
+    def _local_clients(self, steps: list[int]) -> dict[int, list[ProcessInfo]]:
+        names = {s: self._step_names[s] for s in steps if s in self._step_names}
+        if not names:
+            return {}
+        found: dict[int, list[ProcessInfo]] = {}
+        for proc in psutil.process_iter(["cmdline", "status"]):
+            argv = proc.info["cmdline"] or []
+            if argv[:1] != ["srun"] or f"--jobid={self.job_id}" not in argv or proc.info["status"] == psutil.STATUS_ZOMBIE:
+                continue
+            for step, name in names.items():
+                if f"--job-name={name}" in argv:
+                    found.setdefault(step, []).append(ProcessInfo(proc.pid, "alive", None, step))
+        return found
 
     def signal_groups(self, pgids: list[int], signal_name: str) -> None:
         for step in pgids:
             self.client.cancel(f"{self.job_id}.{int(step)}", signal=signal_name)
+        if signal_name == "KILL":
+            for clients in self._local_clients([int(g) for g in pgids]).values():
+                self.local.signal_groups([c.pid for c in clients], "KILL")  # each leads its own session
 
     def follow(self, command: str, on_line: Callable[[str], None], stop: threading.Event) -> None:
         self.local.follow(shlex.join(self._srun("kvpush-follow", command)), on_line, stop)

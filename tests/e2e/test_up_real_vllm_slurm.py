@@ -184,8 +184,8 @@ def test_status_shows_each_step_and_logs_tail_them(deployment, slurm_cluster, ca
 
 def test_a_killed_prefill_step_is_reported_and_up_relaunches_only_it(deployment, model, capsys):
     state = load_state(NAME)
-    prefill = next(p for p in processes_under(str(model)) if "--kv-transfer-config" in p.cmdline()
-                   and "kv_producer" in " ".join(p.cmdline()))
+    prefill = next(p for p in processes_under(str(model)) if Path(p.cmdline()[0]).name.startswith("python")
+                   and "kv_producer" in " ".join(p.cmdline()))  # the server itself, not its step's shell or srun
     prefill.kill()
     psutil.wait_procs([prefill], timeout=10)
     deadline = time.monotonic() + 30
