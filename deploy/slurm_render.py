@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from kvpush.common.errors import UsageError
 
+from .runners.slurm_step import shell_word, srun_argv, step_shell
 from .slurm_topology import node_count, used_hosts
 from .tiny_model import MARKER as TINY_MODEL_MARKER
 from .topology import Topology
@@ -18,9 +19,6 @@ from .topology import Topology
 if TYPE_CHECKING:
     from .plan import HostPlan, ProcessPlan
 
-# Every step shares the whole allocation of its node with the others (--overlap --whole): a step
-# of one task would otherwise get one CPU and no GPU, and two steps on a node would queue.
-STEP_OPTIONS = ("--overlap", "--whole", "--nodes=1", "--ntasks=1", "--mpi=none")
 HOLD_COMMAND = "exec sleep infinity"
 SCRIPT_EOF = "KVPUSH_FILE_END"
 
@@ -85,39 +83,6 @@ def hold_script(topo: Topology) -> str:
         f"# kvpush deployment {topo.name}: `kvpush up` launches every process as a job step (srun --overlap);",
         "# this script only holds the allocation. `kvpush down` (or scancel) ends it.",
         HOLD_COMMAND, ""])
-
-
-def shell_word(value: str) -> str:
-    """A word for the node's shell; a leading ~/ becomes that node's $HOME."""
-    if value == "~":
-        return '"$HOME"'
-    if value.startswith("~/"):
-        return '"$HOME"/' + shlex.quote(value[2:])
-    return shlex.quote(value)
-
-
-def step_shell(argv: list[str], env: dict[str, str], cwd: str, log_path: str) -> str:
-    """The step's command: log to the node's file (the previous one kept as .1), run argv in a
-    process group of its own, and when argv's process ends, end everything it started too.
-
-    Slurm stops a step's processes when the step is cancelled, but a process orphaned by its
-    parent's death (vLLM's engine core, say) can outlive the step where Slurm tracks processes by
-    parentage (proctrack/linuxproc): the group kill is what makes the process tree die with its top."""
-    log_dir = log_path.rsplit("/", 1)[0] if "/" in log_path else "."
-    log = shell_word(log_path)
-    env_words = " ".join(f"{k}={shell_word(v)}" for k, v in sorted(env.items()))
-    return (f"mkdir -p {shell_word(cwd)} {shell_word(log_dir)} && cd {shell_word(cwd)} || exit 1; "
-            f"if [ -f {log} ]; then mv -f {log} {log}.1; fi; "
-            f"setsid env {env_words} {' '.join(shell_word(a) for a in argv)} >{log} 2>&1 </dev/null & pid=$!; "
-            "wait $pid; code=$?; kill -KILL -- -$pid 2>/dev/null; exit $code")
-
-
-def srun_argv(job_id: str | None, node: str | None, step_name: str, extra: list[str]) -> list[str]:
-    """srun up to the command: a step of one task on one node of the job."""
-    argv = ["srun"] + ([f"--jobid={job_id}"] if job_id else []) + list(STEP_OPTIONS)
-    if node:
-        argv.append(f"--nodelist={node}")
-    return argv + [f"--job-name={step_name}", *extra]
 
 
 def step_argv(host: "HostPlan", proc: "ProcessPlan", with_job: bool = True) -> list[str]:

@@ -21,8 +21,8 @@ from typing import Callable
 
 import psutil
 
-from ..slurm_commands import SlurmClient, SlurmError, job_gone_words
-from ..slurm_render import srun_argv, step_shell
+from .slurm_cli import SlurmClient, SlurmError, job_gone_words
+from .slurm_step import srun_argv, step_shell
 from .base import CommandResult, HostError, HttpResponse, ProcessInfo, Runner, Started
 from .http import exchange, split_url
 from .local import LocalRunner

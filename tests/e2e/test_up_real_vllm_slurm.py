@@ -20,7 +20,7 @@ import yaml
 
 from kvpush.cli.main import run as cli_run
 from kvpush.common.vllm_metrics import external_kv_tokens
-from kvpush.deploy.slurm_commands import SlurmClient
+from kvpush.deploy.runners.slurm_cli import SlurmClient
 from kvpush.deploy.state import load_state
 from kvpush.deploy.tiny_model import make_tiny_model
 from kvpush.deploy.topology import TinyModelSpec

@@ -16,7 +16,7 @@ from kvpush.cli.main import run as cli_run
 from kvpush.deploy.lifecycle import down, up
 from kvpush.deploy.observe import deployment_status, require_state
 from kvpush.deploy.runners import SshOptions
-from kvpush.deploy.slurm_commands import SlurmClient
+from kvpush.deploy.runners.slurm_cli import SlurmClient
 from kvpush.deploy.state import load_state
 from kvpush.deploy.lifecycle import LifecycleOptions
 from lifecycle_helpers import RecordingEvents, kill_leftovers

@@ -10,9 +10,10 @@ from kvpush.common.errors import UsageError
 from kvpush.deploy.plan import build_plan
 from kvpush.deploy.runners.slurm import SlurmRunner
 from kvpush.deploy.slurm_allocation import acquire, refusal_line
-from kvpush.deploy.slurm_commands import (JobInfo, SlurmClient, expand_hostlist, job_gone_words, parse_job_line,
+from kvpush.deploy.runners.slurm_cli import (JobInfo, SlurmClient, expand_hostlist, job_gone_words, parse_job_line,
                                           parse_scontrol_record, parse_steps, sbatch_error_field, slurm_reason)
-from kvpush.deploy.slurm_render import hold_script, sbatch_options, standalone_script, step_shell
+from kvpush.deploy.runners.slurm_step import step_shell
+from kvpush.deploy.slurm_render import hold_script, sbatch_options, standalone_script
 from kvpush.deploy.slurm_topology import bind_allocation
 from kvpush.deploy.state import DeploymentState
 from kvpush.deploy.topology import TopologyError, parse_topology
