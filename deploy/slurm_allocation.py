@@ -81,7 +81,7 @@ def _wait_running(topo: Topology, job_id: str, client: SlurmClient, events) -> J
         time.sleep(0.5)
 
 
-def submit(topo: Topology, client: SlurmClient, events) -> str:
+def submit(topo: Topology, client: SlurmClient) -> str:
     """Ask Slurm whether it would take the job (nothing queued), then submit it."""
     ok, words = client.test_submit(sbatch_options(topo))
     if not ok:
@@ -113,7 +113,7 @@ def acquire(topo: Topology, state: DeploymentState, events, client: SlurmClient,
         job_id = recorded
         events.note(f"Slurm: job {job_id} from the last `up` is {info.state.lower()}; deploying into it")
     else:
-        job_id = submit(topo, client, events)
+        job_id = submit(topo, client)
         if record:
             state.slurm_submitted_job = job_id
             save_state(state)
