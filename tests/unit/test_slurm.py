@@ -108,6 +108,18 @@ def test_step_shell_ends_what_the_process_started_when_the_process_ends(tmp_path
     assert subprocess.run(["pgrep", "-f", marker], capture_output=True).stdout == b""  # the orphan died with it
 
 
+def test_step_shell_forwards_term_and_ends_only_after_the_process_is_gone(tmp_path):
+    script = tmp_path / "slow_exit.sh"
+    script.write_text("trap 'sleep 0.5; echo cleaned up; exit 5' TERM; echo started; while :; do sleep 0.1; done\n")
+    text = step_shell(["bash", str(script)], {}, str(tmp_path), str(tmp_path / "p.log"))
+    shell = subprocess.Popen(["bash", "-c", text])
+    log = tmp_path / "p.log"
+    while "started" not in (log.read_text() if log.exists() else ""):
+        pass
+    shell.terminate()
+    assert shell.wait(10) == 5 and log.read_text() == "started\ncleaned up\n"
+
+
 def test_step_shell_runs_the_process_with_its_log_and_home_relative_paths(tmp_path):
     text = step_shell(["sh", "-c", "echo $0 $KV; echo err >&2", "~/x"], {"KV": "a b,c"}, str(tmp_path / "w"), "~/logs/p.log")
     assert text.startswith(f"mkdir -p {tmp_path / 'w'} \"$HOME\"/logs && cd {tmp_path / 'w'}")
