@@ -89,13 +89,20 @@ def _steps(cluster) -> set[str]:
     return {ln.split("|")[1] for ln in out.split() if not ln.split("|")[0].endswith("batch")}
 
 
+def _described(proc: psutil.Process) -> str:
+    try:
+        return f"{proc.pid} {proc.status()} {' '.join(proc.cmdline())[:160]}"
+    except psutil.Error:
+        return f"{proc.pid} (exited while listed)"
+
+
 def _nothing_left(cluster, model: Path, workdir: Path) -> None:
     """No step, no vLLM or router process, no port of the deployment still open."""
     assert _steps(cluster) == set()
-    left = processes_under(str(model)) + processes_under(str(workdir))
+    left = [_described(p) for p in processes_under(str(model)) + processes_under(str(workdir))]
     kill_leftovers(str(model))
     kill_leftovers(str(workdir))
-    assert left == [], f"processes left: {[p.cmdline()[:4] for p in left]}"
+    assert left == [], f"processes left: {left}"
     ports = [("127.0.0.51", PORTS["prefill"][0]), ("127.0.0.51", PORTS["prefill"][1]), ("127.0.0.52", PORTS["decode"][0]),
              ("127.0.0.52", PORTS["decode"][1]), ("127.0.0.52", PORTS["router"])]
     assert [p for p in ports if _listening(*p)] == []
