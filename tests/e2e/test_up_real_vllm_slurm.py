@@ -26,7 +26,7 @@ from kvpush.deploy.tiny_model import make_tiny_model
 from kvpush.deploy.topology import TinyModelSpec
 from kvpush.templates import template_text
 from lifecycle_helpers import kill_leftovers, processes_under
-from random_prompts import random_prompts
+from random_prompts import full_length_prompts, random_prompts
 from server_process import ServerProcess
 
 NAME = "slurm-cpu"
@@ -214,7 +214,7 @@ def test_a_killed_prefill_step_is_reported_and_up_relaunches_only_it(deployment,
     assert {n: after.processes[n].pid for n in ("decode-0", "router")} == {n: state.processes[n].pid for n in ("decode-0", "router")}
     router, decode = f"http://127.0.0.52:{PORTS['router']}", f"http://127.0.0.52:{PORTS['decode'][0]}"
     before = _external_kv(decode)
-    assert _post(router, random_prompts(1, 400, seed=2601)[0])
+    assert _post(router, full_length_prompts(1, 400, seed=2601)[0])
     assert _external_kv(decode) > before
 
 
