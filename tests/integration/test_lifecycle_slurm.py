@@ -201,7 +201,7 @@ def test_plan_slurm_script_runs_the_deployment_when_submitted(deploy, slurm_clus
     path.write_text(yaml.safe_dump(topo.model_dump(mode="json", exclude_defaults=True)))
     code, script, err = _cli(["plan", str(path), "--slurm-script"], capsys)
     assert code == 0 and script.startswith("#!/bin/bash\n#SBATCH --job-name=kvpush-script"), err
-    submitted = subprocess.run(["sbatch", "--parsable"], input=script, text=True, capture_output=True, check=True)
+    submitted = subprocess.run(["sbatch", "--parsable"], input=script, text=True, capture_output=True, check=True, cwd=tmp_path)
     job = submitted.stdout.strip()
     try:
         router = f"http://{slurm_cluster.nodes[1].address}:{topo.router.port}"
