@@ -254,3 +254,22 @@ def test_up_inside_an_allocation_made_with_salloc(slurm_cluster, model, tmp_path
     finally:
         slurm_cluster.command("scancel", job, check=False)
         SlurmClient().wait_gone(job, 30)
+
+
+def test_bench_runs_unchanged_on_slurm(slurm_cluster, model, tmp_path, monkeypatch, capsys):
+    """One mode, one rate, four prompts: the bench deploys, measures, keeps the logs and cancels its job."""
+    monkeypatch.setenv("KVPUSH_STATE_DIR", str(tmp_path / "state"))
+    path = _topology_file(tmp_path, model)
+    out = tmp_path / "bench"
+    code, stdout, err = _cli(["bench", str(path), "--modes", "kvpush", "--baseline", "kvpush", "--rates", "1",
+                              "--num-prompts", "4", "--input-len", "256", "--output-len", "8", "--out", str(out),
+                              "--timeout", "400"], capsys)
+    assert code == 0, stdout + err
+    result = json.loads((out / "bench.json").read_text())
+    assert "Slurm: submitted job" in err
+    assert {p.name for p in (out / "logs").iterdir()} >= {"kvpush-prefill-0.log", "kvpush-decode-0.log", "kvpush-router.log"}
+    (run,) = result["runs"]
+    assert run["error"] is None and [(p["client"]["completed"], p["client"]["failed"]) for p in run["points"]] == [(4, 0)]
+    assert set(run["idle_cores"]) == {"prefill-0", "decode-0"}  # sampled from the steps' processes on their nodes
+    assert slurm_cluster.command("squeue", "-h").stdout.strip() == ""
+    _nothing_left(slurm_cluster, model, tmp_path)
