@@ -283,3 +283,28 @@ def test_a_failed_up_cancels_the_job_it_submitted(deploy, slurm_cluster):
     assert "exiting at once as STANDIN_EXIT=1 asks" in events.tails["prefill-0"]  # its log, read through a step
     assert any(n.startswith("cancelled Slurm job ") for n in events.notes), events.notes
     assert slurm_cluster.command("squeue", "-h").stdout.strip() == "" and load_state("fails") is None
+
+
+def test_logs_follow_tails_each_step_through_a_step_on_its_node_and_stops_cleanly(deploy, slurm_cluster):
+    import threading
+
+    from kvpush.deploy.observe import stream_logs
+
+    up(deploy(name="follow"), OPTIONS)
+    state = load_state("follow")
+    seen: dict[str, list[str]] = {}
+    stop = threading.Event()
+
+    def emit(name, line):
+        seen.setdefault(name, []).append(line)
+        if set(seen) == {"prefill-0", "decode-0", "router"}:
+            stop.set()
+
+    follower = threading.Thread(target=stream_logs, args=(state, None, 3, True, SshOptions(), emit, stop))
+    follower.start()
+    follower.join(60)
+    assert not follower.is_alive() and set(seen) == {"prefill-0", "decode-0", "router"}, seen
+    deadline = time.monotonic() + 15
+    while "kvpush-follow" in _steps(slurm_cluster) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert set(_steps(slurm_cluster)) == {"prefill-0", "decode-0", "router"}  # the tails' steps ended with them
