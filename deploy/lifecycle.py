@@ -10,6 +10,7 @@ import shlex
 import time
 from dataclasses import dataclass, field
 
+from . import slurm_allocation
 from .changes import Changes, diff_deployment, is_running, launch_digest
 from kvpush.common.errors import KvpushError
 from .hosts import connected
@@ -267,10 +268,8 @@ def up(topo: Topology, options: LifecycleOptions = LifecycleOptions(), events: E
         return _up(topo, options, events)
     except KvpushError:
         if topo.launcher == "slurm":  # a job this `up` submitted and nothing runs in: not left held
-            from .slurm_allocation import release_if_idle
-
             with locked(topo.name):
-                note = release_if_idle(topo.name)
+                note = slurm_allocation.release_if_idle(topo.name)
             if note:
                 events.note(note)
         raise
@@ -282,9 +281,7 @@ def _up(topo: Topology, options: LifecycleOptions, events: Events) -> UpResult:
     with locked(plan.deployment):
         state = load_state(plan.deployment) or DeploymentState(plan.deployment)
         if topo.launcher == "slurm":  # the hosts are the nodes of a running job, found or submitted
-            from .slurm_allocation import allocate
-
-            topo = allocate(topo, state, events)
+            topo = slurm_allocation.allocate(topo, state, events)
             plan = build_plan(topo)
         hosts = _host_records(plan)
         # Hosts that only the old state knows still need connecting: their processes may have to stop.
@@ -398,8 +395,6 @@ class DownResult:
 def down(deployment: str, options: LifecycleOptions = LifecycleOptions(), events: Events = Events()) -> DownResult:
     with locked(deployment):
         state = load_state(deployment)
-        from . import slurm_allocation
-
         ended = slurm_allocation.ended_message(state)
         if ended is not None:  # nothing of it can run: forget it
             remove_state(deployment)

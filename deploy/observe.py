@@ -11,6 +11,7 @@ from .changes import is_running
 from kvpush.common.errors import KvpushError, UsageError
 from .hosts import connected
 from .runners import Runner, SshOptions, fan_out
+from .slurm_allocation import ended_message
 from .state import DeploymentState, ProcessRecord, load_state
 from kvpush.common.vllm_metrics import vllm_load
 
@@ -69,8 +70,6 @@ def _host_status(runner: Runner, records: list[ProcessRecord]) -> list[ProcessSt
 
 
 def deployment_status(state: DeploymentState, ssh: SshOptions) -> list[ProcessStatus]:
-    from .slurm_allocation import ended_message
-
     ended = ended_message(state)
     if ended is not None:
         raise KvpushError(ended)
