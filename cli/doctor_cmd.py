@@ -1,6 +1,7 @@
 """`kvpush doctor`: run the checks on every host of a topology and render them."""
 from __future__ import annotations
 
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Optional
 
@@ -10,7 +11,9 @@ from rich.text import Text
 
 from kvpush.deploy.doctor import CHECK_NAMES, DoctorOptions, DoctorReport, Status, run_doctor
 from kvpush.deploy.plan import build_plan
+from kvpush.deploy.hosts import runner_for_record
 from kvpush.deploy.runners import runner_for
+from kvpush.deploy.state import HostRecord
 from kvpush.deploy.topology import check_key_files, resolve_topology
 
 from .console import note, out, print_json, styled
@@ -68,14 +71,21 @@ def register(app: typer.Typer) -> None:
         check_key_files(topo)
         options = DoctorOptions(only=_names(only), skip=_names(skip), transfer=transfer, timeout_s=timeout)
         ssh = ssh_options(accept_new_host_keys, known_hosts, connect_timeout)
-        runners = {h.name: runner_for(h.name, h.address, h.ssh_port, h.user, h.key, h.is_local, ssh) for h in build_plan(topo).hosts}
-        try:
-            if not json_output:
-                note(f"topology: {source}; probing {len(runners)} host(s)")
-            report = run_doctor(topo, runners, options)
-        finally:
-            for runner in runners.values():
-                runner.close()
+        with ExitStack() as stack:
+            if topo.launcher == "slurm":  # the checks run as one job step per node of an allocation
+                from kvpush.deploy.lifecycle import Events
+                from kvpush.deploy.slurm_allocation import allocation_for_checks
+
+                topo = stack.enter_context(allocation_for_checks(topo, Events()))
+            runners = {h.name: runner_for_record(h.name, HostRecord.from_plan(h), ssh) if h.slurm else
+                       runner_for(h.name, h.address, h.ssh_port, h.user, h.key, h.is_local, ssh) for h in build_plan(topo).hosts}
+            try:
+                if not json_output:
+                    note(f"topology: {source}; probing {len(runners)} host(s)")
+                report = run_doctor(topo, runners, options)
+            finally:
+                for runner in runners.values():
+                    runner.close()
         if json_output:
             print_json(report.to_dict())
         else:

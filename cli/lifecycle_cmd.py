@@ -130,6 +130,10 @@ def register(app: typer.Typer) -> None:
         name = _deployment_name(file, deployment)
         options = LifecycleOptions(ssh=ssh_options(False, known_hosts, connect_timeout), stop_timeout_s=timeout)
         result = down(name, options)
+        for line in result.notes:
+            out.print(f"{name}: {line}", highlight=False)
+        if not result.stopped and result.complete and result.notes:
+            return
         if not result.stopped and result.complete:
             out.print(f"{name}: nothing running (no state recorded)" if not result.had_state else f"{name}: nothing running", highlight=False)
             return
@@ -163,12 +167,11 @@ def register(app: typer.Typer) -> None:
 
         def current_rows() -> list[ProcessStatus]:
             try:
-                state = require_state(name)
+                return deployment_status(require_state(name), ssh, keys)
             except KvpushError as exc:
                 if json_output:  # a script reading stdout still gets a document
                     print_json(_status_document(name, [], str(exc)), json_indent)
                 raise
-            return deployment_status(state, ssh, keys)
 
         if watch and json_output:
             while True:

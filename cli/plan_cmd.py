@@ -27,8 +27,9 @@ def render_plan(plan: Plan) -> None:
         highlight=False,
     )
     for host in plan.hosts:
-        who = f"{host.user + '@' if host.user else ''}{host.address}" + ("" if host.is_local else f":{host.ssh_port}")
-        out.rule(f"host {host.name} ({who}{', local' if host.is_local else ', ssh'})  workdir {host.workdir}")
+        who = f"{host.user + '@' if host.user else ''}{host.address}" + ("" if host.is_local or host.slurm else f":{host.ssh_port}")
+        how = f", slurm node {host.slurm['node'] or '(any of the allocation)'}" if host.slurm else ", local" if host.is_local else ", ssh"
+        out.rule(f"host {host.name} ({who}{how})  workdir {host.workdir}")
         for f in host.files:
             out.print(styled("  [cyan]file[/cyan] {} ({} bytes)", f.path, len(f.content)), highlight=False)
         for f in host.secret_files:
@@ -44,6 +45,11 @@ def render_plan(plan: Plan) -> None:
                 out.print(f"    env  (and the variables in {proc.env_file})", highlight=False)
             out.print(f"    argv {shlex.join(proc.argv)}", highlight=False)
             out.print(f"    health {proc.health_url}", highlight=False)
+            if plan.slurm is not None:
+                out.print(f"    srun {plan.slurm['steps'][proc.name]}", highlight=False)
+    if plan.slurm is not None:
+        out.rule("sbatch script `kvpush up` submits (none inside an allocation: slurm.job_id or $SLURM_JOB_ID)")
+        out.print(plan.slurm["hold_script"], highlight=False)
 
 
 def register(app: typer.Typer) -> None:
@@ -51,10 +57,18 @@ def register(app: typer.Typer) -> None:
     def plan_command(
         file: Optional[Path] = FILE_ARG,
         json_output: bool = typer.Option(False, "--json", help="Print the plan as one JSON document."),
+        slurm_script: bool = typer.Option(False, "--slurm-script", help="Print a standalone sbatch script that runs the deployment (launcher: slurm)."),
     ) -> None:
         """Print the launch plan (per host: env, argv, ports, logs) without touching any host."""
         topo, source = resolve_topology(file)
         plan = redact_plan(build_plan(topo))
+        if slurm_script:
+            if topo.launcher != "slurm":
+                raise UsageError(f"--slurm-script: {source} uses launcher {topo.launcher}; set 'launcher: slurm' (see `kvpush init --template slurm-cpu`)")
+            from kvpush.deploy.slurm_render import standalone_script
+
+            out.print(standalone_script(topo, plan.hosts, source), highlight=False, end="")
+            return
         if json_output:
             print_json(plan.to_dict())
         else:

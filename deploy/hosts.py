@@ -13,10 +13,19 @@ def _connect(runner: Runner) -> Runner:
     return runner
 
 
+def runner_for_record(name: str, h: HostRecord, options: SshOptions) -> Runner:
+    """The runner a recorded (or planned) host is driven through: SSH/local, or a Slurm node."""
+    if h.slurm is not None:
+        from .runners.slurm import SlurmRunner
+
+        return SlurmRunner(name, h.address, h.slurm.get("job_id"), h.slurm.get("node"), h.slurm.get("srun_options"))
+    return runner_for(name, h.address, h.ssh_port, h.user, h.key, h.is_local, options)
+
+
 @contextmanager
 def connected(hosts: dict[str, HostRecord], options: SshOptions) -> Iterator[tuple[dict[str, Runner], dict[str, str]]]:
     """(runners for reachable hosts, one-line error per unreachable host); closed on exit."""
-    runners = {name: runner_for(name, h.address, h.ssh_port, h.user, h.key, h.is_local, options) for name, h in hosts.items()}
+    runners = {name: runner_for_record(name, h, options) for name, h in hosts.items()}
     results: dict[str, HostResult[Runner]] = fan_out(list(runners), lambda name: _connect(runners[name]))
     try:
         yield ({n: r.value for n, r in results.items() if r.ok}, {n: r.error for n, r in results.items() if not r.ok})

@@ -10,6 +10,7 @@ import shlex
 import time
 from dataclasses import dataclass, field
 
+from . import slurm_allocation
 from .changes import Changes, diff_deployment, is_running, launch_digest
 from kvpush.common.errors import KvpushError
 from .hosts import connected
@@ -268,6 +269,18 @@ def _doctor_gate(topo: Topology, runners: dict[str, Runner], running: frozenset[
 
 
 def up(topo: Topology, options: LifecycleOptions = LifecycleOptions(), events: Events = Events()) -> UpResult:
+    try:
+        return _up(topo, options, events)
+    except KvpushError:
+        if topo.launcher == "slurm":  # a job this `up` submitted and nothing runs in: not left held
+            with locked(topo.name):
+                note = slurm_allocation.release_if_idle(topo.name)
+            if note:
+                events.note(note)
+        raise
+
+
+def _up(topo: Topology, options: LifecycleOptions, events: Events) -> UpResult:
     begun = time.monotonic()
     plan = build_plan(topo)
     client_key = client_api_key(topo)  # an unset variable is bad input: refused before anything is touched
@@ -278,6 +291,9 @@ def up(topo: Topology, options: LifecycleOptions = LifecycleOptions(), events: E
         if new_secret:
             events.note(f"deployment secret: made a new one (fingerprint {secret_fingerprint(secret)})")
         state = load_state(plan.deployment) or DeploymentState(plan.deployment)
+        if topo.launcher == "slurm":  # the hosts are the nodes of a running job, found or submitted
+            topo = slurm_allocation.allocate(topo, state, events)
+            plan = build_plan(topo)
         hosts = _host_records(plan)
         # Hosts that only the old state knows still need connecting: their processes may have to stop.
         all_hosts = {**state.hosts, **hosts}
@@ -384,6 +400,7 @@ class DownResult:
     unreachable: dict[str, str] = field(default_factory=dict)  # host -> error
     left_running: list[str] = field(default_factory=list)
     had_state: bool = True
+    notes: list[str] = field(default_factory=list)  # e.g. the Slurm job it found ended or cancelled
 
     @property
     def complete(self) -> bool:
@@ -393,9 +410,14 @@ class DownResult:
 def down(deployment: str, options: LifecycleOptions = LifecycleOptions(), events: Events = Events()) -> DownResult:
     with locked(deployment):
         state = load_state(deployment)
-        if state is None or not state.processes:
+        ended = slurm_allocation.ended_message(state)
+        if ended is not None:  # nothing of it can run: forget it
             remove_state(deployment)
-            return DownResult(had_state=state is not None)
+            return DownResult(had_state=True, notes=[ended])
+        if state is None or not state.processes:
+            released = slurm_allocation.release(state)
+            remove_state(deployment)
+            return DownResult(had_state=state is not None, notes=[released] if released else [])
         result = DownResult()
         hosts = {n: h for n, h in state.hosts.items() if state.processes_on(n)}
         with connected(hosts, options.ssh) as (runners, unreachable):
@@ -410,5 +432,7 @@ def down(deployment: str, options: LifecycleOptions = LifecycleOptions(), events
         if state.processes:
             save_state(state)  # what could not be stopped stays recorded for the next `down`
         else:
+            released = slurm_allocation.release(state)
+            result.notes += [released] if released else []
             remove_state(deployment)
         return result

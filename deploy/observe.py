@@ -12,6 +12,7 @@ from kvpush.common.errors import KvpushError, UsageError
 from .hosts import connected
 from .runners import Runner, SshOptions, fan_out
 from .secrets import AccessKeys
+from .slurm_allocation import ended_message
 from .state import DeploymentState, ProcessRecord, load_state
 from kvpush.common.vllm_metrics import vllm_load
 
@@ -72,6 +73,9 @@ def _host_status(runner: Runner, records: list[ProcessRecord], keys: AccessKeys)
 
 
 def deployment_status(state: DeploymentState, ssh: SshOptions, keys: AccessKeys = AccessKeys()) -> list[ProcessStatus]:
+    ended = ended_message(state)
+    if ended is not None:
+        raise KvpushError(ended)
     by_host: dict[str, list[ProcessRecord]] = {}
     for r in state.processes.values():
         by_host.setdefault(r.host, []).append(r)

@@ -13,6 +13,7 @@ from typing import Literal
 
 from kvpush.router.config import RouterConfig, Timeouts, Upstream
 
+from . import slurm_render
 from .topology import ROUTER_PROCESS_NAME, HostSpec, InstanceSpec, Role, Topology, core_list_text, parse_core_list
 from .topology_values import url_host
 
@@ -87,6 +88,7 @@ class HostPlan:
     files: list[FilePlan]
     processes: list[ProcessPlan]
     secret_files: list[SecretFilePlan] = field(default_factory=list)
+    slurm: dict | None = None  # launcher slurm: job_id, node, srun_options (deploy/slurm_render.py)
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,7 @@ class Plan:
     router_url: str
     hosts: list[HostPlan]
     topology_digest: str
+    slurm: dict | None = None  # launcher slurm: sbatch options and script, each process's srun line
 
     def processes(self) -> list[ProcessPlan]:
         return [p for h in self.hosts for p in h.processes]
@@ -356,6 +359,7 @@ def build_plan(topo: Topology) -> Plan:
             files=files[name],
             processes=processes[name],
             secret_files=_secret_files(topo, processes[name]),
+            slurm=slurm_render.host_fields(topo, name),
         )
         for name, spec in topo.hosts.items()
         if processes[name] or files[name]
@@ -369,4 +373,5 @@ def build_plan(topo: Topology) -> Plan:
         router_url=router.health_url.rsplit("/", 1)[0],
         hosts=hosts,
         topology_digest=_digest(topo.model_dump(mode="json")),
+        slurm=slurm_render.plan_fields(topo, hosts),
     )

@@ -34,10 +34,11 @@ class HostRecord:
     key: str | None
     is_local: bool
     workdir: str
+    slurm: dict | None = None  # launcher slurm: job_id, node, srun_options
 
     @classmethod
     def from_plan(cls, host: HostPlan) -> "HostRecord":
-        return cls(host.address, host.ssh_port, host.user, host.key, host.is_local, host.workdir)
+        return cls(host.address, host.ssh_port, host.user, host.key, host.is_local, host.workdir, host.slurm)
 
 
 @dataclass
@@ -65,6 +66,7 @@ class DeploymentState:
     hosts: dict[str, HostRecord] = field(default_factory=dict)
     processes: dict[str, ProcessRecord] = field(default_factory=dict)
     version: int = STATE_VERSION
+    slurm_submitted_job: str | None = None  # the job `up` submitted; `down` cancels it
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)  # keeps plan order: status lists processes in it

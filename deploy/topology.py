@@ -21,6 +21,7 @@ Backend = Literal["UCX", "LIBFABRIC"]
 Platform = Literal["cpu", "cuda"]
 Policy = Literal["round-robin", "least-loaded"]
 Role = Literal["prefill", "decode"]
+Launcher = Literal["ssh", "slurm"]
 
 LOCAL_ADDRESSES = {"localhost", "127.0.0.1", "::1"}
 DEFAULT_PREFILL_HTTP_PORT = 8100
@@ -121,6 +122,7 @@ class HostSpec(_Model):
     workdir: Annotated[PathText, _not_blank("give a directory, or remove the field for ~/.kvpush")] = "~/.kvpush"
     python: PathText | None = Field(None, description="interpreter that runs vLLM there (default: <venv>/bin/python)")
     venv: PathText | None = None
+    node: PlainName | None = Field(None, description="launcher slurm: the Slurm node this host is (default: any node of the allocation)")
 
     @property
     def is_local(self) -> bool:
@@ -219,9 +221,26 @@ class RouterSpec(_Model):
         return self
 
 
+class SlurmSpec(_Model):
+    """How `up` gets a Slurm allocation and launches job steps in it (launcher: slurm)."""
+
+    partition: str | None = Field(None, description="sbatch --partition (default: the cluster's default partition)")
+    account: str | None = Field(None, description="sbatch --account")
+    time_limit: str | None = Field(None, description="sbatch --time, e.g. '04:00:00' or '2-00:00:00'")
+    job_name: str | None = Field(None, description="sbatch --job-name (default: kvpush-<name>)")
+    job_id: str | None = Field(None, description="run in this existing allocation (default: $SLURM_JOB_ID if set, else submit one)")
+    gpus_per_node: IntNotBool | None = Field(None, ge=1, description="sbatch --gpus-per-node (default on cuda: the most GPUs an instance host uses)")
+    exclusive: bool | None = Field(None, description="sbatch --exclusive (default: true on cuda)")
+    sbatch_options: list[str] = Field(default_factory=list, description="more sbatch options, e.g. ['--qos=high']")
+    srun_options: list[str] = Field(default_factory=list, description="more options for every job step's srun")
+    start_timeout_s: float = Field(600.0, gt=0, description="how long `up` waits for a submitted job to start")
+
+
 class Topology(_Model):
     name: str = "kvpush"
     platform: Platform = "cpu"
+    launcher: Launcher = "ssh"
+    slurm: SlurmSpec | None = None
     model: ModelSpec
     connector: ConnectorSpec = Field(default_factory=ConnectorSpec)
     hosts: dict[str, HostSpec] = Field(default_factory=lambda: {"local": HostSpec(address="127.0.0.1")})
@@ -521,9 +540,23 @@ def check_key_files(topo: Topology) -> None:
             raise TopologyError(f"{where}: is the public key; give the private key path (without .pub)")
 
 
+def _slurm_host_addresses(data: dict) -> None:
+    """launcher slurm: a host's address may be left out; it is its node's name until `up` learns
+    the node's NodeAddr from Slurm."""
+    hosts = data.get("hosts")
+    if data.get("launcher") != "slurm" or not isinstance(hosts, dict):
+        return
+    for name, host in hosts.items():
+        if host is None:
+            hosts[name] = host = {}
+        if isinstance(host, dict) and "address" not in host:
+            host["address"] = str(host.get("node") or name)
+
+
 def topology_from_document(doc: SourceDocument) -> Topology:
     if not isinstance(doc.data, dict):
         raise TopologyError(f"{doc.where(())}: the topology must be a YAML mapping with at least 'model:'; see `kvpush init`")
+    _slurm_host_addresses(doc.data)
     try:
         topo = Topology.model_validate(doc.data)
     except ValidationError as exc:
@@ -533,6 +566,9 @@ def topology_from_document(doc: SourceDocument) -> Topology:
     problems = _Problem(doc)
     _apply_defaults(topo, problems)
     _check_cross_fields(topo, problems)
+    from .slurm_topology import check_slurm_fields  # the launcher's own rules live with it
+
+    check_slurm_fields(topo, problems.fail)
     return topo
 
 

