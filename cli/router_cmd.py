@@ -22,8 +22,9 @@ def register(app: typer.Typer) -> None:
         """Run the push-aware router in the foreground (Ctrl-C stops it)."""
         from pydantic import ValidationError
 
-        from kvpush.router.app import resolve_api_key, run
+        from kvpush.router.app import run
         from kvpush.router.config import RouterConfig
+        from kvpush.router.keys import resolve_keys
 
         if topology is not None and config is not None:
             raise UsageError("router: give a TOPOLOGY or --config FILE, not both")
@@ -49,6 +50,6 @@ def register(app: typer.Typer) -> None:
         logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         note(f"router from {source}: http://{router_config.bind}:{router_config.port} ({router_config.protocol})")
         try:
-            run(router_config, resolve_api_key(router_config))
+            run(router_config, resolve_keys(router_config))
         except OSError as exc:
             raise KvpushError(f"router: cannot listen on {router_config.bind}:{router_config.port}: {exc.strerror or exc}") from None

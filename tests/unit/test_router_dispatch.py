@@ -344,23 +344,23 @@ def test_decode_dying_mid_stream_ends_with_an_error_event():
     run(scenario())
 
 
-def test_failing_instance_leaves_rotation_and_is_probed_back():
+def test_an_instance_answering_5xx_stays_in_rotation_and_only_failed_health_checks_take_it_out():
     async def scenario():
         async with deployment("kvpush", n_decode=2, eject_after_failures=2, probe_interval_s=0.05) as dep:
-            dep.decode[0].behavior.fail_status = 500
-            dep.decode[0].behavior.unhealthy = True
-            for _ in range(4):
-                assert (await dep.post("/v1/completions", COMPLETION))[0] == 200
+            dep.decode[0].behavior.fail_status = 500  # every generation fails, /health stays green
+            for _ in range(6):
+                assert (await dep.post("/v1/completions", COMPLETION))[0] == 200  # retried on d1
             d0 = dep.router.decode.instances[0]
-            assert not d0.in_rotation
+            assert d0.in_rotation and d0.consecutive_failures == 0
             m = await dep.metrics()
-            assert sample(m, "kvpush_router_instance_in_rotation", instance="d0") == 0
+            assert sample(m, "kvpush_router_leg_failures_total", instance="d0", reason="http_500") == 6  # d0 first each time
+            dep.decode[0].behavior.unhealthy = True
+            await eventually(lambda: not d0.in_rotation)  # two failed probes in a row
+            assert sample(await dep.metrics(), "kvpush_router_instance_in_rotation", instance="d0") == 0
             before = len(dep.decode[0].received)
             for _ in range(4):
                 await dep.post("/v1/completions", COMPLETION)
             assert len(dep.decode[0].received) == before  # no legs while out
-            await asyncio.sleep(0.2)
-            assert not d0.in_rotation  # probes see /health 503
             dep.decode[0].behavior = type(dep.decode[0].behavior)()  # healthy again
             await eventually(lambda: d0.in_rotation)  # /health answers 200 -> back
             for _ in range(4):
@@ -516,7 +516,7 @@ def test_metrics_exposition_covers_the_request_path():
 
 
 def test_a_leg_task_cancelled_before_its_first_step_ends_its_leg_and_closes_its_answer():
-    from kvpush.router.dispatch import Dispatcher
+    from kvpush.router.attempts import Attempts
 
     class Stub:
         def __init__(self):
@@ -535,7 +535,7 @@ def test_a_leg_task_cancelled_before_its_first_step_ends_its_leg_and_closes_its_
         async def body():
             ran.append(True)
 
-        task = Dispatcher._leg_task(body(), leg, sent)
+        task = Attempts._leg_task(body(), leg, sent)
         task.cancel()  # before the loop ran its first step: body() never starts
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -543,7 +543,7 @@ def test_a_leg_task_cancelled_before_its_first_step_ends_its_leg_and_closes_its_
         assert ran == [] and leg.calls == [("end", True)] and sent.calls == [("close",)]
 
         finished_leg, finished_sent = Stub(), Stub()
-        done = Dispatcher._leg_task(body(), finished_leg, finished_sent)
+        done = Attempts._leg_task(body(), finished_leg, finished_sent)
         await done
         await asyncio.sleep(0)
         assert finished_leg.calls == [] and finished_sent.calls == []  # a leg that ran cleans up itself
@@ -625,7 +625,10 @@ def test_prefill_failing_after_decodes_first_token_leaves_the_stream_whole():
             m = await dep.metrics()
             assert sample(m, "kvpush_router_requests_total", outcome="success") == 1
             assert sample(m, "kvpush_router_handoff_gap_seconds_sum") == 0  # decode's token came first
-            await eventually(lambda: dep.router.prefill.instances[0].consecutive_failures == 1)
+            await eventually(lambda: "prefill" in dep.router.metrics.leg_failures.collect()[0].samples[0].labels.values())
+            m = await dep.metrics()
+            assert sample(m, "kvpush_router_leg_failures_total", instance="p0", reason="timeout") == 1
+            assert dep.router.prefill.instances[0].consecutive_failures == 0  # slow is not gone
 
     run(scenario())
 
