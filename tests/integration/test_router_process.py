@@ -40,7 +40,7 @@ def wait_http(url: str, proc: subprocess.Popen, timeout_s: float = 20) -> int:
                 return r.status
         except urllib.error.HTTPError as exc:
             return exc.code
-        except (urllib.error.URLError, ConnectionError):
+        except (urllib.error.URLError, ConnectionError, TimeoutError):  # a worker still starting: not answering yet
             time.sleep(0.1)
     raise AssertionError(f"{url} never answered")
 
@@ -154,12 +154,17 @@ def alive(pid: int) -> bool:
 def start_workers(tmp_path: Path, workers: int = 2, **popen_options) -> tuple[subprocess.Popen, list[int]]:
     proc = subprocess.Popen([sys.executable, "-m", "kvpush.router", "--config", str(config_file(tmp_path, workers=workers))],
                             stderr=subprocess.PIPE, text=True, **popen_options)
-    assert wait_http(f"http://127.0.0.1:{PORTS['router']}/health", proc) == 200
-    deadline = time.monotonic() + 20
-    while len(children_of(proc.pid)) < workers and time.monotonic() < deadline:
-        time.sleep(0.1)
-    pids = children_of(proc.pid)
-    assert len(pids) == workers
+    try:
+        assert wait_http(f"http://127.0.0.1:{PORTS['router']}/health", proc) == 200
+        deadline = time.monotonic() + 20
+        while len(children_of(proc.pid)) < workers and time.monotonic() < deadline:
+            time.sleep(0.1)
+        pids = children_of(proc.pid)
+        assert len(pids) == workers
+    except BaseException:  # no router left behind holding the port for the next test
+        proc.terminate()
+        proc.wait(timeout=30)
+        raise
     return proc, pids
 
 
