@@ -15,7 +15,7 @@ from typing import Any
 from . import metrics as M
 from .config import RouterConfig
 from .fanout import LOCAL, NO_PREFILL, SAMPLES, Part
-from .legs import DecodeHead, LegFailure, LegRunner, OtherLegFailed
+from .legs import DecodeHead, LegFailure, LegRunner, OtherLegFailed, UpstreamClientError
 from .pool import Instance, Pool
 from .protocols import (CONCURRENT_PROTOCOLS, concurrent_legs, new_transfer_id, prefill_only, pull_decode_leg,
                         pull_prefill_leg)
@@ -76,7 +76,9 @@ class Attempts:
         protocol = self.config.protocol
         if protocol in CONCURRENT_PROTOCOLS:
             legs = concurrent_legs(protocol, body, chat, transfer_id, prefill.upstream, decode.upstream, decode_body)
-            return await self._concurrent(endpoint, stream, prefill, legs.prefill, decode, legs.decode, headers)
+            release = concurrent_legs(protocol, body, chat, transfer_id, prefill.upstream, decode.upstream,
+                                      prefill_only(body, chat)).decode
+            return await self._concurrent(endpoint, stream, prefill, legs.prefill, decode, legs.decode, headers, release)
         prefill_leg, prefill_resp = self.legs.send(self.prefill, prefill, endpoint, pull_prefill_leg(body, chat),
                                                    headers, timeouts.prefill_s)
         answer, answered_at = await self.legs.json_answer(prefill_leg, prefill_resp, timeouts.prefill_s)
@@ -86,18 +88,36 @@ class Attempts:
             raise LegFailure("prefill", prefill.name, "no_kv_transfer_params",
                              "answer carried no kv_transfer_params (is the instance started with NixlConnector?)")
         leg, resp = self.legs.send(self.decode, decode, endpoint, decode_leg_body, headers, timeouts.decode_s)
-        head = await self.legs.decode_head(leg, resp, stream)
+        try:
+            head = await self.legs.decode_head(leg, resp, stream)
+        except UpstreamClientError:
+            release = pull_decode_leg(prefill_only(body, chat), answer)
+            assert release is not None
+            self._release(endpoint, decode, release, headers)
+            raise
         self.metrics.handoff_gap.observe(max(0.0, head.first_token_at - answered_at))
         return head
 
+    def _release(self, endpoint: str, decode: Instance, release_body: dict, headers: dict) -> None:
+        """Decode refused a request (a 4xx) whose prompt prefill computes or computed: prefill would
+        hold its blocks until a decode takes them or a timeout (vLLM's pull: minutes), so a client
+        could pin prefill's KV with requests decode refuses. A one-token leg of the same transfer,
+        with the body prefill accepted, takes them."""
+        try:
+            leg, resp = self.legs.send(self.decode, decode, endpoint, release_body, headers, self.config.timeouts.decode_s)
+        except LegFailure:
+            return
+        self._detach(self._leg_task(self.legs.json_answer(leg, resp, self.config.timeouts.decode_s), leg, resp))
+
     async def _concurrent(self, endpoint: str, stream: bool, prefill: Instance, prefill_body: dict,
-                          decode: Instance, decode_body: dict, headers: dict) -> DecodeHead:
+                          decode: Instance, decode_body: dict, headers: dict, release_body: dict) -> DecodeHead:
         """Both legs at once. Both are written to their instances before this coroutine yields
         (decode's first: its first token is what the client waits for), and decode's answer is read
         right here, as colocated reads its one leg: every task step in between (a leg's own, then the
         wake-up of whoever waits for it) waits behind all callbacks already queued, ~1 ms at 64
         streams. Prefill's answer is read by a task; its failure ends the wait for decode's first
-        token at once (decode is cancelled, and the attempt fails with prefill's failure)."""
+        token at once (decode is cancelled, and the attempt fails with prefill's failure). Decode
+        refusing the request (a 4xx) leaves prefill running, its KV going to a release leg."""
         timeouts = self.config.timeouts
         decode_leg, decode_resp = self.legs.send(self.decode, decode, endpoint, decode_body, headers, timeouts.decode_s)
         try:
@@ -117,6 +137,13 @@ class Attempts:
                 _, answered_at = prefill_task.result()  # a prefill failure wins over the token that came with it
                 self.metrics.handoff_gap.observe(max(0.0, head.first_token_at - answered_at))
                 return head
+        except UpstreamClientError:
+            prefill_task.remove_done_callback(end_decode_wait)
+            if prefill_task.done() and (prefill_task.cancelled() or prefill_task.exception() is not None):
+                raise  # prefill failed too: it holds nothing
+            self._release(endpoint, decode, release_body, headers)
+            self._detach(prefill_task)
+            raise
         except BaseException as exc:
             decode_leg.end(cancelled=True)  # a no-op where decode's own failure ended it
             decode_resp.close()
@@ -166,7 +193,7 @@ class Attempts:
         def forget(t: asyncio.Task) -> None:
             self._detached.discard(t)
             if not t.cancelled() and t.exception() is not None:
-                log.info("detached prefill leg ended with %s", t.exception())
+                log.info("detached leg ended with %s", t.exception())
 
         task.add_done_callback(forget)
 

@@ -233,6 +233,13 @@ def test_the_openai_api_through_the_router_answers_as_one_vllm_server(deployment
                 assert moved[case.name]["local_cache_hit"] >= samples * (tokens - BLOCK_TOKENS), (case.name, moved[case.name])
     for outcome in ("failed", "failed_mid_stream", "unavailable"):
         assert deployment.router_metric("kvpush_router_requests_total", outcome=outcome) == 0, outcome
+    # no instance holds KV blocks for a request that ended, rejected ones included
+    for instance in (deployment.prefill, deployment.decode):
+        if instance is not None:
+            deadline = time.monotonic() + 15
+            while (usage := instance.metric("vllm:kv_cache_usage_perc")) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert usage == 0, f"{instance.name} still holds KV blocks: usage {usage}"
     status, raw = complete(deployment.router.url, PROMPTS[False][-1], stream=False)
     assert status == 200, raw  # a plain request after the matrix: nothing was ejected
     in_rotation = deployment.router_metric("kvpush_router_instance_in_rotation")

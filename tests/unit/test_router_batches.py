@@ -95,7 +95,7 @@ def test_one_prompts_4xx_rejects_the_batch_and_cancels_the_others():
             status, raw = await dep.post("/v1/completions", {**BATCH, "prompt": ["a", "b"], "stream": True})
             assert status == 400 and json.loads(raw)["error"]["message"] == "fake failure"
             await eventually(lambda: dep.decode[0].abandoned == 1)
-            assert all(i.inflight == 0 for i in dep.router.decode.instances + dep.router.prefill.instances)
+            await eventually(lambda: all(i.inflight == 0 for i in dep.router.decode.instances + dep.router.prefill.instances))
             assert sample(await dep.metrics(), "kvpush_router_requests_total", outcome="client_error") == 1
 
     run(scenario())
@@ -197,5 +197,42 @@ def test_prompt_logprobs_are_computed_by_decode_alone():
             assert sample(await dep.metrics(), "kvpush_router_decode_computed_prompts_total", reason="prompt_logprobs") == 2
             async with dep.session.post(dep.url + "/v1/completions", json={"prompt": "p"}) as resp:
                 assert DECODE_COMPUTED_HEADER not in resp.headers  # a transfer says nothing
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("protocol", ["kvpush", "nixl-push"])
+def test_push_decode_rejecting_a_request_lets_prefill_push_to_a_one_token_leg(protocol):
+    async def scenario():
+        async with deployment(protocol) as dep:
+            dep.decode[0].behavior.fail_status = 400  # e.g. stream_options without stream: prefill's leg has neither
+            dep.decode[0].behavior.fail_times = 1
+            dep.prefill[0].behavior.first_token_delay_s = 0.1  # still computing when decode refuses
+            status, _ = await dep.post("/v1/completions", {"model": MODEL, "prompt": "p", "stream_options": {}})
+            assert status == 400
+            await eventually(lambda: len(legs(dep.decode[0])) == 2 and len(legs(dep.prefill[0])) == 1)
+            rejected, release = legs(dep.decode[0])
+            assert release["kv_transfer_params"] == rejected["kv_transfer_params"]  # the same transfer
+            assert release["max_tokens"] == 1 and "stream_options" not in release
+            await eventually(lambda: dep.router.prefill.instances[0].inflight == 0)
+            assert dep.prefill[0].abandoned == 0  # prefill was left to finish, not cut off holding KV
+
+    run(scenario())
+
+
+def test_pull_decode_rejecting_a_request_still_reads_what_prefill_holds_for_it():
+    async def scenario():
+        async with deployment("nixl-pull") as dep:
+            dep.decode[0].behavior.fail_status = 400  # e.g. max_tokens over the model length
+            dep.decode[0].behavior.fail_times = 1
+            status, raw = await dep.post("/v1/completions", {"model": MODEL, "prompt": "p", "max_tokens": 99999,
+                                                             "logprobs": 2, "stream": True})
+            assert status == 400 and json.loads(raw)["error"]["message"] == "fake failure"
+            await eventually(lambda: len(legs(dep.decode[0])) == 2)
+            rejected, release = legs(dep.decode[0])
+            assert release["kv_transfer_params"] == rejected["kv_transfer_params"]  # prefill's blocks, read once
+            assert release["max_tokens"] == 1 and release["stream"] is False
+            await eventually(lambda: dep.router.decode.instances[0].inflight == 0)
+            assert dep.router.decode.instances[0].consecutive_failures == 0
 
     run(scenario())

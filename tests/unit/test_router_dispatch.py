@@ -486,7 +486,9 @@ def test_upstream_4xx_reaches_the_client_verbatim_without_retry():
                 fake.behavior.fail_status = 400
             status, raw = await dep.post("/v1/completions", COMPLETION)
             assert status == 400 and json.loads(raw)["error"]["message"] == "fake failure"
-            assert sum(len(f.received) for f in dep.decode) == 1
+            await eventually(lambda: dep.router.prefill.instances[0].inflight == 0)
+            generating = [r for f in dep.decode for r in f.received if r.body["max_tokens"] == 4]
+            assert len(generating) == 1  # not retried (the other leg is the one-token release of prefill's KV)
             assert all(i.consecutive_failures == 0 for i in dep.router.decode.instances)
 
     run(scenario())

@@ -324,12 +324,12 @@ def test_a_silence_limit_replaces_the_deadline_and_fails_only_a_stream_that_stop
         loop = asyncio.get_running_loop()
         resp = UpstreamResponse(conn, loop, loop.time() + 0.05)  # type: ignore[arg-type]
         resp.feed(STREAM_HEAD)
-        resp.limit_silence(0.1)
-        for _ in range(10):  # 0.3 s of a steady stream: far past the 0.05 s deadline, never 0.1 s quiet
-            await asyncio.sleep(0.03)
+        resp.limit_silence(0.5)
+        for _ in range(20):  # 1 s of a steady stream: past the 0.05 s deadline and twice the limit, never 0.5 s quiet
+            await asyncio.sleep(0.05)
             resp.feed(b"5\r\ntoken\r\n")
             assert await resp.readany() == b"token"
-        with pytest.raises(asyncio.TimeoutError, match="sent nothing for 0.1 s"):
+        with pytest.raises(asyncio.TimeoutError, match="sent nothing for 0.5 s"):
             await resp.readany()  # then it stops sending
         assert conn.aborted
 
