@@ -45,32 +45,49 @@ def _message_chars(messages: list) -> int:
     return total
 
 
+_CONTAINERS = frozenset({dict, list})
+_INT = frozenset({int})
+_STR = frozenset({str})
+_LIST = frozenset({list})
+
+
 def json_depth_exceeds(value: Any, limit: int) -> bool:
-    """True when containers nest deeper than `limit` (iterative: no recursion to exhaust)."""
+    """True when containers nest deeper than `limit` (iterative: no recursion to exhaust). A list
+    of scalars (a prompt's token ids) is passed over at C speed."""
     stack = [(value, 1)]
     while stack:
         node, depth = stack.pop()
         if depth > limit:
             return True
         children = node.values() if isinstance(node, dict) else node
-        for child in children:
-            if isinstance(child, (dict, list)):
-                stack.append((child, depth + 1))
+        if _CONTAINERS.isdisjoint(map(type, children)):
+            continue
+        stack.extend((child, depth + 1) for child in children if type(child) in _CONTAINERS)
     return False
 
 
 def _token_ids(value: Any) -> bool:
-    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    return type(value) is list and set(map(type, value)) <= _INT  # bools are not token ids
 
 
 def prompt_list(prompt: Any) -> list | None:
     """The prompts of a batch (a list of strings or of token-id lists), else None (one prompt)."""
-    if not isinstance(prompt, list) or not prompt or _token_ids(prompt):
+    if type(prompt) is not list or not prompt:
         return None
-    if all(isinstance(p, str) for p in prompt) or all(_token_ids(p) for p in prompt):
+    kinds = set(map(type, prompt))
+    if kinds <= _INT:
+        return None  # one prompt of token ids
+    if kinds <= _STR or (kinds <= _LIST and all(_token_ids(p) for p in prompt)):
         return prompt
     raise RequestRejected(400, "`prompt` must be a string, a list of token ids, a list of strings or a list of "
                                "token-id lists", "prompt")
+
+
+def _prompt_size(prompt: Any, prompts: list | None) -> int:
+    """Characters of text, one per token id."""
+    if prompts is not None:
+        return sum(map(len, prompts))
+    return len(prompt) if isinstance(prompt, (str, list)) else 0
 
 
 def choices_per_prompt(body: dict) -> int:
@@ -133,7 +150,7 @@ def parse_request(raw: bytes, chat: bool, served_model_name: str, max_prompt_cha
         if prompts is not None and len(prompts) > max_batch_prompts:
             raise RequestRejected(400, f"prompt list length {len(prompts)} exceeds the router's limit of "
                                        f"{max_batch_prompts} prompts per request", "prompt")
-        size = _chars(prompt)
+        size = _prompt_size(prompt, prompts)
         field = "prompt"
     if size > max_prompt_chars:
         raise RequestRejected(400, f"{field} too long: {size} characters > the router's limit of {max_prompt_chars}", field)
