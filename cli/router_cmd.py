@@ -22,8 +22,9 @@ def register(app: typer.Typer) -> None:
         """Run the push-aware router in the foreground (Ctrl-C stops it)."""
         from pydantic import ValidationError
 
-        from kvpush.router.app import resolve_api_key, run
+        from kvpush.router.app import run
         from kvpush.router.config import RouterConfig
+        from kvpush.router.keys import resolve_keys
 
         if topology is not None and config is not None:
             raise UsageError("router: give a TOPOLOGY or --config FILE, not both")
@@ -46,15 +47,15 @@ def register(app: typer.Typer) -> None:
 
             topo, source = resolve_topology(topology)
             planned = plan_router_config(topo)
-            upstream_key = planned.upstream_api_key_file
+            upstream_key = planned.instance_api_key_file
             # In the foreground the client key is read here (api_key_env, api_key_file); instances that
             # `up` started on this machine take the key it wrote for the router, others the client's.
             router_config = planned.model_copy(update={
                 "api_key_env": topo.router.api_key_env, "api_key_file": topo.router.api_key_file,
-                "upstream_api_key_file": upstream_key if upstream_key and Path(upstream_key).expanduser().is_file() else None})
+                "instance_api_key_file": upstream_key if upstream_key and Path(upstream_key).expanduser().is_file() else None})
         logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         note(f"router from {source}: http://{router_config.bind}:{router_config.port} ({router_config.protocol})")
         try:
-            run(router_config, resolve_api_key(router_config))
+            run(router_config, resolve_keys(router_config))
         except OSError as exc:
             raise KvpushError(f"router: cannot listen on {router_config.bind}:{router_config.port}: {exc.strerror or exc}") from None

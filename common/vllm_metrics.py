@@ -41,3 +41,16 @@ def vllm_load(text: str) -> VllmLoad:
 
 def external_kv_tokens(text: str) -> float:
     return metric_sum(text, PROMPT_TOKENS_BY_SOURCE, source=EXTERNAL_KV_SOURCE) or 0.0
+
+
+CACHE_CONFIG_INFO = "vllm:cache_config_info"  # a gauge at 1 whose labels are vLLM's CacheConfig fields
+
+
+def prefix_caching(text: str) -> bool | None:
+    """Whether the instance caches prompt prefixes (its enable_prefix_caching); None when its page
+    does not say."""
+    if metric_sum(text, CACHE_CONFIG_INFO, enable_prefix_caching="True"):
+        return True
+    if metric_sum(text, CACHE_CONFIG_INFO, enable_prefix_caching="False") is not None:
+        return False
+    return None

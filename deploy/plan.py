@@ -286,7 +286,7 @@ def router_config(topo: Topology) -> RouterConfig:
         # Keys travel as files on the router's host, written by `up` (an env var of the machine
         # running kvpush would not reach a remote router).
         api_key_file=secret_path(topo, router_host, "router-client-key") if has_client_key(topo) else None,
-        upstream_api_key_file=secret_path(topo, router_host, "router-upstream-key"),
+        instance_api_key_file=secret_path(topo, router_host, "router-upstream-key"),
         max_prompt_chars=r.max_prompt_chars,
         workers=r.workers,
         timeouts=Timeouts(connect_s=r.connect_timeout_s, prefill_s=r.prefill_timeout_s, decode_s=r.decode_timeout_s),

@@ -17,15 +17,14 @@ def run_router(config_path: str, worker_fd: int | None = None) -> int:
 
     from kvpush.common.errors import KvpushError
 
-    from .app import resolve_api_key, resolve_upstream_api_key, run
+    from .app import run
     from .config import RouterConfig
+    from .keys import resolve_keys
 
     try:
         config = RouterConfig.from_file(config_path)
         listen_socket = socket.socket(fileno=worker_fd) if worker_fd is not None else None
-        api_key = resolve_api_key(config)
-        resolve_upstream_api_key(config, api_key)  # a bad key file is one line now, not an error in each worker
-        run(config, api_key, listen_socket, run_dir_parent=Path(config_path).parent)
+        run(config, resolve_keys(config), listen_socket, run_dir_parent=Path(config_path).parent)
     except KvpushError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code

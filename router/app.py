@@ -5,7 +5,6 @@ import asyncio
 import contextlib
 import gc
 import logging
-import os
 import secrets
 import signal
 import socket
@@ -15,19 +14,22 @@ from pathlib import Path
 
 from aiohttp import web
 
+from kvpush.common.vllm_metrics import prefix_caching
+
 from .config import RouterConfig
 from .dispatch import Dispatcher, RequestContext
 from .errors import error_response
+from .fanout import split
+from .keys import Keys
 from .metrics import CLIENT_ERROR, RouterMetrics
-from .pool import Pool, parse_load
+from .pool import Instance, Pool, parse_load
 from .upstream_http import UpstreamClient, UpstreamError
-from .validation import RequestRejected, parse_request
+from .validation import RequestRejected, check_request_id, parse_request
 
 log = logging.getLogger("kvpush.router")
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
-GUARDED_PREFIX = "/v1"  # vLLM's --api-key guards exactly these paths
 # Far below vLLM's (uvicorn's) 5 s keep-alive: on a loaded host the two timers drift, and a leg
 # sent on a connection the server is closing that instant fails with a reset (seen at 4 s).
 UPSTREAM_KEEPALIVE_S = 2.0
@@ -37,46 +39,11 @@ MAX_BODY_BYTES_PER_CHAR = 8  # JSON escapes can inflate a prompt; the prompt lim
 ROUTER_KEY = web.AppKey("router", "Router")
 
 
-def resolve_api_key(config: RouterConfig) -> str | None:
-    """The key clients must send: from api_key_file, or the variable api_key_env names (unset is a
-    configuration error)."""
-    from kvpush.common.errors import UsageError
-
-    if config.api_key_env and config.api_key_file:
-        raise UsageError("router config: gives both api_key_env and api_key_file; keep one")
-    if config.api_key_file:
-        return _key_from_file(config.api_key_file, "api_key_file")
-    if not config.api_key_env:
-        return None
-    key = os.environ.get(config.api_key_env, "")
-    if not key:
-        raise UsageError(f"router config: api_key_env names {config.api_key_env}, which is unset or empty; "
-                         f"export it or remove api_key_env from the topology's router section")
-    return key
-
-
-def resolve_upstream_api_key(config: RouterConfig, client_key: str | None) -> str | None:
-    """The key sent to the instances: upstream_api_key_file's, else the clients' key."""
-    if config.upstream_api_key_file:
-        return _key_from_file(config.upstream_api_key_file, "upstream_api_key_file")
-    return client_key
-
-
-def _key_from_file(path: str, field: str) -> str:
-    from kvpush.common.deployment_secret import SecretFileError, read_key_file
-    from kvpush.common.errors import UsageError
-
-    try:
-        return read_key_file(path, missing_hint="`kvpush up` writes it, or fix the path")
-    except SecretFileError as exc:
-        raise UsageError(f"router config: {field}: {exc}") from None
-
-
 class Router:
-    def __init__(self, config: RouterConfig, api_key: str | None):
+    def __init__(self, config: RouterConfig, keys: Keys):
         self.config = config
-        self.api_key = api_key  # what clients must send
-        self.upstream_api_key = resolve_upstream_api_key(config, api_key)
+        self.keys = keys
+        self.public_paths = frozenset(config.public_paths)
         self.metrics = RouterMetrics()
         self.prefill = Pool("prefill", config.prefill, config.policy, config.eject_after_failures, self.metrics)
         self.decode = Pool("decode", config.decode, config.policy, config.eject_after_failures, self.metrics)
@@ -90,7 +57,8 @@ class Router:
         # Idle upstream connections are dropped before vLLM's (uvicorn's) 5 s keep-alive closes them,
         # so a leg never goes out on a connection the server is closing at that moment.
         self.upstream = UpstreamClient(keepalive_s=UPSTREAM_KEEPALIVE_S)
-        self.dispatcher = Dispatcher(self.config, self.prefill, self.decode, self.metrics, self.upstream, self.upstream_api_key)
+        self.dispatcher = Dispatcher(self.config, self.prefill, self.decode, self.metrics, self.upstream,
+                                     self.keys.instance)
         # Instances enter rotation on their first healthy answer: one round now, so a router
         # started beside ready instances serves at once, and one started beside loading ones
         # reports 503 on /health until they are up (never sends them legs while they load).
@@ -113,10 +81,12 @@ class Router:
     def pools(self) -> list[Pool]:
         return [self.prefill, self.decode]
 
+    def _instance_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.keys.instance}"} if self.keys.instance else {}
+
     async def _get(self, base_url: str, path: str, timeout_s: float) -> tuple[int, str]:
         assert self.upstream is not None
-        headers = {"Authorization": f"Bearer {self.upstream_api_key}"} if self.upstream_api_key else {}
-        resp = await self.upstream.request("GET", base_url, path, headers, None, timeout_s, timeout_s)
+        resp = await self.upstream.request("GET", base_url, path, self._instance_headers(), None, timeout_s, timeout_s)
         try:
             return resp.status, (await resp.read()).decode(errors="replace")
         finally:
@@ -140,9 +110,21 @@ class Router:
             if inst.in_rotation and status != 200:
                 pool.failed(inst, "health")
             elif not inst.in_rotation and status == 200:
+                if pool is self.decode:
+                    await self._learn_cache_config(inst)
                 pool.restore(inst)
 
         await asyncio.gather(*(probe(p, i) for p in self.pools() for i in p.instances))
+
+    async def _learn_cache_config(self, inst: Instance) -> None:
+        """Whether a decode instance caches prefixes (several samples of one prompt share one
+        transfer through that cache), from its /metrics as it joins rotation."""
+        try:
+            status, text = await self._get(inst.upstream.url, "/metrics", self.config.timeouts.connect_s)
+        except (UpstreamError, asyncio.TimeoutError):
+            return
+        if status == 200:
+            inst.prefix_caching = prefix_caching(text)
 
     async def _scrape_loop(self) -> None:
         """Each instance's own load, for least-loaded selection; never on the request path."""
@@ -170,16 +152,20 @@ class Router:
 
     async def _generate(self, request: web.Request, endpoint: str) -> web.StreamResponse:
         started = time.perf_counter()
+        config = self.config
+        chat = endpoint == CHAT
         try:
+            request_id = check_request_id(request.headers.get("X-Request-Id"))
             raw = await request.read()
-            body = parse_request(raw, endpoint == CHAT, self.config.served_model_name, self.config.max_prompt_chars)
+            parsed = parse_request(raw, chat, config.served_model_name, config.max_prompt_chars, config.max_batch_prompts)
+            parts = split(parsed, chat, config.protocol == "colocated")
         except web.HTTPRequestEntityTooLarge:
             return self._rejected(endpoint, RequestRejected(
-                413, f"request body too large for max_prompt_chars {self.config.max_prompt_chars}"))
+                413, f"request body too large for max_prompt_chars {config.max_prompt_chars}"))
         except RequestRejected as exc:
             return self._rejected(endpoint, exc)
         assert self.dispatcher is not None
-        ctx = RequestContext(request, endpoint, body, raw, bool(body.get("stream")), started)
+        ctx = RequestContext(request, endpoint, bool(parsed.body.get("stream")), parts, request_id, started)
         return await self.dispatcher.handle(ctx)
 
     def _rejected(self, endpoint: str, exc: RequestRejected) -> web.Response:
@@ -189,9 +175,7 @@ class Router:
     async def _forward(self, request: web.Request) -> web.Response | None:
         """The request as-is to the first decode instance that answers; None if none does."""
         assert self.upstream is not None
-        headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
-        if self.upstream_api_key:
-            headers["Authorization"] = f"Bearer {self.upstream_api_key}"
+        headers = {"Content-Type": "application/json", **self._instance_headers()}
         body = await request.read()
         timeouts = self.config.timeouts
         for inst in self.decode.available():
@@ -240,13 +224,20 @@ class Router:
         return error_response(404, f"{request.method} {request.path} is not served by the kvpush router")
 
 
+def authorized(given: str, key: str) -> bool:
+    """Constant-time check of an Authorization header; header bytes that are not UTF-8 (aiohttp
+    hands them over surrogate-escaped) simply do not match."""
+    return secrets.compare_digest(given.encode("utf-8", "surrogateescape"), f"Bearer {key}".encode())
+
+
 @web.middleware
 async def _auth_and_errors(request: web.Request, handler):
     router: Router = request.app[ROUTER_KEY]
-    if router.api_key and request.path.startswith(GUARDED_PREFIX):
-        given = request.headers.get("Authorization", "")
-        if not secrets.compare_digest(given.encode(), f"Bearer {router.api_key}".encode()):
-            return web.json_response({"error": "Unauthorized"}, status=401)  # vLLM's exact answer
+    key = router.keys.client
+    # every path, unknown ones included, except those the config opens: nothing is forwarded,
+    # with the instances' key attached, for a caller without the router's key
+    if key and request.path not in router.public_paths and not authorized(request.headers.get("Authorization", ""), key):
+        return web.json_response({"error": "Unauthorized"}, status=401)  # vLLM's exact answer
     try:
         return await handler(request)
     except web.HTTPException as exc:
@@ -254,6 +245,8 @@ async def _auth_and_errors(request: web.Request, handler):
             return error_response(405, f"method {request.method} not allowed on {request.path}")
         if exc.status == 404:
             return await router.not_found(request)
+        if exc.status == 413:
+            return error_response(413, f"request body too large (limit {max_body_bytes(router.config)} bytes)")
         raise
     except (asyncio.CancelledError, ConnectionResetError):
         raise
@@ -262,10 +255,13 @@ async def _auth_and_errors(request: web.Request, handler):
         return error_response(500, "internal router error; see the router log")
 
 
-def build_app(config: RouterConfig, api_key: str | None) -> web.Application:
-    router = Router(config, api_key)
-    app = web.Application(middlewares=[_auth_and_errors],
-                          client_max_size=config.max_prompt_chars * MAX_BODY_BYTES_PER_CHAR + (1 << 20))
+def max_body_bytes(config: RouterConfig) -> int:
+    return config.max_prompt_chars * MAX_BODY_BYTES_PER_CHAR + (1 << 20)
+
+
+def build_app(config: RouterConfig, keys: Keys) -> web.Application:
+    router = Router(config, keys)
+    app = web.Application(middlewares=[_auth_and_errors], client_max_size=max_body_bytes(config))
     app[ROUTER_KEY] = router
 
     async def lifecycle(_app: web.Application):
@@ -309,9 +305,9 @@ def describe_process(pid: int) -> str:
     return f"pid {pid} ({cmdline[:200]})"
 
 
-async def serve(config: RouterConfig, api_key: str | None, listen_socket: socket.socket | None = None) -> None:
+async def serve(config: RouterConfig, keys: Keys, listen_socket: socket.socket | None = None) -> None:
     """Run in the foreground until SIGINT or SIGTERM (blocked by `run`, awaited on a thread)."""
-    app = build_app(config, api_key)
+    app = build_app(config, keys)
     # Everything built so far lives as long as the router: keep it out of the collector's full
     # passes, whose walk over the imported modules' objects otherwise stalls every request in flight.
     gc.collect()
@@ -335,7 +331,7 @@ async def serve(config: RouterConfig, api_key: str | None, listen_socket: socket
         await runner.cleanup()
 
 
-def run(config: RouterConfig, api_key: str | None, listen_socket: socket.socket | None = None,
+def run(config: RouterConfig, keys: Keys, listen_socket: socket.socket | None = None,
         run_dir_parent: Path | None = None) -> None:
     """Serve in the foreground, on uvloop when it is installed (vLLM ships it): about half the
     per-request CPU of the default loop. With `workers` > 1 this process supervises that many
@@ -350,6 +346,6 @@ def run(config: RouterConfig, api_key: str | None, listen_socket: socket.socket 
     try:
         import uvloop
     except ImportError:
-        asyncio.run(serve(config, api_key, listen_socket))
+        asyncio.run(serve(config, keys, listen_socket))
     else:
-        uvloop.run(serve(config, api_key, listen_socket))
+        uvloop.run(serve(config, keys, listen_socket))

@@ -8,10 +8,11 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 Protocol = Literal["kvpush", "nixl-push", "nixl-pull", "colocated"]
 Policy = Literal["round-robin", "least-loaded"]
+PublicPath = Literal["/health", "/metrics"]  # the only paths that may be served without the API key
 
 
 class _Model(BaseModel):
@@ -39,9 +40,10 @@ class Upstream(_Model):
 
 
 class Timeouts(_Model):
-    connect_s: float = 5.0
-    prefill_s: float = 600.0
-    decode_s: float = 600.0
+    connect_s: float = Field(5.0, gt=0)
+    prefill_s: float = Field(600.0, gt=0)  # a prefill leg's whole answer
+    decode_s: float = Field(600.0, gt=0)  # a non-streamed decode answer; a stream's first token
+    stream_idle_s: float = Field(120.0, gt=0)  # longest silence of a decode stream after its first token
 
 
 class RouterConfig(_Model):
@@ -50,20 +52,30 @@ class RouterConfig(_Model):
     protocol: Protocol
     policy: Policy = "round-robin"
     served_model_name: str
-    api_key_env: str | None = None  # name of an env var that holds the API key
-    api_key_file: str | None = None  # or a file (owner-only) whose first line is the API key clients must send
-    # A file (owner-only) holding the key the router sends to the instances (their --api-key /
-    # VLLM_API_KEY); unset: the instances get the client's key, as when they share one key.
-    upstream_api_key_file: str | None = None
+    # The key clients must present: from an env var, or from a file that only its owner can read.
+    api_key_env: str | None = None
+    api_key_file: str | None = None
+    # The key the router presents to the instances (vLLM's --api-key); unset: the router's own key.
+    instance_api_key_env: str | None = None
+    instance_api_key_file: str | None = None
+    public_paths: list[PublicPath] = Field(default_factory=lambda: ["/health"])
     max_prompt_chars: int = 4_000_000
+    max_batch_prompts: int = Field(1024, ge=1)  # prompts in one completion request (vLLM's own default limit)
     timeouts: Timeouts = Field(default_factory=Timeouts)
     metrics_refresh_s: float = 1.0
     max_retries: int = Field(1, ge=0)  # extra attempts on another pair before the first token
-    eject_after_failures: int = Field(3, ge=1)  # consecutive leg failures that take an instance out
+    eject_after_failures: int = Field(3, ge=1)  # consecutive connection/health failures that take an instance out
     probe_interval_s: float = Field(1.0, gt=0)  # how often ejected instances' /health is probed
     workers: int = Field(1, ge=1, le=64)  # router processes sharing the port (see workers.py)
     prefill: list[Upstream] = Field(default_factory=list)
     decode: list[Upstream]
+
+    @model_validator(mode="after")
+    def _one_source_per_key(self) -> "RouterConfig":
+        for prefix in ("api_key", "instance_api_key"):
+            if getattr(self, f"{prefix}_env") and getattr(self, f"{prefix}_file"):
+                raise ValueError(f"set {prefix}_env or {prefix}_file, not both")
+        return self
 
     @classmethod
     def from_file(cls, path: str | Path) -> "RouterConfig":

@@ -62,6 +62,11 @@ class RouterMetrics:
         self.fallbacks = Counter("kvpush_router_fallbacks",
                                  "Requests served by a decode instance alone because no prefill instance was in rotation.",
                                  registry=r)
+        self.decode_computed_prompts = Counter(
+            "kvpush_router_decode_computed_prompts",
+            "Prompts decode computed itself with prefill instances in rotation, by reason: prompt_logprobs "
+            "(a transferred prompt has no logits), samples_without_prefix_caching (n > 1 on a decode instance "
+            "without prefix caching computes the prompt once per sample).", ["reason"], registry=r)
         self.leg_failures = Counter("kvpush_router_leg_failures", "Failed legs by instance, role and reason.",
                                     ["instance", "role", "reason"], registry=r)
         self.inflight = Gauge("kvpush_router_inflight", "Legs in flight per instance.", ["instance", "role"],

@@ -2,6 +2,11 @@
 
 Selection never does I/O: it reads counters kept by the dispatcher (legs in flight) and by the
 background scraper (the instance's own /metrics). Probing ejected instances is also background work.
+
+Ejection is for instances that are gone, not for requests that went wrong: only failures to reach
+an instance (connection refused, reset, closed mid-answer) and failed health checks count toward
+it. A slow answer, a 5xx or an error event is counted per instance and reason, and the health
+probe decides whether the instance itself is broken.
 """
 from __future__ import annotations
 
@@ -16,6 +21,8 @@ from .config import Policy, Upstream
 from .metrics import RouterMetrics
 
 log = logging.getLogger("kvpush.router")
+
+EJECTING_REASONS = frozenset({"connect", "mid_stream", "ended_early", "health"})
 
 
 @dataclass
@@ -36,6 +43,7 @@ class Instance:
     consecutive_failures: int = 0
     in_rotation: bool = False  # admitted by its first healthy probe, never before
     load: InstanceLoad | None = None
+    prefix_caching: bool | None = None  # from the instance's vllm:cache_config_info; None: not known
     inflight_gauge: Any = None  # this instance's child of kvpush_router_inflight (labels() is not free)
 
     @property
@@ -103,8 +111,10 @@ class Pool:
         inst.consecutive_failures = 0
 
     def failed(self, inst: Instance, reason: str) -> None:
-        inst.consecutive_failures += 1
         self.metrics.leg_failures.labels(inst.name, self.role, reason).inc()
+        if reason not in EJECTING_REASONS:
+            return
+        inst.consecutive_failures += 1
         if inst.in_rotation and inst.consecutive_failures >= self.eject_after:
             inst.in_rotation = False
             self.metrics.in_rotation.labels(inst.name, self.role).set(0)

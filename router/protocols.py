@@ -22,14 +22,23 @@ def new_transfer_id() -> str:
     return uuid.uuid4().hex
 
 
+# Fields that ask for more than one sequence, or for more tokens than one, from a request: a leg
+# that only computes the prompt's KV (prefill's, or decode's KV-loading leg) drops them. The
+# prompt-shaping fields (messages, tools, chat template arguments, truncation, cache salt) stay,
+# so both instances see exactly the client's prompt tokens.
+_ONE_TOKEN_DROPS = ("n", "best_of", "use_beam_search", "min_tokens", "stream_options")
+
+
 def prefill_only(body: dict, chat: bool) -> dict:
-    """The client's body turned into a prefill leg: one token, not streamed."""
+    """The client's body turned into a leg that computes (or loads) the prompt: one sequence, one
+    token, not streamed."""
     leg = copy.copy(body)
+    for name in _ONE_TOKEN_DROPS:
+        leg.pop(name, None)
     leg["max_tokens"] = 1
     if chat:
         leg["max_completion_tokens"] = 1
     leg["stream"] = False
-    leg.pop("stream_options", None)
     return leg
 
 
@@ -84,17 +93,20 @@ class Legs:
     decode: dict
 
 
-def concurrent_legs(protocol: str, body: dict, chat: bool, transfer_id: str, prefill: Upstream, decode: Upstream) -> Legs:
-    """Both legs of a push protocol, known before either is sent."""
+def concurrent_legs(protocol: str, body: dict, chat: bool, transfer_id: str, prefill: Upstream, decode: Upstream,
+                    decode_body: dict | None = None) -> Legs:
+    """Both legs of a push protocol, known before either is sent. The decode leg generates from
+    `decode_body` (default: the client's body)."""
+    decode_body = body if decode_body is None else decode_body
     if protocol == "kvpush":
         return Legs(
             prefill=with_params(prefill_only(body, chat), kvpush_producer_params(transfer_id, decode)),
-            decode=with_params(body, kvpush_consumer_params(transfer_id, prefill)),
+            decode=with_params(decode_body, kvpush_consumer_params(transfer_id, prefill)),
         )
     if protocol == "nixl-push":
         return Legs(
             prefill=with_params(prefill_only(body, chat), nixl_producer_params()),
-            decode=with_params(body, nixl_push_consumer_params(prefill, vllm_base_request_id(transfer_id, chat))),
+            decode=with_params(decode_body, nixl_push_consumer_params(prefill, vllm_base_request_id(transfer_id, chat))),
         )
     raise ValueError(f"protocol {protocol!r} does not dispatch both legs at once")
 

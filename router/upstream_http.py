@@ -53,7 +53,9 @@ class UpstreamResponse:
         self._waiter: asyncio.Future | None = None
         self._paused = False
         self._sink: Callable[[bytes], bool] | None = None
-        self._timer = loop.call_at(deadline, self._timed_out)
+        self._timer: asyncio.TimerHandle | None = loop.call_at(deadline, self._timed_out)
+        self._idle_s: float | None = None  # set by limit_silence
+        self._last_data = 0.0
 
     # --- reading (the caller's side) ---------------------------------------------------------
 
@@ -129,9 +131,36 @@ class UpstreamResponse:
         """Done with the answer: a fully read one leaves its connection for the next call."""
         self.close()
 
+    def limit_silence(self, idle_s: float) -> None:
+        """From now on the answer has no overall deadline: it fails with asyncio.TimeoutError once
+        the instance sent nothing for idle_s (time paused for a slow client does not count)."""
+        self._cancel_timer()
+        if self._mode == "done" or self._error is not None:
+            return
+        self._idle_s = idle_s
+        self._last_data = self._loop.time()
+        self._timer = self._loop.call_at(self._last_data + idle_s, self._check_silence)
+
+    def _check_silence(self) -> None:
+        assert self._idle_s is not None
+        now = self._loop.time()
+        if self._paused:  # we stopped reading, not the instance sending
+            self._last_data = now
+        quiet_until = self._last_data + self._idle_s
+        if now >= quiet_until:
+            self._timer = None
+            self.fail(asyncio.TimeoutError(f"the instance sent nothing for {self._idle_s:g} s"))
+        else:
+            self._timer = self._loop.call_at(quiet_until, self._check_silence)
+
+    def _cancel_timer(self) -> None:
+        timer, self._timer = self._timer, None
+        if timer is not None:
+            timer.cancel()
+
     def close(self) -> None:
         """Done with the answer; the connection is dropped unless the answer already ended cleanly."""
-        self._timer.cancel()
+        self._cancel_timer()
         self._stop_connecting()
         conn, self._conn = self._conn, None
         if conn is not None:
@@ -145,7 +174,7 @@ class UpstreamResponse:
         if self._mode == "done" or self._error is not None:
             return
         self._error = exc
-        self._timer.cancel()
+        self._cancel_timer()
         self._stop_connecting()
         conn, self._conn = self._conn, None
         if conn is not None:
@@ -174,9 +203,12 @@ class UpstreamResponse:
             self._waiter.set_result(None)
 
     def _timed_out(self) -> None:
+        self._timer = None
         self.fail(asyncio.TimeoutError())
 
     def feed(self, data: bytes) -> None:
+        if self._idle_s is not None:
+            self._last_data = self._loop.time()
         if self._pending:
             data = self._pending + data
         try:
@@ -206,7 +238,7 @@ class UpstreamResponse:
 
     def _finish(self, reusable: bool) -> None:
         self._mode = "done"
-        self._timer.cancel()
+        self._cancel_timer()
         conn, self._conn = self._conn, None
         if conn is not None:
             if self._paused and conn.transport is not None:

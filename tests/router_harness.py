@@ -10,6 +10,7 @@ import aiohttp
 from kvpush.router.app import ROUTER_KEY, Router, build_app, start_site
 from kvpush.router.config import RouterConfig, Timeouts, Upstream
 from kvpush.router.fake_upstream import FakeVllm
+from kvpush.router.keys import Keys
 
 MODEL = "fake"
 
@@ -46,7 +47,7 @@ async def deployment(protocol: str = "kvpush", n_prefill: int = 1, n_decode: int
     cfg = RouterConfig(protocol=protocol, served_model_name=MODEL, port=0, timeouts=timeouts or Timeouts(),
                        prefill=[upstream(f"p{i}", f, 5600 + i) for i, f in enumerate(fakes_p)],
                        decode=[upstream(f"d{i}", f, 5700 + i) for i, f in enumerate(fakes_d)], **config)
-    app = build_app(cfg, api_key)
+    app = build_app(cfg, Keys.same(api_key))
     runner = await start_site(app, "127.0.0.1", 0)
     port = runner.addresses[0][1]
     session = aiohttp.ClientSession()

@@ -7,7 +7,7 @@ forwards completions to the first decode upstream. Any other invocation (`-` for
 Env: STANDIN_EXIT=1 exits at once (a process that fails to start); STANDIN_READY_DELAY=S delays /health;
 STANDIN_ROUTER_503=N makes the router answer its first N completions with 503 (instance not in rotation).
 Keys as the real ones take them: the vLLM stand-in answers 401 on /v1 without `Bearer $VLLM_API_KEY`
-when that is set; the router stand-in wants its api_key_file's key and sends upstream_api_key_file's.
+when that is set; the router stand-in wants its api_key_file's key and sends instance_api_key_file's.
 """
 import json
 import os
@@ -90,7 +90,7 @@ def main(argv):
             serve("vllm", _arg(argv, "--host", "127.0.0.1"), int(_arg(argv, "--port")), required_key=os.environ.get("VLLM_API_KEY"))
         config = json.load(open(_arg(argv, "--config")))
         serve("router", config["bind"], config["port"], config["decode"][0]["url"],
-              required_key=_key(config.get("api_key_file")), upstream_key=_key(config.get("upstream_api_key_file")))
+              required_key=_key(config.get("api_key_file")), upstream_key=_key(config.get("instance_api_key_file")))
     os.execv(sys.executable, [sys.executable] + argv)
 
 

@@ -1,10 +1,12 @@
-"""The router in front of real vLLM 1P1D on CPU (tiny local model), with kvpush's push connector
-and vLLM's NIXL connectors.
+"""The router in front of real vLLM on CPU (tiny local model): kvpush's push connector, vLLM's NIXL
+connectors, and colocated instances.
 
-Per protocol (kvpush, nixl-pull, nixl-push) one deployment is shared by the tests: prefill and decode started
-with the argv/env of `build_plan` (prefill on core 0, decode on core 1), the router as
-`python -m kvpush.router --config <the plan's router.json>`. A plain vLLM server with the same
-settings gives the reference greedy answers. Heavy: run under `flock /tmp/kvpush-vllm.lock`.
+Per protocol (kvpush, nixl-pull, nixl-push: 1P1D; colocated: one instance) one deployment is
+shared by the tests: instances started with the argv/env of `build_plan` (prefill on core 0,
+decode on core 1), the router as `python -m kvpush.router --config <the plan's router.json>`. A
+plain vLLM server with decode's settings gives the reference answers: greedy texts for random
+prompts, and the outcome of every request of the OpenAI conformance matrix
+(tests/openai_conformance.py). Heavy: run under `flock /tmp/kvpush-heavy.lock`.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -22,6 +25,7 @@ from kvpush.deploy.plan import build_plan
 from kvpush.deploy.tiny_model import make_tiny_model
 from kvpush.deploy.topology import TinyModelSpec, parse_topology
 from kvpush.common.vllm_metrics import PROMPT_TOKENS_BY_SOURCE, metric_sum
+from openai_conformance import MATRIX, run_case
 from random_prompts import full_length_prompts, random_prompts
 from server_process import ServerProcess
 
@@ -35,16 +39,21 @@ model: {{path: {model}, served_name: tiny, max_model_len: 2048, enforce_eager: t
 connector: {{type: {protocol}, backend: UCX}}
 hosts:
   local: {{address: 127.0.0.1, workdir: {workdir}}}
-prefill: [{{cpu_cores: "0", kv_cache_gib: 1, http_port: {prefill_http}, side_channel_port: {prefill_side}}}]
-decode: [{{cpu_cores: "1", kv_cache_gib: 1, http_port: {decode_http}, side_channel_port: {decode_side}}}]
+prefill: {prefill}
+decode: [{{cpu_cores: "1", kv_cache_gib: 1, http_port: {decode_http}, side_channel_port: {decode_side},
+          extra_args: ["--enable-prefix-caching"]}}]
 router: {{port: {router}}}
 env: {{UCX_MODULES: "^ib", UCX_MEM_EVENTS: "no"}}
 """
-N_PROMPTS = 54
+PREFILL = '[{{cpu_cores: "0", kv_cache_gib: 1, http_port: {prefill_http}, side_channel_port: {prefill_side}}}]'
 MAX_TOKENS = 12
-PROMPTS = random_prompts(N_PROMPTS, 900)
-# Prefix caching is off everywhere, so a prompt sent twice is transferred twice. float32, as in the
-# connector's e2e harness: greedy answers then do not depend on decode's batch shape.
+BLOCK_TOKENS = 128  # vLLM's CPU KV block
+# Decode caches prefixes (several samples of one prompt share one transfer through that cache),
+# so every request here has prompts of its own: a prompt sent twice would be a local cache hit the
+# second time, not a transfer. Prefill does not cache. float32, as in the connector's e2e harness:
+# greedy answers then do not depend on decode's batch shape.
+PROMPTS = {False: random_prompts(27, 900, seed=0), True: random_prompts(27, 900, seed=1)}  # by `stream`
+PROTOCOLS = ["kvpush", "nixl-pull", "nixl-push", "colocated"]
 
 
 def get(url: str, timeout_s: float = 10) -> tuple[int, str]:
@@ -80,7 +89,8 @@ def answer_text(status: int, raw: str, stream: bool) -> str:
 
 
 def make_plan(protocol: str, model: Path, workdir: Path):
-    topo = parse_topology(TOPOLOGY.format(protocol=protocol, model=model, workdir=workdir, **PORTS))
+    prefill = "[]" if protocol == "colocated" else PREFILL.format(**PORTS)
+    topo = parse_topology(TOPOLOGY.format(protocol=protocol, model=model, workdir=workdir, prefill=prefill, **PORTS))
     return build_plan(topo)
 
 
@@ -91,9 +101,15 @@ def model_dir(tmp_path_factory) -> Path:
     return path
 
 
+@dataclass
+class Reference:
+    answers: dict[bool, list[str]]  # greedy texts of PROMPTS, by `stream`
+    matrix: list[tuple]  # run_case's outcome of each request of MATRIX
+
+
 @pytest.fixture(scope="module")
-def reference_answers(model_dir, tmp_path_factory) -> list[str]:
-    """Greedy answers of one plain server with the decode server's settings, minus the connector."""
+def reference(model_dir, tmp_path_factory) -> Reference:
+    """What one plain server with the decode server's settings, minus the connector, answers."""
     workdir = tmp_path_factory.mktemp("reference")
     decode = make_plan("nixl-pull", model_dir, workdir).process("decode-0")
     argv = list(decode.argv)
@@ -104,13 +120,15 @@ def reference_answers(model_dir, tmp_path_factory) -> list[str]:
     server = ServerProcess("reference", argv, env, f"http://127.0.0.1:{PORTS['reference_http']}", workdir)
     try:
         server.wait_healthy()
-        return [answer_text(*complete(server.url, p, stream=False), stream=False) for p in PROMPTS]
+        answers = {stream: [answer_text(*complete(server.url, p, stream=False), stream=False) for p in prompts]
+                   for stream, prompts in PROMPTS.items()}
+        return Reference(answers, [run_case(server.url, case) for case in MATRIX])
     finally:
         server.kill()
 
 
 class Deployment:
-    def __init__(self, protocol: str, prefill: ServerProcess, decode: ServerProcess, router: ServerProcess):
+    def __init__(self, protocol: str, prefill: ServerProcess | None, decode: ServerProcess, router: ServerProcess):
         self.protocol, self.prefill, self.decode, self.router = protocol, prefill, decode, router
 
     def decode_tokens(self, source: str) -> float:
@@ -120,31 +138,32 @@ class Deployment:
         return metric_sum(get(self.router.url + "/metrics")[1], name, **labels) or 0.0
 
 
-@pytest.fixture(scope="module", params=["kvpush", "nixl-pull", "nixl-push"])
-def deployment(request, model_dir, reference_answers, tmp_path_factory):
+@pytest.fixture(scope="module", params=PROTOCOLS)
+def deployment(request, model_dir, reference, tmp_path_factory):
     protocol = request.param
     workdir = tmp_path_factory.mktemp(protocol)
     plan = make_plan(protocol, model_dir, workdir)
     started: list[ServerProcess] = []
+    instances = ["decode-0"] if protocol == "colocated" else ["prefill-0", "decode-0"]
     try:
-        for name in ("prefill-0", "decode-0"):
+        for name in instances:
             proc = plan.process(name)
             started.append(ServerProcess(name, proc.argv, proc.env, proc.health_url.rsplit("/", 1)[0], workdir))
         router_plan = plan.process("router")
         config_file = plan.host(router_plan.host).files[0]
         config_path = workdir / "router.json"
         config = json.loads(config_file.content)
-        config["upstream_api_key_file"] = None  # these instances start without `up`, so without a key
+        config["instance_api_key_file"] = None  # these instances start without `up`, so without a key
         config_path.write_text(json.dumps(config))
         started.append(ServerProcess("router", [sys.executable, "-m", "kvpush.router", "--config", str(config_path)],
                                router_plan.env, router_plan.health_url.rsplit("/", 1)[0], workdir))
         for proc in started:
             proc.wait_healthy()
-        deployment = Deployment(protocol, *started)
+        deployment = Deployment(protocol, *([None] if protocol == "colocated" else []), *started)
         # The router probes instances from its start and ejects those not up yet; wait until its
-        # probes have brought both back, or early requests would be served by decode alone.
+        # probes have brought every one back, or early requests would be served by decode alone.
         deadline = time.monotonic() + 60
-        while deployment.router_metric("kvpush_router_instance_in_rotation") < 2:
+        while deployment.router_metric("kvpush_router_instance_in_rotation") < len(instances):
             assert time.monotonic() < deadline, "router never put both instances back in rotation"
             time.sleep(0.2)
         yield deployment
@@ -155,28 +174,78 @@ def deployment(request, model_dir, reference_answers, tmp_path_factory):
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("stream", [False, True])
-def test_answers_equal_a_single_server_and_kv_came_by_transfer(deployment, reference_answers, stream):
+def test_answers_equal_a_single_server_and_kv_came_by_transfer(deployment, reference, stream):
+    if deployment.protocol == "colocated":
+        pytest.skip("colocated instances transfer nothing (the conformance test covers their answers)")
+    prompts = PROMPTS[stream]
     external_before = deployment.decode_tokens("external_kv_transfer")
     local_before = deployment.decode_tokens("local_compute")
     with ThreadPoolExecutor(4) as pool:
         try:
-            results = list(pool.map(lambda p: complete(deployment.router.url, p, stream), PROMPTS))
+            results = list(pool.map(lambda p: complete(deployment.router.url, p, stream), prompts))
         except TimeoutError:
             pytest.fail(f"{deployment.protocol}: a request timed out; router log:\n{deployment.router.tail(30)}\n"
                         f"decode log:\n{deployment.decode.tail(30)}\nprefill log:\n{deployment.prefill.tail(30)}")
     texts = [answer_text(status, raw, stream) for status, raw in results]
-    mismatched = [i for i, (got, want) in enumerate(zip(texts, reference_answers)) if got != want]
+    mismatched = [i for i, (got, want) in enumerate(zip(texts, reference.answers[stream])) if got != want]
     assert not mismatched, f"{deployment.protocol}: prompts {mismatched} differ from the single server"
     external = deployment.decode_tokens("external_kv_transfer") - external_before
     local = deployment.decode_tokens("local_compute") - local_before
-    prompt_tokens = sum(len(p) for p in PROMPTS)
+    prompt_tokens = sum(len(p) for p in prompts)
     # vLLM may recompute the last prompt token on decode; everything else must have come by transfer.
-    assert external >= prompt_tokens - len(PROMPTS), (external, prompt_tokens)
-    assert local <= len(PROMPTS), (local, prompt_tokens)
-    assert deployment.router_metric("kvpush_router_requests_total", outcome="success") >= len(PROMPTS)
+    assert external >= prompt_tokens - len(prompts), (external, prompt_tokens)
+    assert local <= len(prompts), (local, prompt_tokens)
+    assert deployment.router_metric("kvpush_router_requests_total", outcome="success") >= len(prompts)
     assert deployment.router_metric("kvpush_router_fallbacks_total") == 0
     retried = [line for line in deployment.router.tail(400).splitlines() if "retrying" in line]
     assert deployment.router_metric("kvpush_router_retries_total") == 0, retried
+
+
+@pytest.mark.timeout(900)
+def test_the_openai_api_through_the_router_answers_as_one_vllm_server(deployment, reference):
+    """Every request of the conformance matrix: the same outcome as from the plain server (same
+    answers and choice counts, or the same 4xx), no 5xx, nothing ejected; where the prompt's KV
+    moves, decode's own counters show one transfer per prompt, however many samples."""
+    moved = {}
+    mismatched = []
+    for case, expected in zip(MATRIX, reference.matrix):
+        before = {s: deployment.decode_tokens(s) for s in ("external_kv_transfer", "local_compute", "local_cache_hit")}
+        got = run_case(deployment.router.url, case)
+        moved[case.name] = {s: deployment.decode_tokens(s) - v for s, v in before.items()}
+        if got != expected:
+            mismatched.append(f"{case.name}:\n  router    {got}\n  reference {expected}")
+        assert got[0] == "answer" or got[1] < 500, f"{case.name}: {got}"
+    assert not mismatched, f"{deployment.protocol}:\n" + "\n".join(mismatched) + f"\nrouter log:\n{deployment.router.tail(20)}"
+    refused = [f"{c.name} ({o[1]})" for c, o in zip(MATRIX, reference.matrix) if o[0] == "error"]
+    print(f"\n{deployment.protocol}: {len(MATRIX)} requests as from one vLLM server, {len(refused)} of them 4xx: "
+          f"{', '.join(refused)}; decode's prompt tokens by source per checked request: "
+          + "; ".join(f"{c.name}: {moved[c.name]}" for c in MATRIX if c.transfer_check))
+    if deployment.protocol != "colocated":
+        for case in MATRIX:
+            if case.transfer_check is None:
+                continue
+            tokens, samples = case.transfer_check
+            external, local = moved[case.name]["external_kv_transfer"], moved[case.name]["local_compute"]
+            prompts = len(case.args["prompt"]) if isinstance(case.args["prompt"][0], list) else 1
+            # once per prompt (vLLM may recompute a prompt's last token), not once per sample
+            assert tokens - prompts <= external <= tokens, (case.name, moved[case.name])
+            # each sample computes at most the partial last block its prefix-cache hit leaves over
+            assert local <= samples * BLOCK_TOKENS + prompts, (case.name, moved[case.name])
+            if samples > 1:  # the samples read the transferred prompt from decode's prefix cache
+                assert moved[case.name]["local_cache_hit"] >= samples * (tokens - BLOCK_TOKENS), (case.name, moved[case.name])
+    for outcome in ("failed", "failed_mid_stream", "unavailable"):
+        assert deployment.router_metric("kvpush_router_requests_total", outcome=outcome) == 0, outcome
+    # no instance holds KV blocks for a request that ended, rejected ones included
+    for instance in (deployment.prefill, deployment.decode):
+        if instance is not None:
+            deadline = time.monotonic() + 15
+            while (usage := instance.metric("vllm:kv_cache_usage_perc")) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert usage == 0, f"{instance.name} still holds KV blocks: usage {usage}"
+    status, raw = complete(deployment.router.url, PROMPTS[False][-1], stream=False)
+    assert status == 200, raw  # a plain request after the matrix: nothing was ejected
+    in_rotation = deployment.router_metric("kvpush_router_instance_in_rotation")
+    assert in_rotation == (1 if deployment.protocol == "colocated" else 2)
 
 
 @pytest.mark.timeout(900)
@@ -230,9 +299,9 @@ def test_killing_prefill_mid_push_is_seen_at_once_and_every_request_still_ends(d
 @pytest.mark.timeout(900)
 def test_killing_decode_mid_run_ends_every_request_clearly(deployment):
     """Last test of the pull and vLLM push deployments: it kills the decode instance."""
-    if deployment.protocol == "kvpush":
-        pytest.skip("kvpush's deployment ended with its prefill killed")
-    prompts = PROMPTS[:6]
+    if deployment.protocol in ("kvpush", "colocated"):
+        pytest.skip("kvpush's deployment ended with its prefill killed; colocated has no legs to cut")
+    prompts = full_length_prompts(6, 600, seed=7)
 
     def one(prompt: list[int]) -> tuple[int, str]:
         return complete(deployment.router.url, prompt, stream=True, max_tokens=400, timeout_s=120)
@@ -257,7 +326,7 @@ def test_killing_decode_mid_run_ends_every_request_clearly(deployment):
     assert deployment.router.alive()
     status, _ = get(deployment.router.url + "/health")
     assert status in (200, 503)  # the router answers; 503 once decode-0 left rotation
-    status, raw = complete(deployment.router.url, PROMPTS[0], stream=False, timeout_s=60)
+    status, raw = complete(deployment.router.url, prompts[0], stream=False, timeout_s=60)
     assert status in (502, 503) and json.loads(raw)["error"]["code"] == status
     failed = sum(deployment.router_metric("kvpush_router_requests_total", outcome=o)
                  for o in ("failed", "failed_mid_stream", "unavailable"))

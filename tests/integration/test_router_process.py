@@ -40,7 +40,7 @@ def wait_http(url: str, proc: subprocess.Popen, timeout_s: float = 20) -> int:
                 return r.status
         except urllib.error.HTTPError as exc:
             return exc.code
-        except (urllib.error.URLError, ConnectionError):
+        except (urllib.error.URLError, ConnectionError, TimeoutError):  # a worker still starting: not answering yet
             time.sleep(0.1)
     raise AssertionError(f"{url} never answered")
 
@@ -96,10 +96,39 @@ def test_router_process_reports_config_errors_in_one_line(tmp_path):
     unset = subprocess.run([sys.executable, "-m", "kvpush.router", "--config", str(path)], env=env,
                            capture_output=True, text=True, timeout=60)
     assert unset.returncode == 2 and "ROUTER_TEST_UNSET_KEY" in unset.stderr
+    shared_key = tmp_path / "router.key"
+    shared_key.write_text("k3\n")
+    shared_key.chmod(0o644)
+    readable = subprocess.run([sys.executable, "-m", "kvpush.router", "--config", str(config_file(tmp_path, api_key_file=str(shared_key)))],
+                              capture_output=True, text=True, timeout=60)
+    assert readable.returncode == 2 and "chmod 600" in readable.stderr and len(readable.stderr.strip().splitlines()) == 1
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"protocol": "carrier-pigeon", "served_model_name": "x", "decode": []}))
     invalid = subprocess.run([sys.executable, "-m", "kvpush.router", "--config", str(bad)], capture_output=True, text=True, timeout=60)
     assert invalid.returncode == 2 and "protocol" in invalid.stderr
+
+
+def test_router_workers_take_the_api_key_from_an_owner_only_file(fakes, tmp_path):
+    key = tmp_path / "router.key"
+    key.write_text("k2\n")
+    key.chmod(0o600)
+    proc = subprocess.Popen([sys.executable, "-m", "kvpush.router", "--config",
+                             str(config_file(tmp_path, workers=2, api_key_file=str(key)))], stderr=subprocess.PIPE)
+    try:
+        assert wait_http(f"http://127.0.0.1:{PORTS['router']}/health", proc) == 200
+        body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 2}).encode()
+        for i in range(6):  # new connections: both workers answer
+            for given, status in ((None, 401), ("Bearer k2", 200)):
+                headers = {"Content-Type": "application/json", **({"Authorization": given} if given else {})}
+                req = urllib.request.Request(f"http://127.0.0.1:{PORTS['router']}/v1/completions", data=body, headers=headers)
+                try:
+                    with urllib.request.urlopen(req, timeout=10) as r:
+                        assert (r.status, json.loads(r.read())["choices"][0]["text"]) == (status, " t0 t1")
+                except urllib.error.HTTPError as exc:
+                    assert exc.code == status
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
 
 
 def test_cli_router_command_rejects_conflicting_sources(tmp_path):
@@ -125,12 +154,17 @@ def alive(pid: int) -> bool:
 def start_workers(tmp_path: Path, workers: int = 2, **popen_options) -> tuple[subprocess.Popen, list[int]]:
     proc = subprocess.Popen([sys.executable, "-m", "kvpush.router", "--config", str(config_file(tmp_path, workers=workers))],
                             stderr=subprocess.PIPE, text=True, **popen_options)
-    assert wait_http(f"http://127.0.0.1:{PORTS['router']}/health", proc) == 200
-    deadline = time.monotonic() + 20
-    while len(children_of(proc.pid)) < workers and time.monotonic() < deadline:
-        time.sleep(0.1)
-    pids = children_of(proc.pid)
-    assert len(pids) == workers
+    try:
+        assert wait_http(f"http://127.0.0.1:{PORTS['router']}/health", proc) == 200
+        deadline = time.monotonic() + 20
+        while len(children_of(proc.pid)) < workers and time.monotonic() < deadline:
+            time.sleep(0.1)
+        pids = children_of(proc.pid)
+        assert len(pids) == workers
+    except BaseException:  # no router left behind holding the port for the next test
+        proc.terminate()
+        proc.wait(timeout=30)
+        raise
     return proc, pids
 
 

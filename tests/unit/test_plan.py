@@ -203,10 +203,10 @@ def test_secrets_appear_in_the_plan_as_paths_only():
     router_config = json.loads(plan.host("local").files[0].content)
     assert router_config["api_key_env"] is None  # the router's host may not have this machine's environment
     assert router_config["api_key_file"] == "~/.kvpush/t/router-client.key"
-    assert router_config["upstream_api_key_file"] == "~/.kvpush/t/router-upstream.key"
+    assert router_config["instance_api_key_file"] == "~/.kvpush/t/router-upstream.key"
     without_key = json.loads(build_plan(parse_topology("name: t\nmodel: {path: /m}\nprefill: [{}]\ndecode: [{}]\n"))
                              .host("local").files[0].content)
-    assert without_key["api_key_file"] is None and without_key["upstream_api_key_file"] == "~/.kvpush/t/router-upstream.key"
+    assert without_key["api_key_file"] is None and without_key["instance_api_key_file"] == "~/.kvpush/t/router-upstream.key"
 
 
 def test_vllms_own_connectors_get_no_secret_file():

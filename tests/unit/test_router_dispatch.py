@@ -344,23 +344,23 @@ def test_decode_dying_mid_stream_ends_with_an_error_event():
     run(scenario())
 
 
-def test_failing_instance_leaves_rotation_and_is_probed_back():
+def test_an_instance_answering_5xx_stays_in_rotation_and_only_failed_health_checks_take_it_out():
     async def scenario():
         async with deployment("kvpush", n_decode=2, eject_after_failures=2, probe_interval_s=0.05) as dep:
-            dep.decode[0].behavior.fail_status = 500
-            dep.decode[0].behavior.unhealthy = True
-            for _ in range(4):
-                assert (await dep.post("/v1/completions", COMPLETION))[0] == 200
+            dep.decode[0].behavior.fail_status = 500  # every generation fails, /health stays green
+            for _ in range(6):
+                assert (await dep.post("/v1/completions", COMPLETION))[0] == 200  # retried on d1
             d0 = dep.router.decode.instances[0]
-            assert not d0.in_rotation
+            assert d0.in_rotation and d0.consecutive_failures == 0
             m = await dep.metrics()
-            assert sample(m, "kvpush_router_instance_in_rotation", instance="d0") == 0
+            assert sample(m, "kvpush_router_leg_failures_total", instance="d0", reason="http_500") == 6  # d0 first each time
+            dep.decode[0].behavior.unhealthy = True
+            await eventually(lambda: not d0.in_rotation)  # two failed probes in a row
+            assert sample(await dep.metrics(), "kvpush_router_instance_in_rotation", instance="d0") == 0
             before = len(dep.decode[0].received)
             for _ in range(4):
                 await dep.post("/v1/completions", COMPLETION)
             assert len(dep.decode[0].received) == before  # no legs while out
-            await asyncio.sleep(0.2)
-            assert not d0.in_rotation  # probes see /health 503
             dep.decode[0].behavior = type(dep.decode[0].behavior)()  # healthy again
             await eventually(lambda: d0.in_rotation)  # /health answers 200 -> back
             for _ in range(4):
@@ -457,43 +457,6 @@ def test_api_key_enforced_and_forwarded():
     run(scenario())
 
 
-def test_the_instances_get_their_own_key_from_a_file_and_clients_theirs(tmp_path):
-    from kvpush.router.app import resolve_api_key
-
-    (tmp_path / "client.key").write_text("client-key\n")
-    (tmp_path / "upstream.key").write_text("instance-key\n")
-    for name in ("client.key", "upstream.key"):
-        (tmp_path / name).chmod(0o600)
-    files = {"api_key_file": str(tmp_path / "client.key"), "upstream_api_key_file": str(tmp_path / "upstream.key")}
-
-    async def scenario():
-        client_key = resolve_api_key(RouterConfig(protocol="kvpush", served_model_name=MODEL, decode=[], **files))
-        async with deployment("kvpush", api_key=client_key, **files) as dep:
-            status, _ = await dep.post("/v1/completions", COMPLETION, {"Authorization": "Bearer instance-key"})
-            assert status == 401  # the instances' key is not a client's
-            status, _ = await dep.post("/v1/completions", COMPLETION, {"Authorization": "Bearer client-key"})
-            assert status == 200
-            for fake in dep.prefill + dep.decode:
-                assert {r.headers["authorization"] for r in fake.received} == {"Bearer instance-key"}
-
-    run(scenario())
-
-
-def test_a_key_file_others_may_read_or_a_missing_one_is_a_one_line_config_error(tmp_path):
-    from kvpush.common.errors import UsageError
-    from kvpush.router.app import resolve_api_key, resolve_upstream_api_key
-
-    (tmp_path / "open.key").write_text("k\n")
-    (tmp_path / "open.key").chmod(0o644)
-    config = RouterConfig(protocol="kvpush", served_model_name=MODEL, decode=[], api_key_file=str(tmp_path / "open.key"))
-    with pytest.raises(UsageError, match=r"router config: api_key_file: .*open.key: the key file is readable by other users"):
-        resolve_api_key(config)
-    config = RouterConfig(protocol="kvpush", served_model_name=MODEL, decode=[], upstream_api_key_file=str(tmp_path / "no.key"))
-    with pytest.raises(UsageError, match=r"router config: upstream_api_key_file: .*no.key: no such key file"):
-        resolve_upstream_api_key(config, None)
-    assert resolve_upstream_api_key(RouterConfig(protocol="kvpush", served_model_name=MODEL, decode=[]), "c") == "c"
-
-
 def test_bad_requests_get_openai_4xx_and_reach_no_instance():
     async def scenario():
         async with deployment("kvpush", max_prompt_chars=50) as dep:
@@ -523,7 +486,9 @@ def test_upstream_4xx_reaches_the_client_verbatim_without_retry():
                 fake.behavior.fail_status = 400
             status, raw = await dep.post("/v1/completions", COMPLETION)
             assert status == 400 and json.loads(raw)["error"]["message"] == "fake failure"
-            assert sum(len(f.received) for f in dep.decode) == 1
+            await eventually(lambda: dep.router.prefill.instances[0].inflight == 0)
+            generating = [r for f in dep.decode for r in f.received if r.body["max_tokens"] == 4]
+            assert len(generating) == 1  # not retried (the other leg is the one-token release of prefill's KV)
             assert all(i.consecutive_failures == 0 for i in dep.router.decode.instances)
 
     run(scenario())
@@ -553,7 +518,7 @@ def test_metrics_exposition_covers_the_request_path():
 
 
 def test_a_leg_task_cancelled_before_its_first_step_ends_its_leg_and_closes_its_answer():
-    from kvpush.router.dispatch import Dispatcher
+    from kvpush.router.attempts import Attempts
 
     class Stub:
         def __init__(self):
@@ -572,7 +537,7 @@ def test_a_leg_task_cancelled_before_its_first_step_ends_its_leg_and_closes_its_
         async def body():
             ran.append(True)
 
-        task = Dispatcher._leg_task(body(), leg, sent)
+        task = Attempts._leg_task(body(), leg, sent)
         task.cancel()  # before the loop ran its first step: body() never starts
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -580,7 +545,7 @@ def test_a_leg_task_cancelled_before_its_first_step_ends_its_leg_and_closes_its_
         assert ran == [] and leg.calls == [("end", True)] and sent.calls == [("close",)]
 
         finished_leg, finished_sent = Stub(), Stub()
-        done = Dispatcher._leg_task(body(), finished_leg, finished_sent)
+        done = Attempts._leg_task(body(), finished_leg, finished_sent)
         await done
         await asyncio.sleep(0)
         assert finished_leg.calls == [] and finished_sent.calls == []  # a leg that ran cleans up itself
@@ -662,7 +627,10 @@ def test_prefill_failing_after_decodes_first_token_leaves_the_stream_whole():
             m = await dep.metrics()
             assert sample(m, "kvpush_router_requests_total", outcome="success") == 1
             assert sample(m, "kvpush_router_handoff_gap_seconds_sum") == 0  # decode's token came first
-            await eventually(lambda: dep.router.prefill.instances[0].consecutive_failures == 1)
+            await eventually(lambda: "prefill" in dep.router.metrics.leg_failures.collect()[0].samples[0].labels.values())
+            m = await dep.metrics()
+            assert sample(m, "kvpush_router_leg_failures_total", instance="p0", reason="timeout") == 1
+            assert dep.router.prefill.instances[0].consecutive_failures == 0  # slow is not gone
 
     run(scenario())
 

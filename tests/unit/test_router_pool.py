@@ -76,5 +76,18 @@ def test_ejects_after_consecutive_failures_and_restores():
 
 def test_no_instance_in_rotation_gives_none():
     pool = make_pool(1, eject_after=1)
-    pool.failed(pool.instances[0], "timeout")
+    pool.failed(pool.instances[0], "connect")
     assert pool.pick() is None
+
+
+def test_only_an_unreachable_or_unhealthy_instance_is_ejected_not_a_failed_or_slow_generation():
+    pool = make_pool(1, eject_after=2)
+    inst = pool.instances[0]
+    for reason in ("timeout", "stream_idle", "http_500", "generation_error", "bad_answer", "no_kv_transfer_params") * 3:
+        pool.failed(inst, reason)
+    assert inst.in_rotation and inst.consecutive_failures == 0
+    pool.failed(inst, "mid_stream")
+    pool.failed(inst, "health")
+    assert not inst.in_rotation
+    samples = {s.labels["reason"]: s.value for s in pool.metrics.leg_failures.collect()[0].samples if s.name.endswith("_total")}
+    assert samples["http_500"] == 3 and samples["health"] == 1  # every failure is still counted

@@ -313,3 +313,42 @@ def test_no_connection_within_connect_s_is_an_upstream_error():
             await UpstreamClient(keepalive_s=10).request("GET", "http://127.0.0.1:1", "/health", {}, None, 0.1, 5)
 
     run(scenario())
+
+
+STREAM_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+
+def test_a_silence_limit_replaces_the_deadline_and_fails_only_a_stream_that_stops_sending():
+    async def scenario():
+        conn = _Connection()
+        loop = asyncio.get_running_loop()
+        resp = UpstreamResponse(conn, loop, loop.time() + 0.05)  # type: ignore[arg-type]
+        resp.feed(STREAM_HEAD)
+        resp.limit_silence(0.5)
+        for _ in range(20):  # 1 s of a steady stream: past the 0.05 s deadline and twice the limit, never 0.5 s quiet
+            await asyncio.sleep(0.05)
+            resp.feed(b"5\r\ntoken\r\n")
+            assert await resp.readany() == b"token"
+        with pytest.raises(asyncio.TimeoutError, match="sent nothing for 0.5 s"):
+            await resp.readany()  # then it stops sending
+        assert conn.aborted
+
+    run(scenario())
+
+
+def test_time_paused_for_a_slow_client_is_not_silence():
+    async def scenario():
+        conn = _Connection()
+        loop = asyncio.get_running_loop()
+        resp = UpstreamResponse(conn, loop, loop.time() + 10)  # type: ignore[arg-type]
+        resp.feed(STREAM_HEAD)
+        resp.forward(lambda piece: True)  # the client's buffer is full: pause after each piece
+        resp.limit_silence(0.05)
+        resp.feed(b"5\r\ntoken\r\n")
+        assert conn.transport.paused and await resp.wait_end() is False
+        await asyncio.sleep(0.2)  # paused four times the limit
+        resp.resume()
+        resp.feed(b"0\r\n\r\n")
+        assert await resp.wait_end() is True
+
+    run(scenario())

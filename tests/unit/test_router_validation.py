@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpush.router.validation import RequestRejected, parse_request
+from kvpush.router.validation import RequestRejected, check_request_id, parse_request
 
 
 def reject(raw: bytes, chat: bool = False, limit: int = 100) -> RequestRejected:
@@ -13,7 +13,7 @@ def reject(raw: bytes, chat: bool = False, limit: int = 100) -> RequestRejected:
 
 
 def test_accepts_valid_bodies():
-    assert parse_request(b'{"model": "tiny", "prompt": "hi"}', False, "tiny", 100)["prompt"] == "hi"
+    assert parse_request(b'{"model": "tiny", "prompt": "hi"}', False, "tiny", 100).body["prompt"] == "hi"
     assert parse_request(b'{"prompt": [1, 2, 3]}', False, "tiny", 100)  # model is optional, as in vLLM
     assert parse_request(b'{"messages": [{"role": "user", "content": "hi"}]}', True, "tiny", 100)
 
@@ -39,3 +39,48 @@ def test_prompt_limit_counts_strings_tokens_and_chat_parts():
     parts = b'[{"type": "text", "text": "' + b"a" * 60 + b'"}, {"type": "text", "text": "' + b"b" * 60 + b'"}]'
     assert "too long" in reject(b'{"messages": [{"role": "user", "content": ' + parts + b"}]}", chat=True).message
     assert parse_request(b'{"prompt": "' + b"a" * 100 + b'"}', False, "tiny", 100)
+
+
+def test_bodies_nested_past_the_limit_are_a_400_not_a_crash():
+    for depth in (101, 5_000, 100_000):
+        raw = b'{"prompt": "x", "a": ' + b"[" * depth + b"]" * depth + b"}"
+        exc = reject(raw)
+        assert exc.status == 400 and "nests deeper" in exc.message
+    assert parse_request(b'{"prompt": "x", "a": ' + b"[" * 90 + b"]" * 90 + b"}", False, "tiny", 100)
+
+
+def test_transfer_parameters_from_a_client_are_removed_and_the_raw_bytes_dropped():
+    raw = b'{"prompt": "x", "kv_transfer_params": {"kvpush_role": "consumer"}, "ec_transfer_params": {}, ' \
+          b'"vllm_xargs": {"kv_transfer_params": "x", "keep": 1}}'
+    parsed = parse_request(raw, False, "tiny", 100)
+    assert parsed.body == {"prompt": "x", "vllm_xargs": {"keep": 1}} and parsed.raw is None
+    clean = b'{"prompt": "x"}'
+    assert parse_request(clean, False, "tiny", 100).raw is clean  # forwarded without re-encoding
+
+
+@pytest.mark.parametrize("raw,param", [
+    (b'{"prompt": "x", "n": 0}', "n"),
+    (b'{"prompt": "x", "n": "2"}', "n"),
+    (b'{"prompt": "x", "n": true}', "n"),
+    (b'{"prompt": "x", "n": 1.5}', "n"),
+    (b'{"prompt": ["a", [1]]}', "prompt"),
+    (b'{"prompt": [[1], "a"]}', "prompt"),
+    (b'{"prompt": [["a"]]}', "prompt"),
+    (b'{"prompt": ["a", "b", "c"]}', "prompt"),  # over max_batch_prompts=2
+])
+def test_what_the_router_reads_is_checked(raw, param):
+    with pytest.raises(RequestRejected) as info:
+        parse_request(raw, False, "tiny", 100, max_batch_prompts=2)
+    assert (info.value.status, info.value.param) == (400, param)
+
+
+@pytest.mark.parametrize("value,ok", [
+    (None, True), ("req-1.2:3_x", True), ("a" * 256, True),
+    ("", False), ("a" * 257, False), ("has space", False), ("caf\udcc3\udca9", False), ("x\ty", False),
+])
+def test_a_request_id_is_bounded_printable_ascii(value, ok):
+    if ok:
+        assert check_request_id(value) == value
+    else:
+        with pytest.raises(RequestRejected):
+            check_request_id(value)

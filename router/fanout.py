@@ -1,0 +1,93 @@
+"""How one client request becomes the parts the router dispatches, and how each part's prompt
+reaches decode. Pure functions.
+
+A completion with several prompts (a list of strings or of token-id lists) is one part per prompt:
+each gets its own pair and its own transfer, and the answers are merged back in prompt order
+(merge.py). Everything else is one part. Colocated instances take a batch as it is.
+
+How decode gets a part's prompt:
+- transfer: the usual two legs; decode loads the prompt's KV from prefill.
+- samples: several sequences from one prompt (n > 1, beam search). The prompt is transferred
+  once, by a one-token decode leg that loads it; then the client's request goes, without
+  transfer parameters, to that same decode instance, whose prefix cache holds the prompt: the
+  samples share it. (vLLM fans n out into child requests that would each ask for a transfer.)
+- local: decode computes the prompt itself. Colocated does; so does a request whose prompt's
+  own logits are asked for (prompt_logprobs; echo with logprobs), since a transferred prompt has
+  none; so do samples on a decode instance without prefix caching, and every request while no
+  prefill instance is in rotation. Those three are counted and named in a response header.
+"""
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+
+from .validation import ParsedRequest, RequestRejected, choices_per_prompt, prompt_list
+
+TRANSFER = "transfer"
+SAMPLES = "samples"
+LOCAL = "local"
+
+# why decode computed a prompt itself (metric label and response header value)
+NO_PREFILL = "no_prefill_in_rotation"
+PROMPT_LOGITS = "prompt_logprobs"
+SAMPLES_WITHOUT_CACHE = "samples_without_prefix_caching"
+
+
+@dataclass
+class Part:
+    index: int  # the prompt's position in the client's list (0 for a single prompt)
+    body: dict
+    raw: bytes | None  # the client's bytes when `body` is the client's body unchanged
+
+    def data(self) -> bytes:
+        if self.raw is None:
+            self.raw = json.dumps(self.body).encode()
+        return self.raw
+
+
+def split(parsed: ParsedRequest, chat: bool, colocated: bool) -> list[Part]:
+    """One part per prompt of a completion batch (disaggregated only), else the request itself."""
+    body = parsed.body
+    if chat or colocated:
+        return [Part(0, body, parsed.raw)]
+    embeds = body.get("prompt_embeds")
+    if isinstance(embeds, list) and len(embeds) > 1:
+        raise RequestRejected(400, "a list of prompt_embeds cannot be split by the kvpush router; "
+                                   "send one prompt_embeds per request", "prompt_embeds")
+    prompts = prompt_list(body.get("prompt"))
+    if prompts is None or len(prompts) == 1:
+        return [Part(0, body, parsed.raw)]
+    parts = []
+    for i, prompt in enumerate(prompts):
+        part_body = copy.copy(body)
+        part_body["prompt"] = prompt
+        parts.append(Part(i, part_body, None))
+    return parts
+
+
+def several_samples(body: dict) -> bool:
+    """n > 1, or beam search (vLLM 0.32 serves no best_of: it ignores the field)."""
+    return choices_per_prompt(body) > 1 or bool(body.get("use_beam_search"))
+
+
+def needs_prompt_logits(body: dict, chat: bool) -> bool:
+    """vLLM computes prompt logprobs from the prompt's forward pass, which a transfer skips (it
+    also never reads a cached prefix for them)."""
+    if body.get("prompt_logprobs") is not None:
+        return True
+    return bool(body.get("echo")) and body.get("top_logprobs" if chat else "logprobs") is not None
+
+
+def way_to_decode(body: dict, chat: bool, colocated: bool, have_prefill: bool,
+                  decode_caches_prefixes: bool) -> tuple[str, str | None]:
+    """(TRANSFER | SAMPLES | LOCAL, why decode computes the prompt itself or None)."""
+    if colocated:
+        return LOCAL, None
+    if not have_prefill:
+        return LOCAL, NO_PREFILL
+    if needs_prompt_logits(body, chat):
+        return LOCAL, PROMPT_LOGITS
+    if several_samples(body):
+        return (SAMPLES, None) if decode_caches_prefixes else (LOCAL, SAMPLES_WITHOUT_CACHE)
+    return TRANSFER, None

@@ -1,0 +1,262 @@
+"""One leg: a request the router sends to one instance, its bookkeeping, and reading its answer
+up to the point the client may see it.
+
+A leg's failure is a LegFailure (another attempt may fix it) or an UpstreamClientError (the
+instance rejected the request itself: the client gets that answer). Each failure is counted per
+instance and reason; only a failure of the instance itself (pool.EJECTING_REASONS) brings it
+closer to ejection.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from . import metrics as M
+from .config import RouterConfig
+from .pool import Instance, Pool
+from .upstream_http import UpstreamClient, UpstreamError, UpstreamResponse, answer_head
+
+_TOKEN_DELTA_KEYS = ("content", "reasoning_content", "reasoning", "tool_calls")
+
+
+class LegFailure(Exception):
+    """A leg failed in a way another attempt may fix (connection, 5xx, timeout, transfer)."""
+
+    def __init__(self, role: str, instance: str, reason: str, detail: str):
+        super().__init__(f"{role} leg on instance {instance} failed: {detail}")
+        self.role, self.instance, self.reason = role, instance, reason
+
+
+class OtherLegFailed(Exception):
+    """What a leg's answer is failed with when the other leg of its attempt failed first."""
+
+
+class UpstreamClientError(Exception):
+    """The instance rejected the request itself (4xx): the client gets that answer verbatim."""
+
+    def __init__(self, status: int, body: bytes, content_type: str):
+        super().__init__(f"upstream answered {status}")
+        self.status, self.body, self.content_type = status, body, content_type
+
+    def response(self) -> web.Response:
+        return web.Response(status=self.status, body=self.body, headers={"Content-Type": self.content_type})
+
+
+class Leg:
+    """Bookkeeping of one leg on one instance: in-flight count, latency, health verdict."""
+
+    def __init__(self, pool: Pool, inst: Instance, metrics: M.RouterMetrics):
+        self.pool, self.inst, self.metrics = pool, inst, metrics
+        self.started = time.perf_counter()
+        self._ended = False
+        pool.leg_started(inst)
+
+    @property
+    def role(self) -> str:
+        return self.pool.role
+
+    @property
+    def name(self) -> str:
+        return self.inst.name
+
+    @property
+    def ended(self) -> bool:
+        return self._ended
+
+    def end(self, failure: str | None = None, cancelled: bool = False) -> None:
+        if self._ended:
+            return
+        self._ended = True
+        self.pool.leg_ended(self.inst)
+        if cancelled:
+            return
+        if failure is None:
+            self.pool.succeeded(self.inst)
+            self.pool.leg_latency.observe(time.perf_counter() - self.started)
+        else:
+            self.pool.failed(self.inst, failure)
+
+
+@dataclass
+class DecodeHead:
+    """The decode leg up to what the client may see first: a stream up to its first token, a
+    non-streamed answer up to its status line (its body is read after the retryable phase)."""
+
+    leg: Leg
+    resp: UpstreamResponse | None  # None once fully read
+    held: bytes
+    content_type: str
+    first_token_at: float
+
+    def abandon(self) -> None:
+        """Given up on by the router (another part of the request failed, the client left)."""
+        self.leg.end(cancelled=True)
+        if self.resp is not None:
+            self.resp.close()
+
+
+def classify_event(event: bytes) -> str:
+    """'token' (the first output the client should see), 'error', 'done' or 'other' (e.g. a
+    role-only chat chunk that precedes the first token)."""
+    if not event.startswith(b"data: "):
+        return "other"
+    payload = event[6:].strip()
+    if payload == b"[DONE]":
+        return "done"
+    try:
+        obj = json.loads(payload)
+    except ValueError:
+        return "other"
+    if not isinstance(obj, dict):
+        return "other"
+    if "error" in obj:
+        return "error"
+    for choice in obj.get("choices") or ():
+        if not isinstance(choice, dict):
+            continue
+        reason = choice.get("finish_reason")
+        if reason == "error":
+            return "error"
+        if reason is not None or choice.get("text"):
+            return "token"
+        delta = choice.get("delta") or {}
+        if isinstance(delta, dict) and any(delta.get(k) for k in _TOKEN_DELTA_KEYS):
+            return "token"
+    return "other"
+
+
+def error_message(payload: bytes) -> str:
+    try:
+        err = json.loads(payload.split(b"data: ", 1)[-1]).get("error")
+        return err.get("message", str(err)) if isinstance(err, dict) else str(err)
+    except (ValueError, AttributeError):
+        return payload[:200].decode(errors="replace")
+
+
+class LegRunner:
+    """Sends legs and reads their answers, turning every way they can fail into LegFailure or
+    UpstreamClientError with the leg ended and counted."""
+
+    def __init__(self, config: RouterConfig, upstream: UpstreamClient, metrics: M.RouterMetrics,
+                 instance_key: str | None):
+        self.config = config
+        self.upstream = upstream
+        self.metrics = metrics
+        self.instance_key = instance_key
+
+    def headers(self, request_id: str | None) -> dict[str, str]:
+        headers = {"Content-Type": "application/json"}
+        if self.instance_key:
+            headers["Authorization"] = f"Bearer {self.instance_key}"
+        if request_id:
+            headers["X-Request-Id"] = request_id
+        return headers
+
+    def send(self, pool: Pool, inst: Instance, path: str, body: dict | bytes, headers: dict,
+             timeout_s: float) -> tuple[Leg, UpstreamResponse]:
+        """Count the leg and send it: written now on a pooled connection, else once connected."""
+        leg = Leg(pool, inst, self.metrics)
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        try:
+            return leg, self.upstream.start("POST", inst.upstream.url, path, headers, data,
+                                            self.config.timeouts.connect_s, timeout_s)
+        except UpstreamError as exc:  # e.g. an unusable URL: counted and ended like a refused connection
+            raise self.fail(leg, "connect", str(exc)) from None
+
+    @staticmethod
+    def fail(leg: Leg, reason: str, detail: str) -> LegFailure:
+        leg.end(reason)
+        return LegFailure(leg.role, leg.name, reason, detail)
+
+    async def _answer_head(self, leg: Leg, resp: UpstreamResponse, timeout_s: float) -> UpstreamResponse:
+        try:
+            return await answer_head(resp)
+        except asyncio.TimeoutError:
+            raise self.fail(leg, "timeout", f"no answer within {timeout_s:g} s") from None
+        except UpstreamError as exc:
+            raise self.fail(leg, "connect", str(exc)) from None
+
+    async def _read_error(self, leg: Leg, resp: UpstreamResponse) -> Exception:
+        """A non-200 answer: 4xx goes to the client verbatim, anything else is a leg failure."""
+        try:
+            body = await resp.read()
+        except (UpstreamError, asyncio.TimeoutError):
+            body = b""
+        finally:
+            resp.close()
+        if 400 <= resp.status < 500 and resp.status not in (408, 429):
+            leg.end()  # the request's fault, not the instance's
+            return UpstreamClientError(resp.status, body, resp.header("content-type", "application/json"))
+        return self.fail(leg, f"http_{resp.status}", f"HTTP {resp.status}: {error_message(body)}")
+
+    async def json_answer(self, leg: Leg, resp: UpstreamResponse, timeout_s: float) -> tuple[dict, float]:
+        """A non-streamed leg's whole JSON answer (prefill's, or decode's KV-loading leg's), and
+        when it came; the leg ends with it."""
+        try:
+            await self._answer_head(leg, resp, timeout_s)
+            if resp.status != 200:
+                raise await self._read_error(leg, resp)
+            try:
+                raw = await resp.read()
+            except asyncio.TimeoutError:
+                raise self.fail(leg, "timeout", f"no answer within {timeout_s:g} s") from None
+            except UpstreamError as exc:
+                raise self.fail(leg, "connect", str(exc)) from None
+            finally:
+                resp.close()
+            answered_at = time.perf_counter()
+            try:
+                answer = json.loads(raw)
+            except ValueError:
+                answer = None
+            if not isinstance(answer, dict):
+                raise self.fail(leg, "bad_answer", f"answer is not a JSON object: {raw[:100]!r}")
+            leg.end()
+            return answer, answered_at
+        except asyncio.CancelledError:
+            leg.end(cancelled=True)
+            raise
+
+    async def decode_head(self, leg: Leg, resp: UpstreamResponse, stream: bool) -> DecodeHead:
+        """Decode's answer up to its first token (streaming) or its status line; a failure before
+        that is a LegFailure, which another attempt may fix. From a stream's first token on, only
+        a silence of stream_idle_s ends it."""
+        timeouts = self.config.timeouts
+        try:
+            await self._answer_head(leg, resp, timeouts.decode_s)
+            if resp.status != 200:
+                raise await self._read_error(leg, resp)
+            content_type = resp.header("content-type", "application/json")
+            if not stream:
+                return DecodeHead(leg, resp, b"", content_type, time.perf_counter())
+            held = bytearray()
+            scanned = 0
+            while True:
+                chunk = await resp.readany()
+                if not chunk:  # ended before any token: hand over what came, the client sees it as is
+                    resp.release()
+                    return DecodeHead(leg, None, bytes(held), content_type, time.perf_counter())
+                held += chunk
+                while (end := held.find(b"\n\n", scanned)) >= 0:
+                    event = bytes(held[scanned:end])
+                    scanned = end + 2
+                    kind = classify_event(event)
+                    if kind == "error":  # e.g. the KV transfer failed: vLLM finishes the request with an error
+                        raise self.fail(leg, "generation_error", f"stream error before the first token: {error_message(event)}")
+                    if kind in ("token", "done"):
+                        resp.limit_silence(timeouts.stream_idle_s)
+                        return DecodeHead(leg, resp, bytes(held), content_type, time.perf_counter())
+        except asyncio.TimeoutError:
+            raise self.fail(leg, "timeout", f"no first token within {timeouts.decode_s:g} s") from None
+        except UpstreamError as exc:
+            raise self.fail(leg, "connect", str(exc)) from None
+        except asyncio.CancelledError:
+            leg.end(cancelled=True)
+            raise
+        finally:
+            if leg.ended:
+                resp.close()
