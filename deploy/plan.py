@@ -287,6 +287,7 @@ def router_config(topo: Topology) -> RouterConfig:
         # running kvpush would not reach a remote router).
         api_key_file=secret_path(topo, router_host, "router-client-key") if has_client_key(topo) else None,
         instance_api_key_file=secret_path(topo, router_host, "router-upstream-key"),
+        public_paths=r.public_paths,
         max_prompt_chars=r.max_prompt_chars,
         workers=r.workers,
         timeouts=Timeouts(connect_s=r.connect_timeout_s, prefill_s=r.prefill_timeout_s, decode_s=r.decode_timeout_s),

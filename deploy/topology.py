@@ -206,6 +206,8 @@ class RouterSpec(_Model):
     api_key_env: Annotated[str, AfterValidator(values.env_name)] | None = Field(
         None, description="name of an env var, on the machine running kvpush, holding the router's API key")
     api_key_file: PathText | None = Field(None, description="file on the machine running kvpush holding the router's API key")
+    public_paths: list[Literal["/health", "/metrics"]] = Field(
+        default_factory=lambda: ["/health"], description="router paths served without the API key (default: /health only)")
     prefill_timeout_s: float = Field(600.0, gt=0, le=DAY_S)
     decode_timeout_s: float = Field(600.0, gt=0, le=DAY_S)
     connect_timeout_s: float = Field(5.0, gt=0, le=DAY_S)

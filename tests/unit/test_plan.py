@@ -132,6 +132,13 @@ def test_cpu_tensor_parallel_instance_binds_each_rank_to_its_cores():
     assert [u.tp_size for u in config.prefill + config.decode] == [2, 2]
 
 
+def test_router_public_paths_reach_the_router_config():
+    text = (TWO_HOSTS % "kvpush").replace("router: {host: a, port: 9000}", "router: {host: a, port: 9000, public_paths: [/health, /metrics]}")
+    plan = build_plan(parse_topology(text))
+    config = RouterConfig.model_validate_json(plan.host("a").files[0].content)
+    assert config.public_paths == ["/health", "/metrics"]
+
+
 def test_hetero_template_pairs_prefill_tp2_with_decode_tp1():
     topo = parse_topology(template_text("local-cpu-hetero"))
     assert [s.tensor_parallel_size for _, _, s in topo.instances()] == [2, 1]
