@@ -15,6 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from .cache_layout import required_layout
+from .engine_wakeups import tune_step_queues
 from .metadata import Evictions, PushMetadata
 from .prom import PushPromMetrics
 from .scheduler import PushScheduler
@@ -73,6 +74,7 @@ class KVPushConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         _log_through_vllm()
         self.settings = Settings.from_vllm(vllm_config, kv_cache_config)
+        tune_step_queues(on_cpu=self.settings.buffer_device == "cpu")
         self._scheduler: PushScheduler | None = None
         self._worker: PushWorker | None = None
         if role == KVConnectorRole.SCHEDULER:

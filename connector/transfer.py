@@ -72,10 +72,29 @@ def progress_thread_delay(delay_us: int) -> Iterator[None]:
             binding.nixlAgentConfig = base
 
 
-def _create_agent(name: str, backend: str, progress_delay_us: int):
+@contextmanager
+def threads_started_on(cores: set[int] | None) -> Iterator[None]:
+    """Threads started inside (NIXL's progress thread, UCX's) may run on any of `cores`, whatever
+    core the calling thread is pinned to; the caller's own affinity is restored after."""
+    if not cores or not hasattr(os, "sched_setaffinity"):
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, cores)
+    except OSError:
+        yield
+        return
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def _create_agent(name: str, backend: str, progress_delay_us: int, thread_cores: set[int] | None = None):
     from nixl import _api
 
-    with progress_thread_delay(progress_delay_us):
+    with progress_thread_delay(progress_delay_us), threads_started_on(thread_cores):
         try:
             return _api.nixl_agent(name, _api.nixl_agent_config(backends=[backend]))
         except Exception as exc:
@@ -101,7 +120,7 @@ class Write:
 class NixlEngine:
     def __init__(self, name: str, regions: Sequence[Region], *, backend: str = "UCX",
                  mem_type: str = "DRAM", device_id: int = 0,
-                 progress_delay_us: int | None = None):
+                 progress_delay_us: int | None = None, thread_cores: set[int] | None = None):
         self.name = name
         self.regions = tuple(regions)
         self.mem_type = mem_type
@@ -109,7 +128,7 @@ class NixlEngine:
         self._lock = threading.Lock()
         if progress_delay_us is None:
             progress_delay_us = PROGRESS_DELAY_US[mem_type]
-        self._agent = _create_agent(name, backend, progress_delay_us)
+        self._agent = _create_agent(name, backend, progress_delay_us, thread_cores)
         spans = [(base, size, device_id, "") for base, size in region_spans(self.regions)]
         try:
             self._registered = self._agent.register_memory(spans, mem_type)

@@ -25,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPull
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPushConnector as _StockPush
 
 from .settings import kv_on_cpu
+from .engine_wakeups import tune_step_queues
 from .transfer import PROGRESS_DELAY_US, progress_thread_delay
 
 __all__ = ["NixlConnector", "NixlPushConnector"]
@@ -50,6 +51,8 @@ def _keep_thread_affinity() -> Iterator[None]:
 
 @contextmanager
 def _quiet_worker(vllm_config: Any, role: KVConnectorRole) -> Iterator[None]:
+    # both roles: the engine reads its workers' answers from such a queue too
+    tune_step_queues(on_cpu=kv_on_cpu(vllm_config.kv_transfer_config))
     if role != KVConnectorRole.WORKER:
         yield
         return

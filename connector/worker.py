@@ -99,7 +99,7 @@ class PushWorker:
                 log.info("kvpush: %s", huge.describe())
         name = f"{s.engine_id}.tp{self.tp_rank}.{os.getpid()}"
         self.engine = NixlEngine(name, regions, backend=s.backend, mem_type=mem_type, device_id=device_id,
-                                 progress_delay_us=s.progress_delay_us)
+                                 progress_delay_us=s.progress_delay_us, thread_cores=None if on_gpu else _instance_cores())
         log.info("kvpush: %s registered %d KV regions (%d blocks x %s bytes) with NIXL %s", name, len(regions),
                  self.num_blocks, sorted({r.block_len for r in regions}), s.backend)
         if s.is_producer:
@@ -294,6 +294,20 @@ class PushWorker:
                 service.close()
         if self.engine is not None:
             self.engine.close()
+
+
+def _instance_cores() -> set[int] | None:
+    """The cores of the whole instance, not of this rank: vLLM pins a CPU rank's process to its
+    own core list, and NIXL's progress thread, started here, would inherit that. It busy-polls
+    while a connection to a peer is being set up; pinned beside this rank's compute thread it took
+    that core (91% of it, the compute thread ~0%) from a rank whose TP partners then waited in a
+    collective, so the peer never answered and neither side progressed. The engine process that
+    started this worker runs on the instance's cores."""
+    try:
+        parent = os.sched_getaffinity(os.getppid())
+        return parent | os.sched_getaffinity(0)
+    except OSError:
+        return None
 
 
 def _head_layouts(kv_caches: dict[str, Any], regions: list[Region], num_blocks: int, heads: int) -> tuple[HeadLayout, ...]:
