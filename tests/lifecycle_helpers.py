@@ -2,11 +2,15 @@
 from __future__ import annotations
 
 import signal
+from contextlib import contextmanager
 
 import psutil
 
-from kvpush.deploy.lifecycle import Events, LifecycleOptions
+from kvpush.deploy.lifecycle import Events, LifecycleOptions, down
 from kvpush.deploy.runners import SshOptions
+from sshd_hosts import topology_for, write_standin_python
+
+STANDIN_PORTS = iter(range(19000, 19900, 20))  # each stand-in deployment its own block of 20 ports
 
 
 class RecordingEvents(Events):
@@ -18,6 +22,19 @@ class RecordingEvents(Events):
 
     def log_tail(self, name, host, text):
         self.tails[name] = text
+
+
+def run_cli(args, capsys) -> tuple[int, str, str]:
+    """`kvpush ARGS` in this process: (exit code, stdout, stderr)."""
+    from kvpush.cli.main import run as cli_run
+
+    try:
+        cli_run(args)
+        code = 0
+    except SystemExit as exc:
+        code = exc.code or 0
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
 
 
 def options(cluster, **kw) -> LifecycleOptions:
@@ -50,3 +67,25 @@ def kill_leftovers(marker: str) -> list[psutil.Process]:
             pass
     psutil.wait_procs(left, timeout=3)
     return left
+
+
+@contextmanager
+def standin_deployments(cluster, tmp_path):
+    """Factory for stand-in topologies on the cluster; afterwards stops them and checks for orphans."""
+    python = str(write_standin_python(tmp_path / "standin-python"))
+    made = []
+
+    def make(name="t", prefill=(0,), decode=(1,), router=2, **kw):
+        topo = topology_for(cluster, name, python, tmp_path, prefill=list(prefill), decode=list(decode),
+                            router=router, port_base=kw.pop("port_base", None) or next(STANDIN_PORTS), **kw)
+        made.append(topo.name)
+        return topo
+
+    yield make
+    for host in cluster.hosts:
+        if not host.running:
+            cluster.restart(host)
+    for name in set(made):
+        down(name, options(cluster))
+    left = kill_leftovers(python)
+    assert not left, f"processes left behind: {[p.pid for p in left]}"

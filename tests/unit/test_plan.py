@@ -172,3 +172,17 @@ def test_local_cpu_template_keeps_router_off_the_prefill_core():
     topo = parse_topology(template_text("local-cpu"))
     assert topo.router.cpu_cores == topo.decode[0].cpu_cores != topo.prefill[0].cpu_cores
 
+
+
+def test_every_process_starts_under_its_supervisor_with_its_restart_policy():
+    topo = parse_topology(TWO_HOSTS.replace('decode: [{host: b, cpu_cores: "1"}]',
+                                            'decode: [{host: b, cpu_cores: "1", restart: {policy: on-failure, max_restarts: 2, window_s: 60}}]') % "kvpush")
+    plan = build_plan(topo)
+    decode, prefill = plan.process("decode-0"), plan.process("prefill-0")
+    assert decode.launch_argv == decode.supervisor + decode.argv
+    assert decode.supervisor == ["/opt/venv/bin/python", "-m", "kvpush.deploy.supervise", "--name", "decode-0",
+                                 "--status-file", "~/.kvpush/t/run/decode-0.json", "--restart", "on-failure",
+                                 "--max-restarts", "2", "--window-s", "60", "--"]
+    assert "--restart" not in prefill.supervisor and prefill.supervisor[-1] == "--"
+    assert plan.process("router").status_path == "~/.kvpush/t/run/router.json"
+    assert decode.digest() != plan_for().process("decode-0").digest()  # a new policy is a changed launch
