@@ -14,7 +14,7 @@ from kvpush.deploy.plan import Plan, build_plan
 from kvpush.deploy.topology import TinyModelSpec, parse_topology, pydantic_message, resolve_topology
 from kvpush.templates import DEFAULT_TEMPLATE, template_names, template_summary, template_text
 
-from .console import note, out, print_json, styled
+from .console import heading, note, out, print_json, styled
 
 FILE_ARG = typer.Argument(None, help="Topology file (default: ./kvpush.yaml, else the built-in local-cpu).")
 
@@ -27,7 +27,7 @@ def render_plan(plan: Plan) -> None:
     )
     for host in plan.hosts:
         who = f"{host.user + '@' if host.user else ''}{host.address}" + ("" if host.is_local else f":{host.ssh_port}")
-        out.rule(f"host {host.name} ({who}{', local' if host.is_local else ', ssh'})  workdir {host.workdir}")
+        heading(f"host {host.name} ({who}{', local' if host.is_local else ', ssh'})  workdir {host.workdir}")
         for f in host.files:
             out.print(styled("  [cyan]file[/cyan] {} ({} bytes)", f.path, len(f.content)), highlight=False)
         for proc in host.processes:
@@ -37,6 +37,7 @@ def render_plan(plan: Plan) -> None:
             for key in sorted(proc.env):
                 out.print(f"    env  {key}={shlex.quote(proc.env[key])}", highlight=False)
             out.print(f"    argv {shlex.join(proc.argv)}", highlight=False)
+            out.print(f"    supervisor {shlex.join(proc.supervisor)}", highlight=False)
             out.print(f"    health {proc.health_url}", highlight=False)
 
 

@@ -131,3 +131,10 @@ def test_init_bad_path_is_one_line_exit_2(tmp_path, target, message):
 def test_plan_of_something_not_a_file_says_what_it_is(tmp_path, target, message):
     result = kvpush("plan", target, cwd=tmp_path)
     assert result.returncode == 2 and message in result.stderr and "no such" not in result.stderr
+
+
+def test_plan_into_a_pipe_has_plain_section_lines_and_whole_values(tmp_path):
+    result = kvpush("plan", cwd=tmp_path)
+    assert result.returncode == 0 and "…" not in result.stdout
+    assert "== host local (127.0.0.1, local)  workdir ~/.kvpush/local-cpu" in result.stdout.splitlines()
+    assert "    supervisor " in result.stdout and "-m kvpush.deploy.supervise --name prefill-0" in result.stdout
