@@ -10,6 +10,7 @@ from typing import Callable
 from kvpush.common.errors import KvpushError, UsageError
 from .hosts import connected
 from .process_view import view_processes
+from .supervise import SupervisorStatus
 from .runners import Runner, SshOptions, fan_out
 from .state import DeploymentState, ProcessRecord, load_state
 from kvpush.common.vllm_metrics import vllm_load
@@ -72,14 +73,21 @@ def _host_status(runner: Runner, records: list[ProcessRecord]) -> list[ProcessSt
                 if r.role != "router" and code == 200:
                     load = vllm_load(runner.http("GET", r.health_url.rsplit("/", 1)[0] + "/metrics", timeout=HEALTH_BOUND_S).text())
                     row.running, row.waiting, row.kv_usage = load.running, load.waiting, load.kv_usage
-            except TimeoutError:
-                row.health = "no answer"
-                row.error = row.error or f"/health did not answer within {HEALTH_BOUND_S:g} s ({r.health_url})"
             except OSError as exc:
                 row.health = "no answer"
-                row.error = row.error or str(exc)
+                row.error = row.error or _not_answering(sup, r, exc, now)
         rows.append(row)
     return rows
+
+
+def _not_answering(sup: SupervisorStatus | None, record: ProcessRecord, exc: OSError, now: float) -> str:
+    what = (f"/health did not answer within {HEALTH_BOUND_S:g} s ({record.health_url})" if isinstance(exc, TimeoutError)
+            else f"/health: {exc}")
+    if sup is not None and sup.restarts and sup.last_exit and sup.child_started_at:
+        # Restarted by its supervisor and still loading, most likely: say so first.
+        return (f"ended ({sup.last_exit}); its supervisor started it again {now - sup.child_started_at:.0f} s ago "
+                f"(restart {sup.restarts}); {what}")
+    return what
 
 
 def deployment_status(state: DeploymentState, ssh: SshOptions) -> list[ProcessStatus]:

@@ -91,6 +91,8 @@ class ProcessView:
             died = f"died (pid {self.record.pid} is {'a zombie' if state == 'zombie' else 'gone'})"
         if self.leftovers:
             left = "; ".join(x.describe() for x in self.leftovers)
+            if self.leader_running and sup is not None:  # cleaning-up or stopping: it is on it
+                return f"{died}; its supervisor is stopping what it left behind: {left}"
             return f"{died}; left behind: {left}; `kvpush up` stops them and starts it again"
         gave_up = f"; its supervisor gave up after {sup.restarts} restart(s)" if sup and sup.state == "gave-up" else ""
         cleaned = f"; its supervisor stopped {', '.join(sup.cleaned_up)}" if sup and sup.cleaned_up else ""

@@ -46,11 +46,14 @@ def options(cluster, **kw) -> LifecycleOptions:
 
 
 def processes_under(marker: str) -> list[psutil.Process]:
-    """Live (non-zombie) processes whose command line mentions marker (a test's temp dir)."""
+    """Live (non-zombie) processes whose command line mentions marker (a test's temp dir) or that
+    run in it (vLLM's engine core renames its command line to `VLLM::EngineCore`)."""
     found = []
-    for proc in psutil.process_iter(["cmdline", "status"]):
+    for proc in psutil.process_iter(["cmdline", "status", "cwd"]):
         try:
-            if proc.info["status"] != psutil.STATUS_ZOMBIE and marker in " ".join(proc.info["cmdline"] or []):
+            cwd = proc.info["cwd"] or ""
+            if proc.info["status"] != psutil.STATUS_ZOMBIE and (
+                    marker in " ".join(proc.info["cmdline"] or []) or cwd == marker or cwd.startswith(marker.rstrip("/") + "/")):
                 found.append(proc)
         except psutil.Error:
             pass

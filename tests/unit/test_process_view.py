@@ -74,6 +74,7 @@ def test_a_supervisor_cleaning_up_after_its_server_counts_as_dead_and_is_no_left
     view = _view(_Host({SUPERVISOR: "python", WATCHER: "python", ENGINE: "VLLM::EngineCor"}, status=status, ports={ENGINE: [5600]}))
     assert view.state == "dead" and not view.up
     assert [x.pid for x in view.leftovers] == [ENGINE]  # not the supervisor, not its watcher
+    assert view.why().endswith("its supervisor is stopping what it left behind: pid 103 (VLLM::EngineCor) holding port 5600")
 
 
 def test_a_server_that_died_cleanly_says_how_and_that_nothing_is_left():
