@@ -10,6 +10,7 @@ Any launcher (local, SSH, Slurm) starts a vLLM server or the router wrapped in i
   SIGKILL, the pipe closes and the watcher kills the whole process group;
 - with `--restart on-failure`, starts CMD again when it failed (non-zero exit or a signal), at most
   `--max-restarts` times within `--window-s` seconds, then gives up;
+- passes SIGHUP, SIGUSR1 and SIGUSR2 on to CMD;
 - keeps a small JSON status file (the `SupervisorStatus` below) that `kvpush status` and `up` read.
 
 Standard library only: it runs on every host before anything else is imported.
@@ -27,7 +28,11 @@ from dataclasses import asdict, dataclass, field
 
 MODULE = "kvpush.deploy.supervise"
 RESTART_POLICIES = ("never", "on-failure")
-STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
+STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
+# Passed on to the command, not acted on: e.g. a reload request. The supervisor has no terminal
+# (it runs in a session of its own), so a SIGHUP never means a hang-up here.
+PASSED_ON = {signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2}
+HANDLED = STOP_SIGNALS | PASSED_ON | {signal.SIGCHLD}
 _PR_SET_CHILD_SUBREAPER = 36
 LEFTOVER_GRACE_S = 3.0  # TERM to KILL for what is left below a command that exited
 KILL_WAIT_S = 30.0  # after KILL: a process in uninterruptible sleep (a GPU driver call) may take a while
@@ -152,6 +157,7 @@ class Supervisor:
         self.status = SupervisorStatus(name=name, supervisor_pid=os.getpid(), state="running", policy=policy)
         self.exited: dict[int, int] = {}  # reaped pid -> wait status
         self.watcher: int | None = None
+        self.child: int | None = None  # the command while it runs
         self.stop_signal: int | None = None
 
     def log(self, message: str) -> None:
@@ -191,7 +197,7 @@ class Supervisor:
     def spawn(self) -> int:
         # The child starts with no blocked signals and default dispositions, as if started by a shell.
         return os.posix_spawnp(self.command[0], self.command, os.environ, setsigmask=(),
-                               setsigdef=(signal.SIGPIPE, signal.SIGXFSZ, *STOP_SIGNALS))
+                               setsigdef=(signal.SIGPIPE, signal.SIGXFSZ, *STOP_SIGNALS, *PASSED_ON))
 
     def reap(self) -> None:
         while True:
@@ -211,8 +217,14 @@ class Supervisor:
 
     def wait_signal(self, timeout_s: float) -> int | None:
         """Wait up to timeout_s for a signal; returns a stop signal's number (noting it), else None."""
-        info = signal.sigtimedwait(STOP_SIGNALS | {signal.SIGCHLD}, max(0.0, timeout_s))
-        if info is not None and info.si_signo in STOP_SIGNALS:
+        info = signal.sigtimedwait(HANDLED, max(0.0, timeout_s))
+        if info is None:
+            return None
+        if info.si_signo in PASSED_ON:
+            if self.child is not None:
+                _signal([self.child], info.si_signo)
+            return None
+        if info.si_signo in STOP_SIGNALS:
             if self.stop_signal is None:
                 self.stop_signal = info.si_signo
             return info.si_signo
@@ -261,7 +273,7 @@ class Supervisor:
         recent: list[float] = []  # restart times within the window
         while True:
             try:
-                child = self.spawn()
+                child = self.child = self.spawn()
             except OSError as exc:
                 self.log(f"cannot start {self.command[0]}: {exc.strerror or exc}")
                 self.write_status(state="exited", last_exit=f"cannot start: {exc.strerror or exc}",
@@ -270,6 +282,7 @@ class Supervisor:
             self.write_status(state="running", child_pid=child, child_started_at=time.time())
             self.log(f"started pid {child}" + (f" (restart {self.status.restarts})" if self.status.restarts else ""))
             wait_status = self.wait_exit(child)
+            self.child = None
             how, code = describe_exit(wait_status), os.waitstatus_to_exitcode(wait_status)
             self.log(f"pid {child} ended: {how}")
             self.write_status(last_exit=how, last_exit_at=time.time(),
@@ -331,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_restarts < 1 or args.window_s <= 0:
         parser.error("--max-restarts must be at least 1 and --window-s more than 0")
     _take_the_group()
-    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS | {signal.SIGCHLD})
+    signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED)
     supervisor = Supervisor(args.name, os.path.expanduser(args.status_file), command, args.restart,
                             args.max_restarts, args.window_s)
     supervisor.start_watcher()

@@ -213,12 +213,9 @@ def _fault(name: str, victim: str, sig: int, pid: int, supervised: bool, numbers
         assert time.monotonic() < deadline, _rows(name)[victim]
         time.sleep(0.2)
     numbers["shown_dead_after_s"] = round(time.monotonic() - fault_at, 1)
-    while (row := _rows(name)[victim]).leftovers or _alive(row.supervisor_pid):
-        assert time.monotonic() < deadline, row  # its supervisor stops what it left, then exits
-        time.sleep(0.2)
-    numbers["nothing_left_after_s"] = round(time.monotonic() - fault_at, 1)
+    # At once, as a user would: its supervisor may still be stopping what it left (an orphaned engine core).
     shown = _cli_status(name)
-    assert "nothing of it is left" in shown.stderr, shown.stderr
+    assert "its supervisor is stopping what it left behind: pid" in shown.stderr or "nothing of it is left" in shown.stderr, shown.stderr
     return fault_at, shown
 
 
@@ -273,10 +270,11 @@ def test_fault_under_load(fault, model_dir, tmp_path, state_dir):
             numbers["healthy_again_after_s"] = round(recovered_at - fault_at, 1)
             assert up(topo, options).changes.nothing_to_do
         else:
-            began = time.monotonic()  # `up` right away, under the same load
+            began = time.monotonic()  # `up` right away, under the same load, with doctor's gate
             result = up(topo, options)
             recovered_at = time.monotonic()
             numbers["up_s"] = round(recovered_at - began, 1)
+            numbers["up_cleared_first"] = result.cleared  # what the dead process had left when `up` began
             if sig == signal.SIGSTOP:
                 assert result.changes.nothing_to_do  # it runs again after SIGCONT
             else:
