@@ -157,7 +157,8 @@ def register(app: typer.Typer) -> None:
         known_hosts: str = KNOWN_HOSTS,
         connect_timeout: float = CONNECT_TIMEOUT,
     ) -> None:
-        """One row per process: liveness, health, load, KV-cache use, uptime, restarts. Exit 1 if unhealthy."""
+        """One row per process: running | hung | restarting | dead, health, load, KV-cache use, uptime, restarts;
+        for each process that is not healthy, a line on what happened and what is left of it. Exit 1 if unhealthy."""
         name = _deployment_name(file, deployment)
         if interval <= 0:
             raise UsageError(f"--interval: must be more than 0 seconds (got {interval:g})")

@@ -15,7 +15,7 @@ from kvpush.deploy.redact import redact_plan
 from kvpush.deploy.topology import TinyModelSpec, parse_topology, pydantic_message, resolve_topology
 from kvpush.templates import DEFAULT_TEMPLATE, template_names, template_summary, template_text
 
-from .console import note, out, print_json, styled
+from .console import heading, note, out, print_json, styled
 
 FILE_ARG = typer.Argument(None, help="Topology file (default: ./kvpush.yaml, else the built-in local-cpu).")
 
@@ -29,7 +29,7 @@ def render_plan(plan: Plan) -> None:
     for host in plan.hosts:
         who = f"{host.user + '@' if host.user else ''}{host.address}" + ("" if host.is_local or host.slurm else f":{host.ssh_port}")
         how = f", slurm node {host.slurm['node'] or '(any of the allocation)'}" if host.slurm else ", local" if host.is_local else ", ssh"
-        out.rule(f"host {host.name} ({who}{how})  workdir {host.workdir}")
+        heading(f"host {host.name} ({who}{how})  workdir {host.workdir}")
         for f in host.files:
             out.print(styled("  [cyan]file[/cyan] {} ({} bytes)", f.path, len(f.content)), highlight=False)
         for f in host.secret_files:
@@ -44,6 +44,7 @@ def render_plan(plan: Plan) -> None:
             if proc.env_file:
                 out.print(f"    env  (and the variables in {proc.env_file})", highlight=False)
             out.print(f"    argv {shlex.join(proc.argv)}", highlight=False)
+            out.print(f"    supervisor {shlex.join(proc.supervisor)}", highlight=False)
             out.print(f"    health {proc.health_url}", highlight=False)
             if plan.slurm is not None:
                 out.print(f"    srun {plan.slurm['steps'][proc.name]}", highlight=False)

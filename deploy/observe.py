@@ -4,12 +4,13 @@ from __future__ import annotations
 import shlex
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Callable
 
-from .changes import is_running
 from kvpush.common.errors import KvpushError, UsageError
 from .hosts import connected
+from .process_view import view_processes
+from .supervise import SupervisorStatus
 from .runners import Runner, SshOptions, fan_out
 from .secrets import AccessKeys
 from .slurm_allocation import ended_message
@@ -17,20 +18,26 @@ from .state import DeploymentState, ProcessRecord, load_state
 from kvpush.common.vllm_metrics import vllm_load
 
 
+HEALTH_BOUND_S = 2.0  # a /health that has not answered by then is reported as not answering
+
+
 @dataclass
 class ProcessStatus:
     name: str
     role: str
     host: str
-    pid: int
-    process: str  # running | dead | zombie | unreachable
+    pid: int  # the process itself (under its supervisor), as `ps` shows it
+    process: str  # running | hung | restarting | dead | zombie | unreachable
     health: str  # ok | HTTP <code> | no answer | -
     running: float | None
     waiting: float | None
     kv_usage: float | None
     uptime_s: float | None
-    restarts: int
-    error: str | None = None
+    restarts: int  # by `up` and by its supervisor together
+    error: str | None = None  # what is wrong, in one sentence
+    supervisor_pid: int | None = None
+    last_exit: str | None = None  # how it last ended ("killed by SIGKILL"), where its supervisor saw it
+    leftovers: list[dict] = field(default_factory=list)  # {pid, command, ports} still alive of a dead process
 
     @property
     def healthy(self) -> bool:
@@ -48,28 +55,43 @@ def require_state(deployment: str) -> DeploymentState:
 
 
 def _host_status(runner: Runner, records: list[ProcessRecord], keys: AccessKeys) -> list[ProcessStatus]:
-    infos = runner.inspect([r.pid for r in records])
+    views = view_processes(runner, records)
     now = time.time()
     rows = []
     for r in records:
-        info = infos.get(r.pid)
-        alive = is_running(r, info)
-        row = ProcessStatus(r.name, r.role, r.host, r.pid,
-                            "running" if alive else ("zombie" if info and info.state == "zombie" else "dead"),
-                            "-", None, None, None, (now - r.start_time) if alive and r.start_time else None, r.restarts)
+        view = views[r.name]
+        sup = view.supervisor
+        alive = view.state in ("running", "hung")
+        started = sup.child_started_at if sup is not None and sup.child_started_at else r.start_time
+        row = ProcessStatus(r.name, r.role, r.host, view.main_pid, view.state, "-", None, None, None,
+                            (now - started) if alive and started else None, r.restarts + view.supervisor_restarts,
+                            view.why(), supervisor_pid=r.pid if r.status_path else None,
+                            last_exit=sup.last_exit if sup is not None else None,
+                            leftovers=[asdict(x) for x in view.leftovers])
         if alive:
             try:
                 headers = keys.headers(r.role)
-                code = runner.http("GET", r.health_url, timeout=3, headers=headers).status
+                code = runner.http("GET", r.health_url, timeout=HEALTH_BOUND_S, headers=headers).status
                 row.health = "ok" if code == 200 else f"HTTP {code}"
                 if r.role != "router" and code == 200:
                     metrics_url = r.health_url.rsplit("/", 1)[0] + "/metrics"
-                    load = vllm_load(runner.http("GET", metrics_url, timeout=3, headers=headers).text())
+                    load = vllm_load(runner.http("GET", metrics_url, timeout=HEALTH_BOUND_S, headers=headers).text())
                     row.running, row.waiting, row.kv_usage = load.running, load.waiting, load.kv_usage
             except OSError as exc:
-                row.health, row.error = "no answer", str(exc)
+                row.health = "no answer"
+                row.error = row.error or _not_answering(sup, r, exc, now)
         rows.append(row)
     return rows
+
+
+def _not_answering(sup: SupervisorStatus | None, record: ProcessRecord, exc: OSError, now: float) -> str:
+    what = (f"/health did not answer within {HEALTH_BOUND_S:g} s ({record.health_url})" if isinstance(exc, TimeoutError)
+            else f"/health: {exc}")
+    if sup is not None and sup.restarts and sup.last_exit and sup.child_started_at:
+        # Restarted by its supervisor and still loading, most likely: say so first.
+        return (f"ended ({sup.last_exit}); its supervisor started it again {now - sup.child_started_at:.0f} s ago "
+                f"(restart {sup.restarts}); {what}")
+    return what
 
 
 def deployment_status(state: DeploymentState, ssh: SshOptions, keys: AccessKeys = AccessKeys()) -> list[ProcessStatus]:

@@ -14,7 +14,9 @@ from typing import Literal
 from kvpush.router.config import RouterConfig, Timeouts, Upstream
 
 from . import slurm_render
-from .topology import ROUTER_PROCESS_NAME, HostSpec, InstanceSpec, Role, Topology, core_list_text, parse_core_list
+from .supervise import supervisor_argv
+from .topology import (ROUTER_PROCESS_NAME, HostSpec, InstanceSpec, RestartSpec, Role, Topology, core_list_text,
+                       parse_core_list)
 from .topology_values import url_host
 
 ProcessRole = Literal["prefill", "decode", "router"]
@@ -56,6 +58,14 @@ class ProcessPlan:
     health_url: str
     side_channel_ports: list[int] = field(default_factory=list)
     env_file: str | None = None  # a 0600 file of secret variables the launch sources (written by `up`)
+    # What argv runs under (kvpush.deploy.supervise: the tree dies with it, restarts, status file).
+    supervisor: list[str] = field(default_factory=list)
+    status_path: str = ""
+
+    @property
+    def launch_argv(self) -> list[str]:
+        """What a launcher starts: argv under its supervisor."""
+        return self.supervisor + self.argv
 
     def digest(self) -> str:
         """Changes whenever anything about how this process is launched changes."""
@@ -137,6 +147,12 @@ def _digest(obj: object) -> str:
 
 def deployment_dir(topo: Topology, host: HostSpec) -> str:
     return f"{host.workdir.rstrip('/')}/{topo.name}"
+
+
+def _supervision(host: HostSpec, workdir: str, name: str, restart: RestartSpec) -> dict:
+    status_path = f"{workdir}/run/{name}.json"
+    argv = supervisor_argv(host.interpreter, name, status_path, restart.policy, restart.max_restarts, restart.window_s)
+    return {"supervisor": argv, "status_path": status_path}
 
 
 def bind_address(host: HostSpec) -> str:
@@ -259,6 +275,7 @@ def _vllm_process(topo: Topology, role: Role, spec: InstanceSpec) -> ProcessPlan
         health_url=f"http://{bind_address(host)}:{spec.http_port}/health",
         side_channel_ports=side_channel_ports(spec, topo.connector.type) if kv_config is not None else [],
         env_file=secret_path(topo, host, "instance-env"),
+        **_supervision(host, workdir, spec.name, spec.restart),
     )
 
 
@@ -311,6 +328,7 @@ def _router_process(topo: Topology) -> tuple[ProcessPlan, FilePlan]:
         log_path=f"{workdir}/logs/router.log",
         http_port=topo.router.port,
         health_url=f"http://{'127.0.0.1' if topo.router.bind in ('0.0.0.0', '::') else url_host(topo.router.bind)}:{topo.router.port}/health",
+        **_supervision(host, workdir, ROUTER_PROCESS_NAME, topo.router.restart),
     )
     return proc, FilePlan(path=config_path, content=router_config(topo).model_dump_json(indent=2))
 

@@ -89,7 +89,7 @@ def step_argv(host: "HostPlan", proc: "ProcessPlan", with_job: bool = True) -> l
     slurm = host.slurm or {}
     job = slurm.get("job_id") if with_job else None
     return srun_argv(job, slurm.get("node"), proc.name, slurm.get("srun_options", [])) + [
-        "bash", "-c", step_shell(proc.argv, proc.env, proc.cwd, proc.log_path, proc.env_file)]
+        "bash", "-c", step_shell(proc.launch_argv, proc.env, proc.cwd, proc.log_path, proc.env_file)]
 
 
 def host_fields(topo: Topology, host_name: str) -> dict | None:

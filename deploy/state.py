@@ -54,7 +54,8 @@ class ProcessRecord:
     log_path: str
     digest: str  # ProcessPlan digest (+ files it reads) it was started from
     started_at: float
-    restarts: int = 0
+    restarts: int = 0  # by `up`; its supervisor counts its own in the status file
+    status_path: str = ""  # its supervisor's status file ("": started without one)
 
 
 @dataclass

@@ -167,6 +167,26 @@ CoreList = Annotated[str, BeforeValidator(_core_number_as_text), AfterValidator(
 RankCoreLists = Annotated[str, BeforeValidator(_core_number_as_text), AfterValidator(_valid_rank_core_lists)]
 
 
+def _restart_shorthand(value: Any) -> Any:
+    # `restart: on-failure` for the defaults; YAML reads a bare `no` as false.
+    if value is False:
+        return {"policy": "never"}
+    if isinstance(value, str):
+        return {"policy": value}
+    return value
+
+
+class RestartSpec(_Model):
+    """What the process's supervisor does when it exits on its own (see kvpush.deploy.supervise)."""
+
+    policy: Literal["never", "on-failure"] = Field("never", description="on-failure: start it again after a crash")
+    max_restarts: IntNotBool = Field(3, ge=1, le=1000, description="restarts allowed within window_s; then it stays down")
+    window_s: float = Field(600.0, gt=0)
+
+
+RestartField = Annotated[RestartSpec, BeforeValidator(_restart_shorthand)]
+
+
 class InstanceSpec(_Model):
     name: str | None = None
     host: str | None = None
@@ -182,6 +202,7 @@ class InstanceSpec(_Model):
     side_channel_port: IntNotBool | None = Field(None, ge=1, le=65535)
     env: EnvMap = Field(default_factory=dict)
     extra_args: ExtraArgs = Field(default_factory=list)
+    restart: RestartField = Field(default_factory=RestartSpec)
 
     @field_validator("env", mode="before")
     @classmethod
@@ -215,6 +236,7 @@ class RouterSpec(_Model):
     cpu_cores: CoreList | None = Field(None, description="cores the router process runs on (taskset); may share an instance's")
     workers: IntNotBool = Field(1, ge=1, le=64, description="router processes sharing the port, each relaying its share of "
                                                     "the streams; give the router at least as many cpu_cores")
+    restart: RestartField = Field(default_factory=RestartSpec)
 
     @model_validator(mode="after")
     def _one_key_source(self) -> "RouterSpec":

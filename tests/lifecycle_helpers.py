@@ -2,11 +2,15 @@
 from __future__ import annotations
 
 import signal
+from contextlib import contextmanager
 
 import psutil
 
-from kvpush.deploy.lifecycle import Events, LifecycleOptions
+from kvpush.deploy.lifecycle import Events, LifecycleOptions, down
 from kvpush.deploy.runners import SshOptions
+from sshd_hosts import topology_for, write_standin_python
+
+STANDIN_PORTS = iter(range(19000, 19900, 20))  # each stand-in deployment its own block of 20 ports
 
 
 class RecordingEvents(Events):
@@ -20,6 +24,19 @@ class RecordingEvents(Events):
         self.tails[name] = text
 
 
+def run_cli(args, capsys) -> tuple[int, str, str]:
+    """`kvpush ARGS` in this process: (exit code, stdout, stderr)."""
+    from kvpush.cli.main import run as cli_run
+
+    try:
+        cli_run(args)
+        code = 0
+    except SystemExit as exc:
+        code = exc.code or 0
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
 def options(cluster, **kw) -> LifecycleOptions:
     kw.setdefault("ready_timeout_s", 120)  # generous: this machine is shared and often loaded
     kw.setdefault("stop_timeout_s", 5)
@@ -29,11 +46,14 @@ def options(cluster, **kw) -> LifecycleOptions:
 
 
 def processes_under(marker: str) -> list[psutil.Process]:
-    """Live (non-zombie) processes whose command line mentions marker (a test's temp dir)."""
+    """Live (non-zombie) processes whose command line mentions marker (a test's temp dir) or that
+    run in it (vLLM's engine core renames its command line to `VLLM::EngineCore`)."""
     found = []
-    for proc in psutil.process_iter(["cmdline", "status"]):
+    for proc in psutil.process_iter(["cmdline", "status", "cwd"]):
         try:
-            if proc.info["status"] != psutil.STATUS_ZOMBIE and marker in " ".join(proc.info["cmdline"] or []):
+            cwd = proc.info["cwd"] or ""
+            if proc.info["status"] != psutil.STATUS_ZOMBIE and (
+                    marker in " ".join(proc.info["cmdline"] or []) or cwd == marker or cwd.startswith(marker.rstrip("/") + "/")):
                 found.append(proc)
         except psutil.Error:
             pass
@@ -50,3 +70,25 @@ def kill_leftovers(marker: str) -> list[psutil.Process]:
             pass
     psutil.wait_procs(left, timeout=3)
     return left
+
+
+@contextmanager
+def standin_deployments(cluster, tmp_path):
+    """Factory for stand-in topologies on the cluster; afterwards stops them and checks for orphans."""
+    python = str(write_standin_python(tmp_path / "standin-python"))
+    made = []
+
+    def make(name="t", prefill=(0,), decode=(1,), router=2, **kw):
+        topo = topology_for(cluster, name, python, tmp_path, prefill=list(prefill), decode=list(decode),
+                            router=router, port_base=kw.pop("port_base", None) or next(STANDIN_PORTS), **kw)
+        made.append(topo.name)
+        return topo
+
+    yield make
+    for host in cluster.hosts:
+        if not host.running:
+            cluster.restart(host)
+    for name in set(made):
+        down(name, options(cluster))
+    left = kill_leftovers(python)
+    assert not left, f"processes left behind: {[p.pid for p in left]}"

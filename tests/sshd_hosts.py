@@ -198,7 +198,7 @@ def write_standin_python(path: Path, python: str | None = None) -> Path:
 def topology_for(cluster: SshdCluster, name: str, python: str, workdir: Path, *, prefill: list[int],
                  decode: list[int], router: int, port_base: int, connector: str = "nixl-pull",
                  model_path: str = "/nonexistent-model", instance_env: dict[str, dict] | None = None,
-                 extra: dict | None = None):
+                 instance_extra: dict[str, dict] | None = None, extra: dict | None = None):
     """A Topology whose hosts are this cluster's hosts (by index), with ports from port_base up.
 
     Every host gets its own workdir under `workdir` because all test hosts share one filesystem.
@@ -213,7 +213,7 @@ def topology_for(cluster: SshdCluster, name: str, python: str, workdir: Path, *,
     def instance(role: str, index: int, host: int) -> dict:
         name_ = f"{role}-{index}"
         return {"name": name_, "host": f"h{host}", "http_port": next(port), "side_channel_port": next(port),
-                "env": instance_env.get(name_, {})}
+                "env": instance_env.get(name_, {}), **(instance_extra or {}).get(name_, {})}
 
     doc = {
         "name": name, "platform": "cpu",

@@ -5,7 +5,9 @@
 forwards completions to the first decode upstream. Any other invocation (`-` for the probe, `-m pip`,
 ...) runs the real interpreter, so provisioning works unchanged.
 Env: STANDIN_EXIT=1 exits at once (a process that fails to start); STANDIN_READY_DELAY=S delays /health;
-STANDIN_ROUTER_503=N makes the router answer its first N completions with 503 (instance not in rotation).
+STANDIN_ROUTER_503=N makes the router answer its first N completions with 503 (instance not in rotation);
+STANDIN_ENGINE_CORE=1 makes a vLLM stand-in start a child that listens on its side-channel port and
+outlives it, as vLLM's `VLLM::EngineCore` outlives a SIGKILLed API server.
 Keys as the real ones take them: the vLLM stand-in answers 401 on /v1 without `Bearer $VLLM_API_KEY`
 when that is set; the router stand-in wants its api_key_file's key and sends instance_api_key_file's.
 """
@@ -79,13 +81,29 @@ def serve(role, host, port, decode_url=None, required_key=None, upstream_key=Non
     ThreadingHTTPServer((host, port), Handler).serve_forever()
 
 
+def engine_core(host, port):
+    import socket
+
+    listener = socket.create_server((host, port))
+    while True:
+        time.sleep(3600)
+    listener.close()
+
+
 def main(argv):
-    if argv[:1] == ["--marker"]:
-        argv = argv[2:]
+    marker = argv[:2] if argv[:1] == ["--marker"] else []
+    argv = argv[len(marker):]
+    if argv[:1] == ["--engine-core"]:
+        engine_core(argv[1], int(argv[2]))
     if argv[:2] == ["-m", VLLM] or argv[:2] == ["-m", ROUTER]:
         if os.environ.get("STANDIN_EXIT") == "1":
             print("stand-in: exiting at once as STANDIN_EXIT=1 asks", flush=True)
             sys.exit(3)
+        if argv[1] == VLLM and os.environ.get("STANDIN_ENGINE_CORE") == "1":
+            import subprocess
+
+            side = (os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"], os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"])
+            subprocess.Popen([sys.executable, __file__, *marker, "--engine-core", *side])
         if argv[1] == VLLM:
             serve("vllm", _arg(argv, "--host", "127.0.0.1"), int(_arg(argv, "--port")), required_key=os.environ.get("VLLM_API_KEY"))
         config = json.load(open(_arg(argv, "--config")))

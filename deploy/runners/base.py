@@ -53,6 +53,8 @@ class ProcessInfo:
     state: ProcessState
     start_time: float | None = None
     pgid: int | None = None
+    stopped: bool = False  # alive but stopped (SIGSTOP, a debugger): it runs no code until SIGCONT
+    command: str | None = None  # the short command name (/proc/PID/comm), where known
 
 
 @dataclass(frozen=True)
@@ -107,13 +109,21 @@ class Runner(ABC):
     def group_members(self, pgids: list[int]) -> dict[int, list[ProcessInfo]]:
         """Every process (zombies included) currently in each process group."""
         wanted = {int(g) for g in pgids}
-        result = self.run("ps -e -o pid=,pgid=,stat=", timeout=30).check("listing processes")
+        result = self.run("ps -e -o pid=,pgid=,stat=,comm=", timeout=30).check("listing processes")
         members: dict[int, list[ProcessInfo]] = {g: [] for g in wanted}
         for line in result.stdout.splitlines():
-            pid, pgid, stat = line.split()[:3]
+            pid, pgid, stat, *command = line.split(None, 3)
             if int(pgid) in wanted:
-                members[int(pgid)].append(ProcessInfo(int(pid), "zombie" if stat.startswith("Z") else "alive", None, int(pgid)))
+                members[int(pgid)].append(ProcessInfo(int(pid), "zombie" if stat.startswith("Z") else "alive", None, int(pgid),
+                                                      stopped=stat[:1] in ("T", "t"), command=" ".join(command) or None))
         return members
+
+    def listening_ports(self, pids: list[int]) -> dict[int, list[int]]:
+        """Per PID: the TCP ports its sockets listen on (none for a PID that is gone)."""
+        if not pids:
+            return {}
+        result = self.run(listening_ports_command(pids), timeout=30).check("listing the ports processes hold")
+        return parse_listening_ports(pids, result.stdout)
 
     def connect(self) -> None:
         """Open the host's connection now (fan-out connects all hosts in parallel); no-op locally."""
@@ -192,8 +202,36 @@ def parse_proc_table(pids: list[int], text: str) -> dict[int, ProcessInfo]:
         rest = stat[stat.rindex(")") + 2 :].split()
         state_letter, pgid, start_ticks = rest[0], int(rest[2]), int(rest[19])
         state: ProcessState = "zombie" if state_letter in ("Z", "X") else "alive"
-        found[int(pid_text)] = ProcessInfo(int(pid_text), state, round(btime + start_ticks / ticks, 2), pgid)
+        command = stat[stat.index("(") + 1 : stat.rindex(")")]
+        found[int(pid_text)] = ProcessInfo(int(pid_text), state, round(btime + start_ticks / ticks, 2), pgid,
+                                           stopped=state_letter in ("T", "t"), command=command)
     return {p: found.get(p, ProcessInfo(p, "dead")) for p in pids}
+
+
+def listening_ports_command(pids: list[int]) -> str:
+    """Prints `PID <fd listing>` lines for each PID's socket fds, then `==`, then the kernel's TCP tables."""
+    pid_words = " ".join(str(int(p)) for p in pids)
+    return (f"for p in {pid_words}; do ls -l /proc/$p/fd 2>/dev/null | sed -n \"s/.*socket:\\[\\([0-9]*\\)\\]/$p \\1/p\"; done; "
+            "echo ==; cat /proc/net/tcp /proc/net/tcp6 2>/dev/null; true")
+
+
+TCP_LISTEN = "0A"
+
+
+def parse_listening_ports(pids: list[int], text: str) -> dict[int, list[int]]:
+    owned, _, tables = text.partition("==\n")
+    inode_owner: dict[str, int] = {}
+    for line in owned.splitlines():
+        pid, _, inode = line.partition(" ")
+        if inode:
+            inode_owner[inode.strip()] = int(pid)
+    ports: dict[int, set[int]] = {int(p): set() for p in pids}
+    for line in tables.splitlines():
+        fields = line.split()
+        # sl local_address rem_address st tx:rx tr:when retrnsmt uid timeout inode
+        if len(fields) > 9 and fields[3] == TCP_LISTEN and fields[9] in inode_owner:
+            ports[inode_owner[fields[9]]].add(int(fields[1].rsplit(":", 1)[1], 16))
+    return {pid: sorted(found) for pid, found in ports.items()}
 
 
 def signal_groups_command(pgids: list[int], signal_name: str) -> str:

@@ -16,6 +16,8 @@ import psutil
 from .base import CommandResult, HostError, HttpResponse, ProcessInfo, Runner
 from .http import exchange, split_url
 
+_STOPPED = (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
+
 
 class LocalRunner(Runner):
     def __init__(self, name: str = "local"):
@@ -67,8 +69,10 @@ class LocalRunner(Runner):
             try:
                 proc = psutil.Process(pid)
                 with proc.oneshot():
-                    state = "zombie" if proc.status() == psutil.STATUS_ZOMBIE else "alive"
-                    infos[pid] = ProcessInfo(pid, state, round(proc.create_time(), 2), os.getpgid(pid))
+                    status = proc.status()
+                    state = "zombie" if status == psutil.STATUS_ZOMBIE else "alive"
+                    infos[pid] = ProcessInfo(pid, state, round(proc.create_time(), 2), os.getpgid(pid),
+                                             stopped=status in _STOPPED, command=proc.name())
             except (psutil.NoSuchProcess, ProcessLookupError):
                 infos[pid] = ProcessInfo(pid, "dead")
         return infos
@@ -76,14 +80,16 @@ class LocalRunner(Runner):
     def group_members(self, pgids: list[int]) -> dict[int, list[ProcessInfo]]:
         wanted = {int(g) for g in pgids}
         members: dict[int, list[ProcessInfo]] = {g: [] for g in wanted}
-        for proc in psutil.process_iter(["pid", "status"]):
+        for proc in psutil.process_iter(["pid", "status", "name"]):
             try:
                 pgid = os.getpgid(proc.pid)
             except (ProcessLookupError, PermissionError):
                 continue
             if pgid in wanted:
-                state = "zombie" if proc.info["status"] == psutil.STATUS_ZOMBIE else "alive"
-                members[pgid].append(ProcessInfo(proc.pid, state, None, pgid))
+                status = proc.info["status"]
+                state = "zombie" if status == psutil.STATUS_ZOMBIE else "alive"
+                members[pgid].append(ProcessInfo(proc.pid, state, None, pgid, stopped=status in _STOPPED,
+                                                 command=proc.info["name"]))
         return members
 
     def follow(self, command: str, on_line, stop) -> None:

@@ -99,7 +99,9 @@ def test_1p1d_over_ssh_matches_a_single_server_and_moves_kv(e2e_hosts, tmp_path,
         assert all(r.healthy for r in rows), rows
         state = load_state("e2e")
         assert {(r.name, r.host) for r in state.processes.values()} == {("prefill-0", "h0"), ("decode-0", "h1"), ("router", "h0")}
-        router_workers = psutil.Process(state.processes["router"].pid).children()
+        router = next(r for r in rows if r.name == "router")  # the router's own supervisor, under kvpush's
+        assert router.supervisor_pid == state.processes["router"].pid != router.pid
+        router_workers = psutil.Process(router.pid).children()
         assert len(router_workers) == 2
 
         from kvpush.deploy.hosts import connected

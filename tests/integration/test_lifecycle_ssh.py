@@ -8,48 +8,17 @@ import time
 
 import pytest
 
-from kvpush.cli.main import run as cli_run
 from kvpush.common.errors import KvpushError
 from kvpush.deploy.lifecycle import StartFailure, down, up
 from kvpush.deploy.observe import deployment_status, require_state
 from kvpush.deploy.state import load_state
-from sshd_hosts import topology_for, write_standin_python
-
-from lifecycle_helpers import RecordingEvents, kill_leftovers, options, processes_under
-
-PORTS = iter(range(19000, 19900, 20))  # each test its own block of 20 ports
+from lifecycle_helpers import STANDIN_PORTS, RecordingEvents, options, processes_under, run_cli, standin_deployments
 
 
 @pytest.fixture
 def deploy(sshd_cluster, tmp_path, state_dir):
-    """Factory for a stand-in topology on the cluster; stops and checks for orphans afterwards."""
-    python = str(write_standin_python(tmp_path / "standin-python"))
-    made = []
-
-    def make(name="t", prefill=(0,), decode=(1,), router=2, **kw):
-        topo = topology_for(sshd_cluster, name, python, tmp_path, prefill=list(prefill), decode=list(decode),
-                            router=router, port_base=kw.pop("port_base", None) or next(PORTS), **kw)
-        made.append(topo.name)
-        return topo
-
-    yield make
-    for host in sshd_cluster.hosts:
-        if not host.running:
-            sshd_cluster.restart(host)
-    for name in set(made):
-        down(name, options(sshd_cluster))
-    left = kill_leftovers(python)
-    assert not left, f"processes left behind: {[p.pid for p in left]}"
-
-
-def _cli(args, capsys):
-    try:
-        cli_run(args)
-        code = 0
-    except SystemExit as exc:
-        code = exc.code or 0
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
+    with standin_deployments(sshd_cluster, tmp_path) as make:
+        yield make
 
 
 def test_up_status_down_across_three_hosts(deploy, sshd_cluster, tmp_path, capsys):
@@ -61,12 +30,12 @@ def test_up_status_down_across_three_hosts(deploy, sshd_cluster, tmp_path, capsy
     assert {r.host for r in state.processes.values()} == {"h0", "h1", "h2"}
     assert all(r.pid == r.pgid for r in state.processes.values())  # each in its own process group
 
-    code, out, _ = _cli(["status", "--deployment", "t", "--json", "--known-hosts", str(sshd_cluster.known_hosts)], capsys)
+    code, out, _ = run_cli(["status", "--deployment", "t", "--json", "--known-hosts", str(sshd_cluster.known_hosts)], capsys)
     doc = json.loads(out)
     assert code == 0 and doc["healthy"] and [p["health"] for p in doc["processes"]] == ["ok", "ok", "ok"], doc
     assert doc["processes"][0]["kv_usage"] == 0.25
 
-    code, out, _ = _cli(["logs", "router", "--deployment", "t", "-n", "5", "--known-hosts", str(sshd_cluster.known_hosts)], capsys)
+    code, out, _ = run_cli(["logs", "router", "--deployment", "t", "-n", "5", "--known-hosts", str(sshd_cluster.known_hosts)], capsys)
     assert code == 0 and "router" in out and "POST /v1/completions" in out
 
     again = up(topo, options(sshd_cluster), events := RecordingEvents())
@@ -80,7 +49,7 @@ def test_up_status_down_across_three_hosts(deploy, sshd_cluster, tmp_path, capsy
 
 
 def test_changed_topology_restarts_only_the_affected_process(deploy, sshd_cluster):
-    ports = next(PORTS)
+    ports = next(STANDIN_PORTS)
     up(deploy(port_base=ports), options(sshd_cluster))
     before = load_state("t").processes
     changed = deploy(port_base=ports, instance_env={"prefill-0": {"NEW_SETTING": "1"}})
@@ -100,7 +69,7 @@ def test_killed_process_shows_in_status_and_up_restarts_it(deploy, sshd_cluster,
     rows = {r.name: r for r in deployment_status(require_state("t"), options(sshd_cluster).ssh)}
     assert rows["decode-0"].process in ("dead", "zombie") and not rows["decode-0"].healthy
     assert rows["prefill-0"].healthy
-    code, out, _ = _cli(["status", "-d", "t", "--json", "--known-hosts", str(sshd_cluster.known_hosts)], capsys)
+    code, out, _ = run_cli(["status", "-d", "t", "--json", "--known-hosts", str(sshd_cluster.known_hosts)], capsys)
     assert code == 1 and json.loads(out)["healthy"] is False
     result = up(topo, options(sshd_cluster))
     assert result.changes.revive == ["decode-0"] and result.proof is not None
@@ -147,17 +116,17 @@ def test_cli_up_and_down_exit_codes(deploy, sshd_cluster, tmp_path, capsys):
     path = tmp_path / "kvpush.yaml"
     path.write_text(yaml.safe_dump(topo.model_dump(mode="json", exclude_none=True)))
     kh = ["--known-hosts", str(sshd_cluster.known_hosts)]
-    code, out, err = _cli(["up", str(path), "--no-provision", "--timeout", "30", *kh], capsys)
+    code, out, err = run_cli(["up", str(path), "--no-provision", "--timeout", "30", *kh], capsys)
     assert code == 1 and "doctor:" in err and "--skip-doctor" in err  # stand-in hosts have no vLLM
     assert load_state(topo.name) is None or not load_state(topo.name).processes
-    code, out, err = _cli(["up", str(path), "--no-provision", "--skip-doctor", "--timeout", "30", *kh], capsys)
+    code, out, err = run_cli(["up", str(path), "--no-provision", "--skip-doctor", "--timeout", "30", *kh], capsys)
     assert code == 0, err
     assert "ready; slowest process" in out and "decode received" in out
-    code, out, _ = _cli(["up", str(path), "--no-provision", "--skip-doctor", *kh], capsys)
+    code, out, _ = run_cli(["up", str(path), "--no-provision", "--skip-doctor", *kh], capsys)
     assert code == 0 and "unchanged, nothing to do" in out
-    code, out, _ = _cli(["down", str(path), *kh], capsys)
+    code, out, _ = run_cli(["down", str(path), *kh], capsys)
     assert code == 0 and "stopped" in out
-    code, _, err = _cli(["status", str(path), *kh], capsys)
+    code, _, err = run_cli(["status", str(path), *kh], capsys)
     assert code == 1 and "not running" in err
 
 

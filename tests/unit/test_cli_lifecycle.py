@@ -74,3 +74,20 @@ def test_logs_print_bracketed_lines_as_written(tmp_path, monkeypatch):
     result = kvpush("logs", "-d", "t", state_dir=tmp_path / "state")
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == [f"prefill-0 | {line}" for line in lines]
+
+
+def test_status_into_a_pipe_prints_every_name_and_value_whole(monkeypatch):
+    """Captured output has no terminal width: nothing may be cut to fit one (it used to read `pre…`)."""
+    name = "prefill-with-a-long-descriptive-name-0"
+    rows = [ProcessStatus(name, "prefill", "gpu-host-with-a-long-name", 4242, "dead", "-", None, None, None, None, 2,
+                          "died at 10:00:00 (pid 4242: killed by SIGKILL); left behind: pid 4250 (VLLM::EngineCor) holding port 5600",
+                          supervisor_pid=4240, last_exit="killed by SIGKILL"),
+            ProcessStatus("decode-0", "decode", "gpu-host-with-a-long-name", 4300, "running", "ok", 3, 1, 0.25, 61.0, 0)]
+    monkeypatch.setattr(lifecycle_cmd, "require_state", lambda name: object())
+    monkeypatch.setattr(lifecycle_cmd, "deployment_status", lambda state, ssh, keys=None: rows)
+    result = CliRunner().invoke(app, ["status", "-d", "t"])
+    assert result.exit_code == 1
+    table = result.stdout
+    assert "…" not in table and name in table and "gpu-host-with-a-long-name" in table and "running" in table
+    assert f"{name}: died at 10:00:00 (pid 4242: killed by SIGKILL); left behind: pid 4250 (VLLM::EngineCor) holding port 5600" in result.stderr
+

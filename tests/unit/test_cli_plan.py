@@ -145,3 +145,10 @@ def test_plan_shows_each_srun_line_and_the_sbatch_script_and_prints_a_standalone
     assert kvpush("init", str(tmp_path / "l.yaml"), "--template", "local-cpu").returncode == 0
     refused = kvpush("plan", str(tmp_path / "l.yaml"), "--slurm-script")
     assert refused.returncode == 2 and refused.stderr.strip().startswith("error: --slurm-script: ") and "launcher ssh" in refused.stderr
+
+
+def test_plan_into_a_pipe_has_plain_section_lines_and_whole_values(tmp_path):
+    result = kvpush("plan", cwd=tmp_path)
+    assert result.returncode == 0 and "…" not in result.stdout
+    assert "== host local (127.0.0.1, local)  workdir ~/.kvpush/local-cpu" in result.stdout.splitlines()
+    assert "    supervisor " in result.stdout and "-m kvpush.deploy.supervise --name prefill-0" in result.stdout

@@ -173,7 +173,7 @@ def test_proc_table_parsing_handles_odd_command_names():
             "42 42 (my (odd) prog) S 1 42 42 0 -1 0 0 0 0 0 0 0 0 0 20 0 1 0 250 0 0\n"
             "43 43 (z) Z 1 40 40 0 -1 0 0 0 0 0 0 0 0 0 20 0 1 0 300 0 0\n")
     infos = parse_proc_table([42, 43, 44], text)
-    assert infos[42] == ProcessInfo(42, "alive", 1002.5, 42)
+    assert infos[42] == ProcessInfo(42, "alive", 1002.5, 42, command="my (odd) prog")
     assert infos[43].state == "zombie" and infos[43].pgid == 40
     assert infos[44].state == "dead"
 
@@ -263,18 +263,18 @@ class _ProofRunner:
 
 
 def test_proof_asks_again_when_the_router_let_decode_compute_the_prompt(monkeypatch):
-    import kvpush.deploy.lifecycle as lifecycle
+    import kvpush.deploy.proof as proof
 
-    monkeypatch.setattr(lifecycle.time, "sleep", lambda s: None)
+    monkeypatch.setattr(proof.time, "sleep", lambda s: None)
     plan = build_plan(parse_topology(template_text(DEFAULT_TEMPLATE)))
     runner = _ProofRunner(fallbacks=2)
-    proof = lifecycle.prove_kv_transfer({"local": runner}, plan)
-    assert proof.external_kv_tokens == 200 and len(runner.prompts) == 3
+    result = proof.prove_kv_transfer({"local": runner}, plan)
+    assert result.external_kv_tokens == 200 and len(runner.prompts) == 3
     assert len(set(runner.prompts)) == 3  # a fresh prompt each time: decode's prefix cache cannot hide the transfer
 
-    monkeypatch.setattr(lifecycle, "ROUTER_ROTATION_WAIT_S", 0.0)
+    monkeypatch.setattr(proof, "ROUTER_ROTATION_WAIT_S", 0.0)
     with pytest.raises(KvpushError, match="no decode instance received prompt tokens by KV transfer"):
-        lifecycle.prove_kv_transfer({"local": _ProofRunner(fallbacks=10**6)}, plan)
+        proof.prove_kv_transfer({"local": _ProofRunner(fallbacks=10**6)}, plan)
 
 
 def test_proof_sends_the_routers_key_to_the_router_and_the_instances_key_to_decode(monkeypatch):

@@ -221,3 +221,17 @@ def test_vllms_own_connectors_get_no_secret_file():
     prefill = build_plan(topo).process("prefill-0")
     config = json.loads(prefill.argv[prefill.argv.index("--kv-transfer-config") + 1])
     assert "secret_file" not in config["kv_connector_extra_config"] and prefill.env_file is not None
+
+
+def test_every_process_starts_under_its_supervisor_with_its_restart_policy():
+    topo = parse_topology(TWO_HOSTS.replace('decode: [{host: b, cpu_cores: "1"}]',
+                                            'decode: [{host: b, cpu_cores: "1", restart: {policy: on-failure, max_restarts: 2, window_s: 60}}]') % "kvpush")
+    plan = build_plan(topo)
+    decode, prefill = plan.process("decode-0"), plan.process("prefill-0")
+    assert decode.launch_argv == decode.supervisor + decode.argv
+    assert decode.supervisor == ["/opt/venv/bin/python", "-m", "kvpush.deploy.supervise", "--name", "decode-0",
+                                 "--status-file", "~/.kvpush/t/run/decode-0.json", "--restart", "on-failure",
+                                 "--max-restarts", "2", "--window-s", "60", "--"]
+    assert "--restart" not in prefill.supervisor and prefill.supervisor[-1] == "--"
+    assert plan.process("router").status_path == "~/.kvpush/t/run/router.json"
+    assert decode.digest() != plan_for().process("decode-0").digest()  # a new policy is a changed launch

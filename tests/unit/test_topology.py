@@ -225,3 +225,16 @@ def test_colocated_needs_no_prefill():
 
 def test_bad_file_count_meets_the_bar():
     assert len({b[0] for b in BAD_FILES}) >= 15
+
+
+@pytest.mark.parametrize("written, policy", [("on-failure", "on-failure"), ("no", "never"), ("never", "never"),
+                                             ("{policy: on-failure, max_restarts: 5, window_s: 60}", "on-failure")])
+def test_restart_policy_takes_a_word_or_a_mapping(written, policy):
+    topo = parse_topology(MINIMAL.replace("prefill:\n  - {}", f"prefill:\n  - {{restart: {written}}}"))
+    assert topo.prefill[0].restart.policy == policy and topo.decode[0].restart.policy == "never"
+
+
+def test_unknown_restart_policy_names_the_field():
+    text = MINIMAL.replace("prefill:\n  - {}", "prefill:\n  - {restart: always}")
+    with pytest.raises(TopologyError, match=r"<string>:\d+:\d+: prefill\[0\]\.restart\.policy: got 'always', expected one of 'never' or 'on-failure'"):
+        parse_topology(text)

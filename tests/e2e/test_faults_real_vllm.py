@@ -1,0 +1,321 @@
+"""Faults under load on real vLLM 1P1D on CPU (the local-cpu shape, on ports of its own), through
+`kvpush up`, `status` and `down`: SIGKILL of prefill, of decode, of the router, and SIGSTOP/SIGCONT
+of prefill, each on its own deployment.
+
+Per fault: 32 clients send requests of 1,500 prompt tokens and 48 output tokens back to back; the
+fault hits a few seconds into that load, and the load goes on through recovery. Every request must
+end (answer or clear error) within 30 s of the fault or of its own start; `status` must exit 1 and
+say what happened; `up` right after, under the load, must bring the victim back without touching
+the others (same PIDs), every request after it must be answered, and greedy answers (float32) must
+equal those before. Afterwards no process of the deployment is left and no port is held.
+
+With KVPUSH_FAULT_RESULTS=FILE each test appends its numbers to FILE as one JSON line
+(docs/faults.md is made from them). Heavy: run under `flock /tmp/kvpush-heavy.lock`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from kvpush.deploy.lifecycle import LifecycleOptions, down, up
+from kvpush.deploy.observe import deployment_status, require_state
+from kvpush.deploy.plan import build_plan
+from kvpush.deploy.runners import SshOptions
+from kvpush.deploy.tiny_model import make_tiny_model
+from kvpush.deploy.topology import TinyModelSpec, parse_topology
+from lifecycle_helpers import kill_leftovers, processes_under
+from random_prompts import VOCAB, full_length_prompts
+
+CLIENTS, PROMPT_TOKENS, MAX_TOKENS = 32, 1500, 48
+LOAD_BEFORE_FAULT_S = 3.0  # the fault hits a steady load
+AFTER_RECOVERY_S = 5.0  # clients go on sending through the fault and `up`, and this long after it
+STOPPED_FOR_S = 8.0  # SIGSTOP to SIGCONT
+ENDS_WITHIN_S = 30.0
+UP_WITHIN_S = 120.0
+PROBES = full_length_prompts(4, PROMPT_TOKENS, seed=7)  # answered before the fault and after `up`
+# name -> (victim, signal, port base): each fault its own deployment and ports.
+FAULTS = {
+    "kill-prefill": ("prefill-0", signal.SIGKILL, 18700),
+    "kill-decode": ("decode-0", signal.SIGKILL, 18720),
+    "kill-router": ("router", signal.SIGKILL, 18740),
+    "stop-prefill": ("prefill-0", signal.SIGSTOP, 18760),
+    # prefill with `restart: on-failure`: its supervisor brings it back, nobody runs `up`
+    "kill-prefill-restart-policy": ("prefill-0", signal.SIGKILL, 18780),
+}
+RESTART_POLICY = "{policy: on-failure, max_restarts: 3, window_s: 600}"
+TOPOLOGY = """
+name: {name}
+platform: cpu
+model: {{path: {model}, served_name: tiny, max_model_len: 2048, enforce_eager: true, dtype: float32,
+         extra_args: ["--no-enable-prefix-caching"]}}
+connector: {{type: kvpush, backend: UCX}}
+hosts:
+  local: {{address: 127.0.0.1, workdir: {workdir}}}
+prefill: [{{cpu_cores: "0", kv_cache_gib: 1, http_port: {base}, side_channel_port: {side}, restart: {restart}}}]
+decode: [{{cpu_cores: "1", kv_cache_gib: 1, http_port: {decode_port}, side_channel_port: {decode_side}}}]
+router: {{port: {router_port}, cpu_cores: "1"}}
+env: {{UCX_MODULES: "^ib", UCX_MEM_EVENTS: "no"}}
+"""
+# Prefix caching off: a probe sent twice is computed (and transferred) twice, not served from cache.
+
+
+@dataclass
+class Outcome:
+    start: float
+    end: float
+    status: int | None  # None: no HTTP answer (connection refused or reset, or timed out)
+    text: str
+
+    @property
+    def timed_out(self) -> bool:
+        return self.status is None and "timed out" in self.text
+
+
+def complete(url: str, prompt: list[int], timeout_s: float = 90.0) -> Outcome:
+    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+                       "ignore_eos": True}).encode()
+    request = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
+    start = time.monotonic()
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            text = json.loads(response.read())["choices"][0]["text"]
+            return Outcome(start, time.monotonic(), response.status, text)
+    except urllib.error.HTTPError as exc:
+        return Outcome(start, time.monotonic(), exc.code, exc.read().decode(errors="replace")[:300])
+    except (OSError, ValueError) as exc:  # refused, reset, timed out, a cut-off body
+        return Outcome(start, time.monotonic(), None, f"{type(exc).__name__}: {exc}")
+
+
+class Load:
+    """CLIENTS threads, each sending fresh prompts back to back until stop()."""
+
+    def __init__(self, url: str, seed: int):
+        self.outcomes: list[Outcome] = []
+        self._lock, self._stop = threading.Lock(), threading.Event()
+        self._threads = [threading.Thread(target=self._client, args=(url, random.Random(seed * 1000 + i)), daemon=True)
+                         for i in range(CLIENTS)]
+        for t in self._threads:
+            t.start()
+
+    def _client(self, url: str, rng: random.Random) -> None:
+        while not self._stop.is_set():
+            outcome = complete(url, [rng.randint(10, VOCAB - 1) for _ in range(PROMPT_TOKENS)])
+            with self._lock:
+                self.outcomes.append(outcome)
+            if outcome.status != 200:
+                self._stop.wait(0.2)  # a client that got an error does not hammer a server that is down
+
+    def stop(self, timeout_s: float) -> list[Outcome]:
+        self._stop.set()
+        end = time.monotonic() + timeout_s
+        for t in self._threads:
+            t.join(max(0.0, end - time.monotonic()))
+        assert not any(t.is_alive() for t in self._threads), "a client is still waiting for an answer"
+        return sorted(self.outcomes, key=lambda o: o.start)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("model") / "tiny"
+    make_tiny_model(path, TinyModelSpec(seed=0))
+    return path
+
+
+def _rows(name: str) -> dict:
+    return {r.name: r for r in deployment_status(require_state(name), SshOptions())}
+
+
+def _cli_status(name: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvpush.cli.main", "status", "-d", name], capture_output=True, text=True,
+                          timeout=60)
+
+
+def _instance_pids(pid: int) -> list[int]:
+    """The process and everything below it (vLLM's API server and its engine core)."""
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        try:
+            with open(f"/proc/{p}/task/{p}/children") as f:
+                todo += [int(c) for c in f.read().split()]
+        except FileNotFoundError:
+            pass
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def _record(numbers: dict) -> None:
+    print("\nfault result: " + json.dumps(numbers), file=sys.stderr)
+    path = os.environ.get("KVPUSH_FAULT_RESULTS")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(numbers) + "\n")
+
+
+def _fault(name: str, victim: str, sig: int, pid: int, supervised: bool, numbers: dict) -> tuple[float, subprocess.CompletedProcess]:
+    """Inject the fault; return its time and what `kvpush status` printed about it."""
+    if sig == signal.SIGSTOP:  # the whole instance: its API server and its engine core, as a hung GPU would
+        target = _instance_pids(pid)
+        fault_at = time.monotonic()
+        for p in target:
+            os.kill(p, signal.SIGSTOP)
+        try:
+            time.sleep(2.0)
+            shown = _cli_status(name)
+            row = _rows(name)[victim]
+            assert row.process == "hung" and row.health == "no answer", row
+            time.sleep(max(0.0, STOPPED_FOR_S - (time.monotonic() - fault_at)))
+        finally:
+            for p in target:
+                os.kill(p, signal.SIGCONT)
+        return fault_at, shown
+    fault_at = time.monotonic()
+    os.kill(pid, sig)
+    deadline = fault_at + 15
+    if supervised:  # restarted in place: a new PID under the same supervisor
+        while (row := _rows(name)[victim]).pid == pid:
+            assert time.monotonic() < deadline, row
+            time.sleep(0.2)
+        numbers["restarted_after_s"] = round(time.monotonic() - fault_at, 1)
+        return fault_at, _cli_status(name)
+    while _rows(name)[victim].process not in ("dead", "zombie"):
+        assert time.monotonic() < deadline, _rows(name)[victim]
+        time.sleep(0.2)
+    numbers["shown_dead_after_s"] = round(time.monotonic() - fault_at, 1)
+    # At once, as a user would: its supervisor may still be stopping what it left (an orphaned engine core).
+    shown = _cli_status(name)
+    assert "its supervisor is stopping what it left behind: pid" in shown.stderr or "nothing of it is left" in shown.stderr, shown.stderr
+    return fault_at, shown
+
+
+def _healthy_again(name: str, victim: str, timeout_s: float) -> float:
+    deadline = time.monotonic() + timeout_s
+    while not (row := _rows(name)[victim]).healthy:
+        assert time.monotonic() < deadline, row
+        time.sleep(0.5)
+    return time.monotonic()
+
+
+def _answered_again_at(outcomes: list[Outcome]) -> float | None:
+    """The start of the first request from which on every request was answered; None if the last one failed."""
+    again = None
+    for o in outcomes:
+        if o.status != 200:
+            again = None
+        elif again is None:
+            again = o.start
+    return again
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_fault_under_load(fault, model_dir, tmp_path, state_dir):
+    victim, sig, base = FAULTS[fault]
+    supervised = fault.endswith("restart-policy")
+    name = f"faults-{fault}"
+    topo = parse_topology(TOPOLOGY.format(name=name, model=model_dir, workdir=tmp_path, base=base, side=base + 5,
+                                          decode_port=base + 1, decode_side=base + 6, router_port=base + 2,
+                                          restart=RESTART_POLICY if supervised else "never"))
+    plan = build_plan(topo)
+    ports = [p for proc in plan.processes() for p in [proc.http_port, *proc.side_channel_ports]]
+    options = LifecycleOptions(provision=False, ready_timeout_s=400, stop_timeout_s=15)
+    numbers: dict = {"test": f"tests/e2e/test_faults_real_vllm.py::test_fault_under_load[{fault}]", "fault": fault}
+    load = None
+    try:
+        up(topo, options)
+        before = [complete(plan.router_url, p) for p in PROBES]
+        assert all(o.status == 200 for o in before), before
+        pids_before = {n: (r.supervisor_pid, r.pid) for n, r in _rows(name).items()}
+
+        load = Load(plan.router_url, seed=base)
+        time.sleep(LOAD_BEFORE_FAULT_S)
+        fault_at, shown = _fault(name, victim, sig, pids_before[victim][1], supervised, numbers)
+        said = "ended (killed by SIGKILL)" if supervised else "hung" if sig == signal.SIGSTOP else "died at"
+        assert shown.returncode == 1 and victim in shown.stdout, shown
+        assert f"{victim}: {said}" in shown.stderr, shown.stderr
+        numbers["status_says"] = next(line for line in shown.stderr.splitlines() if line.startswith(f"{victim}:"))
+
+        if supervised:
+            recovered_at = _healthy_again(name, victim, UP_WITHIN_S)
+            numbers["healthy_again_after_s"] = round(recovered_at - fault_at, 1)
+            assert up(topo, options).changes.nothing_to_do
+        else:
+            began = time.monotonic()  # `up` right away, under the same load, with doctor's gate
+            result = up(topo, options)
+            recovered_at = time.monotonic()
+            numbers["up_s"] = round(recovered_at - began, 1)
+            numbers["up_cleared_first"] = result.cleared  # what the dead process had left when `up` began
+            if sig == signal.SIGSTOP:
+                assert result.changes.nothing_to_do  # it runs again after SIGCONT
+            else:
+                assert result.changes.revive == [victim], result.changes
+                assert numbers["up_s"] < UP_WITHIN_S
+        time.sleep(AFTER_RECOVERY_S)
+        outcomes, load = load.stop(ENDS_WITHIN_S + 30), None
+
+        in_flight = [o for o in outcomes if o.start < fault_at < o.end]
+        during = [o for o in outcomes if fault_at <= o.start < recovered_at]
+        assert in_flight, "the fault hit no request in flight"
+        assert not [o for o in outcomes if o.timed_out], "a request hung"
+        slowest = max(o.end - max(o.start, fault_at) for o in outcomes if o.end > fault_at)
+        assert slowest <= ENDS_WITHIN_S, f"a request ended {slowest:.1f} s after the fault (or after it started)"
+        again = _answered_again_at(outcomes)
+        assert again is not None, "requests still failed when the load ended"
+        if sig != signal.SIGSTOP:
+            assert again <= recovered_at, "requests failed after `up` had brought the victim back"
+        errors = sorted({(o.status, o.text[:110]) for o in outcomes if o.status != 200})
+        numbers.update(
+            in_flight=len(in_flight), in_flight_ok=sum(o.status == 200 for o in in_flight),
+            until_up_done=len(during), until_up_done_ok=sum(o.status == 200 for o in during),
+            slowest_end_after_fault_s=round(slowest, 1), answered_again_after_s=round(max(0.0, again - fault_at), 1),
+            errors=[f"{s or 'no HTTP answer'}: {t}" for s, t in errors][:6])
+
+        rows = _rows(name)
+        assert all(r.healthy for r in rows.values()), rows
+        for other, pids in pids_before.items():
+            if other != victim or sig == signal.SIGSTOP:
+                assert (rows[other].supervisor_pid, rows[other].pid) == pids, f"{other} was restarted"
+        if supervised:
+            assert rows[victim].supervisor_pid == pids_before[victim][0] and rows[victim].restarts == 1
+        after = [complete(plan.router_url, p) for p in PROBES]
+        assert [o.text for o in after] == [o.text for o in before]
+    finally:
+        if load is not None:
+            load.stop(ENDS_WITHIN_S + 30)
+        stopped = down(name, options)
+    assert stopped.complete, stopped
+    left = processes_under(str(tmp_path))
+    kill_leftovers(str(tmp_path))
+    assert left == [], f"processes of the deployment left: {[p.info['cmdline'][:4] for p in left]}"
+    assert [p for p in ports if not _port_free(p)] == []
+    _record(numbers)
