@@ -181,6 +181,9 @@ def kv_transfer_config(topo: Topology, role: Role, spec: InstanceSpec) -> dict |
             "side_channel_host": bind_address(host),
             "side_channel_port": spec.side_channel_port,
             "allowed_engines": sorted(engine_id(topo, p) for p in peers),
+            # where each peer's side channel is: decode dials these and nothing a request names
+            "peer_side_channels": {engine_id(topo, p): f"{bind_address(topo.hosts[p.host])}:{p.side_channel_port}"
+                                   for p in sorted(peers, key=lambda p: p.name)},
             "transfer_timeout_s": topo.connector.transfer_timeout_s,
             "secret_file": secret_path(topo, host, "deployment-secret"),  # a path on that host (~ expanded there)
             **topo.connector.extra_config,

@@ -27,6 +27,7 @@ from kvpush.deploy.topology import TinyModelSpec, parse_topology
 from kvpush.common.vllm_metrics import PROMPT_TOKENS_BY_SOURCE, metric_sum
 from openai_conformance import MATRIX, run_case
 from random_prompts import full_length_prompts, random_prompts
+from plan_secrets import write_secret_files
 from server_process import ServerProcess
 
 PORTS = {"prefill_http": 18300, "decode_http": 18301, "reference_http": 18302, "router": 18310,
@@ -91,7 +92,9 @@ def answer_text(status: int, raw: str, stream: bool) -> str:
 def make_plan(protocol: str, model: Path, workdir: Path):
     prefill = "[]" if protocol == "colocated" else PREFILL.format(**PORTS)
     topo = parse_topology(TOPOLOGY.format(protocol=protocol, model=model, workdir=workdir, prefill=prefill, **PORTS))
-    return build_plan(topo)
+    plan = build_plan(topo)
+    write_secret_files(plan)  # kvpush's connector authenticates its side channel with the deployment's key
+    return plan
 
 
 @pytest.fixture(scope="module")
