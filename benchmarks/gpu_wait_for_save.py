@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field

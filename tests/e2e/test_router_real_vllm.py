@@ -151,7 +151,7 @@ def deployment(request, model_dir, reference, tmp_path_factory):
     try:
         for name in instances:
             proc = plan.process(name)
-            started.append(ServerProcess(name, proc.argv, proc.env, proc.health_url.rsplit("/", 1)[0], workdir))
+            started.append(ServerProcess(name, proc.argv, proc.env, proc.base_url, workdir))
         router_plan = plan.process("router")
         config_file = plan.host(router_plan.host).files[0]
         config_path = workdir / "router.json"
@@ -159,7 +159,7 @@ def deployment(request, model_dir, reference, tmp_path_factory):
         config["instance_api_key_file"] = None  # these instances start without `up`, so without a key
         config_path.write_text(json.dumps(config))
         started.append(ServerProcess("router", [sys.executable, "-m", "kvpush.router", "--config", str(config_path)],
-                               router_plan.env, router_plan.health_url.rsplit("/", 1)[0], workdir))
+                               router_plan.env, router_plan.base_url, workdir))
         for proc in started:
             proc.wait_healthy()
         deployment = Deployment(protocol, *([None] if protocol == "colocated" else []), *started)

@@ -1,0 +1,42 @@
+"""When the router is ready for traffic: every instance it knows is in its rotation.
+
+The router takes an instance out of rotation when a probe of it fails (also while the instance is
+still loading) and takes it back only at its next probe, so every /health answering 200 does not
+mean the router sends legs to every instance. Its /metrics says: the gauge below is 0 for an
+instance that any of its workers holds out.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from kvpush.common.errors import KvpushError
+from kvpush.common.vllm_metrics import samples
+
+from .runners import Runner
+from .secrets import AccessKeys
+
+ROUTER_IN_ROTATION = "kvpush_router_instance_in_rotation"
+POLL_S = 0.2
+
+
+def out_of_rotation(router_page: str) -> list[str]:
+    """Instances the router does not send legs to right now."""
+    return sorted(labels.get("instance", "?") for metric, labels, value in samples(router_page)
+                  if metric == ROUTER_IN_ROTATION and value < 1)
+
+
+def wait_router_ready(runner: Runner, router_url: str, timeout_s: float, keys: AccessKeys = AccessKeys(),
+                      clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
+    """Until the router at `router_url` (reached through `runner`) has every instance in rotation;
+    raises KvpushError naming the instances still out after `timeout_s`."""
+    end = clock() + timeout_s
+    while True:
+        response = runner.http("GET", router_url + "/metrics", timeout=15, headers=keys.headers("router"))
+        left = out_of_rotation(response.text()) if response.status == 200 else [f"(its /metrics answers HTTP {response.status})"]
+        if not left:
+            return
+        if clock() >= end:
+            raise KvpushError(f"the router {router_url} still has {', '.join(left)} out of rotation {timeout_s:.0f} s after "
+                              "every process was ready; see `kvpush logs router`")
+        sleep(POLL_S)
