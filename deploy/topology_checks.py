@@ -94,6 +94,7 @@ def check_cross_fields(topo: Topology, problems: Problems) -> None:
             if spec.cpu_cores is not None:
                 _claim_cores(topo, role, index, spec, cores, problems)
     _check_tp_sizes(topo, problems)
+    _check_upstream_tp_pairs(topo, problems)
     if topo.connector.backend == "LIBFABRIC" and topo.platform == "cpu":
         problems.fail(("connector", "backend"), "LIBFABRIC (EFA) needs platform: cuda hosts with EFA; use backend: UCX for CPU deployments")
 
@@ -147,6 +148,29 @@ def _check_tp_sizes(topo: Topology, problems: Problems) -> None:
         if problem:
             problems.fail((role, index, "tensor_parallel_size"),
                           f"{spec.name} uses TP size {spec.tensor_parallel_size} but the model has {heads} KV heads: {problem}")
+
+
+UPSTREAM_CONNECTORS = ("nixl-push", "nixl-pull")
+
+
+def upstream_tp_pair_problem(prefill_tp: int, decode_tp: int) -> str:
+    """Why vLLM's NixlConnector cannot pair these TP sizes ("" if it can): it maps ranks only when
+    one size is a multiple of the other, and otherwise fails an assertion at the first handshake."""
+    if max(prefill_tp, decode_tp) % min(prefill_tp, decode_tp):
+        return (f"vLLM's NixlConnector pairs TP sizes only when one divides the other (prefill TP {prefill_tp}, "
+                f"decode TP {decode_tp}); use such sizes or connector type kvpush")
+    return ""
+
+
+def _check_upstream_tp_pairs(topo: Topology, problems: Problems) -> None:
+    """With an upstream connector any prefill may feed any decode: every pair must be one it maps."""
+    if topo.connector.type not in UPSTREAM_CONNECTORS:
+        return
+    for index, decode in enumerate(topo.decode):
+        for prefill in topo.prefill:
+            problem = upstream_tp_pair_problem(prefill.tensor_parallel_size, decode.tensor_parallel_size)
+            if problem:
+                problems.fail(("decode", index, "tensor_parallel_size"), f"{decode.name} with prefill {prefill.name}: {problem}")
 
 
 def check_key_files(topo: Topology) -> None:
