@@ -77,7 +77,8 @@ def test_logs_print_bracketed_lines_as_written(tmp_path, monkeypatch):
 
 
 def test_status_into_a_pipe_prints_every_name_and_value_whole(monkeypatch):
-    """Captured output has no terminal width: nothing may be cut to fit one (it used to read `pre…`)."""
+    """Captured output has no terminal width: nothing may be cut to fit one (rich would shorten
+    a name to `pre…` to fit a width it guessed)."""
     name = "prefill-with-a-long-descriptive-name-0"
     rows = [ProcessStatus(name, "prefill", "gpu-host-with-a-long-name", 4242, "dead", "-", None, None, None, None, 2,
                           "died at 10:00:00 (pid 4242: killed by SIGKILL); left behind: pid 4250 (VLLM::EngineCor) holding port 5600",

@@ -341,8 +341,8 @@ def stream_in_background(producer, tid, req_id):
 @pytest.mark.parametrize("stream_writes", [True, False])
 def test_the_side_channel_thread_is_never_held_up_by_a_write_the_compute_thread_copies(setup, stream_writes):
     """The compute thread copies without the producer's lock: meanwhile the side-channel thread's
-    own calls, and another decode's registration, return at once (they used to wait for the whole
-    copy, so a second decode's PING went unanswered past its 1 s silence limit)."""
+    own calls, and another decode's registration, return at once: were they to wait for the whole
+    copy, a second decode's PING could go unanswered past its 1 s silence limit."""
     producer, engine, conn = setup(stream_writes=stream_writes)
     engine.writes_held.set()  # the copy lasts until the calls below have returned
     register(producer, conn, "s7", [5, 6])
