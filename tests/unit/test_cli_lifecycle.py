@@ -4,11 +4,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 from typer.testing import CliRunner
 
+from cli_in_process import run_cli
 from kvpush.cli import lifecycle_cmd
 from kvpush.cli.main import app
 from kvpush.deploy.observe import ProcessStatus
@@ -16,9 +16,7 @@ from kvpush.deploy.state import DeploymentState, HostRecord, ProcessRecord, save
 
 
 def kvpush(*args: str, state_dir, cwd=None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "KVPUSH_STATE_DIR": str(state_dir)}
-    return subprocess.run([sys.executable, "-m", "kvpush.cli.main", *args], capture_output=True, text=True,
-                          cwd=cwd, env=env, timeout=60)
+    return run_cli(*args, cwd=cwd, env={**os.environ, "KVPUSH_STATE_DIR": str(state_dir)})
 
 
 def test_deployment_name_cannot_leave_the_state_directory(tmp_path):
