@@ -191,10 +191,17 @@ class DeploymentSlot:
         self.protocol = protocol
         self._start = start
         self._current: Deployment | None = None
+        self._failed = ""  # why the last start failed: the tests after it fail at once, not after another wait
 
     def shared(self) -> Deployment:
+        if self._failed:
+            pytest.fail(f"the {self.protocol} deployment did not start: {self._failed}")
         if self._current is None:
-            self._current = self._start()
+            try:
+                self._current = self._start()
+            except Exception as exc:
+                self._failed = f"{type(exc).__name__}: {exc}"
+                raise
         return self._current
 
     def take(self) -> Deployment:

@@ -56,10 +56,17 @@ class ClusterSlot:
         self.plan, self.prompts, self.expected = plan, prompts, expected
         self._servers = servers
         self._once: dict[str, object] = {}
+        self._failed = ""  # why the last start failed: the tests after it fail at once, not after another wait
 
     def shared(self) -> dict:
+        if self._failed:
+            pytest.fail(f"prefill/decode did not start: {self._failed}")
         if self._servers is None:
-            self._servers = start_pair(self.plan)
+            try:
+                self._servers = start_pair(self.plan)
+            except Exception as exc:
+                self._failed = f"{type(exc).__name__}: {exc}"
+                raise
         return {"plan": self.plan, "prompts": self.prompts, "expected": self.expected, **self._servers}
 
     def take(self) -> dict:
