@@ -1,8 +1,9 @@
 """Real vLLM 1P1D on CPU as Slurm job steps: the slurm-cpu template on a real two-node local cluster.
 
-One deployment, brought up with `kvpush up` (which submits the job), is shared by the first tests:
-answers through the router with KV moved by transfer, streaming, status and logs per step, a killed
-prefill step relaunched alone, and last `scancel` of the job from outside. Then one more `up`
+One deployment, brought up with `kvpush up` (which submits the job), is shared by the tests that
+leave it as they found it: answers through the router with KV moved by transfer, streaming, status
+and logs per step. The tests that break it (a killed prefill step relaunched alone, `scancel` of
+the job from outside) each take a deployment for themselves (`own_deployment`). Then one more `up`
 inside an allocation the test makes with salloc. Heavy: run under `flock /tmp/kvpush-heavy.lock`.
 """
 from __future__ import annotations
@@ -115,23 +116,74 @@ def model(tmp_path_factory) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def deployment(slurm_cluster, model, tmp_path_factory):
-    """`kvpush up` of the slurm-cpu template: kvpush submits the job, every process a job step."""
-    tmp = tmp_path_factory.mktemp("deployment")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("KVPUSH_STATE_DIR", str(tmp / "state"))
-        path = _topology_file(tmp, model)
-        try:
-            cli_run(["up", str(path), "--timeout", "400"])
-        except SystemExit as exc:
-            assert not exc.code, f"kvpush up failed ({exc.code}); see the output above"
-        yield path
+class DeploymentSlot:
+    """The slurm-cpu deployment, brought up at its first use. `shared()` is for tests that leave it
+    as they found it; `take()` hands it to a test that breaks it and empties the slot, so the next
+    test gets a fresh one. All of them record their state in the module's state directory."""
+
+    def __init__(self, cluster, model: Path, tmp_path_factory):
+        self._cluster, self._model, self._tmp = cluster, model, tmp_path_factory
+        self._current: Path | None = None
+        self._failed = ""  # why the last `up` failed: the tests after it fail at once
+
+    def shared(self) -> Path:
+        if self._failed:
+            pytest.fail(f"kvpush up of the slurm-cpu deployment failed: {self._failed}")
+        if self._current is None:
+            path = _topology_file(self._tmp.mktemp("deployment"), self._model)
+            try:
+                cli_run(["up", str(path), "--timeout", "400"])
+            except SystemExit as exc:
+                if exc.code:
+                    self._failed = f"exit {exc.code}; see the output above"
+                    self.stop(path)
+                    pytest.fail(f"kvpush up failed ({exc.code}); see the output above")
+            self._current = path
+        return self._current
+
+    def take(self) -> Path:
+        path, self._current = self.shared(), None
+        return path
+
+    def stop(self, path: Path) -> None:
+        """`down` (a no-op once the job is gone), then nothing of it may be left."""
         try:
             cli_run(["down", str(path)])
         except SystemExit:
             pass
-        _nothing_left(slurm_cluster, model, tmp)
+        _nothing_left(self._cluster, self._model, path.parent)
+
+    def stop_shared(self) -> None:
+        if self._current is not None:
+            path, self._current = self._current, None
+            self.stop(path)
+
+
+@pytest.fixture(scope="module")
+def slot(slurm_cluster, model, tmp_path_factory):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("KVPUSH_STATE_DIR", str(tmp_path_factory.mktemp("state")))
+        slot = DeploymentSlot(slurm_cluster, model, tmp_path_factory)
+        try:
+            yield slot
+        finally:
+            slot.stop_shared()
+
+
+@pytest.fixture
+def deployment(slot) -> Path:
+    """The topology file of the shared deployment."""
+    return slot.shared()
+
+
+@pytest.fixture
+def own_deployment(slot):
+    """A deployment for this test alone (it breaks it); stopped, and checked gone, after it."""
+    path = slot.take()
+    try:
+        yield path
+    finally:
+        slot.stop(path)
 
 
 def test_held_out_prompts_are_answered_through_the_router_with_kv_moved_and_streamed(deployment, model, tmp_path):
@@ -189,7 +241,8 @@ def test_status_shows_each_step_and_logs_tail_them(deployment, slurm_cluster, ca
     assert any("Application startup complete" in ln or "/health" in ln for ln in by_process["decode-0"])
 
 
-def test_a_killed_prefill_step_is_reported_and_up_relaunches_only_it(deployment, model, capsys):
+def test_a_killed_prefill_step_is_reported_and_up_relaunches_only_it(own_deployment, model, capsys):
+    deployment = own_deployment
     state = load_state(NAME)
     prefill = next(p for p in processes_under(str(model)) if Path(p.cmdline()[0]).name.startswith("python")
                    and "kv_producer" in " ".join(p.cmdline()))  # the server itself, not its step's shell or srun
@@ -218,7 +271,8 @@ def test_a_killed_prefill_step_is_reported_and_up_relaunches_only_it(deployment,
     assert _external_kv(decode) > before
 
 
-def test_scancel_from_outside_status_says_so_in_one_line_and_down_is_a_no_op(deployment, slurm_cluster, model, capsys):
+def test_scancel_from_outside_status_says_so_in_one_line_and_down_is_a_no_op(own_deployment, slurm_cluster, model, capsys):
+    deployment = own_deployment
     job = load_state(NAME).slurm_submitted_job
     slurm_cluster.command("scancel", job)
     assert SlurmClient().wait_gone(job, 60)
