@@ -5,7 +5,7 @@ Per protocol (kvpush, nixl-pull, nixl-push: 1P1D; colocated: one instance) one d
 shared by the tests that leave it as they found it: instances started with the argv/env of
 `build_plan` (prefill on core 0, decode on core 1), the router as
 `python -m kvpush.router --config <the plan's router.json>`. A test that kills an instance takes
-the deployment for itself (DeploymentSlot.take): stopped after it, never seen by another test. A
+the deployment for itself (tests/deployment_slot.py): stopped after it, seen by no other test. A
 plain vLLM server with decode's settings gives the reference answers: greedy texts for random
 prompts, and the outcome of every request of the OpenAI conformance matrix
 (tests/openai_conformance.py). Heavy: run under `flock /tmp/kvpush-heavy.lock`.
@@ -27,6 +27,7 @@ from kvpush.deploy.plan import build_plan
 from kvpush.deploy.tiny_model import make_tiny_model
 from kvpush.deploy.topology import TinyModelSpec, parse_topology
 from kvpush.common.vllm_metrics import PROMPT_TOKENS_BY_SOURCE, metric_sum
+from deployment_slot import DeploymentSlot
 from openai_conformance import MATRIX, run_case
 from random_prompts import full_length_prompts, random_prompts
 from plan_secrets import write_secret_files
@@ -181,47 +182,15 @@ def start_deployment(protocol: str, model_dir: Path, workdir: Path) -> Deploymen
         raise
 
 
-class DeploymentSlot:
-    """One protocol's deployment, started at its first use. `shared()` is for tests that leave it
-    as they found it; `take()` hands it to a test that breaks it and empties the slot, so a test
-    after that gets a fresh one. Tests run in file order, so the destructive tests, last, take the
-    deployment the others used and nothing is started twice."""
-
-    def __init__(self, protocol: str, start):
-        self.protocol = protocol
-        self._start = start
-        self._current: Deployment | None = None
-        self._failed = ""  # why the last start failed: the tests after it fail at once, not after another wait
-
-    def shared(self) -> Deployment:
-        if self._failed:
-            pytest.fail(f"the {self.protocol} deployment did not start: {self._failed}")
-        if self._current is None:
-            try:
-                self._current = self._start()
-            except Exception as exc:
-                self._failed = f"{type(exc).__name__}: {exc}"
-                raise
-        return self._current
-
-    def take(self) -> Deployment:
-        deployment, self._current = self.shared(), None
-        return deployment
-
-    def stop(self) -> None:
-        if self._current is not None:
-            self._current.stop()
-            self._current = None
-
-
 @pytest.fixture(scope="module", params=PROTOCOLS)
 def slot(request, model_dir, reference, tmp_path_factory):
     protocol = request.param
-    slot = DeploymentSlot(protocol, lambda: start_deployment(protocol, model_dir, tmp_path_factory.mktemp(protocol)))
+    slot = DeploymentSlot(protocol, lambda: start_deployment(protocol, model_dir, tmp_path_factory.mktemp(protocol)),
+                          Deployment.stop)
     try:
         yield slot
     finally:
-        slot.stop()
+        slot.close()
 
 
 @pytest.fixture
@@ -234,14 +203,14 @@ def own_deployment(request, slot):
     """The slot's deployment for this test alone (it kills part of it), stopped after the test.
     A test asks for it only for the protocols it runs with (`runs_with`), so no deployment is
     started for a test that skips."""
-    allowed = request.node.get_closest_marker("runs_with").args
-    if slot.protocol not in allowed:
-        pytest.skip(f"{slot.protocol}: {request.node.get_closest_marker('runs_with').kwargs['otherwise']}")
+    runs_with = request.node.get_closest_marker("runs_with")
+    if slot.name not in runs_with.args:
+        pytest.skip(f"{slot.name}: {runs_with.kwargs['otherwise']}")
     deployment = slot.take()
     try:
         yield deployment
     finally:
-        deployment.stop()
+        slot.stop(deployment)
 
 
 @pytest.mark.timeout(900)

@@ -3,7 +3,8 @@
 One deployment, brought up with `kvpush up` (which submits the job), is shared by the tests that
 leave it as they found it: answers through the router with KV moved by transfer, streaming, status
 and logs per step. The tests that break it (a killed prefill step relaunched alone, `scancel` of
-the job from outside) each take a deployment for themselves (`own_deployment`). Then one more `up`
+the job from outside) each take a deployment for themselves (`own_deployment`,
+tests/deployment_slot.py). Then one more `up`
 inside an allocation the test makes with salloc. Heavy: run under `flock /tmp/kvpush-heavy.lock`.
 """
 from __future__ import annotations
@@ -26,6 +27,7 @@ from kvpush.deploy.state import load_state
 from kvpush.deploy.tiny_model import make_tiny_model
 from kvpush.deploy.topology import TinyModelSpec
 from kvpush.templates import template_text
+from deployment_slot import DeploymentSlot
 from lifecycle_helpers import kill_leftovers, processes_under
 from random_prompts import full_length_prompts, random_prompts
 from server_process import ServerProcess
@@ -116,58 +118,38 @@ def model(tmp_path_factory) -> Path:
     return path
 
 
-class DeploymentSlot:
-    """The slurm-cpu deployment, brought up at its first use. `shared()` is for tests that leave it
-    as they found it; `take()` hands it to a test that breaks it and empties the slot, so the next
-    test gets a fresh one. All of them record their state in the module's state directory."""
+def _up(model: Path, tmp: Path) -> Path:
+    """`kvpush up` of the slurm-cpu template (kvpush submits the job); its topology file."""
+    path = _topology_file(tmp, model)
+    try:
+        cli_run(["up", str(path), "--timeout", "400"])
+    except SystemExit as exc:
+        if exc.code:
+            _down(path)
+            pytest.fail(f"kvpush up failed ({exc.code}); see the output above")
+    return path
 
-    def __init__(self, cluster, model: Path, tmp_path_factory):
-        self._cluster, self._model, self._tmp = cluster, model, tmp_path_factory
-        self._current: Path | None = None
-        self._failed = ""  # why the last `up` failed: the tests after it fail at once
 
-    def shared(self) -> Path:
-        if self._failed:
-            pytest.fail(f"kvpush up of the slurm-cpu deployment failed: {self._failed}")
-        if self._current is None:
-            path = _topology_file(self._tmp.mktemp("deployment"), self._model)
-            try:
-                cli_run(["up", str(path), "--timeout", "400"])
-            except SystemExit as exc:
-                if exc.code:
-                    self._failed = f"exit {exc.code}; see the output above"
-                    self.stop(path)
-                    pytest.fail(f"kvpush up failed ({exc.code}); see the output above")
-            self._current = path
-        return self._current
-
-    def take(self) -> Path:
-        path, self._current = self.shared(), None
-        return path
-
-    def stop(self, path: Path) -> None:
-        """`down` (a no-op once the job is gone), then nothing of it may be left."""
-        try:
-            cli_run(["down", str(path)])
-        except SystemExit:
-            pass
-        _nothing_left(self._cluster, self._model, path.parent)
-
-    def stop_shared(self) -> None:
-        if self._current is not None:
-            path, self._current = self._current, None
-            self.stop(path)
+def _down(path: Path) -> None:
+    try:
+        cli_run(["down", str(path)])  # a no-op once the job is gone
+    except SystemExit:
+        pass
 
 
 @pytest.fixture(scope="module")
 def slot(slurm_cluster, model, tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("KVPUSH_STATE_DIR", str(tmp_path_factory.mktemp("state")))
-        slot = DeploymentSlot(slurm_cluster, model, tmp_path_factory)
+        def stop(path: Path) -> None:
+            _down(path)
+            _nothing_left(slurm_cluster, model, path.parent)
+
+        slot = DeploymentSlot("the slurm-cpu deployment", lambda: _up(model, tmp_path_factory.mktemp("deployment")), stop)
         try:
             yield slot
         finally:
-            slot.stop_shared()
+            slot.close()
 
 
 @pytest.fixture

@@ -26,6 +26,7 @@ from harness import (  # noqa: E402
     LATE_WRITE_HOLD_S, PORTS, Server, completion_body, deployment_plan, ensure_model, grep_log, kv_usage, post, push_request,
     reference_of, wait_until_queued_on_prefill,
 )
+from deployment_slot import DeploymentSlot  # noqa: E402
 from random_prompts import full_length_prompts, random_prompts  # noqa: E402
 
 MAX_TOKENS = 8
@@ -48,44 +49,24 @@ def start_pair(plan) -> dict[str, Server]:
         raise
 
 
-class ClusterSlot:
-    """The prefill/decode pair tests share, started at first use; `take()` hands it to a test that
-    breaks it and empties the slot. Results computed once per pair (`once`) go with the pair."""
+def stop_pair(servers: dict[str, Server]) -> None:
+    for s in servers.values():
+        s.kill()
 
-    def __init__(self, plan, prompts: dict, expected: dict, servers: dict[str, Server] | None = None):
-        self.plan, self.prompts, self.expected = plan, prompts, expected
-        self._servers = servers
-        self._once: dict[str, object] = {}
-        self._failed = ""  # why the last start failed: the tests after it fail at once, not after another wait
 
-    def shared(self) -> dict:
-        if self._failed:
-            pytest.fail(f"prefill/decode did not start: {self._failed}")
-        if self._servers is None:
-            try:
-                self._servers = start_pair(self.plan)
-            except Exception as exc:
-                self._failed = f"{type(exc).__name__}: {exc}"
-                raise
-        return {"plan": self.plan, "prompts": self.prompts, "expected": self.expected, **self._servers}
+@dataclass
+class Pairs:
+    slot: DeploymentSlot  # of prefill/decode pairs: {"prefill": Server, "decode": Server}
+    plan: object
+    prompts: dict[str, list]  # "sequential", "concurrent"
+    expected: dict[str, list[str]]  # the reference's answers to them
 
-    def take(self) -> dict:
-        cluster, self._servers, self._once = self.shared(), None, {}
-        return cluster
-
-    def once(self, name: str, compute):
-        if name not in self._once:
-            self._once[name] = compute()
-        return self._once[name]
-
-    def stop(self) -> None:
-        for s in (self._servers or {}).values():
-            s.kill()
-        self._servers = None
+    def cluster(self, servers: dict[str, Server]) -> dict:
+        return {"plan": self.plan, "prompts": self.prompts, "expected": self.expected, **servers}
 
 
 @pytest.fixture(scope="module")
-def slot():
+def pairs():
     """Starts the reference beside the first pair (their loading overlaps), takes its answers and
     stops it before the P/D tests: that frees memory and a core."""
     WORK.mkdir(parents=True, exist_ok=True)
@@ -110,27 +91,26 @@ def slot():
         raise
     finally:
         reference.kill()
-    slot = ClusterSlot(plan, prompts, expected, pair)
+    slot = DeploymentSlot("prefill/decode", lambda: start_pair(plan), stop_pair, current=pair)
     try:
-        yield slot
+        yield Pairs(slot, plan, prompts, expected)
     finally:
-        slot.stop()
+        slot.close()
 
 
 @pytest.fixture
-def cluster(slot) -> dict:
-    return slot.shared()
+def cluster(pairs) -> dict:
+    return pairs.cluster(pairs.slot.shared())
 
 
 @pytest.fixture
-def own_cluster(slot):
+def own_cluster(pairs):
     """The pair for this test alone (it kills part of it), stopped after the test."""
-    cluster = slot.take()
+    servers = pairs.slot.take()
     try:
-        yield cluster
+        yield pairs.cluster(servers)
     finally:
-        for role in ("prefill", "decode"):
-            cluster[role].kill()
+        pairs.slot.stop(servers)
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +128,7 @@ class SequentialRun:
 
 
 @pytest.fixture
-def sequential_run(slot, cluster, pool) -> SequentialRun:
+def sequential_run(pairs, cluster, pool) -> SequentialRun:
     """The 54 sequential P/D requests, sent once per pair, with decode's counters before them."""
 
     def run() -> SequentialRun:
@@ -160,7 +140,7 @@ def sequential_run(slot, cluster, pool) -> SequentialRun:
                 for prompt in cluster["prompts"]["sequential"]]
         return SequentialRun(legs, *before)
 
-    return slot.once("sequential", run)
+    return pairs.slot.once("sequential", run)
 
 
 def wait_kv_usage_zero(server: Server, timeout_s: float = 10.0) -> float:
