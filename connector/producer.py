@@ -10,6 +10,9 @@ queue); if D's registration is here, the WRITE (made ahead, or now) is posted ri
 D's forward pass overlaps the copy. Who may connect is admission.py's call. Everything that
 arrives later is handled on the reactor thread. `take_freed()` hands back the requests whose
 blocks P may free (WRITE done or failed, or never matched before the timeout).
+
+This module matches offers with registrations and speaks to D; a matched push's WRITE, from
+posting to its outcome, is pushes.py's.
 """
 from __future__ import annotations
 
@@ -24,64 +27,15 @@ from .admission import Admission, ThrottledWarnings
 from .channel import AUTH_DEADLINE_S, MAX_CONNECTIONS, Connection, Reactor
 from .coalesce import Plan
 from .fanin import base_name, rank_key, rank_of
+from .pushes import Peers, Pushes, SendRecord
 from .sharding import HeadSharding, ShardingError, targets_of
 from .state import Match, Offer, ProducerState, Registration, Rejection, counts_since
-from .streamed_write import stream_parts
-from .transfer import NixlEngine, Peer, TransferError, Write
+from .transfer import NixlEngine, Peer
 
 log = logging.getLogger(__name__)
 POLL_S = 0.0002  # completion polling period, only while WRITEs are in flight
-SYNC_DRIVE_S = 0.5  # at most this long the compute thread drives a WRITE it posted itself
 # Counters that are outcomes, not dropped or refused input (those are exported by `take_counts`)
 _OUTCOME_COUNTERS = frozenset({"sent", "failed"})
-
-
-@dataclass(frozen=True)
-class SendRecord:
-    """One finished push, for stats and timing analysis."""
-
-    transfer_id: str
-    req_id: str
-    ok: bool
-    num_bytes: int
-    offered: float  # prefill step end (monotonic)
-    registered: float  # D's registration arrival
-    posted: float  # WRITE started (after NIXL's post returned)
-    finished: float
-    reason: str = ""
-    num_descriptors: int = 0
-    prepared_ahead: bool = False  # the WRITE was made before the prefill ended
-    peer_rank: int = 0  # the decode rank this push wrote into (transfer_id is the request's, over all ranks)
-
-
-@dataclass
-class _InFlight:
-    match: Match
-    writes: list[Write]  # one, or a streamed WRITE's parts not yet driven to completion
-    conn: Connection
-    posted: float
-    prepared_ahead: bool
-    error: str = ""  # a part could not be posted: FAIL once the others are no longer in flight
-    num_bytes: int = 0  # of the parts that completed before
-    deadline: float = float("inf")  # still copying then: failed (a WRITE that neither ends nor errors)
-
-    def state(self, engine: NixlEngine) -> str:
-        """PROC while any part is; then ERR if any part failed or could not be posted."""
-        states = [engine.state(w) for w in self.writes]
-        if "PROC" in states:
-            return "PROC"
-        return "ERR" if self.error or "ERR" in states else "DONE"
-
-
-@dataclass
-class _Prepared:
-    """A WRITE made before its prefill ended, for exactly these blocks and this peer."""
-
-    engine_id: str
-    peer: Peer
-    src_blocks: tuple[int, ...]
-    dst_blocks: tuple[int, ...]
-    write: Write
 
 
 @dataclass
@@ -109,32 +63,20 @@ class ProducerConfig:
     stream_writes: bool = False
 
 
-@dataclass
-class _Peers:
-    """D ranks that completed a handshake (keyed engine#rank): their connection and NIXL peer."""
-
-    conns: dict[str, Connection] = field(default_factory=dict)
-    nixl: dict[str, Peer] = field(default_factory=dict)
-
-
 class Producer:
     def __init__(self, config: ProducerConfig, engine: NixlEngine):
         self.config = config
         self.engine = engine
         self._lock = threading.RLock()
         self._state = ProducerState(config.timeout_s)
-        self._peers = _Peers()
-        self._inflight: list[_InFlight] = []  # WRITEs the reactor thread polls to their end
+        self._peers = Peers()
         self._writing: set[str] = set()  # transfer ids the compute thread writes right now (no lock held)
-        self._prepared: dict[str, _Prepared] = {}  # transfer id ->
         self._counted: Counter = Counter()  # what take_counts already handed out
         self._warnings = ThrottledWarnings()
-        self._freed: list[str] = []
-        self._parts_left: dict[str, int] = {}  # request -> pushes (one per decode rank) not yet ended
-        self._records: list[SendRecord] = []
         self.counters: Counter = Counter()
         self._reactor = Reactor(f"kvpush-p-{config.engine_id}", self, max_connections=config.max_connections,
                                 auth_deadline_s=config.auth_deadline_s if config.side_channel_key else None)
+        self._pushes = Pushes(config, engine, self._lock, self._peers, self.counters, self._reactor.wake)
         self._admission = Admission(config, engine, self.counters, self._warnings, self._reactor.close, self._admit)
         self.port = self._reactor.listen(config.host, config.port)
         self._reactor.start()
@@ -152,21 +94,7 @@ class Producer:
 
     def _prepare(self, transfer_id: str, block_ids: list[int] | tuple[int, ...], peer_engine: str) -> bool:
         with self._lock:
-            reg = self._state.registrations.get(transfer_id)
-            peer = self._peers.nixl.get(peer_engine)
-            if reg is None or peer is None or reg.peer_engine != peer_engine or transfer_id in self._prepared:
-                return False
-            end = reg.first_block + len(reg.block_ids)
-            if not reg.block_ids or end > len(block_ids):
-                return False  # offer() answers these without a WRITE
-            src = tuple(block_ids[reg.first_block:end])
-            try:
-                write = self.engine.prepare_write(peer, src, reg.block_ids)
-            except TransferError as exc:
-                log.debug("kvpush P could not make %s ahead: %s", transfer_id, exc)
-                return False
-            self._prepared[transfer_id] = _Prepared(peer_engine, peer, src, reg.block_ids, write)
-            return True
+            return self._pushes.prepare(transfer_id, block_ids, peer_engine, self._state.registrations.get(transfer_id))
 
     def has_registration(self, transfer_id: str, peer_tp_size: int = 1) -> bool:
         """Whether every decode rank this rank writes into has registered its blocks for the transfer."""
@@ -192,9 +120,9 @@ class Producer:
                     self.counters["refused_peer"] += 1
                     log.error("kvpush: request %s names decode engine %r, which is not in allowed_engines %s; not sending its KV",
                               req_id, peer_engine, sorted(self.config.allowed_engines))
-                self._freed.append(req_id)  # else no decode rank takes heads from this rank
+                self._pushes.free_now(req_id)  # else no decode rank takes heads from this rank
                 return
-            self._parts_left[req_id] = self._parts_left.get(req_id, 0) + len(targets)
+            self._pushes.expect(req_id, len(targets))
             for rank in targets:
                 key = rank_key(transfer_id, rank)
                 result = self._state.offer(Offer(key, req_id, tuple(block_ids), rank_key(peer_engine, rank), now))
@@ -207,11 +135,11 @@ class Producer:
         for match in here:
             key = match.offer.transfer_id
             try:
-                (self._stream if self.config.stream_writes else self._drive)(match)
+                (self._pushes.stream if self.config.stream_writes else self._pushes.drive)(match)
             except Exception as exc:  # a bug here must cost this push, not the engine's compute thread
                 log.exception("kvpush: WRITE %s failed unexpectedly", key)
                 with self._lock:
-                    self._finish(match, self._peers.conns.get(match.offer.peer_engine), now, time.monotonic(), False,
+                    self._pushes.finish(match, self._peers.conns.get(match.offer.peer_engine), now, time.monotonic(), False,
                                  f"prefill error during the WRITE: {exc!r}")
             finally:
                 with self._lock:
@@ -225,50 +153,6 @@ class Producer:
         except ShardingError:
             return []  # refused at the decode rank's handshake; nothing to write
         return targets_of(self.config.tp_rank, self.config.sharding, decode)
-
-    def _drive(self, match: Match) -> None:
-        """Post the WRITE and complete it before returning: on a CPU host the copy is CPU work on
-        this instance's cores either way, and finishing it here hands the KV over without waiting
-        for another thread to be scheduled. It joins `_inflight` only then, so the reactor does
-        not release it under this thread's feet."""
-        item = self._post(match)
-        if item is None:
-            return
-        deadline = time.monotonic() + SYNC_DRIVE_S
-        while item.state(self.engine) == "PROC" and time.monotonic() < deadline:
-            pass
-        with self._lock:
-            self._inflight.append(item)
-            self._poll()
-
-    def _stream(self, match: Match) -> None:
-        """Write part by part, telling D as each lands (streamed_write.py); parts still copying
-        join `_inflight` only once all are posted, so the reactor does not release them early."""
-        engine_id = match.registration.peer_engine
-        with self._lock:
-            conn, peer = self._peers.conns.get(engine_id), self._peers.nixl.get(engine_id)
-            if conn is None or peer is None or conn.gone() or not match.src_blocks:
-                self._queue(self._post(match))  # answers these as usual: FAIL (disconnected) or DONE (nothing to write)
-                return
-        started = time.monotonic()
-        try:
-            parts = self.engine.prepare_parts(peer, match.src_blocks, match.dst_blocks)
-        except TransferError as exc:
-            with self._lock:
-                self._finish(match, conn, started, time.monotonic(), False, str(exc))
-            return
-        outcome = stream_parts(self.engine, conn, engine_id, base_name(match.offer.transfer_id), parts)
-        with self._lock:
-            if outcome.copying:
-                self._queue(_InFlight(match, outcome.copying, conn, started, False, outcome.error,
-                                      outcome.landed_bytes + outcome.copying_bytes,
-                                      time.monotonic() + self.config.timeout_s))
-            elif outcome.error:
-                self._finish(match, conn, started, time.monotonic(), False, outcome.error,
-                             num_descriptors=outcome.num_descriptors)
-            else:
-                self._finish(match, conn, started, time.monotonic(), True, num_bytes=outcome.landed_bytes,
-                             num_descriptors=outcome.num_descriptors)
 
     def accept(self, transfers: list[tuple[str, int]]) -> None:
         """P's scheduler has these requests (queued or prefilling), given as (transfer id, decode
@@ -300,15 +184,12 @@ class Producer:
                 reg = self._state.abort(key, reason, time.monotonic())
                 if reg is not None:
                     self._send_fail(reg.peer_engine, transfer_id, reason)
-                prepared = self._prepared.pop(key, None)
-                if prepared is not None:
-                    self.engine.release(prepared.write)
-            self._freed.append(req_id)
+                self._pushes.release_prepared(key)
+            self._pushes.free_now(req_id)
 
     def take_freed(self) -> list[str]:
         with self._lock:
-            freed, self._freed = self._freed, []
-            return freed
+            return self._pushes.take_freed()
 
     def take_counts(self) -> Counter:
         """Messages and requests dropped or refused since the last call, by reason."""
@@ -318,14 +199,12 @@ class Producer:
 
     def take_records(self) -> list[SendRecord]:
         with self._lock:
-            records, self._records = self._records, []
-            return records
+            return self._pushes.take_records()
 
     def close(self) -> None:
         self._reactor.stop()
         with self._lock:
-            for tid in list(self._prepared):
-                self.engine.release(self._prepared.pop(tid).write)
+            self._pushes.release_all_prepared()
 
     # ---- both threads (under the lock) ---------------------------------------------------------
     def _settle(self, result: Match | Rejection | None) -> None:
@@ -336,90 +215,9 @@ class Producer:
             else:
                 log.warning("kvpush: request %s refused: %s", result.req_id, result.reason)
             if result.req_id is not None:
-                self._push_ended(result.req_id)
+                self._pushes.push_ended(result.req_id)
         elif isinstance(result, Match):
-            self._queue(self._post(result))
-
-    def _queue(self, item: "_InFlight | None") -> None:
-        """Hand a posted WRITE to the reactor thread, which polls it to its end."""
-        if item is not None:
-            self._inflight.append(item)
-            self._reactor.wake()  # it may be asleep until a distant deadline
-
-    def _post(self, match: Match) -> "_InFlight | None":
-        """Post the match's WRITE; its in-flight record, or None if the push already ended here.
-        The lock is taken for the bookkeeping only: on CPU the copy happens inside the post."""
-        engine_id = match.registration.peer_engine
-        now = time.monotonic()
-        with self._lock:
-            conn, peer = self._peers.conns.get(engine_id), self._peers.nixl.get(engine_id)
-            if conn is None or peer is None or conn.gone():
-                self._finish(match, None, now, now, False, f"decode engine {engine_id} disconnected before the WRITE")
-                return None
-            if not match.src_blocks:
-                conn.send(wire.Done(base_name(match.offer.transfer_id), 0))
-                self._finish(match, None, now, now, True)
-                return None
-            write = self._take_prepared(match, engine_id, peer)
-        ahead = write is not None
-        try:
-            if write is None:
-                write = self.engine.prepare_write(peer, match.src_blocks, match.dst_blocks)
-            self.engine.post(write, engine_id)
-        except TransferError as exc:
-            with self._lock:
-                self._finish(match, conn, now, time.monotonic(), False, str(exc))
-            return None
-        posted = time.monotonic()
-        log.debug("kvpush P post %s bytes=%d descs=%d ahead=%s wait=%.6f t=%.6f", match.offer.transfer_id,
-                  write.num_bytes, write.num_descriptors, ahead, match.wait_s, now)
-        return _InFlight(match, [write], conn, posted, ahead, num_bytes=write.num_bytes,
-                         deadline=posted + self.config.timeout_s)
-
-    def _take_prepared(self, match: Match, engine_id: str, peer: Peer) -> Write | None:
-        """The WRITE made ahead for this match, if it still fits (same peer connection and blocks)."""
-        prepared = self._prepared.pop(match.offer.transfer_id, None)
-        if prepared is None:
-            return None
-        if (prepared.peer is peer and prepared.engine_id == engine_id and prepared.src_blocks == tuple(match.src_blocks)
-                and prepared.dst_blocks == tuple(match.dst_blocks)):
-            return prepared.write
-        self.engine.release(prepared.write)
-        return None
-
-    def _release_stale_prepared(self) -> None:
-        """WRITEs made ahead whose registration went away (cancelled, expired, peer gone)."""
-        for tid in [t for t in self._prepared if t not in self._state.registrations]:
-            self.engine.release(self._prepared.pop(tid).write)
-
-    def _finish(self, match: Match, conn: Connection | None, posted: float, now: float, ok: bool,
-                reason: str = "", num_bytes: int = 0, num_descriptors: int = 0, ahead: bool = False,
-                may_still_land: bool = False) -> None:
-        tid = match.offer.transfer_id
-        if ok:
-            self.counters["sent"] += 1
-            if conn is not None:
-                conn.send(wire.Done(base_name(tid), num_bytes))
-        else:
-            self.counters["failed"] += 1
-            log.warning("kvpush: push %s (request %s) failed: %s", tid, match.offer.req_id, reason)
-            if conn is not None:
-                conn.send(wire.Fail(base_name(tid), reason, may_still_land))
-        self._push_ended(match.offer.req_id)
-        self._records.append(SendRecord(base_name(tid), match.offer.req_id, ok, num_bytes, match.offer.created,
-                                        match.registration.created, posted, now, reason, num_descriptors, ahead,
-                                        rank_of(tid)))
-        log.debug("kvpush P done %s ok=%s bytes=%d prefill_end_to_done=%.6f t=%.6f", tid, ok, num_bytes,
-                  now - match.offer.created, now)
-
-    def _push_ended(self, req_id: str) -> None:
-        """One of the request's pushes ended (any way): its blocks are free after the last."""
-        left = self._parts_left.get(req_id, 1) - 1
-        if left > 0:
-            self._parts_left[req_id] = left
-            return
-        self._parts_left.pop(req_id, None)
-        self._freed.append(req_id)
+            self._pushes.queue(self._pushes.post(result))
 
     def _send_fail(self, engine_id: str, transfer_id: str, reason: str) -> None:
         self._send(engine_id, wire.Fail(transfer_id, reason))
@@ -432,53 +230,23 @@ class Producer:
     # ---- reactor thread --------------------------------------------------------------------------
     def timeout(self) -> float | None:
         with self._lock:
-            if self._inflight:
+            if self._pushes.inflight:
                 return POLL_S
             deadline = self._state.next_deadline()
         return None if deadline is None else max(0.0, deadline - time.monotonic())
 
     def on_tick(self) -> None:
         with self._lock:
-            self._poll()
+            self._pushes.poll()
             offers, regs = self._state.expire(time.monotonic())
-            if self._prepared:
-                self._release_stale_prepared()
+            self._pushes.release_stale_prepared(self._state.registrations)
             for o in offers:
                 log.warning("kvpush: decode engine %s never registered transfer %s (request %s) within %g s; freeing its blocks",
                             o.peer_engine, o.transfer_id, o.req_id, self.config.timeout_s)
-                self._push_ended(o.req_id)
+                self._pushes.push_ended(o.req_id)
             for r in regs:
                 tid = base_name(r.transfer_id)
                 self._send_fail(r.peer_engine, tid, f"prefill {self.config.engine_id} had no request for transfer {tid} within {self.config.timeout_s:g} s")
-
-    def _poll(self, gone_engine: str | None = None, why: str = "") -> None:
-        """Finish WRITEs that completed or failed, or still copy past their deadline, or go to
-        `gone_engine` (caller holds the lock)."""
-        if self._inflight:
-            still = []
-            now = time.monotonic()
-            for item in self._inflight:
-                state = item.state(self.engine)
-                engine_id = item.match.registration.peer_engine
-                reason = item.error or f"NIXL WRITE to {engine_id} failed"
-                overdue = False
-                if state == "PROC":
-                    if engine_id == gone_engine:
-                        reason = f"decode engine {engine_id} disconnected during the WRITE ({why})"
-                    elif now > item.deadline:
-                        reason = f"NIXL WRITE to {engine_id} still copying {self.config.timeout_s:g} s after it was posted"
-                        overdue = True
-                    else:
-                        still.append(item)
-                        continue
-                    state = "ERR"
-                for write in item.writes:
-                    self.engine.release(write)
-                ok = state == "DONE"
-                self._finish(item.match, item.conn, item.posted, time.monotonic(), ok, "" if ok else reason,
-                             item.num_bytes if ok else 0, sum(w.num_descriptors for w in item.writes),
-                             item.prepared_ahead, may_still_land=overdue)
-            self._inflight = still
 
     def on_malformed(self, conn: Connection, error: str) -> None:
         self.counters["malformed"] += 1
@@ -490,7 +258,7 @@ class Producer:
             if engine_id is not None and self._peers.conns.get(engine_id) is conn:
                 del self._peers.conns[engine_id]
                 self._state.peer_gone(engine_id, time.monotonic())
-                self._poll(gone_engine=engine_id, why=reason)
+                self._pushes.poll(gone_engine=engine_id, why=reason)
                 log.info("kvpush: decode engine %s disconnected (%s)", engine_id, reason)
 
     def on_message(self, conn: Connection, msg: wire.Message) -> None:
@@ -518,7 +286,7 @@ class Producer:
                     log.warning("kvpush: refused registration %s from %s: %s", msg.transfer_id, peer_key, bad)
                     offer = self._state.cancel(key, peer_key, now)
                     if offer is not None:
-                        self._push_ended(offer.req_id)
+                        self._pushes.push_ended(offer.req_id)
                     conn.send(wire.Fail(msg.transfer_id, bad))
                     return
                 result = self._state.register(Registration(key, peer_key, msg.block_ids, msg.first_block, now))
@@ -529,8 +297,8 @@ class Producer:
                 key = self._part_key(msg.transfer_id, peer_key)
                 offer = self._state.cancel(key, peer_key, now)
                 if offer is not None:
-                    self._push_ended(offer.req_id)
-                writing = key in self._writing or any(i.match.offer.transfer_id == key for i in self._inflight)
+                    self._pushes.push_ended(offer.req_id)
+                writing = key in self._writing or self._pushes.in_flight(key)
                 if not writing:  # else the WRITE's own DONE or FAIL answers
                     conn.send(wire.Fail(msg.transfer_id, "cancelled by decode"))
             else:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .producer import SendRecord
+from .pushes import SendRecord
 from .state import Outcome
 
 _SERIES = ("send_bytes", "prefill_end_to_done_s", "registration_wait_s", "recv_bytes", "layer_wait_s")

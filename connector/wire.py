@@ -203,8 +203,8 @@ HANDSHAKE_TYPES = (Hello, Challenge, Auth, Welcome, Refuse)  # what a peer may s
 MAX_ID_CHARS = 256
 ID_PATTERN = re.compile(r"[A-Za-z0-9._:-]+")
 HEX_64 = re.compile(r"[0-9a-f]{64}")
-MAX_INT = 2 ** 63 - 1
-MAX_LIST = 65536  # layers, regions: far above any model  # every integer on the wire is an index, a size or an address: it fits an int64
+MAX_INT = 2 ** 63 - 1  # every integer on the wire is an index, a size or an address: it fits an int64
+MAX_LIST = 65536  # layers, regions: far above any model
 
 
 def encode(msg: Message) -> bytes:

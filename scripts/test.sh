@@ -1,17 +1,66 @@
 #!/usr/bin/env bash
-# Set up everything (idempotent) and run the whole test suite: unit, integration, e2e.
-# Extra arguments go to pytest, e.g. `scripts/test.sh -m unit` or `scripts/test.sh tests/unit`.
+# Set up everything (idempotent) and run the test suite in lanes: unit, then integration, then e2e,
+# each its own pytest run; the first lane that fails stops the run and is named.
+#
+#   scripts/test.sh                  all three lanes
+#   scripts/test.sh -x -k router     all three lanes, extra arguments passed to each
+#   scripts/test.sh -m unit          one pytest run with exactly these arguments (the quick loop);
+#   scripts/test.sh tests/unit/x.py  likewise whenever a marker (-m) or a path under tests/ is given
+#
+# Per-test timeouts are set per lane in tests/conftest.py.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 "$root/scripts/setup.sh"
 cd "$root"
 export PYTHONUNBUFFERED=1
-set +e
-"$root/.venv/bin/python" -m pytest "$@"
-rc=$?
-set -e
-if [ "$rc" -eq 5 ]; then
-  echo "test.sh: pytest collected no tests; refusing to call that a pass" >&2
+
+run_pytest() {  # run_pytest LABEL ARGS...: pytest's status, with "collected nothing" counted as a failure
+  local label=$1 rc
+  shift
+  set +e
+  "$root/.venv/bin/python" -m pytest "$@"
+  rc=$?
+  set -e
+  if [ "$rc" -eq 5 ]; then
+    echo "test.sh: $label: pytest collected no tests; refusing to call that a pass" >&2
+    return 1
+  fi
+  return "$rc"
+}
+
+selects_itself=0
+for arg in "$@"; do
+  case "$arg" in
+    -m|-m*|tests|tests/*|./tests/*) selects_itself=1 ;;
+  esac
+done
+
+if [ "$selects_itself" -eq 1 ]; then
+  run_pytest "pytest $*" "$@"
+  exit $?
+fi
+
+lanes_run=0
+for lane in unit integration e2e; do
+  echo "test.sh: lane $lane" >&2
+  started=$SECONDS
+  set +e
+  "$root/.venv/bin/python" -m pytest "tests/$lane" "$@"
+  rc=$?
+  set -e
+  if [ "$rc" -eq 5 ] && [ "$#" -gt 0 ]; then
+    echo "test.sh: lane $lane: nothing matches $*" >&2  # e.g. -k naming tests of another lane
+    continue
+  fi
+  if [ "$rc" -ne 0 ]; then
+    [ "$rc" -eq 5 ] && echo "test.sh: lane $lane: pytest collected no tests; refusing to call that a pass" >&2
+    echo "test.sh: lane $lane FAILED after $((SECONDS - started)) s (later lanes not run)" >&2
+    exit 1
+  fi
+  echo "test.sh: lane $lane passed in $((SECONDS - started)) s" >&2
+  lanes_run=$((lanes_run + 1))
+done
+if [ "$lanes_run" -eq 0 ]; then
+  echo "test.sh: no lane has a test matching $*; refusing to call that a pass" >&2
   exit 1
 fi
-exit "$rc"

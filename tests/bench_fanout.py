@@ -1,4 +1,4 @@
-"""SSH fan-out benchmark: 32 real sshd hosts on loopback; prints numbers (targets from issue 3).
+"""SSH fan-out benchmark: 32 real sshd hosts on loopback; prints numbers against the targets below.
 
     python tests/bench_fanout.py [--hosts 32] [--first-address 127.0.0.2] [--port 2222] [--with-shell-rc]
 

@@ -11,11 +11,19 @@ TESTS_DIR = Path(__file__).parent
 sys.path.insert(0, str(TESTS_DIR))  # test helper modules (sshd_hosts, standin_server) import by name
 
 
+# Per-test timeout of each lane, for tests that set none themselves (pytest.mark.timeout). A unit test
+# is pure logic, so a minute means it hangs; an integration test starts sshd hosts, Slurm daemons or
+# NIXL processes; an e2e test waits for real vLLM servers to load on a 2-core CPU machine.
+LANE_TIMEOUT_S = {"unit": 60, "integration": 300, "e2e": 900}
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         layer = Path(str(item.fspath)).relative_to(TESTS_DIR).parts[0]
-        if layer in ("unit", "integration", "e2e"):
+        if layer in LANE_TIMEOUT_S:
             item.add_marker(getattr(pytest.mark, layer))
+            if item.get_closest_marker("timeout") is None:
+                item.add_marker(pytest.mark.timeout(LANE_TIMEOUT_S[layer]))
 
 
 # -- real sshd hosts (tests/sshd_hosts.py) ---------------------------------------------------------

@@ -1,6 +1,6 @@
 """`kvpush bench` for real: the local CPU deployment (real vLLM, router), two modes, two rates, few prompts.
 
-Heavy (two ~3 GB vLLM servers per mode, started twice): run under `flock /tmp/kvpush-vllm.lock`.
+Heavy (two ~3 GB vLLM servers per mode, started twice): run under `flock /tmp/kvpush-heavy.lock`.
 Push against pull by default; KVPUSH_BENCH_E2E_MODES picks others (e.g. `kvpush,nixl-push,nixl-pull,colocated`).
 Servers run eager (no torch.compile warm-up): the bench, not the model's speed, is under test.
 """

@@ -2,8 +2,10 @@
 connectors, and colocated instances.
 
 Per protocol (kvpush, nixl-pull, nixl-push: 1P1D; colocated: one instance) one deployment is
-shared by the tests: instances started with the argv/env of `build_plan` (prefill on core 0,
-decode on core 1), the router as `python -m kvpush.router --config <the plan's router.json>`. A
+shared by the tests that leave it as they found it: instances started with the argv/env of
+`build_plan` (prefill on core 0, decode on core 1), the router as
+`python -m kvpush.router --config <the plan's router.json>`. A test that kills an instance takes
+the deployment for itself (tests/deployment_slot.py): stopped after it, seen by no other test. A
 plain vLLM server with decode's settings gives the reference answers: greedy texts for random
 prompts, and the outcome of every request of the OpenAI conformance matrix
 (tests/openai_conformance.py). Heavy: run under `flock /tmp/kvpush-heavy.lock`.
@@ -25,6 +27,7 @@ from kvpush.deploy.plan import build_plan
 from kvpush.deploy.tiny_model import make_tiny_model
 from kvpush.deploy.topology import TinyModelSpec, parse_topology
 from kvpush.common.vllm_metrics import PROMPT_TOKENS_BY_SOURCE, metric_sum
+from deployment_slot import DeploymentSlot
 from openai_conformance import MATRIX, run_case
 from random_prompts import full_length_prompts, random_prompts
 from plan_secrets import write_secret_files
@@ -134,6 +137,11 @@ class Deployment:
     def __init__(self, protocol: str, prefill: ServerProcess | None, decode: ServerProcess, router: ServerProcess):
         self.protocol, self.prefill, self.decode, self.router = protocol, prefill, decode, router
 
+    def stop(self) -> None:
+        for proc in (self.router, self.decode, self.prefill):
+            if proc is not None:
+                proc.kill()
+
     def decode_tokens(self, source: str) -> float:
         return metric_sum(get(self.decode.url + "/metrics")[1], PROMPT_TOKENS_BY_SOURCE, source=source) or 0.0
 
@@ -141,10 +149,8 @@ class Deployment:
         return metric_sum(get(self.router.url + "/metrics")[1], name, **labels) or 0.0
 
 
-@pytest.fixture(scope="module", params=PROTOCOLS)
-def deployment(request, model_dir, reference, tmp_path_factory):
-    protocol = request.param
-    workdir = tmp_path_factory.mktemp(protocol)
+def start_deployment(protocol: str, model_dir: Path, workdir: Path) -> Deployment:
+    """The protocol's instances and router, healthy and every instance in the router's rotation."""
     plan = make_plan(protocol, model_dir, workdir)
     started: list[ServerProcess] = []
     instances = ["decode-0"] if protocol == "colocated" else ["prefill-0", "decode-0"]
@@ -169,10 +175,42 @@ def deployment(request, model_dir, reference, tmp_path_factory):
         while deployment.router_metric("kvpush_router_instance_in_rotation") < len(instances):
             assert time.monotonic() < deadline, "router never put both instances back in rotation"
             time.sleep(0.2)
-        yield deployment
-    finally:
+        return deployment
+    except BaseException:
         for proc in reversed(started):
             proc.kill()
+        raise
+
+
+@pytest.fixture(scope="module", params=PROTOCOLS)
+def slot(request, model_dir, reference, tmp_path_factory):
+    protocol = request.param
+    slot = DeploymentSlot(protocol, lambda: start_deployment(protocol, model_dir, tmp_path_factory.mktemp(protocol)),
+                          Deployment.stop)
+    try:
+        yield slot
+    finally:
+        slot.close()
+
+
+@pytest.fixture
+def deployment(slot) -> Deployment:
+    return slot.shared()
+
+
+@pytest.fixture
+def own_deployment(request, slot):
+    """The slot's deployment for this test alone (it kills part of it), stopped after the test.
+    A test asks for it only for the protocols it runs with (`runs_with`), so no deployment is
+    started for a test that skips."""
+    runs_with = request.node.get_closest_marker("runs_with")
+    if slot.name not in runs_with.args:
+        pytest.skip(f"{slot.name}: {runs_with.kwargs['otherwise']}")
+    deployment = slot.take()
+    try:
+        yield deployment
+    finally:
+        slot.stop(deployment)
 
 
 @pytest.mark.timeout(900)
@@ -252,13 +290,13 @@ def test_the_openai_api_through_the_router_answers_as_one_vllm_server(deployment
 
 
 @pytest.mark.timeout(900)
-def test_killing_prefill_mid_push_is_seen_at_once_and_every_request_still_ends(deployment):
-    """kvpush's last test (it kills the prefill instance) while decode holds blocks for requests
-    whose prefill is queued or running. The router sees the prefill leg fail within 2 s; each
-    request cut short is retried and then served by decode alone (the router's fallback) or ends
-    with an error, never hangs; decode frees every block."""
-    if deployment.protocol != "kvpush":
-        pytest.skip("push's failure path: decode waits on prefill from the start")
+@pytest.mark.runs_with("kvpush", otherwise="push's failure path: decode waits on prefill from the start")
+def test_killing_prefill_mid_push_is_seen_at_once_and_every_request_still_ends(own_deployment):
+    """Prefill is killed while decode holds blocks for requests whose prefill is queued or
+    running. The router sees the prefill leg fail within 2 s; each request cut short is retried
+    and then served by decode alone (the router's fallback) or ends with an error, never hangs;
+    decode frees every block."""
+    deployment = own_deployment
     prompts = full_length_prompts(12, 1500, seed=5)
     served_before = {o: deployment.router_metric("kvpush_router_requests_total", outcome=o)
                      for o in ("success", "failed", "unavailable")}
@@ -300,10 +338,12 @@ def test_killing_prefill_mid_push_is_seen_at_once_and_every_request_still_ends(d
 
 
 @pytest.mark.timeout(900)
-def test_killing_decode_mid_run_ends_every_request_clearly(deployment):
-    """Last test of the pull and vLLM push deployments: it kills the decode instance."""
-    if deployment.protocol in ("kvpush", "colocated"):
-        pytest.skip("kvpush's deployment ended with its prefill killed; colocated has no legs to cut")
+@pytest.mark.runs_with("nixl-pull", "nixl-push",
+                       otherwise="colocated has no legs to cut; kvpush's decode killed under load is "
+                                 "tests/e2e/test_faults_real_vllm.py::test_fault_under_load[kill-decode]")
+def test_killing_decode_mid_run_ends_every_request_clearly(own_deployment):
+    """Decode is killed mid-stream: every request ends with its whole answer or an error."""
+    deployment = own_deployment
     prompts = full_length_prompts(6, 600, seed=7)
 
     def one(prompt: list[int]) -> tuple[int, str]:

@@ -1,8 +1,10 @@
 """Real vLLM 1P1D on CPU as Slurm job steps: the slurm-cpu template on a real two-node local cluster.
 
-One deployment, brought up with `kvpush up` (which submits the job), is shared by the first tests:
-answers through the router with KV moved by transfer, streaming, status and logs per step, a killed
-prefill step relaunched alone, and last `scancel` of the job from outside. Then one more `up`
+One deployment, brought up with `kvpush up` (which submits the job), is shared by the tests that
+leave it as they found it: answers through the router with KV moved by transfer, streaming, status
+and logs per step. The tests that break it (a killed prefill step relaunched alone, `scancel` of
+the job from outside) each take a deployment for themselves (`own_deployment`,
+tests/deployment_slot.py). Then one more `up`
 inside an allocation the test makes with salloc. Heavy: run under `flock /tmp/kvpush-heavy.lock`.
 """
 from __future__ import annotations
@@ -25,6 +27,7 @@ from kvpush.deploy.state import load_state
 from kvpush.deploy.tiny_model import make_tiny_model
 from kvpush.deploy.topology import TinyModelSpec
 from kvpush.templates import template_text
+from deployment_slot import DeploymentSlot
 from lifecycle_helpers import kill_leftovers, processes_under
 from random_prompts import full_length_prompts, random_prompts
 from server_process import ServerProcess
@@ -115,23 +118,54 @@ def model(tmp_path_factory) -> Path:
     return path
 
 
+def _up(model: Path, tmp: Path) -> Path:
+    """`kvpush up` of the slurm-cpu template (kvpush submits the job); its topology file."""
+    path = _topology_file(tmp, model)
+    try:
+        cli_run(["up", str(path), "--timeout", "400"])
+    except SystemExit as exc:
+        if exc.code:
+            _down(path)
+            pytest.fail(f"kvpush up failed ({exc.code}); see the output above")
+    return path
+
+
+def _down(path: Path) -> None:
+    try:
+        cli_run(["down", str(path)])  # a no-op once the job is gone
+    except SystemExit:
+        pass
+
+
 @pytest.fixture(scope="module")
-def deployment(slurm_cluster, model, tmp_path_factory):
-    """`kvpush up` of the slurm-cpu template: kvpush submits the job, every process a job step."""
-    tmp = tmp_path_factory.mktemp("deployment")
+def slot(slurm_cluster, model, tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("KVPUSH_STATE_DIR", str(tmp / "state"))
-        path = _topology_file(tmp, model)
+        patch.setenv("KVPUSH_STATE_DIR", str(tmp_path_factory.mktemp("state")))
+        def stop(path: Path) -> None:
+            _down(path)
+            _nothing_left(slurm_cluster, model, path.parent)
+
+        slot = DeploymentSlot("the slurm-cpu deployment", lambda: _up(model, tmp_path_factory.mktemp("deployment")), stop)
         try:
-            cli_run(["up", str(path), "--timeout", "400"])
-        except SystemExit as exc:
-            assert not exc.code, f"kvpush up failed ({exc.code}); see the output above"
+            yield slot
+        finally:
+            slot.close()
+
+
+@pytest.fixture
+def deployment(slot) -> Path:
+    """The topology file of the shared deployment."""
+    return slot.shared()
+
+
+@pytest.fixture
+def own_deployment(slot):
+    """A deployment for this test alone (it breaks it); stopped, and checked gone, after it."""
+    path = slot.take()
+    try:
         yield path
-        try:
-            cli_run(["down", str(path)])
-        except SystemExit:
-            pass
-        _nothing_left(slurm_cluster, model, tmp)
+    finally:
+        slot.stop(path)
 
 
 def test_held_out_prompts_are_answered_through_the_router_with_kv_moved_and_streamed(deployment, model, tmp_path):
@@ -189,7 +223,8 @@ def test_status_shows_each_step_and_logs_tail_them(deployment, slurm_cluster, ca
     assert any("Application startup complete" in ln or "/health" in ln for ln in by_process["decode-0"])
 
 
-def test_a_killed_prefill_step_is_reported_and_up_relaunches_only_it(deployment, model, capsys):
+def test_a_killed_prefill_step_is_reported_and_up_relaunches_only_it(own_deployment, model, capsys):
+    deployment = own_deployment
     state = load_state(NAME)
     prefill = next(p for p in processes_under(str(model)) if Path(p.cmdline()[0]).name.startswith("python")
                    and "kv_producer" in " ".join(p.cmdline()))  # the server itself, not its step's shell or srun
@@ -218,7 +253,8 @@ def test_a_killed_prefill_step_is_reported_and_up_relaunches_only_it(deployment,
     assert _external_kv(decode) > before
 
 
-def test_scancel_from_outside_status_says_so_in_one_line_and_down_is_a_no_op(deployment, slurm_cluster, model, capsys):
+def test_scancel_from_outside_status_says_so_in_one_line_and_down_is_a_no_op(own_deployment, slurm_cluster, model, capsys):
+    deployment = own_deployment
     job = load_state(NAME).slurm_submitted_job
     slurm_cluster.command("scancel", job)
     assert SlurmClient().wait_gone(job, 60)

@@ -1,6 +1,6 @@
 """Real vLLM 1P1D on CPU across two SSH hosts, through the kvpush router, with the nixl-pull connector.
 
-Heavy (two ~3 GB vLLM servers, then one reference server): run under `flock /tmp/kvpush-vllm.lock`.
+Heavy (two ~3 GB vLLM servers, then one reference server): run under `flock /tmp/kvpush-heavy.lock`.
 """
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """The `vllm bench serve` options kvpush bench passes are accepted by the installed vLLM's own parser."""
 from __future__ import annotations
 
-import pytest
 
 from kvpush.deploy.bench.client import LoadSpec, bench_serve_argv
 
@@ -14,7 +13,6 @@ def _load(tmp_path) -> LoadSpec:
 
 def test_the_real_vllm_cli_accepts_these_options(tmp_path):
     """Parse (not run) our argv with vLLM's own argument parser."""
-    pytest.importorskip("vllm")
     from vllm.benchmarks.serve import add_cli_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 

@@ -39,7 +39,6 @@ def fake_server():
 
 
 def test_two_levels_in_one_warm_vllm_client(tmp_path, tokenizer_dir, fake_server):
-    pytest.importorskip("vllm")
     server, url = fake_server
     with BenchClient(tmp_path / "logs" / "client.log") as client:
         results = []

@@ -19,6 +19,12 @@ from kvpush.deploy.topology import parse_topology
 from kvpush.templates import DEFAULT_TEMPLATE, template_text
 
 
+@pytest.fixture(autouse=True)
+def no_plots(monkeypatch):
+    """Drawing the PNGs is test_bench_plots.py's subject; here it would only cost seconds per test."""
+    monkeypatch.setattr("kvpush.deploy.bench.report.write_plots", lambda runs, out, subtitle: [])
+
+
 @pytest.fixture
 def topo():
     return parse_topology(template_text(DEFAULT_TEMPLATE))

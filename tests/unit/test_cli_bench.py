@@ -2,9 +2,6 @@
 tables render from a report."""
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 from rich.console import Console
 from typer.testing import CliRunner
@@ -15,11 +12,10 @@ from kvpush.cli.main import app
 from kvpush.deploy.bench.results import ModeRun
 from kvpush.common.errors import KvpushError
 
+from cli_in_process import run_cli as kvpush
 from test_bench_results import recorded_point  # noqa: F401  (fixture from recorded output)
 
 
-def kvpush(*args: str, cwd=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvpush.cli.main", *args], capture_output=True, text=True, cwd=cwd, timeout=60)
 
 
 @pytest.mark.parametrize("args, message", [

@@ -4,11 +4,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 from typer.testing import CliRunner
 
+from cli_in_process import run_cli
 from kvpush.cli import lifecycle_cmd
 from kvpush.cli.main import app
 from kvpush.deploy.observe import ProcessStatus
@@ -16,9 +16,7 @@ from kvpush.deploy.state import DeploymentState, HostRecord, ProcessRecord, save
 
 
 def kvpush(*args: str, state_dir, cwd=None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "KVPUSH_STATE_DIR": str(state_dir)}
-    return subprocess.run([sys.executable, "-m", "kvpush.cli.main", *args], capture_output=True, text=True,
-                          cwd=cwd, env=env, timeout=60)
+    return run_cli(*args, cwd=cwd, env={**os.environ, "KVPUSH_STATE_DIR": str(state_dir)})
 
 
 def test_deployment_name_cannot_leave_the_state_directory(tmp_path):
@@ -77,7 +75,8 @@ def test_logs_print_bracketed_lines_as_written(tmp_path, monkeypatch):
 
 
 def test_status_into_a_pipe_prints_every_name_and_value_whole(monkeypatch):
-    """Captured output has no terminal width: nothing may be cut to fit one (it used to read `pre…`)."""
+    """Captured output has no terminal width: nothing may be cut to fit one (rich would shorten
+    a name to `pre…` to fit a width it guessed)."""
     name = "prefill-with-a-long-descriptive-name-0"
     rows = [ProcessStatus(name, "prefill", "gpu-host-with-a-long-name", 4242, "dead", "-", None, None, None, None, 2,
                           "died at 10:00:00 (pid 4242: killed by SIGKILL); left behind: pid 4250 (VLLM::EngineCor) holding port 5600",

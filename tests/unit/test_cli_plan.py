@@ -1,17 +1,14 @@
-"""The CLI in a subprocess, as a user or a script runs it: exit codes, one-line errors, JSON."""
+"""The CLI as a user or a script runs it: exit codes, one-line errors, JSON. In the test process
+(cli_in_process), but for the tests about the process itself: a real pipe, click's own usage errors."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
+from cli_in_process import run_cli as kvpush
+from cli_in_process import run_cli_process
 from kvpush.templates import template_names
-
-
-def kvpush(*args: str, cwd=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvpush.cli.main", *args], capture_output=True, text=True, cwd=cwd, timeout=60)
 
 
 def test_help_lists_commands():
@@ -69,7 +66,7 @@ def test_init_refuses_to_overwrite_and_unknown_template(tmp_path):
 
 
 def test_unknown_option_is_usage_error():
-    assert kvpush("plan", "--nope").returncode == 2
+    assert run_cli_process("plan", "--nope").returncode == 2
 
 
 def test_templates_json():
@@ -148,7 +145,7 @@ def test_plan_shows_each_srun_line_and_the_sbatch_script_and_prints_a_standalone
 
 
 def test_plan_into_a_pipe_has_plain_section_lines_and_whole_values(tmp_path):
-    result = kvpush("plan", cwd=tmp_path)
+    result = run_cli_process("plan", cwd=tmp_path)
     assert result.returncode == 0 and "…" not in result.stdout
     assert "== host local (127.0.0.1, local)  workdir ~/.kvpush/local-cpu" in result.stdout.splitlines()
     assert "    supervisor " in result.stdout and "-m kvpush.deploy.supervise --name prefill-0" in result.stdout

@@ -1,14 +1,9 @@
 """`kvpush router`'s bad input: one line and exit 2, before anything listens."""
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
-
-def kvpush(*args: str, cwd=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvpush.cli.main", *args], capture_output=True, text=True, cwd=cwd, timeout=60)
+from cli_in_process import run_cli as kvpush
 
 
 @pytest.mark.parametrize("args, message", [

@@ -23,10 +23,14 @@ HEADS = (wire.HeadLayout.whole(4096),)
 
 
 class FakeEngine:
-    """Records what the producer asks of NIXL; a WRITE completes `latency_s` after its post."""
+    """Records what the producer asks of NIXL; a WRITE completes `latency_s` after its post, and
+    never while `writes_held` is set (a test then decides when copies end); `posted_one` is set at
+    the first post."""
 
     def __init__(self, latency_s: float = 0.0):
         self.latency_s = latency_s
+        self.writes_held = threading.Event()
+        self.posted_one = threading.Event()
         self.peers: list[tuple] = []
         self.prepared: list[tuple] = []
         self.posted: list[Write] = []
@@ -49,11 +53,14 @@ class FakeEngine:
     def post(self, write, agent_name="peer"):
         self.posted.append(write)
         self._posted_at[id(write)] = time.monotonic()
+        self.posted_one.set()
 
     def state(self, write):
         self.state_calls += 1
         if write is self.failing:
             return "ERR"
+        if self.writes_held.is_set():
+            return "PROC"
         done = time.monotonic() - self._posted_at[id(write)] >= self.latency_s
         return "DONE" if done else "PROC"
 
@@ -110,7 +117,10 @@ def register(producer, conn, tid, blocks, first=0):
     producer.on_message(conn, wire.Register(tid, tuple(blocks), first, 16 * len(blocks)))
 
 
-def wait_record(producer, timeout_s=2.0):
+HANG_S = 30.0  # how long to wait for something that must happen before calling it a hang
+
+
+def wait_record(producer, timeout_s=HANG_S):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         records = producer.take_records()
@@ -166,7 +176,7 @@ def test_write_made_ahead_is_released_when_decode_cancels(setup):
     made = engine.prepared[0][2]
     producer.on_message(conn, wire.Cancel("t4"))
     producer._reactor.wake()
-    deadline = time.monotonic() + 2
+    deadline = time.monotonic() + HANG_S
     while made not in engine.released and time.monotonic() < deadline:
         time.sleep(0.001)
     assert made in engine.released and not engine.posted
@@ -191,13 +201,15 @@ def test_dram_offer_completes_the_write_on_the_calling_thread(setup):
 
 
 def test_gpu_offer_returns_at_once_and_the_side_channel_thread_completes_it(setup):
-    producer, engine, conn = setup(latency_s=0.05, drive_writes=False)
+    producer, engine, conn = setup(drive_writes=False)
+    engine.writes_held.set()
     register(producer, conn, "t7", [5])
-    t0 = time.monotonic()
-    producer.offer("t7", "r7", [1], "D")
-    assert time.monotonic() - t0 < 0.04
+    producer.offer("t7", "r7", [1], "D")  # returns although the WRITE cannot end yet
+    assert len(engine.posted) == 1 and not producer.take_records() and not producer.take_freed()
+    engine.writes_held.clear()
+    producer._reactor.wake()
     record = wait_record(producer)
-    assert record.ok and record.finished - record.posted >= 0.05
+    assert record.ok and producer.take_freed() == ["r7"]
 
 
 def test_short_poll_waits_are_not_rounded_up_to_a_millisecond(monkeypatch):
@@ -329,29 +341,38 @@ def stream_in_background(producer, tid, req_id):
 @pytest.mark.parametrize("stream_writes", [True, False])
 def test_the_side_channel_thread_is_never_held_up_by_a_write_the_compute_thread_copies(setup, stream_writes):
     """The compute thread copies without the producer's lock: meanwhile the side-channel thread's
-    own calls, and another decode's registration, return at once (they used to wait for the whole
-    copy, so a second decode's PING went unanswered past its 1 s silence limit)."""
-    producer, engine, conn = setup(latency_s=0.3, stream_writes=stream_writes)
+    own calls, and another decode's registration, return at once: were they to wait for the whole
+    copy, a second decode's PING could go unanswered past its 1 s silence limit."""
+    producer, engine, conn = setup(stream_writes=stream_writes)
+    engine.writes_held.set()  # the copy lasts until the calls below have returned
     register(producer, conn, "s7", [5, 6])
     thread = stream_in_background(producer, "s7", "q7")
-    time.sleep(0.05)  # the first part is copying
-    took = []
-    for call in (producer.timeout, producer.on_tick, lambda: register(producer, conn, "other", [9])):
-        t0 = time.monotonic()
-        call()
-        took.append(time.monotonic() - t0)
+    assert engine.posted_one.wait(HANG_S)  # the first part is copying
+    calls_done = threading.Event()
+
+    def side_channel_calls():
+        producer.timeout()
+        producer.on_tick()
+        register(producer, conn, "other", [9])
+        calls_done.set()
+
+    threading.Thread(target=side_channel_calls, daemon=True).start()
+    returned = calls_done.wait(HANG_S)  # they cannot return in time if they wait for the copy
+    engine.writes_held.clear()
     thread.join()
-    assert max(took) < 0.1, took
+    assert returned, "a side-channel call waited for the compute thread's copy"
     assert sent_after_handshake(conn)[-1] == ("Done", None)
 
 
 @pytest.mark.parametrize("stream_writes", [True, False])
 def test_a_cancel_crossing_a_write_the_compute_thread_copies_is_answered_by_the_write_itself(setup, stream_writes):
-    producer, engine, conn = setup(latency_s=0.1, stream_writes=stream_writes)
+    producer, engine, conn = setup(stream_writes=stream_writes)
+    engine.writes_held.set()
     register(producer, conn, "s8", [5, 6])
     thread = stream_in_background(producer, "s8", "q8")
-    time.sleep(0.03)
+    assert engine.posted_one.wait(HANG_S)  # the first part is copying
     producer.on_message(conn, wire.Cancel("s8"))
+    engine.writes_held.clear()
     thread.join()
     # no FAIL "cancelled" ahead of bytes still landing: D keeps its blocks until DONE
     streamed = [("Streaming", None), ("Landed", (0,)), ("Landed", (1,))] if stream_writes else []

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import json
-import time
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -379,8 +379,13 @@ def test_unknown_check_names_are_usage_errors():
 
 
 class HangingRunner:
+    """Answers only once `released` is set: a doctor that waited for it could not return first."""
+
+    def __init__(self):
+        self.released = threading.Event()
+
     def run(self, command, timeout=None):
-        time.sleep(30)
+        self.released.wait(120)
 
 
 class BrokenRunner:
@@ -389,10 +394,10 @@ class BrokenRunner:
 
 
 def test_a_hanging_host_is_cut_off_and_reported_as_failed():
-    started = time.monotonic()
-    report = run_doctor(TWO_CPU_HOSTS, {"a": HangingRunner(), "b": BrokenRunner()},
+    hanging = HangingRunner()
+    report = run_doctor(TWO_CPU_HOSTS, {"a": hanging, "b": BrokenRunner()},
                         DoctorOptions(timeout_s=1.0, only=frozenset({"ports-free", "memlock"})))
-    assert time.monotonic() - started < 5
+    hanging.released.set()
     probe = {r.subject: r for r in report.results if r.check == "probe"}
     assert probe["a"].status is Status.FAIL and "no answer within 1 s" in probe["a"].summary
     assert "connection refused" in probe["b"].summary and "SSH" in probe["b"].remedy

@@ -112,16 +112,14 @@ def test_long_streams_reach_http11_and_http10_clients_whole():
 def test_push_protocols_send_both_legs_before_prefill_answers():
     async def scenario():
         async with deployment("kvpush") as dep:
-            dep.prefill[0].behavior.first_token_delay_s = 0.6
-            dep.decode[0].behavior.first_token_delay_s = 0.6
-            loop = asyncio.get_running_loop()
-            t0 = loop.time()
+            prefill_s = 1.0
+            dep.prefill[0].behavior.first_token_delay_s = prefill_s
             status, _ = await dep.post("/v1/completions", COMPLETION)
-            elapsed = loop.time() - t0
             assert status == 200
             p, d = dep.prefill[0].received[0], dep.decode[0].received[0]
-            assert abs(p.at - d.at) < 0.3  # dispatched together...
-            assert elapsed < 1.1  # ...so the two 0.6 s legs overlap
+            # decode had its leg before prefill could have answered: a router that waited for
+            # prefill's answer could not send it until prefill_s after prefill's leg
+            assert d.at < p.at + prefill_s
             tid = p.body["kv_transfer_params"]["transfer_id"]
             assert d.body["kv_transfer_params"]["transfer_id"] == tid
             assert p.headers["x-request-id"] == d.headers["x-request-id"] == tid
@@ -143,7 +141,7 @@ def test_pull_sends_decode_after_prefill_with_its_params():
 
 
 def test_openai_client_works_unchanged():
-    openai = pytest.importorskip("openai")
+    import openai  # a dev dependency (pyproject's [dev]); missing, it should fail, not skip
 
     async def scenario():
         async with deployment("kvpush") as dep:

@@ -1,7 +1,10 @@
 """kvpush's connector in real vLLM (CPU, tiny local model): one prefill, one decode, and a plain
 reference server with the decode's exact settings. Legs are sent as the router contract says.
-Order matters: the last test kills the prefill server.
-Heavy (three vLLM servers): run under `flock /tmp/kvpush-vllm.lock python -m pytest ...`."""
+The tests that leave prefill and decode as they found them share one pair (`cluster`); the test
+that kills prefill takes the pair for itself (`own_cluster`), and a test after it would get a
+fresh one. The 54 sequential requests are sent once per pair (`sequential_run`) and asserted on
+by the tests that need them.
+Heavy (three vLLM servers): run under `flock /tmp/kvpush-heavy.lock python -m pytest ...`."""
 from __future__ import annotations
 
 import os
@@ -9,6 +12,7 @@ import signal
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -22,6 +26,7 @@ from harness import (  # noqa: E402
     LATE_WRITE_HOLD_S, PORTS, Server, completion_body, deployment_plan, ensure_model, grep_log, kv_usage, post, push_request,
     reference_of, wait_until_queued_on_prefill,
 )
+from deployment_slot import DeploymentSlot  # noqa: E402
 from random_prompts import full_length_prompts, random_prompts  # noqa: E402
 
 MAX_TOKENS = 8
@@ -29,39 +34,113 @@ pytestmark = pytest.mark.timeout(1800)
 WORK = Path("/tmp/kvpush-connector-e2e")
 
 
+def start_pair(plan) -> dict[str, Server]:
+    servers: dict[str, Server] = {}
+    try:
+        for role in ("prefill", "decode"):
+            proc = plan.process(f"{role}-0")
+            servers[role] = Server(role, proc.argv, proc.env, proc.http_port, WORK)
+        for s in servers.values():
+            s.wait_healthy(timeout_s=600)
+        return servers
+    except BaseException:
+        for s in servers.values():
+            s.kill()
+        raise
+
+
+def stop_pair(servers: dict[str, Server]) -> None:
+    for s in servers.values():
+        s.kill()
+
+
+@dataclass
+class Pairs:
+    slot: DeploymentSlot  # of prefill/decode pairs: {"prefill": Server, "decode": Server}
+    plan: object
+    prompts: dict[str, list]  # "sequential", "concurrent"
+    expected: dict[str, list[str]]  # the reference's answers to them
+
+    def cluster(self, servers: dict[str, Server]) -> dict:
+        return {"plan": self.plan, "prompts": self.prompts, "expected": self.expected, **servers}
+
+
 @pytest.fixture(scope="module")
-def cluster():
+def pairs():
+    """Starts the reference beside the first pair (their loading overlaps), takes its answers and
+    stops it before the P/D tests: that frees memory and a core."""
     WORK.mkdir(parents=True, exist_ok=True)
     model = ensure_model(WORK / "model")
     topo, plan = deployment_plan(model, WORK / "deploy")
-    p, d = plan.process("prefill-0"), plan.process("decode-0")
-    ref_argv, ref_env = reference_of(d)
-    servers = {}
+    ref_argv, ref_env = reference_of(plan.process("decode-0"))
+    reference = Server("reference", ref_argv, ref_env, PORTS["reference_http"], WORK)
+    pair: dict[str, Server] = {}
     try:
-        servers["reference"] = Server("reference", ref_argv, ref_env, PORTS["reference_http"], WORK)
-        servers["prefill"] = Server("prefill", p.argv, p.env, p.http_port, WORK)
-        servers["decode"] = Server("decode", d.argv, d.env, d.http_port, WORK)
-        for s in servers.values():
-            s.wait_healthy(timeout_s=600)
+        pair = start_pair(plan)
+        reference.wait_healthy(timeout_s=600)
         prompts = {"sequential": random_prompts(54, 900, seed=1), "concurrent": random_prompts(32, 900, seed=2)}
         expected = {}
         with ThreadPoolExecutor(4) as pool:
             for name, batch in prompts.items():
-                got = list(pool.map(lambda pr: post(servers["reference"].url, completion_body(pr, MAX_TOKENS)), batch))
+                got = list(pool.map(lambda pr: post(reference.url, completion_body(pr, MAX_TOKENS)), batch))
                 assert all(status == 200 for status, _ in got), got
                 expected[name] = [body["choices"][0]["text"] for _, body in got]
-        servers.pop("reference").kill()  # frees memory and a core for the P/D tests
-        yield {"plan": plan, "prefill": servers["prefill"], "decode": servers["decode"],
-               "prompts": prompts, "expected": expected}
-    finally:
-        for s in servers.values():
+    except BaseException:
+        for s in pair.values():
             s.kill()
+        raise
+    finally:
+        reference.kill()
+    slot = DeploymentSlot("prefill/decode", lambda: start_pair(plan), stop_pair, current=pair)
+    try:
+        yield Pairs(slot, plan, prompts, expected)
+    finally:
+        slot.close()
+
+
+@pytest.fixture
+def cluster(pairs) -> dict:
+    return pairs.cluster(pairs.slot.shared())
+
+
+@pytest.fixture
+def own_cluster(pairs):
+    """The pair for this test alone (it kills part of it), stopped after the test."""
+    servers = pairs.slot.take()
+    try:
+        yield pairs.cluster(servers)
+    finally:
+        pairs.slot.stop(servers)
 
 
 @pytest.fixture(scope="module")
 def pool():
     with ThreadPoolExecutor(128) as executor:
         yield executor
+
+
+@dataclass
+class SequentialRun:
+    legs: list  # harness.Legs of each of the 54 sequential prompts
+    external_before: float  # decode's prompt tokens by source, before the run
+    local_before: float
+    received_before: float  # decode's kvpush pushes received, before the run
+
+
+@pytest.fixture
+def sequential_run(pairs, cluster, pool) -> SequentialRun:
+    """The 54 sequential P/D requests, sent once per pair, with decode's counters before them."""
+
+    def run() -> SequentialRun:
+        d = cluster["decode"]
+        before = (d.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer"),
+                  d.metric("vllm:prompt_tokens_by_source_total", source="local_compute"),
+                  d.metric("vllm:kvpush_pushes_received_total"))
+        legs = [push_request(cluster["prefill"].url, d.url, cluster["plan"], completion_body(prompt, MAX_TOKENS), pool)
+                for prompt in cluster["prompts"]["sequential"]]
+        return SequentialRun(legs, *before)
+
+    return pairs.slot.once("sequential", run)
 
 
 def wait_kv_usage_zero(server: Server, timeout_s: float = 10.0) -> float:
@@ -73,11 +152,10 @@ def wait_kv_usage_zero(server: Server, timeout_s: float = 10.0) -> float:
     return usage
 
 
-def test_greedy_outputs_equal_single_server(cluster, pool):
+def test_greedy_outputs_equal_single_server(cluster, sequential_run):
     c = cluster
     mismatches, seconds = [], []
-    for prompt, want in zip(c["prompts"]["sequential"], c["expected"]["sequential"]):
-        legs = push_request(c["prefill"].url, c["decode"].url, c["plan"], completion_body(prompt, MAX_TOKENS), pool)
+    for prompt, want, legs in zip(c["prompts"]["sequential"], c["expected"]["sequential"], sequential_run.legs):
         assert legs.prefill_status == 200 and legs.decode_status == 200, (legs.prefill, legs.decode)
         seconds.append(legs.seconds)
         if legs.text != want:
@@ -87,17 +165,17 @@ def test_greedy_outputs_equal_single_server(cluster, pool):
     assert not mismatches, mismatches
 
 
-def test_decode_metrics_show_external_kv(cluster):
+def test_decode_metrics_show_external_kv(cluster, sequential_run):
     d = cluster["decode"]
-    external = d.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
-    local = d.metric("vllm:prompt_tokens_by_source_total", source="local_compute")
+    external = d.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer") - sequential_run.external_before
+    local = d.metric("vllm:prompt_tokens_by_source_total", source="local_compute") - sequential_run.local_before
     total = sum(len(p) for p in cluster["prompts"]["sequential"])
     print(f"\ndecode prompt tokens: external {external:.0f}, local {local:.0f} (of {total})")
     assert external >= 0.95 * total
     assert local <= len(cluster["prompts"]["sequential"])  # at most the one recomputed last token per request
 
 
-def test_decode_computes_streamed_kv_layer_by_layer(cluster):
+def test_decode_computes_streamed_kv_layer_by_layer(cluster, sequential_run):
     """Prefill streams its WRITEs (CPU default). Decode reports a request received while its KV
     still lands only once vLLM has called wait_for_layer_load, the hook where each layer is waited
     for; the connector logs when it first sees that call. (With this small model a WRITE is
@@ -105,12 +183,13 @@ def test_decode_computes_streamed_kv_layer_by_layer(cluster):
     d = cluster["decode"]
     assert "vLLM calls wait_for_layer_load here" in d.log_path.read_text(errors="replace")
     deadline = time.monotonic() + 20  # connector stats reach /metrics once per stats interval
-    while (received := d.metric("vllm:kvpush_pushes_received_total")) < len(cluster["prompts"]["sequential"]) \
+    sent = len(cluster["prompts"]["sequential"])
+    while (received := d.metric("vllm:kvpush_pushes_received_total") - sequential_run.received_before) < sent \
             and time.monotonic() < deadline:
         time.sleep(1)
     waits = d.metric("vllm:kvpush_layer_wait_seconds_count")
     print(f"\ndecode: {received:.0f} pushes received, {waits:.0f} forward passes waited for streamed layers")
-    assert received >= len(cluster["prompts"]["sequential"])
+    assert received >= sent
 
 
 def process_names_in_group(pgid: int) -> list[str]:
@@ -144,7 +223,8 @@ def test_32_concurrent_requests_all_correct(cluster, pool):
     assert all(first) and exact == 32
 
 
-def test_kv_usage_returns_to_zero(cluster):
+def test_kv_usage_returns_to_zero(cluster, sequential_run):
+    """After the sequential requests, neither side holds a block."""
     assert wait_kv_usage_zero(cluster["prefill"]) == 0
     assert wait_kv_usage_zero(cluster["decode"]) == 0
 
@@ -182,8 +262,8 @@ def test_a_stalled_prefill_fails_decode_fast_and_its_blocks_come_back_after_the_
     assert after.decode_status == 200  # decode reconnects to the resumed prefill
 
 
-def test_killing_prefill_fails_decode_requests_fast(cluster, pool):
-    c = cluster
+def test_killing_prefill_fails_decode_requests_fast(own_cluster, pool):
+    c = own_cluster
     prompts = full_length_prompts(16, 900, seed=3)
     futures = [pool.submit(push_request, c["prefill"].url, c["decode"].url, c["plan"], completion_body(p, MAX_TOKENS), pool)
                for p in prompts]

@@ -86,7 +86,7 @@ class Client:
         return self.read((wire.Welcome, wire.Refuse))
 
 
-def wait_for(predicate, timeout_s=3.0):
+def wait_for(predicate, timeout_s=30.0):  # a bound for what must happen, only to name a hang
     deadline = time.monotonic() + timeout_s
     while not predicate():
         assert time.monotonic() < deadline
@@ -185,11 +185,11 @@ def test_a_peer_that_never_reads_is_cut_off_and_sending_never_waits(producer, mo
     assert isinstance(c.handshake(KEY), wire.Welcome)
     c.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     conn = next(iter(p._peers.conns.values()))
-    started = time.monotonic()
     sent = 0
+    # a send that waited for the peer would hang here: the peer never reads
     while conn.send(wire.Fail("t" * 200, "x" * 4000)) and sent < 10_000:
         sent += 1
-    assert time.monotonic() - started < 2.0  # queued, never blocked on the peer
+    assert sent < 10_000  # cut off at the queue's bound, not let through
     wait_for(lambda: conn.closed, 3.0)
 
 

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import threading
-import time
 from types import SimpleNamespace
+
+import pytest
 
 from kvpush.connector.metadata import PushMetadata, RecvSpec, SendSpec
 from kvpush.connector.state import Outcome, Pending
 from kvpush.connector.stats import PushStats
+from kvpush.connector import worker as worker_module
 from kvpush.connector.worker import PushWorker
 
 
@@ -297,7 +299,27 @@ def test_dropped_and_refused_messages_reach_vllms_stats():
     assert w.take_stats() is None  # nothing new since
 
 
-HOLD_S = 0.05
+HOLD_S = 5.0
+
+
+class FakeClock:
+    """Stands in for the worker's `time` module: time moves only when a test advances it."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    fake = FakeClock()
+    monkeypatch.setattr(worker_module, "time", fake)
+    return fake
 
 
 def late_failure(tid="t", req="r") -> Outcome:
@@ -305,7 +327,7 @@ def late_failure(tid="t", req="r") -> Outcome:
     return Outcome(Pending(tid, req, "P", (3, 4), 0.0), False, "no answer", may_still_land=True)
 
 
-def test_a_request_whose_prefill_went_silent_fails_now_but_its_blocks_wait_out_the_hold():
+def test_a_request_whose_prefill_went_silent_fails_now_but_its_blocks_wait_out_the_hold(clock):
     w = worker(False, late_write_hold_s=HOLD_S)
     w.bind(PushMetadata(recvs=[RecvSpec("r", "t", "P", "h", 5, 1, (3, 4), 0, 200)]))
     w.consumer.outcomes.append(late_failure())
@@ -314,29 +336,35 @@ def test_a_request_whose_prefill_went_silent_fails_now_but_its_blocks_wait_out_t
     w.bind(PushMetadata(cancels=["t"], idle=True))  # vLLM ended the request: nothing left to cancel
     assert w.get_finished(set()) == (None, None) and not w._cancelled
     assert w.consumer.forced_waits == 1  # the idle step sleeps: vLLM keeps stepping for held blocks
-    time.sleep(HOLD_S)
+    clock.advance(HOLD_S - 0.001)
+    assert w.get_finished(set()) == (None, None)  # still held
+    clock.advance(0.001)
     assert w.get_finished(set()) == (None, {"r"})
     assert w.get_finished(set()) == (None, None) and not w._late and not w._held
 
 
-def test_a_streamed_request_failed_while_running_is_held_when_vllm_hands_it_back():
+def test_a_streamed_request_failed_while_running_is_held_when_vllm_hands_it_back(clock):
     w = streaming_decode()
     w.settings.late_write_hold_s = HOLD_S
     w.consumer.outcomes.append(late_failure())
     assert w.get_finished(set()) == (None, None) and w.load_errors() == {3, 4}
     w.bind(PushMetadata(releases=[("r", "t")]))  # vLLM failed it and left its blocks to us
     assert w.get_finished(set()) == (None, None)
-    time.sleep(HOLD_S)
+    clock.advance(HOLD_S - 0.001)
+    assert w.get_finished(set()) == (None, None)  # still held
+    clock.advance(0.001)
     assert w.get_finished(set()) == (None, {"r"})
 
 
-def test_a_request_that_ended_while_its_kv_was_awaited_is_held_after_a_late_failure():
+def test_a_request_that_ended_while_its_kv_was_awaited_is_held_after_a_late_failure(clock):
     w = worker(False, late_write_hold_s=HOLD_S)
     w.bind(PushMetadata(recvs=[RecvSpec("r", "t", "P", "h", 5, 1, (3, 4), 0, 200)]))
     w.bind(PushMetadata(cancels=["t"]))
     w.consumer.outcomes.append(late_failure())
     assert w.get_finished(set()) == (None, None)
-    time.sleep(HOLD_S)
+    clock.advance(HOLD_S - 0.001)
+    assert w.get_finished(set()) == (None, None)  # still held
+    clock.advance(0.001)
     assert w.get_finished(set()) == (None, {"r"})
 
 

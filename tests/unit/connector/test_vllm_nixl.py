@@ -6,9 +6,8 @@ import os
 
 import pytest
 
+from kvpush.connector import vllm_nixl  # vLLM is a hard dependency: a renamed class fails here, loudly
 from kvpush.connector.transfer import progress_thread_delay
-
-vllm_nixl = pytest.importorskip("kvpush.connector.vllm_nixl")
 
 
 def test_agents_made_inside_get_the_delay_and_the_binding_is_restored_after():

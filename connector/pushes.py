@@ -1,0 +1,309 @@
+"""P's pushes from WRITE to outcome: the WRITEs made ahead of a prefill's end, posting a match's
+WRITE (or streaming it part by part), the WRITEs in flight polled to their end or deadline, and what
+each ended push leaves behind (DONE or FAIL to D, a SendRecord, the request's blocks freed after
+its last push).
+
+The producer (producer.py) decides when a push may start and owns the side channel; everything here
+runs under the producer's lock, except the copies themselves, which `post`, `drive` and `stream`
+make with the lock released so the reactor keeps answering D meanwhile.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+from . import wire
+from .channel import Connection
+from .fanin import base_name, rank_of
+from .state import Match, Registration
+from .streamed_write import stream_parts
+from .transfer import NixlEngine, Peer, TransferError, Write
+
+if TYPE_CHECKING:
+    from .producer import ProducerConfig
+
+log = logging.getLogger(__name__)
+SYNC_DRIVE_S = 0.5  # at most this long the compute thread drives a WRITE it posted itself
+
+
+@dataclass(frozen=True)
+class SendRecord:
+    """One finished push, for stats and timing analysis."""
+
+    transfer_id: str
+    req_id: str
+    ok: bool
+    num_bytes: int
+    offered: float  # prefill step end (monotonic)
+    registered: float  # D's registration arrival
+    posted: float  # WRITE started (after NIXL's post returned)
+    finished: float
+    reason: str = ""
+    num_descriptors: int = 0
+    prepared_ahead: bool = False  # the WRITE was made before the prefill ended
+    peer_rank: int = 0  # the decode rank this push wrote into (transfer_id is the request's, over all ranks)
+
+
+@dataclass
+class Peers:
+    """D ranks that completed a handshake (keyed engine#rank): their connection and NIXL peer."""
+
+    conns: dict[str, Connection] = field(default_factory=dict)
+    nixl: dict[str, Peer] = field(default_factory=dict)
+
+
+@dataclass
+class InFlight:
+    match: Match
+    writes: list[Write]  # one, or a streamed WRITE's parts not yet driven to completion
+    conn: Connection
+    posted: float
+    prepared_ahead: bool
+    error: str = ""  # a part could not be posted: FAIL once the others are no longer in flight
+    num_bytes: int = 0  # of the parts that completed before
+    deadline: float = float("inf")  # still copying then: failed (a WRITE that neither ends nor errors)
+
+    def state(self, engine: NixlEngine) -> str:
+        """PROC while any part is; then ERR if any part failed or could not be posted."""
+        states = [engine.state(w) for w in self.writes]
+        if "PROC" in states:
+            return "PROC"
+        return "ERR" if self.error or "ERR" in states else "DONE"
+
+
+@dataclass
+class Prepared:
+    """A WRITE made before its prefill ended, for exactly these blocks and this peer."""
+
+    engine_id: str
+    peer: Peer
+    src_blocks: tuple[int, ...]
+    dst_blocks: tuple[int, ...]
+    write: Write
+
+
+class Pushes:
+    """The producer's pushes past matching. `wake` rouses the reactor thread, which polls the
+    WRITEs in flight (`poll`) and may sleep until a distant deadline otherwise."""
+
+    def __init__(self, config: "ProducerConfig", engine: NixlEngine, lock: threading.RLock, peers: Peers,
+                 counters: Counter, wake: Callable[[], None]):
+        self.config = config
+        self.engine = engine
+        self._lock = lock
+        self._peers = peers
+        self._counters = counters
+        self._wake = wake
+        self.inflight: list[InFlight] = []  # WRITEs the reactor thread polls to their end
+        self._prepared: dict[str, Prepared] = {}  # transfer id ->
+        self._freed: list[str] = []
+        self._parts_left: dict[str, int] = {}  # request -> pushes (one per decode rank) not yet ended
+        self._records: list[SendRecord] = []
+
+    # ---- WRITEs made ahead -----------------------------------------------------------------------
+    def prepare(self, transfer_id: str, block_ids: list[int] | tuple[int, ...], peer_engine: str,
+                reg: Registration | None) -> bool:
+        """Make the WRITE of one push ahead, if its registration and peer are here (caller holds the lock)."""
+        peer = self._peers.nixl.get(peer_engine)
+        if reg is None or peer is None or reg.peer_engine != peer_engine or transfer_id in self._prepared:
+            return False
+        end = reg.first_block + len(reg.block_ids)
+        if not reg.block_ids or end > len(block_ids):
+            return False  # offer() answers these without a WRITE
+        src = tuple(block_ids[reg.first_block:end])
+        try:
+            write = self.engine.prepare_write(peer, src, reg.block_ids)
+        except TransferError as exc:
+            log.debug("kvpush P could not make %s ahead: %s", transfer_id, exc)
+            return False
+        self._prepared[transfer_id] = Prepared(peer_engine, peer, src, reg.block_ids, write)
+        return True
+
+    def release_prepared(self, transfer_id: str) -> None:
+        prepared = self._prepared.pop(transfer_id, None)
+        if prepared is not None:
+            self.engine.release(prepared.write)
+
+    def release_stale_prepared(self, registrations: dict) -> None:
+        """WRITEs made ahead whose registration went away (cancelled, expired, peer gone)."""
+        for tid in [t for t in self._prepared if t not in registrations]:
+            self.release_prepared(tid)
+
+    def release_all_prepared(self) -> None:
+        for tid in list(self._prepared):
+            self.release_prepared(tid)
+
+    def _take_prepared(self, match: Match, engine_id: str, peer: Peer) -> Write | None:
+        """The WRITE made ahead for this match, if it still fits (same peer connection and blocks)."""
+        prepared = self._prepared.pop(match.offer.transfer_id, None)
+        if prepared is None:
+            return None
+        if (prepared.peer is peer and prepared.engine_id == engine_id and prepared.src_blocks == tuple(match.src_blocks)
+                and prepared.dst_blocks == tuple(match.dst_blocks)):
+            return prepared.write
+        self.engine.release(prepared.write)
+        return None
+
+    # ---- starting a push's WRITE -------------------------------------------------------------------
+    def post(self, match: Match) -> InFlight | None:
+        """Post the match's WRITE; its in-flight record, or None if the push already ended here.
+        The lock is taken for the bookkeeping only: on CPU the copy happens inside the post."""
+        engine_id = match.registration.peer_engine
+        now = time.monotonic()
+        with self._lock:
+            conn, peer = self._peers.conns.get(engine_id), self._peers.nixl.get(engine_id)
+            if conn is None or peer is None or conn.gone():
+                self.finish(match, None, now, now, False, f"decode engine {engine_id} disconnected before the WRITE")
+                return None
+            if not match.src_blocks:
+                conn.send(wire.Done(base_name(match.offer.transfer_id), 0))
+                self.finish(match, None, now, now, True)
+                return None
+            write = self._take_prepared(match, engine_id, peer)
+        ahead = write is not None
+        try:
+            if write is None:
+                write = self.engine.prepare_write(peer, match.src_blocks, match.dst_blocks)
+            self.engine.post(write, engine_id)
+        except TransferError as exc:
+            with self._lock:
+                self.finish(match, conn, now, time.monotonic(), False, str(exc))
+            return None
+        posted = time.monotonic()
+        log.debug("kvpush P post %s bytes=%d descs=%d ahead=%s wait=%.6f t=%.6f", match.offer.transfer_id,
+                  write.num_bytes, write.num_descriptors, ahead, match.wait_s, now)
+        return InFlight(match, [write], conn, posted, ahead, num_bytes=write.num_bytes,
+                        deadline=posted + self.config.timeout_s)
+
+    def queue(self, item: InFlight | None) -> None:
+        """Hand a posted WRITE to the reactor thread, which polls it to its end."""
+        if item is not None:
+            self.inflight.append(item)
+            self._wake()  # it may be asleep until a distant deadline
+
+    def drive(self, match: Match) -> None:
+        """Post the WRITE and complete it before returning: on a CPU host the copy is CPU work on
+        this instance's cores either way, and finishing it here hands the KV over without waiting
+        for another thread to be scheduled. It joins `inflight` only then, so the reactor does
+        not release it under this thread's feet."""
+        item = self.post(match)
+        if item is None:
+            return
+        deadline = time.monotonic() + SYNC_DRIVE_S
+        while item.state(self.engine) == "PROC" and time.monotonic() < deadline:
+            pass
+        with self._lock:
+            self.inflight.append(item)
+            self.poll()
+
+    def stream(self, match: Match) -> None:
+        """Write part by part, telling D as each lands (streamed_write.py); parts still copying
+        join `inflight` only once all are posted, so the reactor does not release them early."""
+        engine_id = match.registration.peer_engine
+        with self._lock:
+            conn, peer = self._peers.conns.get(engine_id), self._peers.nixl.get(engine_id)
+            if conn is None or peer is None or conn.gone() or not match.src_blocks:
+                self.queue(self.post(match))  # answers these as usual: FAIL (disconnected) or DONE (nothing to write)
+                return
+        started = time.monotonic()
+        try:
+            parts = self.engine.prepare_parts(peer, match.src_blocks, match.dst_blocks)
+        except TransferError as exc:
+            with self._lock:
+                self.finish(match, conn, started, time.monotonic(), False, str(exc))
+            return
+        outcome = stream_parts(self.engine, conn, engine_id, base_name(match.offer.transfer_id), parts)
+        with self._lock:
+            if outcome.copying:
+                self.queue(InFlight(match, outcome.copying, conn, started, False, outcome.error,
+                                    outcome.landed_bytes + outcome.copying_bytes,
+                                    time.monotonic() + self.config.timeout_s))
+            elif outcome.error:
+                self.finish(match, conn, started, time.monotonic(), False, outcome.error,
+                            num_descriptors=outcome.num_descriptors)
+            else:
+                self.finish(match, conn, started, time.monotonic(), True, num_bytes=outcome.landed_bytes,
+                            num_descriptors=outcome.num_descriptors)
+
+    # ---- WRITEs in flight ------------------------------------------------------------------------
+    def in_flight(self, transfer_id: str) -> bool:
+        return any(i.match.offer.transfer_id == transfer_id for i in self.inflight)
+
+    def poll(self, gone_engine: str | None = None, why: str = "") -> None:
+        """Finish WRITEs that completed or failed, or still copy past their deadline, or go to
+        `gone_engine` (caller holds the lock)."""
+        if self.inflight:
+            still = []
+            now = time.monotonic()
+            for item in self.inflight:
+                state = item.state(self.engine)
+                engine_id = item.match.registration.peer_engine
+                reason = item.error or f"NIXL WRITE to {engine_id} failed"
+                overdue = False
+                if state == "PROC":
+                    if engine_id == gone_engine:
+                        reason = f"decode engine {engine_id} disconnected during the WRITE ({why})"
+                    elif now > item.deadline:
+                        reason = f"NIXL WRITE to {engine_id} still copying {self.config.timeout_s:g} s after it was posted"
+                        overdue = True
+                    else:
+                        still.append(item)
+                        continue
+                    state = "ERR"
+                for write in item.writes:
+                    self.engine.release(write)
+                ok = state == "DONE"
+                self.finish(item.match, item.conn, item.posted, time.monotonic(), ok, "" if ok else reason,
+                            item.num_bytes if ok else 0, sum(w.num_descriptors for w in item.writes),
+                            item.prepared_ahead, may_still_land=overdue)
+            self.inflight = still
+
+    # ---- a push's end ----------------------------------------------------------------------------
+    def expect(self, req_id: str, pushes: int) -> None:
+        """The request's blocks are freed once these many more of its pushes have ended."""
+        self._parts_left[req_id] = self._parts_left.get(req_id, 0) + pushes
+
+    def finish(self, match: Match, conn: Connection | None, posted: float, now: float, ok: bool,
+               reason: str = "", num_bytes: int = 0, num_descriptors: int = 0, ahead: bool = False,
+               may_still_land: bool = False) -> None:
+        tid = match.offer.transfer_id
+        if ok:
+            self._counters["sent"] += 1
+            if conn is not None:
+                conn.send(wire.Done(base_name(tid), num_bytes))
+        else:
+            self._counters["failed"] += 1
+            log.warning("kvpush: push %s (request %s) failed: %s", tid, match.offer.req_id, reason)
+            if conn is not None:
+                conn.send(wire.Fail(base_name(tid), reason, may_still_land))
+        self.push_ended(match.offer.req_id)
+        self._records.append(SendRecord(base_name(tid), match.offer.req_id, ok, num_bytes, match.offer.created,
+                                        match.registration.created, posted, now, reason, num_descriptors, ahead,
+                                        rank_of(tid)))
+        log.debug("kvpush P done %s ok=%s bytes=%d prefill_end_to_done=%.6f t=%.6f", tid, ok, num_bytes,
+                  now - match.offer.created, now)
+
+    def push_ended(self, req_id: str) -> None:
+        """One of the request's pushes ended (any way): its blocks are free after the last."""
+        left = self._parts_left.get(req_id, 1) - 1
+        if left > 0:
+            self._parts_left[req_id] = left
+            return
+        self._parts_left.pop(req_id, None)
+        self._freed.append(req_id)
+
+    def free_now(self, req_id: str) -> None:
+        """A request none of whose pushes will run: its blocks are free at once."""
+        self._freed.append(req_id)
+
+    def take_freed(self) -> list[str]:
+        freed, self._freed = self._freed, []
+        return freed
+
+    def take_records(self) -> list[SendRecord]:
+        records, self._records = self._records, []
+        return records
