@@ -72,25 +72,27 @@ def allocate(layout: str, shape: Shape, device: str) -> KVCache:
     return KVCache(layout, views, 0, [raw])
 
 
-def pattern(layer: int, blocks: torch.Tensor, block_shape: tuple[int, ...]) -> torch.Tensor:
+def pattern(layer: int, blocks: torch.Tensor, block_shape: tuple[int, ...], salt: int = 0) -> torch.Tensor:
     """int16 contents of `blocks` of `layer`: a function of (layer, block, logical offset) that
     differs by a non-zero constant between any two blocks of a layer, so a block landing in the
-    wrong place cannot match."""
+    wrong place cannot match. `salt` (0..65535) tells caches apart (e.g. tensor-parallel ranks:
+    a shard landing on the wrong rank cannot match either)."""
     width = 1
     for n in block_shape:
         width *= n
     offsets = torch.arange(width, dtype=torch.int64, device=blocks.device)
-    value = (layer * 1_000_003 + blocks.to(torch.int64)[:, None] * 7919 + offsets[None, :] * 31 + 12345) & 0xFFFF
+    value = (layer * 1_000_003 + blocks.to(torch.int64)[:, None] * 7919 + offsets[None, :] * 31 + 12345
+             + salt * 104_729) & 0xFFFF  # an odd multiplier: salts below 2**16 differ
     value = value - ((value >> 15) << 16)  # as signed 16-bit
     return value.to(torch.int16).reshape(len(blocks), *block_shape)
 
 
-def fill(cache: KVCache) -> None:
+def fill(cache: KVCache, salt: int = 0) -> None:
     """Every block of every layer gets its pattern."""
     for layer in range(len(cache.layers)):
         view = cache.block_major(layer)
         blocks = torch.arange(view.shape[0], device=view.device)
-        view[blocks] = pattern(layer, blocks, tuple(view.shape[1:]))
+        view[blocks] = pattern(layer, blocks, tuple(view.shape[1:]), salt)
 
 
 def poison(cache: KVCache) -> None:
@@ -109,14 +111,14 @@ class Verdict:
         return self.wrong_elements == 0 and self.stray_elements == 0
 
 
-def verify(cache: KVCache, src_blocks: torch.Tensor, dst_blocks: torch.Tensor) -> Verdict:
-    """Destination block dst[i] of every layer must hold source block src[i]'s pattern; every
-    other block must still hold poison."""
+def verify(cache: KVCache, src_blocks: torch.Tensor, dst_blocks: torch.Tensor, salt: int = 0) -> Verdict:
+    """Destination block dst[i] of every layer must hold source block src[i]'s pattern (filled
+    with `salt`); every other block must still hold poison."""
     wrong = stray = checked = 0
     for layer in range(len(cache.layers)):
         view = cache.block_major(layer)
         got = view[dst_blocks]
-        wrong += int((got != pattern(layer, src_blocks, tuple(view.shape[1:]))).sum())
+        wrong += int((got != pattern(layer, src_blocks, tuple(view.shape[1:]), salt)).sum())
         checked += got.numel() * got.element_size()
         others = torch.ones(view.shape[0], dtype=torch.bool, device=view.device)
         others[dst_blocks] = False

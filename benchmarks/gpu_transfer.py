@@ -72,11 +72,11 @@ coalesce_mod, consumer_mod, layout_mod, producer_mod, transfer_mod, wire_mod = _
 WRITER_ENGINE, RECEIVER_ENGINE = "bench.prefill", "bench.decode"
 
 
-def _identity(shape, regions) -> "wire_mod.LayoutIdentity":
+def _identity(shape, regions, model_kv_heads: int = 1) -> "wire_mod.LayoutIdentity":
     """What both sides' push services compare at handshake (layer names sorted, as the connector's
     worker lists vLLM's)."""
     return wire_mod.LayoutIdentity("bench-model", str(shape.dtype).removeprefix("torch."), shape.block_size,
-                                   tuple(sorted(layer_names(shape.num_layers))), 1)
+                                   tuple(sorted(layer_names(shape.num_layers))), model_kv_heads)
 
 
 def layer_names(num_layers: int) -> list[str]:
@@ -176,23 +176,34 @@ def _empty_cache(device: str) -> None:
         torch.cuda.empty_cache()
 
 
-class Receiver:
-    def __init__(self, device: str):
+class ChildProcess:
+    """A spawned process running `target(conn, *args)`, driven over a pipe: each request is a
+    tuple whose first item names it, each answer likewise ("error", traceback) on failure."""
+
+    def __init__(self, name: str, target, *args):
         import multiprocessing as mp
 
         ctx = mp.get_context("spawn")  # CUDA cannot be used in a forked child
+        self.name = name
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=receiver_main, args=(child, device), daemon=True)
+        self.proc = ctx.Process(target=target, args=(child, *args), daemon=True)
         self.proc.start()
         child.close()
 
     def call(self, *msg, timeout_s: float = 300.0):
+        self.send(*msg)
+        return self.answer(msg[0], timeout_s)
+
+    def send(self, *msg) -> None:
         self.conn.send(msg)
+
+    def answer(self, what: str, timeout_s: float = 300.0):
+        """The answer to the request `what` sent last (raises on an error or no answer in time)."""
         if not self.conn.poll(timeout_s):
-            raise RuntimeError(f"receiver did not answer {msg[0]!r} within {timeout_s:.0f} s")
+            raise RuntimeError(f"{self.name} did not answer {what!r} within {timeout_s:.0f} s")
         reply = self.conn.recv()
         if reply[0] == "error":
-            raise RuntimeError(f"receiver failed on {msg[0]!r}:\n{reply[1]}")
+            raise RuntimeError(f"{self.name} failed on {what!r}:\n{reply[1]}")
         return reply
 
     def close(self) -> None:
@@ -208,6 +219,11 @@ class Receiver:
         if self.proc.is_alive():
             self.proc.kill()
             self.proc.join()
+
+
+class Receiver(ChildProcess):
+    def __init__(self, device: str):
+        super().__init__("receiver", receiver_main, device)
 
 
 # ---- block ids ------------------------------------------------------------------------------------
