@@ -209,7 +209,7 @@ def kv_transfer_config(topo: Topology, role: Role, spec: InstanceSpec) -> dict |
         "engine_id": engine_id(topo, spec),
         "kv_connector_extra_config": {"backends": [topo.connector.backend], **topo.connector.extra_config},
     }
-    if topo.platform == "cpu":
+    if topo.platform == "cpu" and not topo.connector.stock_vllm:
         config["kv_connector_module_path"] = VLLM_NIXL_CPU_MODULE
     return config
 
