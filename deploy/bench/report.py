@@ -85,7 +85,8 @@ def write_outputs(report: BenchReport) -> None:
         report.configuration.setdefault("machine", {})["load_average_at_end"] = list(os.getloadavg())
     model = report.configuration.get("model", {})
     subtitle = (f"{model.get('served_name')}, {report.options.input_len} in / {report.options.output_len} out tokens, "
-                f"{report.options.num_prompts} prompts per rate")
+                f"{report.options.num_prompts} prompts per rate"
+                + (f" x {report.options.rounds} rounds" if report.options.rounds > 1 else ""))
     if any(r.points for r in report.runs):
         try:
             report.files += [str(p) for p in write_plots(report.runs, out, subtitle)]

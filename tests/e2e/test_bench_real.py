@@ -137,7 +137,8 @@ def test_stock_nixl_modes_serve_with_vllms_own_connectors(tmp_path, state_dir):
         assert pooled.client.completed == 6 and pooled.client.failed == 0
         assert pooled.prompt_tokens_external >= 6 * 200 and pooled.failed_transfers == 0
         log = (tmp_path / "bench" / "logs" / f"{run.mode}-decode-0.log").read_text(errors="replace")
-        expected = "NixlPushConnector" if run.mode == "nixl-push-stock" else "NixlConnector"
+        # vLLM's own classes from its registry (pull's registered name resolves to NixlPullConnector), no module path
+        expected = "NixlPushConnector" if run.mode == "nixl-push-stock" else "NixlPullConnector"
         assert f"Creating v1 connector with name: {expected} " in log
-        assert "non-default args" in log and "kvpush.connector.vllm_nixl" not in log  # vLLM's class, not kvpush's
+        assert "kv_connector_module_path=None" in log and "kvpush.connector.vllm_nixl" not in log
     assert all(_port_free(STOCK_PORT_BASE + i) for i in range(5)) and all(_port_free(STOCK_PORT_BASE + 100 + i) for i in range(5))
