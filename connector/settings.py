@@ -38,7 +38,7 @@ class Settings:
     progress_delay_us: int | None  # NIXL progress thread's poll timeout; None: transfer.PROGRESS_DELAY_US
     # D: how long a step that computes nothing sleeps for a transfer's outcome. A request that
     # arrives meanwhile waits up to that long to be scheduled. Stepping every ms instead kept a
-    # CPU decode's core busy (~1 core, docs/benchmarks.md run 17); a GPU host has cores to spare.
+    # CPU decode's core busy (~1 core, benchmarks/NOTES.md run 17); a GPU host has cores to spare.
     idle_wait_ms: float = CPU_IDLE_WAIT_MS
     # P on CPU: write layer by layer, so that D's forward pass computes each layer as it lands
     stream_writes: bool = True
