@@ -178,6 +178,22 @@ def print_tails(table: tails_table.TailsTable, baseline: str, platform: str) -> 
          f"goodput: Wilson interval of the good fraction); '?': too few requests to bound that side")
 
 
+SPINNING_IDLE_CORES = 0.5  # an instance using this much CPU with no request in flight loads its host's other work
+
+
+def spinning_lines(runs: list[ModeRun], rounds: int) -> list[str]:
+    """Modes whose instances burn CPU while idle; with --rounds they stay up beside every other mode."""
+    lines = []
+    for run in runs:
+        busy = {name: cores for name, cores in run.idle_cores.items() if cores >= SPINNING_IDLE_CORES}
+        if busy:
+            where = ", ".join(f"{name} {cores:.2f}" for name, cores in busy.items())
+            lines.append(f"{run.mode} used CPU with no request in flight ({where} cores)"
+                         + ("; with --rounds it stayed up while every other mode was measured, on the same hosts"
+                            if rounds > 1 else ""))
+    return lines
+
+
 def render(report: BenchReport) -> None:
     tables = _table_console()
     print_tails(tails_table.tails_of(report.runs), report.options.baseline, report.configuration.get("topology", {}).get("platform", "cpu"))
@@ -189,6 +205,8 @@ def render(report: BenchReport) -> None:
              + (" (rounds not a multiple of the modes: some modes went first more often)" if uneven else ""))
         for line in paired_lines(report.runs, report.options.baseline):
             note(line)
+    for line in spinning_lines(report.runs, report.options.rounds):
+        err.print(styled("[yellow]{}[/yellow]", line), highlight=False)
     for run in report.runs:
         if run.idle_cores:
             idle = ", ".join(f"{name} {cores:.2f}" for name, cores in run.idle_cores.items())
