@@ -42,9 +42,8 @@ class BenchOptions:
             raise UsageError(f"--rounds must be between 1 and {MAX_ROUNDS} (got {self.rounds})")
         if self.rounds > 1 and self.port_base is None:
             raise UsageError(ROUNDS_NEED_PORT_BASE)
-        for name, value in (("--slo-ttft-ms", self.slo.ttft_ms), ("--slo-tpot-ms", self.slo.tpot_ms)):
-            if not (value > 0 and value != float("inf")):
-                raise UsageError(f"{name} must be a positive number of milliseconds (got {value:g})")
+        if self.slo.problem():
+            raise UsageError(self.slo.problem())
         if self.baseline not in self.modes:
             raise UsageError(f"--baseline {self.baseline} is not among --modes {','.join(self.modes)}; add it or choose "
                              f"another baseline")

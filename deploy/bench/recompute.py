@@ -40,6 +40,8 @@ def recompute(bench_dir: Path, slo: Slo | None = None, baseline: str | None = No
     if slo is None:
         kept = options.get("slo") or {}
         slo = Slo(**{f: float(kept[f]) for f in ("ttft_ms", "tpot_ms") if f in kept})
+    if slo.problem():
+        raise UsageError(slo.problem())
     baseline = baseline or options.get("baseline", "")
     table: TailsTable = {}
     for run in doc.get("runs", []):

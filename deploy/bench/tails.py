@@ -29,6 +29,13 @@ class Slo:
     ttft_ms: float = DEFAULT_SLO_TTFT_MS
     tpot_ms: float = DEFAULT_SLO_TPOT_MS
 
+    def problem(self) -> str | None:
+        """Why these SLOs cannot be used, as the CLI option names them; None when they can."""
+        for name, value in (("--slo-ttft-ms", self.ttft_ms), ("--slo-tpot-ms", self.tpot_ms)):
+            if not (value > 0 and math.isfinite(value)):
+                return f"{name} must be a positive number of milliseconds (got {value:g})"
+        return None
+
 
 @dataclass(frozen=True)
 class Estimate:

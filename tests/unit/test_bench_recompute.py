@@ -99,6 +99,11 @@ def test_a_bench_without_raw_files_or_with_one_missing_is_a_one_line_error(bench
         recompute(tmp_path / "nowhere")
 
 
+def test_recompute_refuses_an_slo_that_is_not_positive(bench_dir):
+    with pytest.raises(UsageError, match=r"--slo-tpot-ms must be a positive number of milliseconds \(got 0\)"):
+        recompute(bench_dir, Slo(300.0, 0.0))
+
+
 def test_the_cli_recomputes_without_a_topology_or_deployment(bench_dir):
     result = subprocess.run([sys.executable, "-m", "kvpush.cli.main", "bench", "--recompute", str(bench_dir), "--markdown",
                              "--slo-ttft-ms", "250"], capture_output=True, text=True, timeout=60)

@@ -27,6 +27,8 @@ def kvpush(*args: str, cwd=None) -> subprocess.CompletedProcess:
     (["--rates", "0"], "--rates: 0 must be a positive"),
     (["--num-prompts", "0"], "--num-prompts must be at least 1"),
     (["--modes", "colocated"], "--baseline nixl-pull is not among --modes colocated"),
+    (["--slo-ttft-ms", "0"], "--slo-ttft-ms must be a positive number of milliseconds (got 0)"),
+    (["--slo-tpot-ms", "-5"], "--slo-tpot-ms must be a positive number of milliseconds (got -5)"),
     (["--rounds", "3"], "--rounds keeps every mode's deployment up at once, so each needs ports of its own: give --port-base"),
 ])
 def test_bad_options_are_one_line_usage_errors(tmp_path, args, message):
