@@ -1,6 +1,7 @@
 """`kvpush bench`: push vs pull under load; thin over kvpush.deploy.bench."""
 from __future__ import annotations
 
+import dataclasses
 import signal
 import statistics
 from contextlib import contextmanager
@@ -13,7 +14,10 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 from rich.table import Table
 from rich.text import Text
 
-from kvpush.deploy.bench.modes import DEFAULT_BASELINE, MODES, parse_modes, parse_rates
+from kvpush.deploy.bench.modes import DEFAULT_BASELINE, DEFAULT_MODES as BENCH_DEFAULT_MODES, MODES, parse_modes, parse_rates
+from kvpush.deploy.bench.recompute import recompute
+from kvpush.deploy.bench import tails_table
+from kvpush.deploy.bench.tails import CONFIDENCE, DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS, Slo
 from kvpush.deploy.bench.results import ModeRun, figure, paired_ratios, point_at, rates_of, ratio
 from kvpush.deploy.bench.options import BenchEvents, BenchOptions
 from kvpush.deploy.bench.report import BenchReport
@@ -25,11 +29,11 @@ from kvpush.deploy.topology import check_key_files, resolve_topology
 from .console import err, note, out, print_json, styled
 from .lifecycle_cmd import ACCEPT, CONNECT_TIMEOUT, KNOWN_HOSTS, ssh_options
 
-DEFAULT_MODES = ",".join(MODES)
+DEFAULT_MODES = ",".join(BENCH_DEFAULT_MODES)
 DEFAULT_RATES = "0.5,1,2,4"
 # Sized for the whole default bench (4 modes x 4 rates) to take about 15 minutes on a 2-core
 # machine: starting deployments and `vllm bench serve` processes dominates, the arrivals of 8
-# prompts per rate add only ~30 s per mode (see docs/benchmarks.md).
+# prompts per rate add only ~30 s per mode (see benchmarks/NOTES.md).
 DEFAULT_INPUT_LEN = 1024
 DEFAULT_OUTPUT_LEN = 32
 DEFAULT_NUM_PROMPTS = 8
@@ -137,7 +141,8 @@ def paired_lines(runs: list[ModeRun], baseline: str) -> list[str]:
             continue
         for rate, figures in sorted(by_rate.items()):
             parts = []
-            for name, label in (("ttft_p50", "TTFT p50"), ("ttft_p90", "TTFT p90"), ("tpot_p50", "TPOT p50")):
+            for name, label in (("ttft_p50", "TTFT p50"), ("ttft_p99", "TTFT p99"), ("tpot_p50", "TPOT p50"),
+                                ("goodput", "goodput")):
                 values = sorted(figures.get(name, []))
                 if values:
                     below = sum(v < 1 for v in values)
@@ -154,9 +159,44 @@ def phases_text(phases_s: dict[str, float]) -> str:
     return f"{', '.join(parts)} ({sum(phases_s.values()):.0f} s)"
 
 
-def render(report: BenchReport) -> None:
+def _table_console() -> Console:
     # Piped or redirected output gets room for every column instead of a squeezed 80-column table.
-    tables = out if out.is_terminal else Console(width=TABLE_WIDTH, soft_wrap=True, markup=False)
+    return out if out.is_terminal else Console(width=TABLE_WIDTH, soft_wrap=True, markup=False)
+
+
+def print_tails(table: tails_table.TailsTable, baseline: str, platform: str) -> None:
+    """The headline tables: goodput and tails with 95% intervals, ratios to the baseline."""
+    console = _table_console()
+    for rate in tails_table.rates_in(table):
+        t = Table(title=tails_table.caption(table, rate, baseline), title_justify="left")
+        for col in tails_table.COLUMNS:
+            t.add_column(col, justify="left" if col == "mode" else "right")
+        for row in tails_table.rows(table, rate, baseline, platform):
+            t.add_row(*row)
+        console.print(t)
+    note(f"[low, high]: {CONFIDENCE:.0%} confidence intervals (percentiles: order statistics, distribution-free; "
+         f"goodput: Wilson interval of the good fraction); '?': too few requests to bound that side")
+
+
+SPINNING_IDLE_CORES = 0.5  # an instance using this much CPU with no request in flight loads its host's other work
+
+
+def spinning_lines(runs: list[ModeRun], rounds: int) -> list[str]:
+    """Modes whose instances burn CPU while idle; with --rounds they stay up beside every other mode."""
+    lines = []
+    for run in runs:
+        busy = {name: cores for name, cores in run.idle_cores.items() if cores >= SPINNING_IDLE_CORES}
+        if busy:
+            where = ", ".join(f"{name} {cores:.2f}" for name, cores in busy.items())
+            lines.append(f"{run.mode} used CPU with no request in flight ({where} cores)"
+                         + ("; with --rounds it stayed up while every other mode was measured, on the same hosts"
+                            if rounds > 1 else ""))
+    return lines
+
+
+def render(report: BenchReport) -> None:
+    tables = _table_console()
+    print_tails(tails_table.tails_of(report.runs), report.options.baseline, report.configuration.get("topology", {}).get("platform", "cpu"))
     for rate in rates_of(report.runs):
         tables.print(rate_table(report.runs, rate, report.options.baseline))
     if report.options.rounds > 1:
@@ -165,6 +205,8 @@ def render(report: BenchReport) -> None:
              + (" (rounds not a multiple of the modes: some modes went first more often)" if uneven else ""))
         for line in paired_lines(report.runs, report.options.baseline):
             note(line)
+    for line in spinning_lines(report.runs, report.options.rounds):
+        err.print(styled("[yellow]{}[/yellow]", line), highlight=False)
     for run in report.runs:
         if run.idle_cores:
             idle = ", ".join(f"{name} {cores:.2f}" for name, cores in run.idle_cores.items())
@@ -188,7 +230,9 @@ def register(app: typer.Typer) -> None:
     @app.command("bench")
     def bench_command(
         file: Optional[Path] = typer.Argument(None, help="Topology file (default: ./kvpush.yaml, else the built-in local-cpu)."),
-        modes: str = typer.Option(DEFAULT_MODES, "--modes", help="Connector modes to compare, comma-separated."),
+        modes: str = typer.Option(DEFAULT_MODES, "--modes", help=f"Modes to compare, comma-separated, from {','.join(MODES)}; "
+                                  "the -stock modes run vLLM's NIXL connectors exactly as vLLM ships them, the plain ones "
+                                  "as kvpush tunes them for shared CPU cores (on GPU both are stock)."),
         rates: str = typer.Option(DEFAULT_RATES, "--rates", help="Request rates (req/s, Poisson), comma-separated."),
         input_len: int = typer.Option(DEFAULT_INPUT_LEN, "--input-len", help="Prompt tokens per request."),
         output_len: int = typer.Option(DEFAULT_OUTPUT_LEN, "--output-len", help="Output tokens per request (EOS ignored)."),
@@ -206,10 +250,23 @@ def register(app: typer.Typer) -> None:
         accept_new_host_keys: bool = ACCEPT,
         known_hosts: str = KNOWN_HOSTS,
         connect_timeout: float = CONNECT_TIMEOUT,
+        slo_ttft_ms: Optional[float] = typer.Option(None, "--slo-ttft-ms", help=f"Goodput counts requests whose TTFT is at most this "
+                                                    f"(default {DEFAULT_SLO_TTFT_MS:g} ms: an interactive answer starts within a second)."),
+        slo_tpot_ms: Optional[float] = typer.Option(None, "--slo-tpot-ms", help=f"... and whose TPOT is at most this (default "
+                                                    f"{DEFAULT_SLO_TPOT_MS:g} ms: 10 tokens/s or faster)."),
+        recompute_dir: Optional[Path] = typer.Option(None, "--recompute", help="Deploy nothing: recompute the goodput and tail tables "
+                                                     "of a finished bench from the raw per-request files in this --out directory "
+                                                     "(at other SLOs or another --baseline if given)."),
+        markdown: bool = typer.Option(False, "--markdown", help="With --recompute: print the tables as Markdown."),
         json_output: bool = typer.Option(False, "--json", help="Print the whole result document as JSON instead of tables."),
     ) -> None:
         """Compare connector modes under load with `vllm bench serve` through the router: TTFT, TPOT, ITL, E2E,
-        handoff gap, KV-transfer evidence; writes bench.json and PNG plots."""
+        handoff gap, KV-transfer evidence; goodput at a TTFT/TPOT SLO and tails with 95% confidence intervals;
+        writes bench.json, the raw per-request results and PNG plots."""
+        if recompute_dir is not None:
+            _recompute(recompute_dir, slo_ttft_ms, slo_tpot_ms, baseline if baseline != DEFAULT_BASELINE else None,
+                       markdown, json_output)
+            return
         topo, source = resolve_topology(file)
         check_key_files(topo)
         note(f"topology: {source}")
@@ -217,6 +274,8 @@ def register(app: typer.Typer) -> None:
             modes=parse_modes(modes), rates=parse_rates(rates), input_len=input_len, output_len=output_len,
             num_prompts=num_prompts, out_dir=out_dir, kv_heavy=kv_heavy, baseline=baseline, port_base=port_base,
             rounds=rounds, seed=seed, tokenizer=tokenizer, client_timeout_s=client_timeout,
+            slo=Slo(DEFAULT_SLO_TTFT_MS if slo_ttft_ms is None else slo_ttft_ms,
+                    DEFAULT_SLO_TPOT_MS if slo_tpot_ms is None else slo_tpot_ms),
             lifecycle=LifecycleOptions(ssh=ssh_options(accept_new_host_keys, known_hosts, connect_timeout), ready_timeout_s=ready_timeout),
         )
         options.validate()
@@ -233,3 +292,19 @@ def register(app: typer.Typer) -> None:
         failed = [r.mode for r in report.runs if r.error]
         if failed:
             raise KvpushError(f"mode(s) {', '.join(failed)} did not complete (see above); the others' results are in {out_dir}")
+
+
+def _recompute(bench_dir: Path, slo_ttft_ms: float | None, slo_tpot_ms: float | None, baseline: str | None,
+               markdown: bool, json_output: bool) -> None:
+    slo = None
+    if slo_ttft_ms is not None or slo_tpot_ms is not None:
+        slo = Slo(DEFAULT_SLO_TTFT_MS if slo_ttft_ms is None else slo_ttft_ms,
+                  DEFAULT_SLO_TPOT_MS if slo_tpot_ms is None else slo_tpot_ms)
+    done = recompute(bench_dir, slo, baseline)
+    if json_output:
+        print_json({"baseline": done.baseline, "slo": dataclasses.asdict(done.slo),
+                    "tails": {m: {f"{r:g}": dataclasses.asdict(t) for r, t in by_rate.items()} for m, by_rate in done.tails.items()}})
+    elif markdown:
+        out.print(tails_table.markdown(done.tails, done.baseline, done.platform), markup=False, highlight=False)
+    else:
+        print_tails(done.tails, done.baseline, done.platform)

@@ -155,7 +155,7 @@ def cuda_forward_marks(device: Any, blocking: bool = False) -> Callable[[], Forw
     of `device`. Its waiter (the queue's thread) spins in the driver, CUDA's default, without the
     GIL: a core while a step with pushes computes, as the compute thread's own waits do. An event
     whose waiter sleeps instead (`blocking`) took twice as long to record on an H200 and woke its
-    waiter ~1 ms later (docs/benchmarks.md)."""
+    waiter ~1 ms later (benchmarks/NOTES.md)."""
     import torch
 
     def mark() -> ForwardMark:

@@ -32,7 +32,7 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL's Python logger prints I
 # while wire-up and notification events wake the thread at once, and kvpush drives its WRITEs
 # itself. On CPU a short timeout costs the compute thread beside it: 100 us woke the thread ~900
 # times a second (0.022 cores per idle instance), 50 ms 20 times (0.001). GPU keeps the value
-# its transfers were measured with (docs/benchmarks.md).
+# its transfers were measured with (benchmarks/NOTES.md).
 PROGRESS_DELAY_US = {"DRAM": 50_000, "VRAM": 100}  # by NIXL memory type
 _create_lock = threading.Lock()
 

@@ -209,7 +209,7 @@ def kv_transfer_config(topo: Topology, role: Role, spec: InstanceSpec) -> dict |
         "engine_id": engine_id(topo, spec),
         "kv_connector_extra_config": {"backends": [topo.connector.backend], **topo.connector.extra_config},
     }
-    if topo.platform == "cpu":
+    if topo.platform == "cpu" and not topo.connector.stock_vllm:
         config["kv_connector_module_path"] = VLLM_NIXL_CPU_MODULE
     return config
 
@@ -254,7 +254,7 @@ def _vllm_process(topo: Topology, role: Role, spec: InstanceSpec) -> ProcessPlan
             # worker process behind a shared-memory queue whose reader yield-spins. Measured on
             # the 2-core host: a decode waiting for pushed KV used 0.98 of its core with the worker
             # process (engine 0.84, spinning) and 0.15 without; TPOT fell from 12-13 ms to 9-10 ms
-            # in both push and pull (docs/benchmarks.md). The topology's `env` may set it to "1".
+            # in both push and pull (benchmarks/NOTES.md). The topology's `env` may set it to "1".
             env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if spec.cpu_cores is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = spec.cpu_cores
@@ -267,7 +267,7 @@ def _vllm_process(topo: Topology, role: Role, spec: InstanceSpec) -> ProcessPlan
     if topo.platform == "cpu" and spec.cpu_cores is not None:
         # The whole instance on its cores, not only vLLM's OpenMP threads: otherwise its API server
         # and engine loop float onto the other instance's core. Measured: a decode engine stepping
-        # every ms while it waits for pushed KV took half of prefill's core (docs/benchmarks.md).
+        # every ms while it waits for pushed KV took half of prefill's core (benchmarks/NOTES.md).
         argv = on_cores(core_list_text(parse_core_list(spec.cpu_cores)), argv)
 
     from .topology import side_channel_ports  # local import keeps the public surface small

@@ -30,6 +30,9 @@ def check_cross_fields(topo: Topology, problems: Problems) -> None:
                 problems.fail((role,), f"has no instances; a disaggregated deployment needs at least one {role} instance (or set connector.type: colocated)")
     elif not topo.instances():
         problems.fail(("decode",), "has no instances; add at least one instance")
+    if topo.connector.stock_vllm and topo.connector.type not in ("nixl-push", "nixl-pull"):
+        problems.fail(("connector", "stock_vllm"), f"applies to connector types nixl-push and nixl-pull only, not "
+                                                   f"{topo.connector.type}; remove it or change connector.type")
     for name, host in topo.hosts.items():
         if not NAME_PATTERN.match(name):
             problems.fail(("hosts", name), "host names must be lowercase letters, digits and '-'")

@@ -89,6 +89,10 @@ class ConnectorSpec(_Model):
     # ~1 s by the side channel's ping, and a busy one may hold a request queued for many seconds.
     transfer_timeout_s: float = Field(30.0, gt=0, le=DAY_S)
     extra_config: Annotated[dict[str, Any], AfterValidator(values.extra_config)] = Field(default_factory=dict)
+    stock_vllm: bool = Field(False, description="nixl-push and nixl-pull: load vLLM's connector classes exactly as vLLM "
+                                                "ships them. By default a CPU platform loads them through "
+                                                "kvpush.connector.vllm_nixl, which paces NIXL's progress thread and keeps "
+                                                "the compute thread on its own cores; GPU platforms always run them stock")
 
 
 @pydantic_dataclass(config=_CONFIG, kw_only=True)

@@ -11,7 +11,8 @@ from ..secrets import AccessKeys
 from .client import BenchClient, LoadSpec
 from .deployment import Deployed, Endpoint, timed
 from .options import BenchEvents, BenchOptions, seed_for
-from .results import RatePoint, parse_client_result
+from .raw import RAW_DIR, keep, read_text, relative
+from .results import RatePoint, parse_client_result, parse_request_samples
 from .scrape import instance_figures, router_figures
 
 
@@ -28,11 +29,11 @@ def scrape(runners: dict[str, Runner], endpoints: list[Endpoint], keys: AccessKe
 def measure_rate(d: Deployed, options: BenchOptions, events: BenchEvents, client: BenchClient, rate_index: int,
                  round_index: int = 0) -> tuple[RatePoint, Path]:
     """Drive one rate against one deployment; /metrics scraped before and after. Returns the point and
-    the client's result file."""
+    the client's per-request result file, as kept (raw.keep)."""
     rate = options.rates[rate_index]
     seed = seed_for(options.seed, rate_index, round_index)
     name = f"{d.run.mode}-rate{rate:g}" + (f"-round{round_index + 1}" if options.rounds > 1 else "")
-    raw_dir = options.out_dir / "raw"
+    raw_dir = options.out_dir / RAW_DIR
     load = LoadSpec(base_url=d.base_url, served_model=d.topo.model.name, tokenizer=d.tokenizer, rate=rate,
                     num_prompts=options.num_prompts, input_len=options.input_len, output_len=options.output_len,
                     seed=seed, result_dir=str(raw_dir), result_filename=f"{name}.json")
@@ -41,13 +42,17 @@ def measure_rate(d: Deployed, options: BenchOptions, events: BenchEvents, client
     with timed(d.run, f"rate {rate:g}" + (f" round {round_index + 1}" if options.rounds > 1 else "")):
         path = client.run(load, options.out_dir / "logs" / f"{name}.log", options.client_timeout_s, d.keys.client)
     after = scrape(d.runners, d.endpoints, d.keys)
-    (raw_dir / f"{name}-metrics.json").write_text(json.dumps({"before": before, "after": after}))
-    text = path.read_text()
+    metrics_path = raw_dir / f"{name}-metrics.json"
+    metrics_path.write_text(json.dumps({"before": before, "after": after}))
+    keep(metrics_path)
+    path = keep(path)
+    text = read_text(path)
     point = RatePoint(
         mode=d.run.mode, rate=rate, seed=seed, client=parse_client_result(text, str(path)),
         router=router_figures(before[d.router.name], after[d.router.name]),
         instances=[instance_figures(e.name, e.role, before[e.name], after[e.name]) for e in d.endpoints if e.role != "router"],
-        round=round_index,
+        round=round_index, tails=parse_request_samples(text, str(path)).tails(options.slo),
+        raw_file=relative(path, options.out_dir),
     )
     events.rate_done(d.run.mode, point)
     return point, path

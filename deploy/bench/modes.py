@@ -9,8 +9,16 @@ from pathlib import PurePosixPath
 from kvpush.common.errors import UsageError
 from ..topology import ConnectorType, Topology, TinyModelSpec, side_channel_ports
 
-MODES: tuple[ConnectorType, ...] = ("kvpush", "nixl-push", "nixl-pull", "colocated")
-DEFAULT_BASELINE: ConnectorType = "nixl-pull"
+# A bench mode is a connector type, or a `-stock` control: vLLM's connector exactly as vLLM ships it
+# (connector.stock_vllm), beside the variant kvpush tunes for shared CPU cores.
+STOCK_SUFFIX = "-stock"
+MODES: tuple[str, ...] = ("kvpush", "nixl-push", "nixl-pull", "colocated", "nixl-push-stock", "nixl-pull-stock")
+DEFAULT_MODES: tuple[str, ...] = ("kvpush", "nixl-push", "nixl-pull", "colocated")
+DEFAULT_BASELINE = "nixl-pull"
+MODE_LABELS = {
+    "nixl-push": "nixl-push (kvpush-tuned)", "nixl-pull": "nixl-pull (kvpush-tuned)",
+    "nixl-push-stock": "nixl-push (stock vLLM)", "nixl-pull-stock": "nixl-pull (stock vLLM)",
+}
 
 # Like the measured baseline in shared/README.md: 8 layers x 8 KV heads x 128 in bf16 is 32 KiB of
 # KV per token, so a 3,000-token prompt moves 96 MiB and transfer is a visible share of TTFT.
@@ -29,7 +37,21 @@ def kv_bytes_per_token(spec: TinyModelSpec) -> int:
     return 2 * spec.layers * spec.kv_heads * spec.head_dim * KV_DTYPE_BYTES
 
 
-def parse_modes(text: str) -> list[ConnectorType]:
+def connector_of(mode: str) -> tuple[ConnectorType, bool]:
+    """A bench mode's connector type, and whether it runs vLLM's connector stock."""
+    stock = mode.endswith(STOCK_SUFFIX)
+    return mode.removesuffix(STOCK_SUFFIX), stock  # type: ignore[return-value]
+
+
+def mode_label(mode: str, platform: str = "cpu") -> str:
+    """How tables name a mode: on a CPU platform the tuned and stock NIXL variants differ; on GPU the
+    plain modes are stock too (the tuning applies to CPU platforms only)."""
+    if platform != "cpu" and mode in ("nixl-push", "nixl-pull"):
+        return mode
+    return MODE_LABELS.get(mode, mode)
+
+
+def parse_modes(text: str) -> list[str]:
     modes = [m.strip() for m in text.split(",") if m.strip()]
     if not modes:
         raise UsageError("--modes is empty; give e.g. --modes kvpush,nixl-push,nixl-pull,colocated")
@@ -38,7 +60,7 @@ def parse_modes(text: str) -> list[ConnectorType]:
             raise UsageError(f"--modes: unknown mode '{m}'; choose from {','.join(MODES)}")
     if len(set(modes)) != len(modes):
         raise UsageError(f"--modes lists a mode twice ({text}); give each mode once")
-    return modes  # type: ignore[return-value]
+    return modes
 
 
 def parse_rates(text: str) -> list[float]:
@@ -97,7 +119,7 @@ def ports_of(topo: Topology) -> list[int]:
     return ports
 
 
-def bench_topology(topo: Topology, mode: ConnectorType, *, kv_heavy: bool = False, port_base: int | None = None,
+def bench_topology(topo: Topology, mode: str, *, kv_heavy: bool = False, port_base: int | None = None,
                    mode_index: int | None = None) -> Topology:
     """The topology the bench deploys for one mode: connector.type = mode, a deployment name of its own
     (so a running deployment of the same file is never restarted), optionally the KV-heavy model and
@@ -110,7 +132,8 @@ def bench_topology(topo: Topology, mode: ConnectorType, *, kv_heavy: bool = Fals
                          f"{len(topo.prefill)} prefill and {len(topo.decode)} decode; add both or bench only colocated")
     name = f"{topo.name[:50]}-bench" if mode_index is None else f"{topo.name[:40]}-bench-{mode}"
     out = topo.model_copy(deep=True)
-    out = out.model_copy(update={"name": name, "connector": out.connector.model_copy(update={"type": mode})})
+    kind, stock = connector_of(mode)
+    out = out.model_copy(update={"name": name, "connector": out.connector.model_copy(update={"type": kind, "stock_vllm": stock})})
     if kv_heavy:
         out = kv_heavy_model(out)
     if mode_index is not None:

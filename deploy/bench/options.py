@@ -10,6 +10,7 @@ from ..lifecycle import Events, LifecycleOptions
 from ..topology import Topology
 from .modes import DEFAULT_BASELINE, ROUNDS_NEED_PORT_BASE, bench_topology
 from .results import RatePoint
+from .tails import Slo
 
 MAX_ROUNDS = 50
 ROUND_SEED_STRIDE = 100_000
@@ -30,6 +31,7 @@ class BenchOptions:
     seed: int = 0
     tokenizer: str | None = None
     client_timeout_s: float = 900.0
+    slo: Slo = Slo()  # goodput counts the requests meeting both
     lifecycle: LifecycleOptions = field(default_factory=LifecycleOptions)
 
     def validate(self) -> None:
@@ -40,6 +42,8 @@ class BenchOptions:
             raise UsageError(f"--rounds must be between 1 and {MAX_ROUNDS} (got {self.rounds})")
         if self.rounds > 1 and self.port_base is None:
             raise UsageError(ROUNDS_NEED_PORT_BASE)
+        if self.slo.problem():
+            raise UsageError(self.slo.problem())
         if self.baseline not in self.modes:
             raise UsageError(f"--baseline {self.baseline} is not among --modes {','.join(self.modes)}; add it or choose "
                              f"another baseline")

@@ -3,7 +3,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .modes import mode_label
 from .results import ModeRun, figure
+
+GOODPUT_PLOT = "goodput.png"
 
 # (file name, title, y label, [(figure name, line style)])
 PLOTS = (
@@ -20,7 +23,7 @@ def write_plots(runs: list[ModeRun], out_dir: Path, subtitle: str) -> list[Path]
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    written = []
+    written = [_goodput_plot(plt, runs, out_dir, subtitle)] if any(p.tails for r in runs for p in r.points) else []
     for filename, title, ylabel, series in PLOTS:
         fig, ax = plt.subplots(figsize=(7.5, 4.5), dpi=110)
         drawn = False
@@ -50,3 +53,34 @@ def write_plots(runs: list[ModeRun], out_dir: Path, subtitle: str) -> list[Path]
         plt.close(fig)
         written.append(path)
     return written
+
+
+def _goodput_plot(plt, runs: list[ModeRun], out_dir: Path, subtitle: str) -> Path:
+    """What a user reads first: goodput per mode against the offered rate, with 95% intervals."""
+    fig, ax = plt.subplots(figsize=(7.5, 4.5), dpi=110)
+    slo = None
+    top = 0.0
+    for i, run in enumerate(runs):
+        points = [p for p in run.points if p.tails is not None and p.tails.goodput.value is not None]
+        if not points:
+            continue
+        slo = points[0].tails.slo
+        xs = [p.rate for p in points]
+        ys = [p.tails.goodput.value for p in points]
+        below = [y - (p.tails.goodput.low if p.tails.goodput.low is not None else y) for p, y in zip(points, ys)]
+        above = [(p.tails.goodput.high if p.tails.goodput.high is not None else y) - y for p, y in zip(points, ys)]
+        ax.errorbar(xs, ys, yerr=[below, above], marker="o", capsize=3, color=f"C{i}", label=mode_label(run.mode))
+        top = max([top, *xs])
+    if top:
+        ax.plot([0, top], [0, top], ":", color="grey", label="offered rate")
+    where = f"TTFT <= {slo.ttft_ms:g} ms and TPOT <= {slo.tpot_ms:g} ms" if slo else "SLO"
+    ax.set_title(f"Goodput vs request rate (requests meeting {where}, 95% CI)\n{subtitle}", fontsize=10)
+    ax.set_xlabel("request rate (req/s, Poisson arrivals)")
+    ax.set_ylabel("goodput (req/s)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out_dir / GOODPUT_PLOT
+    fig.savefig(path)
+    plt.close(fig)
+    return path

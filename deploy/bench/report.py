@@ -13,6 +13,7 @@ from . import environment
 from .modes import kv_bytes_per_token, topology_hash
 from .options import BenchOptions, mode_topology, seed_for
 from .plots import write_plots
+from .tails import CONFIDENCE
 from .results import ModeRun, paired_ratios, point_to_dict, ratios_vs_baseline
 
 RESULT_FILE = "bench.json"
@@ -38,7 +39,8 @@ class BenchReport:
             "interrupted": self.interrupted,
             "options": {"modes": o.modes, "rates": o.rates, "input_len": o.input_len, "output_len": o.output_len,
                         "num_prompts": o.num_prompts, "kv_heavy": o.kv_heavy, "baseline": o.baseline, "seed": o.seed,
-                        "port_base": o.port_base, "rounds": o.rounds},
+                        "port_base": o.port_base, "rounds": o.rounds,
+                        "slo": {"ttft_ms": o.slo.ttft_ms, "tpot_ms": o.slo.tpot_ms}, "confidence": CONFIDENCE},
             "configuration": self.configuration,
             "runs": [{"mode": r.mode, "topology_hash": r.topology_hash, "up_s": r.up_s, "error": r.error,
                       "idle_cores": r.idle_cores, "phases_s": r.phases_s,
@@ -83,7 +85,8 @@ def write_outputs(report: BenchReport) -> None:
         report.configuration.setdefault("machine", {})["load_average_at_end"] = list(os.getloadavg())
     model = report.configuration.get("model", {})
     subtitle = (f"{model.get('served_name')}, {report.options.input_len} in / {report.options.output_len} out tokens, "
-                f"{report.options.num_prompts} prompts per rate")
+                f"{report.options.num_prompts} prompts per rate"
+                + (f" x {report.options.rounds} rounds" if report.options.rounds > 1 else ""))
     if any(r.points for r in report.runs):
         try:
             report.files += [str(p) for p in write_plots(report.runs, out, subtitle)]

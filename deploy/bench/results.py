@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from kvpush.common.errors import KvpushError
 from .scrape import InstanceFigures, RouterFigures, ms_per_request
+from .tails import Slo, Tails, percentile, summarize
 
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
 STAT_NAMES = ("mean", "p50", "p90", "p99")
@@ -77,9 +78,24 @@ class RequestSamples:
     """Per-request latencies (ms) of the requests that succeeded, from a `--save-detailed` result file."""
 
     ttft: list[float]
-    tpot: list[float]  # requests with more than one output token
+    e2el: list[float]  # same order as ttft
+    request_tpot: list[float | None]  # same order; None: a one-token answer has no TPOT
     itl: list[float]  # every gap between tokens, all requests
-    e2el: list[float]
+    sent: int = 0  # requests sent, failed ones included
+    duration_s: float = 0.0
+
+    @property
+    def tpot(self) -> list[float]:
+        return [v for v in self.request_tpot if v is not None]
+
+    def tails(self, slo: Slo) -> Tails:
+        return summarize(self.ttft, self.request_tpot, self.e2el, self.sent, self.duration_s, slo)
+
+
+def pooled_samples(samples: list[RequestSamples]) -> RequestSamples:
+    """Every round's requests together (bench time summed)."""
+    return RequestSamples(*([v for s in samples for v in getattr(s, f)] for f in ("ttft", "e2el", "request_tpot", "itl")),
+                          sent=sum(s.sent for s in samples), duration_s=sum(s.duration_s for s in samples))
 
 
 def parse_request_samples(text: str, source: str = "<result>") -> RequestSamples:
@@ -103,24 +119,14 @@ def parse_request_samples(text: str, source: str = "<result>") -> RequestSamples
         ttft.append(first * 1000)
         e2el.append(whole * 1000)
         itl.extend(gap * 1000 for gap in columns["itls"][i])
-        if tokens > 1:
-            tpot.append((whole - first) / (tokens - 1) * 1000)
-    return RequestSamples(ttft, tpot, itl, e2el)
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Linear interpolation between the nearest ranks, as numpy's default (and so `vllm bench serve`) does."""
-    ordered = sorted(values)
-    position = (len(ordered) - 1) * q / 100
-    low = int(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+        tpot.append((whole - first) / (tokens - 1) * 1000 if tokens > 1 else None)
+    return RequestSamples(ttft, e2el, tpot, itl, sent=count, duration_s=float(data.get("duration") or 0.0))
 
 
 def _stats(values: list[float]) -> Stats:
     if not values:
         return Stats(None, None, None, None)
-    return Stats(statistics.fmean(values), *(percentile(values, q) for q in (50, 90, 99)))
+    return Stats(statistics.fmean(values), *(percentile(values, q) for q in (0.5, 0.9, 0.99)))
 
 
 @dataclass(frozen=True)
@@ -134,6 +140,8 @@ class RatePoint:
     router: RouterFigures
     instances: list[InstanceFigures]
     round: int = 0  # which round of a `--rounds` bench; the pooled point has -1
+    tails: Tails | None = None  # percentiles with confidence intervals, goodput (from the per-request results)
+    raw_file: str | None = None  # the client's per-request results, relative to the bench's directory
 
     @property
     def prompt_tokens_external(self) -> float:
@@ -162,13 +170,13 @@ class RatePoint:
         return ms_per_request(sum(i.engine_prefill_s for i in prefill), sum(i.engine_requests for i in prefill))
 
 
-def pool_points(points: list[RatePoint], samples: list[RequestSamples]) -> RatePoint:
+def pool_points(points: list[RatePoint], samples: list[RequestSamples], slo: Slo = Slo()) -> RatePoint:
     """One mode at one rate over several rounds: latency percentiles of all requests together, counts
     and throughput summed, handoff percentiles (router histograms, per round) as their median over rounds."""
     first = points[0]
     c = [p.client for p in points]
     duration = sum(x.duration_s for x in c)
-    pooled_samples = RequestSamples(*([v for s in samples for v in getattr(s, f)] for f in ("ttft", "tpot", "itl", "e2el")))
+    pooled = pooled_samples(samples)
     client = ClientResult(
         rate=first.client.rate, completed=sum(x.completed for x in c), failed=sum(x.failed for x in c),
         duration_s=duration,
@@ -177,7 +185,7 @@ def pool_points(points: list[RatePoint], samples: list[RequestSamples]) -> RateP
         total_token_throughput=sum(x.total_input_tokens + x.total_output_tokens for x in c) / duration if duration else 0.0,
         total_input_tokens=sum(x.total_input_tokens for x in c), total_output_tokens=sum(x.total_output_tokens for x in c),
         max_concurrent_requests=max((x.max_concurrent_requests for x in c if x.max_concurrent_requests is not None), default=None),
-        latency={m: _stats(getattr(pooled_samples, m)) for m in LATENCY_METRICS},
+        latency={m: _stats(getattr(pooled, m)) for m in LATENCY_METRICS},
     )
 
     def median_of(name: str) -> float | None:
@@ -209,7 +217,7 @@ def pool_points(points: list[RatePoint], samples: list[RequestSamples]) -> RateP
                                  engine_queued=sum(x.engine_queued for x in same),
                                  engine_queue_s=sum(x.engine_queue_s for x in same)))
     return RatePoint(mode=first.mode, rate=first.rate, seed=first.seed, client=client, router=router,
-                     instances=instances, round=-1)
+                     instances=instances, round=-1, tails=pooled.tails(slo))
 
 
 @dataclass
@@ -226,7 +234,9 @@ class ModeRun:
 
 def figure(point: RatePoint, name: str) -> float | None:
     """A named figure of one point: '<metric>_<stat>' (ttft_p50, tpot_mean, ...), 'handoff_p50', 'handoff_p90',
-    'throughput' (req/s), 'output_throughput', 'failed'."""
+    'throughput' (req/s), 'output_throughput', 'failed', 'goodput' (req/s meeting both SLOs), 'good_fraction'."""
+    if name in ("goodput", "good_fraction"):
+        return getattr(point.tails, name).value if point.tails else None
     if name == "handoff_p50":
         return point.router.handoff_gap_p50_ms
     if name == "handoff_p90":
@@ -241,7 +251,7 @@ def figure(point: RatePoint, name: str) -> float | None:
     return getattr(point.client.latency[metric], stat)
 
 
-RATIO_FIGURES = ("ttft_p50", "ttft_p90", "tpot_p50", "itl_p50", "e2el_p50", "handoff_p50")
+RATIO_FIGURES = ("ttft_p50", "ttft_p90", "ttft_p99", "tpot_p50", "itl_p50", "e2el_p50", "handoff_p50", "goodput")
 
 
 def ratio(value: float | None, baseline: float | None) -> float | None:
@@ -263,7 +273,7 @@ def ratios_vs_baseline(runs: list[ModeRun], baseline: str) -> dict[str, dict[flo
     return out
 
 
-PAIRED_FIGURES = ("ttft_p50", "ttft_p90", "tpot_p50")
+PAIRED_FIGURES = ("ttft_p50", "ttft_p90", "ttft_p99", "tpot_p50", "goodput")
 
 
 def paired_ratios(runs: list[ModeRun], baseline: str) -> dict[str, dict[float, dict[str, list[float]]]]:

@@ -23,6 +23,7 @@ from .measure import measure_rate
 from .modes import topology_hash
 from .options import BenchEvents, BenchOptions, mode_topology
 from .report import BenchReport, configuration, write_outputs
+from .raw import read_text
 from .results import ModeRun, RequestSamples, parse_request_samples, pool_points
 
 
@@ -106,7 +107,7 @@ def _run_rounds(topo: Topology, options: BenchOptions, events: BenchEvents, repo
                             continue
                         try:
                             point, path = steps.measure(d, options, events, client, rate_index, round_index)
-                            got = parse_request_samples(path.read_text(), str(path))
+                            got = parse_request_samples(read_text(path), str(path))
                         except KvpushError as exc:
                             failed(d.run, str(exc))
                             continue
@@ -118,7 +119,7 @@ def _run_rounds(topo: Topology, options: BenchOptions, events: BenchEvents, repo
             for rate in options.rates:
                 points = [p for p in run.round_points if p.rate == rate]
                 if points:
-                    run.points.append(pool_points(points, samples[(run.mode, rate)]))
+                    run.points.append(pool_points(points, samples[(run.mode, rate)], options.slo))
     if failures:
         raise KvpushError("; ".join(failures))
 

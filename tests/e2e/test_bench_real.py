@@ -14,6 +14,7 @@ import pytest
 
 from kvpush.deploy.bench.modes import bench_topology
 from kvpush.deploy.bench.options import BenchOptions
+from kvpush.deploy.bench.recompute import recompute
 from kvpush.deploy.bench.runner import run_bench
 from kvpush.deploy.lifecycle import LifecycleOptions
 from kvpush.deploy.state import load_state
@@ -104,3 +105,40 @@ def test_rounds_keep_both_deployments_up_and_pool_their_requests(tmp_path, state
     assert len(document["paired_ratios_vs_baseline"]["kvpush"]["2"]["ttft_p50"]) == 2
     assert sorted(p.name for p in (tmp_path / "bench" / "raw").glob("*-round2.json")) == ["colocated-rate2-round2.json",
                                                                                          "kvpush-rate2-round2.json"]
+    # Goodput and tails from the pooled per-request results, and the same figures recomputed from the raw files alone.
+    for run in report.runs:
+        [pooled] = run.points
+        tails = pooled.tails
+        assert tails.sent == 6 and tails.completed == 6 and tails.good <= 6
+        assert tails.latency["ttft"]["p50"].value == pytest.approx(pooled.client.latency["ttft"].p50)
+        assert [p.raw_file for p in run.round_points] == [f"raw/{run.mode}-rate2-round{k}.json" for k in (1, 2)]
+        assert recompute(tmp_path / "bench").tails[run.mode][2.0] == tails
+    assert "goodput" in document["ratios_vs_baseline"]["kvpush"]["2"]
+    assert (tmp_path / "bench" / "goodput.png").stat().st_size > 10_000
+
+
+STOCK_PORT_BASE = 15800  # this test's ranges: 15800-15804 (nixl-pull-stock), 15900-15904 (nixl-push-stock)
+
+
+def test_stock_nixl_modes_serve_with_vllms_own_connectors(tmp_path, state_dir):
+    """The controls run vLLM's connector classes as vLLM ships them (no kvpush module in their config)
+    and move the prompts' KV for real."""
+    topo = parse_topology(template_text(DEFAULT_TEMPLATE))
+    topo = topo.model_copy(update={"model": topo.model.model_copy(update={"enforce_eager": True})})
+    modes = ["nixl-pull-stock", "nixl-push-stock"]
+    options = BenchOptions(modes=modes, rates=[2.0], input_len=256, output_len=4, num_prompts=3, rounds=2,
+                           out_dir=tmp_path / "bench", port_base=STOCK_PORT_BASE, client_timeout_s=300,
+                           baseline="nixl-pull-stock", lifecycle=LifecycleOptions(ready_timeout_s=400, stop_timeout_s=15))
+    report = run_bench(topo, options)
+    for index, run in enumerate(report.runs):
+        assert run.error is None, f"{run.mode}: {run.error}"
+        assert load_state(bench_topology(topo, run.mode, port_base=STOCK_PORT_BASE, mode_index=index).name) is None
+        [pooled] = run.points
+        assert pooled.client.completed == 6 and pooled.client.failed == 0
+        assert pooled.prompt_tokens_external >= 6 * 200 and pooled.failed_transfers == 0
+        log = (tmp_path / "bench" / "logs" / f"{run.mode}-decode-0.log").read_text(errors="replace")
+        # vLLM's own classes from its registry (pull's registered name resolves to NixlPullConnector), no module path
+        expected = "NixlPushConnector" if run.mode == "nixl-push-stock" else "NixlPullConnector"
+        assert f"Creating v1 connector with name: {expected} " in log
+        assert "kv_connector_module_path=None" in log and "kvpush.connector.vllm_nixl" not in log
+    assert all(_port_free(STOCK_PORT_BASE + i) for i in range(5)) and all(_port_free(STOCK_PORT_BASE + 100 + i) for i in range(5))

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 
 from kvpush.deploy.bench.modes import (
-    KV_HEAVY_SPEC, MODE_PORT_STRIDE, MODES, bench_topology, kv_bytes_per_token, parse_modes, parse_rates, ports_of,
-    topology_hash,
+    KV_HEAVY_SPEC, MODE_PORT_STRIDE, MODES, bench_topology, kv_bytes_per_token, mode_label, parse_modes, parse_rates,
+    ports_of, topology_hash,
 )
 from kvpush.common.errors import UsageError
 from kvpush.deploy.plan import build_plan
@@ -21,15 +21,34 @@ def local_cpu():
 @pytest.mark.parametrize("mode", MODES)
 def test_each_mode_sets_the_connector_and_plans(local_cpu, mode):
     topo = bench_topology(local_cpu, mode)
-    assert topo.connector.type == mode
+    connector = mode.removesuffix("-stock")
+    assert topo.connector.type == connector
+    assert topo.connector.stock_vllm == mode.endswith("-stock")
     plan = build_plan(topo)
-    assert plan.connector == mode
+    assert plan.connector == connector
     decode_argv = " ".join(plan.process("decode-0").argv)
     assert ("--kv-transfer-config" in decode_argv) == (mode != "colocated")
-    if mode == "nixl-push":
+    if connector == "nixl-push":
         assert "NixlPushConnector" in decode_argv
     if mode == "kvpush":
         assert "KVPushConnector" in decode_argv
+    # the tuned NIXL modes load vLLM's classes through kvpush's module on CPU; the stock ones never do
+    assert ("kvpush.connector.vllm_nixl" in decode_argv) == (mode in ("nixl-push", "nixl-pull"))
+
+
+def test_stock_and_tuned_modes_are_labelled_apart_on_cpu_and_alike_on_gpu():
+    assert mode_label("nixl-pull-stock") == "nixl-pull (stock vLLM)"
+    assert mode_label("nixl-pull") == "nixl-pull (kvpush-tuned)"
+    assert mode_label("nixl-pull", "cuda") == "nixl-pull"
+    assert mode_label("kvpush") == "kvpush"
+
+
+def test_stock_vllm_applies_to_nixl_connectors_only():
+    from kvpush.deploy.topology import TopologyError
+    text = template_text(DEFAULT_TEMPLATE).replace("connector:", "connector:\n  stock_vllm: true", 1)
+    assert "stock_vllm" in text
+    with pytest.raises(TopologyError, match="connector.stock_vllm: applies to connector types nixl-push and nixl-pull only"):
+        parse_topology(text)
 
 
 def test_input_is_untouched_and_name_is_its_own(local_cpu):

@@ -20,6 +20,15 @@ def test_ttft_tpot_and_handoff_plots_are_written(tmp_path, recorded_point):  # n
         assert p.read_bytes()[:8] == PNG_MAGIC and p.stat().st_size > 10_000
 
 
+def test_the_goodput_plot_comes_first_when_the_points_have_tails(tmp_path, recorded_point):  # noqa: F811
+    from kvpush.deploy.bench.tails import Slo, summarize
+
+    tails = summarize([100.0, 2000.0], [10.0, 10.0], [500.0, 2500.0], sent=2, duration_s=2.0, slo=Slo())
+    point = dataclasses.replace(recorded_point, tails=tails)
+    paths = write_plots([ModeRun("kvpush", "a", [point, dataclasses.replace(point, rate=2.0)])], tmp_path, "x")
+    assert paths[0].name == "goodput.png" and paths[0].read_bytes()[:8] == PNG_MAGIC
+
+
 def test_nothing_measured_draws_nothing(tmp_path):
     assert write_plots([ModeRun("kvpush", "a", [])], tmp_path, "x") == []
     assert list(tmp_path.iterdir()) == []

@@ -12,6 +12,7 @@ from kvpush.deploy.bench.results import (
     pool_points, ratios_vs_baseline,
 )
 from kvpush.deploy.bench.scrape import instance_figures, router_figures
+from kvpush.deploy.bench.tails import Slo
 from kvpush.common.errors import KvpushError
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "bench"
@@ -129,6 +130,8 @@ def test_request_samples_skip_failed_requests_and_derive_tpot():
     assert samples.e2el == pytest.approx([800, 200])
     assert samples.tpot == pytest.approx([100])  # (0.8 - 0.5) / 3 tokens; one-token answers have none
     assert samples.itl == pytest.approx([10, 10, 10])
+    assert samples.request_tpot == pytest.approx([100, None])  # aligned with ttft: goodput judges each request
+    assert samples.sent == 3
     with pytest.raises(KvpushError, match="r.json: has no per-request figures; it was not written with --save-detailed"):
         parse_request_samples(_text("vllm_bench_serve_nixl_pull_rate1.json"), "r.json")
 
@@ -136,8 +139,9 @@ def test_request_samples_skip_failed_requests_and_derive_tpot():
 def test_pooled_point_takes_percentiles_over_every_rounds_requests(recorded_point):
     rounds = [dataclasses.replace(recorded_point, round=0),
               dataclasses.replace(recorded_point, round=1, router=dataclasses.replace(recorded_point.router, handoff_gap_p50_ms=10.0))]
-    samples = [RequestSamples([100.0, 200.0], [5.0], [1.0], [300.0]), RequestSamples([300.0, 400.0, 500.0], [7.0], [2.0], [600.0])]
-    pooled = pool_points(rounds, samples)
+    samples = [RequestSamples([100.0, 200.0], [300.0, 300.0], [5.0, None], [1.0], sent=2, duration_s=2.0),
+               RequestSamples([300.0, 400.0, 500.0], [600.0, 600.0, 600.0], [7.0, None, None], [2.0], sent=4, duration_s=2.0)]
+    pooled = pool_points(rounds, samples, Slo(ttft_ms=350.0, tpot_ms=6.0))
     assert pooled.round == -1
     assert pooled.client.latency["ttft"].p50 == pytest.approx(300.0)
     assert pooled.client.latency["ttft"].p90 == pytest.approx(460.0)  # linear between ranks, as vllm bench serve
@@ -151,6 +155,11 @@ def test_pooled_point_takes_percentiles_over_every_rounds_requests(recorded_poin
     assert pooled.kv_bytes == 2 * recorded_point.kv_bytes
     assert pooled.instances[0].engine_requests == 2 * recorded_point.instances[0].engine_requests
     assert pooled.prefill_engine_ms == pytest.approx(recorded_point.prefill_engine_ms)  # a mean of means, weighted
+    # goodput over every round's requests: 100 ms (TPOT 5) and 200 ms (one token) meet both SLOs, 300 ms misses
+    # the TPOT SLO and the others the TTFT SLO; 6 sent (one failed) in 4 s of bench time
+    assert (pooled.tails.sent, pooled.tails.completed, pooled.tails.good) == (6, 5, 2)
+    assert pooled.tails.goodput.value == pytest.approx(0.5)
+    assert figure(pooled, "goodput") == pytest.approx(0.5)
 
 
 def test_paired_ratios_compare_within_each_round(recorded_point):

@@ -7,7 +7,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from kvpush.cli import bench_cmd
-from kvpush.cli.bench_cmd import paired_lines, rate_table
+from kvpush.cli.bench_cmd import paired_lines, rate_table, spinning_lines
 from kvpush.cli.main import app
 from kvpush.deploy.bench.results import ModeRun
 from kvpush.common.errors import KvpushError
@@ -23,6 +23,8 @@ from test_bench_results import recorded_point  # noqa: F401  (fixture from recor
     (["--rates", "0"], "--rates: 0 must be a positive"),
     (["--num-prompts", "0"], "--num-prompts must be at least 1"),
     (["--modes", "colocated"], "--baseline nixl-pull is not among --modes colocated"),
+    (["--slo-ttft-ms", "0"], "--slo-ttft-ms must be a positive number of milliseconds (got 0)"),
+    (["--slo-tpot-ms", "-5"], "--slo-tpot-ms must be a positive number of milliseconds (got -5)"),
     (["--rounds", "3"], "--rounds keeps every mode's deployment up at once, so each needs ports of its own: give --port-base"),
 ])
 def test_bad_options_are_one_line_usage_errors(tmp_path, args, message):
@@ -104,3 +106,12 @@ def test_paired_lines_summarise_per_round_ratios(recorded_point):  # noqa: F811
             ModeRun("nixl-pull", "b", round_points=[at("nixl-pull", k, 1.0) for k in range(3)])]
     [line] = paired_lines(runs, "nixl-pull")
     assert line.startswith("kvpush vs nixl-pull at 1 req/s, per round: TTFT p50 0.90x (0.80-1.20, lower in 2 of 3)")
+
+
+def test_a_mode_spinning_while_idle_is_called_out_with_rounds():
+    runs = [ModeRun("kvpush", "a", idle_cores={"prefill-0": 0.02, "decode-0": 0.03}),
+            ModeRun("nixl-pull-stock", "b", idle_cores={"prefill-0": 0.81, "decode-0": 0.86})]
+    [line] = spinning_lines(runs, rounds=4)
+    assert line.startswith("nixl-pull-stock used CPU with no request in flight (prefill-0 0.81, decode-0 0.86 cores)")
+    assert "stayed up while every other mode was measured" in line
+    assert "stayed up" not in spinning_lines(runs, rounds=1)[0]

@@ -1,0 +1,61 @@
+"""Recompute a finished bench's tails and goodput from its kept raw files (`kvpush bench --recompute DIR`).
+
+Reads DIR/bench.json for which raw file holds which mode, rate and round, pools every round's
+per-request results the way the bench did (tails.summarize), optionally at other SLOs, and
+returns what the tables print. Nothing is deployed and nothing in DIR is changed.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvpush.common.errors import UsageError
+
+from .raw import read_text
+from .report import RESULT_FILE
+from .results import RequestSamples, parse_request_samples, pooled_samples
+from .tails import Slo
+from .tails_table import TailsTable
+
+
+@dataclass(frozen=True)
+class Recomputed:
+    modes: list[str]
+    baseline: str
+    slo: Slo
+    tails: TailsTable
+    platform: str = "cpu"
+
+
+def recompute(bench_dir: Path, slo: Slo | None = None, baseline: str | None = None) -> Recomputed:
+    path = bench_dir / RESULT_FILE
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UsageError(f"{path}: not found; give the --out directory of a finished `kvpush bench`") from None
+    except ValueError as exc:
+        raise UsageError(f"{path}: not JSON ({exc})") from None
+    options = doc.get("options", {})
+    if slo is None:
+        kept = options.get("slo") or {}
+        slo = Slo(**{f: float(kept[f]) for f in ("ttft_ms", "tpot_ms") if f in kept})
+    if slo.problem():
+        raise UsageError(slo.problem())
+    baseline = baseline or options.get("baseline", "")
+    table: TailsTable = {}
+    for run in doc.get("runs", []):
+        points = run.get("round_points") or run.get("points") or []
+        by_rate: dict[float, list[RequestSamples]] = {}
+        for point in points:
+            name = point.get("raw_file")
+            if not name:
+                raise UsageError(f"{path}: mode {run['mode']} names no raw files; it was written by a kvpush bench "
+                                 f"that did not keep them, so its figures cannot be recomputed")
+            raw = bench_dir / name
+            if not raw.is_file():
+                raise UsageError(f"{raw}: missing; bench.json names it for {run['mode']} at {point['rate']:g} req/s")
+            by_rate.setdefault(float(point["rate"]), []).append(parse_request_samples(read_text(raw), str(raw)))
+        table[run["mode"]] = {rate: pooled_samples(samples).tails(slo) for rate, samples in sorted(by_rate.items())}
+    platform = (doc.get("configuration", {}).get("topology") or {}).get("platform", "cpu")
+    return Recomputed([r["mode"] for r in doc.get("runs", [])], baseline, slo, table, platform)
