@@ -81,9 +81,9 @@ def memory_needed_gib(ctx: DoctorContext, host: str) -> tuple[int, list[str]]:
         if spec.host != host:
             continue
         if ctx.topo.platform == "cpu":
-            kv = spec.kv_cache_gib or DEFAULT_CPU_KV_GIB
+            kv = (spec.kv_cache_gib or DEFAULT_CPU_KV_GIB) * spec.tensor_parallel_size  # every rank allocates kv_cache_gib
             total += kv + VLLM_CPU_RSS_GIB
-            parts.append(f"{spec.name}: {kv} GiB KV + {VLLM_CPU_RSS_GIB} GiB process")
+            parts.append(f"{spec.name}: {kv:g} GiB KV + {VLLM_CPU_RSS_GIB} GiB process")
         else:
             total += GPU_HOST_RAM_GIB
             parts.append(f"{spec.name}: ~{GPU_HOST_RAM_GIB} GiB host RAM")

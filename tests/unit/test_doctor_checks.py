@@ -270,6 +270,14 @@ def test_open_files_disk_memory_on_recorded_outputs():
     assert "0.00 GiB free on /" in only(check_limits.check_disk(ctx), Status.FAIL).summary
 
 
+def test_memory_counts_the_kv_cache_of_every_tp_rank():
+    topo = parse_topology("model: {path: /m}\nhosts: {local: {address: 127.0.0.1}}\n"
+                          "prefill: [{tensor_parallel_size: 2, cpu_cores: '0|1', kv_cache_gib: 2}]\ndecode: [{}]\n")
+    needed, parts = check_limits.memory_needed_gib(context(topo, {}), "local")
+    assert parts[0] == f"prefill-0: 4 GiB KV + {check_limits.VLLM_CPU_RSS_GIB} GiB process"
+    assert needed == 4 + check_limits.DEFAULT_CPU_KV_GIB + 2 * check_limits.VLLM_CPU_RSS_GIB
+
+
 def test_clock_skew_warns_only_when_certainly_off():
     date = lambda t: {"date": {"command": "date +%s.%N", "rc": 0, "stdout": f"{t}\n", "stderr": ""}}
     ctx = context(TWO_CPU_HOSTS, {"a": facts("a", date(1000.1)), "b": facts("b", date(1000.15))})
