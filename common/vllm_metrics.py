@@ -14,16 +14,27 @@ _SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)')
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 
-def metric_sum(text: str, name: str, **labels: str) -> float | None:
-    """Sum of all samples of `name` whose labels include `labels`; None when there is none."""
-    total, seen = 0.0, False
+def metric_samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """Every sample of `name`: its labels and its value."""
+    samples = []
     for line in text.splitlines():
         m = _SAMPLE.match(line)
         if not m or m.group(1) != name:
             continue
-        found = dict(_LABEL.findall(m.group(2) or ""))
+        try:
+            value = float(m.group(3))
+        except ValueError:
+            continue
+        samples.append((dict(_LABEL.findall(m.group(2) or "")), value))
+    return samples
+
+
+def metric_sum(text: str, name: str, **labels: str) -> float | None:
+    """Sum of all samples of `name` whose labels include `labels`; None when there is none."""
+    total, seen = 0.0, False
+    for found, value in metric_samples(text, name):
         if all(found.get(k) == v for k, v in labels.items()):
-            total += float(m.group(3))
+            total += value
             seen = True
     return total if seen else None
 
@@ -54,3 +65,11 @@ def prefix_caching(text: str) -> bool | None:
     if metric_sum(text, CACHE_CONFIG_INFO, enable_prefix_caching="False") is not None:
         return False
     return None
+
+
+PROCESS_START_TIME = "process_start_time_seconds"  # prometheus_client's process collector (vLLM's API server)
+
+
+def process_start_time(text: str) -> float | None:
+    """When the serving process started (seconds since the epoch); None when its page does not say."""
+    return metric_sum(text, PROCESS_START_TIME)
