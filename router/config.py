@@ -104,8 +104,8 @@ class RouterConfig(_Model):
         listed = load_instance_list(where)
         return config.model_copy(update={"instances_file": str(where), "prefill": listed.prefill, "decode": listed.decode})
 
-    def to_file_json(self) -> str:
+    def to_file_json(self, indent: int | None = None) -> str:
         """The config as from_file reads it back: without the instances its instances_file lists."""
         if self.instances_file is None:
-            return self.model_dump_json()
-        return json.dumps(self.model_dump(mode="json", exclude={"prefill", "decode"}))
+            return self.model_dump_json(indent=indent)
+        return json.dumps(self.model_dump(mode="json", exclude={"prefill", "decode"}), indent=indent)

@@ -33,7 +33,9 @@ class InstanceList(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     prefill: list[Upstream] = Field(default_factory=list)
-    decode: list[Upstream] = Field(min_length=1)
+    # Empty while `up` restarts the only decode instance: new requests get a 503 at once, those
+    # in flight finish.
+    decode: list[Upstream] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _unique_names(self) -> "InstanceList":

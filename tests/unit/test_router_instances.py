@@ -33,7 +33,7 @@ def test_the_digest_is_of_the_list_not_of_how_the_file_is_written(tmp_path):
 @pytest.mark.parametrize("content, said", [
     (None, "No such file or directory; `kvpush up` writes it"),
     ("[1, 2", "(file): Invalid JSON"),
-    (json.dumps({"decode": []}), "decode: List should have at least 1 item"),
+    (json.dumps({"decode": [{**up("d", 1), "url": "https://d:1"}]}), "decode.0.url: 'https://d:1' is not an instance base URL"),
     (json.dumps({**LISTED, "extra": 1}), "extra: Extra inputs are not permitted"),
     (json.dumps({"decode": [up("d", 1), up("d", 2)]}), "(file): decode: instance name 'd' is listed twice"),
 ])

@@ -197,7 +197,7 @@ def test_an_instance_whose_address_changed_is_a_new_instance_and_the_old_one_dra
 
 @pytest.mark.parametrize("content, said", [
     ("{not json", "Invalid JSON"),
-    ('{"prefill": [], "decode": []}', "decode: List should have at least 1 item"),
+    ('{"prefill": [], "decode": [{"name": "d9"}]}', "decode.0.url: Field required"),
     (None, "No such file"),
 ])
 def test_an_unreadable_or_invalid_list_changes_nothing_and_says_why(tmp_path, caplog, content, said):
