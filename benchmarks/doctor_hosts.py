@@ -80,8 +80,7 @@ def main() -> int:
             topo = topology(cluster, model, root / "work", args.port_base)
             times, cpus = [], []
             for round_ in range(args.rounds):
-                runners = {h.name: SshRunner(h.name, h.address, h.ssh_port, h.user, h.key,
-                                             SshOptions(known_hosts=str(cluster.known_hosts)))
+                runners = {h.name: SshRunner(h.name, h, SshOptions(known_hosts=str(cluster.known_hosts)))
                            for h in build_plan(topo).hosts}
                 load = os.getloadavg()[0]
                 cpu_before = cpu_seconds(cluster)

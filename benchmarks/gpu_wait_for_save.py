@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -457,7 +456,7 @@ def make_worker(args, cache: kvl.KVCache, num_blocks: int) -> PushWorker:
     settings = Settings(engine_id=WRITER_ENGINE, is_producer=True, backend="UCX", side_channel_host="127.0.0.1",
                         side_channel_port=0, allowed_engines=frozenset({RECEIVER_ENGINE}), transfer_timeout_s=60.0,
                         peer_silence_s=1.0, buffer_device="cuda" if args.device.startswith("cuda") else "cpu",
-                        model="bench-model", tp_size=1, block_size=args.block_size, progress_delay_us=None,
+                        model="bench-model", tp_size=1, block_size=args.block_size, kv_heads=args.kv_heads, progress_delay_us=None,
                         huge_pages=False, kv_cache_layout=args.layout.upper())
     worker = PushWorker(settings, num_blocks, tp_rank=0)
     worker.register_kv_caches(dict(zip(gt.layer_names(args.layers), cache.layers)))

@@ -1,4 +1,4 @@
-"""`kvpush bench`: push vs pull under load; thin over kvpush.deploy.bench.runner."""
+"""`kvpush bench`: push vs pull under load; thin over kvpush.deploy.bench."""
 from __future__ import annotations
 
 import signal
@@ -15,7 +15,9 @@ from rich.text import Text
 
 from kvpush.deploy.bench.modes import DEFAULT_BASELINE, MODES, parse_modes, parse_rates
 from kvpush.deploy.bench.results import ModeRun, figure, paired_ratios, point_at, rates_of, ratio
-from kvpush.deploy.bench.runner import BenchEvents, BenchOptions, BenchReport, run_bench
+from kvpush.deploy.bench.options import BenchEvents, BenchOptions
+from kvpush.deploy.bench.report import BenchReport
+from kvpush.deploy.bench.runner import run_bench
 from kvpush.common.errors import KvpushError
 from kvpush.deploy.lifecycle import Events, LifecycleOptions
 from kvpush.deploy.topology import check_key_files, resolve_topology

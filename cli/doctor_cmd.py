@@ -11,8 +11,7 @@ from rich.text import Text
 
 from kvpush.deploy.doctor import CHECK_NAMES, DoctorOptions, DoctorReport, Status, run_doctor
 from kvpush.deploy.plan import build_plan
-from kvpush.deploy.hosts import runner_for_record
-from kvpush.deploy.runners import runner_for
+from kvpush.deploy.hosts import connected
 from kvpush.deploy.state import HostRecord
 from kvpush.deploy.topology import check_key_files, resolve_topology
 
@@ -77,15 +76,11 @@ def register(app: typer.Typer) -> None:
                 from kvpush.deploy.slurm_allocation import allocation_for_checks
 
                 topo = stack.enter_context(allocation_for_checks(topo, Events()))
-            runners = {h.name: runner_for_record(h.name, HostRecord.from_plan(h), ssh) if h.slurm else
-                       runner_for(h.name, h.address, h.ssh_port, h.user, h.key, h.is_local, ssh) for h in build_plan(topo).hosts}
-            try:
-                if not json_output:
-                    note(f"topology: {source}; probing {len(runners)} host(s)")
-                report = run_doctor(topo, runners, options)
-            finally:
-                for runner in runners.values():
-                    runner.close()
+            hosts = {h.name: HostRecord.from_plan(h) for h in build_plan(topo).hosts}
+            if not json_output:
+                note(f"topology: {source}; probing {len(hosts)} host(s)")
+            runners, unreachable = stack.enter_context(connected(hosts, ssh))
+            report = run_doctor(topo, runners, options, unreachable)
         if json_output:
             print_json(report.to_dict())
         else:

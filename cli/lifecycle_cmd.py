@@ -116,7 +116,7 @@ def register(app: typer.Typer) -> None:
         if result.proof:
             out.print(f"proof: router answered {result.proof.answer!r} in {result.proof.latency_s:.2f} s; decode received "
                       f"{result.proof.external_kv_tokens:.0f} prompt tokens by KV transfer", highlight=False)
-        out.print(f"router: {build_plan(topo).router_url}", highlight=False)
+        out.print(f"router: {build_plan(topo).router_url_from_here()}", highlight=False)
 
     @app.command("down")
     def down_command(

@@ -9,10 +9,10 @@ import typer
 from pydantic import ValidationError
 from rich.table import Table
 
-from kvpush.common.errors import UsageError
+from kvpush.common.errors import UsageError, validation_message
 from kvpush.deploy.plan import Plan, build_plan
 from kvpush.deploy.redact import redact_plan
-from kvpush.deploy.topology import TinyModelSpec, parse_topology, pydantic_message, resolve_topology
+from kvpush.deploy.topology import TinyModelSpec, parse_topology, resolve_topology
 from kvpush.templates import DEFAULT_TEMPLATE, template_names, template_summary, template_text
 
 from .console import heading, note, out, print_json, styled
@@ -132,7 +132,7 @@ def register(app: typer.Typer) -> None:
         except ValidationError as exc:
             first = exc.errors()[0]
             option = f"--{first['loc'][0].replace('_', '-')}: " if first["loc"] else ""
-            raise UsageError(f"make-model: {option}{pydantic_message(first)}") from None
+            raise UsageError(f"make-model: {option}{validation_message(first)}") from None
         if path.exists() and not path.is_dir():
             raise UsageError(f"{path}: is a file; give a directory for the model (created if missing)")
         made = make_tiny_model(path, spec, force=force)

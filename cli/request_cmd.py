@@ -25,14 +25,15 @@ def register(app: typer.Typer) -> None:
         """Send one streamed, greedy completion through the router; print the answer and its TTFT."""
         topo, source = resolve_topology(topology)
         plan = build_plan(topo)
-        result = stream_completion(plan.router_url, plan.served_model_name, prompt, max_tokens=max_tokens,
+        router_url = plan.router_url_from_here()
+        result = stream_completion(router_url, plan.served_model_name, prompt, max_tokens=max_tokens,
                                    api_key=client_api_key(topo))
         if json_output:
-            print_json({"router": plan.router_url, "text": result.text, "ttft_ms": result.ttft_s * 1e3,
+            print_json({"router": router_url, "text": result.text, "ttft_ms": result.ttft_s * 1e3,
                         "latency_ms": result.latency_s * 1e3, "completion_tokens": result.completion_tokens,
                         "finish_reason": result.finish_reason})
             return
-        note(f"topology: {source}; router {plan.router_url}")
+        note(f"topology: {source}; router {router_url}")
         out.print(styled("[bold]prompt[/bold]  {}", prompt), highlight=False)
         out.print(styled("[bold]answer[/bold]  {}", repr(result.text)), highlight=False)
         out.print(styled("[bold]TTFT[/bold]    {} ms   [bold]total[/bold] {} ms for {} tokens",

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from kvpush.common.errors import KvpushError, UsageError
+from kvpush.common.errors import KvpushError, UsageError, validation_problem
 
 from .console import note
 
@@ -38,8 +38,7 @@ def register(app: typer.Typer) -> None:
             except OSError as exc:
                 raise UsageError(f"{config}: cannot read it ({exc.strerror or exc}); pass the router.json that `kvpush plan`/`up` wrote") from None
             except ValidationError as exc:
-                first = exc.errors()[0]
-                raise UsageError(f"{config}: {'.'.join(map(str, first['loc'])) or '(file)'}: {first['msg']}") from None
+                raise UsageError(f"{config}: {validation_problem(exc)}") from None
             source = str(config)
         else:
             from kvpush.deploy.plan import router_config as plan_router_config

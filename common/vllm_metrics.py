@@ -14,29 +14,26 @@ _SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)')
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 
-def metric_samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
-    """Every sample of `name`: its labels and its value."""
-    samples = []
+def samples(text: str) -> list[tuple[str, dict[str, str], float]]:
+    """Every sample of the page: (metric, labels, value); comments and unreadable lines left out."""
+    out = []
     for line in text.splitlines():
+        if line.startswith("#"):
+            continue
         m = _SAMPLE.match(line)
-        if not m or m.group(1) != name:
-            continue
-        try:
-            value = float(m.group(3))
-        except ValueError:
-            continue
-        samples.append((dict(_LABEL.findall(m.group(2) or "")), value))
-    return samples
+        if m:
+            try:
+                out.append((m.group(1), dict(_LABEL.findall(m.group(2) or "")), float(m.group(3))))
+            except ValueError:
+                continue
+    return out
 
 
 def metric_sum(text: str, name: str, **labels: str) -> float | None:
     """Sum of all samples of `name` whose labels include `labels`; None when there is none."""
-    total, seen = 0.0, False
-    for found, value in metric_samples(text, name):
-        if all(found.get(k) == v for k, v in labels.items()):
-            total += value
-            seen = True
-    return total if seen else None
+    found = [value for metric, sample_labels, value in samples(text)
+             if metric == name and all(sample_labels.get(k) == v for k, v in labels.items())]
+    return sum(found) if found else None
 
 
 @dataclass(frozen=True)

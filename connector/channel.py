@@ -1,7 +1,13 @@
 """The side channel: TCP connections carrying wire frames, served by one reactor thread.
 
-The thread sleeps in select() until a socket is readable, another thread wakes it, or the owner's
-next deadline comes (`timeout()`); it never spins. Callbacks run on the reactor thread.
+The thread sleeps in select() until a socket is readable or writable, another thread wakes it, or
+the owner's next deadline comes (`timeout()`); it never spins. Callbacks run on the reactor thread.
+
+Nothing here waits on a peer: a send only queues bytes (any thread may send, also under its own
+locks) and the reactor writes them as the peer reads them; a peer that reads too little for too
+long is cut off. Every read is bounded: a frame by the connection's limit (small until the peer
+has proven who it is), the number of connections by the listener's cap, and an unauthenticated
+connection by a deadline.
 """
 from __future__ import annotations
 
@@ -17,6 +23,10 @@ from . import wire
 
 log = logging.getLogger(__name__)
 _SELECT_RESOLUTION_S = 0.001
+MAX_QUEUED_BYTES = 8 * 1024 * 1024  # unsent bytes a peer may leave behind before it is cut off
+SEND_STALL_S = 5.0  # ... or for how long it may read nothing at all while bytes wait for it
+MAX_CONNECTIONS = 256  # per listener: one per decode rank of each peer instance, with room to spare
+AUTH_DEADLINE_S = 5.0  # an accepted connection that has not proven who it is by then is closed
 
 
 class Handler(Protocol):
@@ -28,19 +38,32 @@ class Handler(Protocol):
 
 
 class Connection:
-    def __init__(self, sock: socket.socket, peer: str):
+    def __init__(self, sock: socket.socket, peer: str, reactor: "Reactor | None" = None):
         self.sock = sock
         self.peer = peer  # "host:port", for messages
         self.engine_id: str | None = None  # set once the peer's identity is established
+        self.authenticated = False  # the peer proved it holds the deployment's key (see auth.py)
+        self.auth_state: object = None  # the owner's handshake in progress (auth.py)
         self.closed = False
-        self._reader = wire.FrameReader()
+        self.accepted_at = time.monotonic()
+        self._reader = wire.FrameReader(wire.MAX_UNAUTHENTICATED_FRAME_BYTES)
         self._send_lock = threading.Lock()
+        self._out = bytearray()
+        self._stalled_since: float | None = None  # unsent bytes and no progress since
+        self._reactor = reactor
+        self.overflowed = ""  # why the connection must be closed (set by send, acted on by the reactor)
+        sock.setblocking(False)
+
+    def trust(self) -> None:
+        """The peer is authenticated: its frames may be as large as any message may be."""
+        self.authenticated = True
+        self._reader.max_frame = wire.MAX_FRAME_BYTES
 
     def gone(self) -> bool:
         """Closed here, or closed by the peer: asks the kernel, so a thread other than the reactor
         learns of a FIN or reset that the reactor has not read yet (e.g. when the whole process
         was stalled and both threads resume together)."""
-        if self.closed:
+        if self.closed or self.overflowed:
             return True
         poller = select.poll()
         try:
@@ -50,21 +73,65 @@ class Connection:
         return bool(poller.poll(0))
 
     def send(self, msg: wire.Message) -> bool:
-        """Send one message; False if the connection is gone (the reactor reports the close)."""
+        """Queue one message (never waits on the peer); False if the connection is gone or the
+        peer has left too much unread (the reactor closes it)."""
         data = wire.encode(msg)
         with self._send_lock:
-            if self.closed:
+            if self.closed or self.overflowed:
                 return False
+            self._out += data
+            self._flush_locked()
+            if len(self._out) > MAX_QUEUED_BYTES:
+                self.overflowed = f"peer left {len(self._out)} bytes unread"
+            pending = bool(self._out) or bool(self.overflowed)
+        if pending and self._reactor is not None:
+            self._reactor.watch(self)
+        return not self.overflowed
+
+    def wants_write(self) -> bool:
+        with self._send_lock:
+            return bool(self._out)
+
+    def flush(self, now: float) -> str:
+        """Write what the socket takes (reactor thread); why to close the connection, or ""."""
+        with self._send_lock:
+            if self.overflowed:
+                return self.overflowed
+            before = len(self._out)
             try:
-                self.sock.sendall(data)
-                return True
+                self._flush_locked()
+            except OSError as exc:
+                return f"send failed: {exc}"
+            if not self._out or len(self._out) < before:
+                self._stalled_since = now if self._out else None
+            elif self._stalled_since is None:
+                self._stalled_since = now
+            elif now - self._stalled_since > SEND_STALL_S:
+                return f"peer read nothing for {SEND_STALL_S:g} s with {len(self._out)} bytes waiting"
+            return ""
+
+    def _flush_locked(self) -> None:
+        while self._out:
+            try:
+                sent = self.sock.send(self._out)
+            except (BlockingIOError, InterruptedError):
+                return
             except OSError:
-                return False
+                self.overflowed = self.overflowed or "send failed"
+                return
+            del self._out[:sent]
+
+    def stalled_deadline(self) -> float | None:
+        with self._send_lock:
+            return None if self._stalled_since is None else self._stalled_since + SEND_STALL_S
 
 
 class Reactor:
-    def __init__(self, name: str, handler: Handler):
+    def __init__(self, name: str, handler: Handler, max_connections: int = MAX_CONNECTIONS,
+                 auth_deadline_s: float | None = AUTH_DEADLINE_S):
         self.handler = handler
+        self.max_connections = max_connections
+        self.auth_deadline_s = auth_deadline_s  # None: connections need not authenticate (tests, benchmarks)
         self._sel = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -72,8 +139,10 @@ class Reactor:
         self._sel.register(self._wake_r, selectors.EVENT_READ, None)
         self._calls: list[Callable[[], None]] = []
         self._calls_lock = threading.Lock()
+        self._conns: set[Connection] = set()  # reactor thread only
         self._stop = False
         self._listener: socket.socket | None = None
+        self.refused_connections = 0  # over the cap (reactor thread writes, anyone may read)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> None:
@@ -97,13 +166,12 @@ class Reactor:
         def attempt() -> None:
             try:
                 sock = socket.create_connection((host, port), timeout=timeout_s)
-            except OSError as exc:
+            except (OSError, ValueError, UnicodeError) as exc:  # ValueError/UnicodeError: a malformed host name
                 error = str(exc) or type(exc).__name__
                 self.call_soon(lambda: on_done(None, error))
                 return
-            sock.settimeout(None)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self.call_soon(lambda: self._connected(Connection(sock, f"{host}:{port}"), on_done))
+            self.call_soon(lambda: self._connected(Connection(sock, f"{host}:{port}", self), on_done))
 
         threading.Thread(target=attempt, name=f"{self._thread.name}-connect", daemon=True).start()
 
@@ -115,12 +183,17 @@ class Reactor:
         on_done(conn, "")
 
     def _add(self, conn: Connection) -> None:
+        self._conns.add(conn)
         self._sel.register(conn.sock, selectors.EVENT_READ, conn)
 
     def call_soon(self, fn: Callable[[], None]) -> None:
         """Run fn on the reactor thread (thread-safe)."""
         with self._calls_lock:
             self._calls.append(fn)
+        self.wake()
+
+    def watch(self, conn: Connection) -> None:
+        """A connection has bytes to write (any thread): the reactor writes them as the peer reads."""
         self.wake()
 
     def wake(self) -> None:
@@ -135,6 +208,7 @@ class Reactor:
             return
         with conn._send_lock:
             conn.closed = True
+        self._conns.discard(conn)
         try:
             self._sel.unregister(conn.sock)
         except (KeyError, ValueError):
@@ -151,16 +225,18 @@ class Reactor:
     def _run(self) -> None:
         while not self._stop:
             try:
-                events = self._wait(self.handler.timeout())
+                events = self._wait(self._next_timeout())
             except Exception:
                 log.exception("side channel select failed")
                 continue
-            for key, _ in events:
+            for key, mask in events:
                 try:
-                    self._dispatch(key)
+                    self._dispatch(key, mask)
                 except Exception:
                     log.exception("side channel handler failed")
             self._run_calls()
+            self._flush_all()
+            self._expire_unauthenticated()
             try:
                 self.handler.on_tick()
             except Exception:
@@ -170,6 +246,20 @@ class Reactor:
                 key.data.closed = True
             key.fileobj.close()
 
+    def _next_timeout(self) -> float | None:
+        deadlines = []
+        owner = self.handler.timeout()
+        now = time.monotonic()
+        if owner is not None:
+            deadlines.append(now + owner)
+        for conn in self._conns:
+            stalled = conn.stalled_deadline()
+            if stalled is not None:
+                deadlines.append(stalled)
+            if self.auth_deadline_s is not None and not conn.authenticated:
+                deadlines.append(conn.accepted_at + self.auth_deadline_s)
+        return None if not deadlines else max(0.0, min(deadlines) - now)
+
     def _run_calls(self) -> None:
         with self._calls_lock:
             calls, self._calls = self._calls, []
@@ -178,6 +268,29 @@ class Reactor:
                 fn()
             except Exception:
                 log.exception("side channel call failed")
+
+    def _flush_all(self) -> None:
+        now = time.monotonic()
+        for conn in list(self._conns):
+            if conn.closed:
+                continue
+            why = conn.flush(now) if (conn.wants_write() or conn.overflowed) else ""
+            if why:
+                self.close(conn, why)
+                continue
+            events = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.wants_write() else 0)
+            try:
+                if self._sel.get_key(conn.sock).events != events:
+                    self._sel.modify(conn.sock, events, conn)
+            except (KeyError, ValueError):
+                pass
+
+    def _expire_unauthenticated(self) -> None:
+        if self.auth_deadline_s is None:
+            return
+        cutoff = time.monotonic() - self.auth_deadline_s
+        for conn in [c for c in self._conns if not c.authenticated and c.accepted_at < cutoff]:
+            self.close(conn, f"did not authenticate within {self.auth_deadline_s:g} s")
 
     def _wait(self, timeout: float | None) -> list:
         if timeout is None or timeout <= 0 or timeout >= _SELECT_RESOLUTION_S:
@@ -190,7 +303,7 @@ class Reactor:
             events = self._sel.select(0)
         return events
 
-    def _dispatch(self, key: selectors.SelectorKey) -> None:
+    def _dispatch(self, key: selectors.SelectorKey, mask: int = selectors.EVENT_READ) -> None:
         if key.data is None:
             try:
                 while self._wake_r.recv(4096):
@@ -199,14 +312,20 @@ class Reactor:
                 pass
             return
         if key.data == "listen":
-            sock, addr = key.fileobj.accept()
-            sock.setblocking(True)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._add(Connection(sock, f"{addr[0]}:{addr[1]}"))
+            self._accept(key.fileobj)
             return
         conn: Connection = key.data
+        if mask & selectors.EVENT_WRITE:
+            why = conn.flush(time.monotonic())
+            if why:
+                self.close(conn, why)
+                return
+        if not mask & selectors.EVENT_READ:
+            return
         try:
             data = conn.sock.recv(1 << 20)
+        except (BlockingIOError, InterruptedError):
+            return
         except OSError as exc:
             self.close(conn, f"connection error: {exc}")
             return
@@ -231,3 +350,15 @@ class Reactor:
                 log.exception("side channel: handling %s from %s failed", type(msg).__name__, conn.peer)
             if conn.closed:
                 return
+
+    def _accept(self, listener) -> None:
+        try:
+            sock, addr = listener.accept()
+        except (BlockingIOError, InterruptedError, OSError):
+            return
+        if len(self._conns) >= self.max_connections:
+            self.refused_connections += 1
+            sock.close()
+            return
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._add(Connection(sock, f"{addr[0]}:{addr[1]}", self))

@@ -20,11 +20,13 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from . import wire
-from .channel import Connection, Reactor
+from dataclasses import replace
+
+from . import auth, wire
+from .channel import AUTH_DEADLINE_S, Connection, Reactor
 from .fanin import RANK_SEPARATOR, Parts, base_name, rank_key, rank_of
 from .liveness import DEFAULT_SILENCE_S, PeerLiveness
-from .sharding import HeadSharding, ShardingError, sources_of
+from .sharding import HeadSharding, ShardingError, pieces_for_decode
 from .state import ConsumerState, Outcome, Pending, counts_since
 
 log = logging.getLogger(__name__)
@@ -42,6 +44,11 @@ class ConsumerConfig:
     accepted_timeout_s: float = 300.0  # a P that accepted a transfer and then sent nothing this long
     sharding: HeadSharding = field(default_factory=lambda: HeadSharding(1, 1))  # this instance's heads over its ranks
     head_layouts: tuple[wire.HeadLayout, ...] = ()  # per region; () = one head filling each block
+    side_channel_key: bytes = b""  # the deployment's (auth.py); empty: no authentication (tests, benchmarks)
+    # Where each allowed prefill's side channel is (engine id -> host, base port), from the
+    # deployment's configuration: a request naming another address is refused, so no client can
+    # point this decode at a host of its choosing. None: the request's address is used (tests).
+    peers: dict[str, tuple[str, int]] | None = None
 
 
 class Consumer:
@@ -63,7 +70,9 @@ class Consumer:
         self._started: list[Pending] = []  # streamed transfers whose WRITE began
         self.counters: Counter = Counter()
         self._counted: Counter = Counter()  # what take_counts already handed out
-        self._reactor = Reactor(f"kvpush-d-{config.engine_id}", self)
+        self._handshakes: dict[str, tuple[Connection, wire.Hello]] = {}  # P rank -> connection proving itself
+        self._reactor = Reactor(f"kvpush-d-{config.engine_id}", self,
+                                auth_deadline_s=AUTH_DEADLINE_S if config.side_channel_key else None)
         self._reactor.start()
 
     # ---- compute thread ----------------------------------------------------------------------
@@ -84,19 +93,33 @@ class Consumer:
                 self.counters["refused_peer"] += 1
                 self._add_whole(Outcome(whole, False, f"prefill {peer_engine} runs TP {peer_tp_size}: {exc}"))
                 return
+            known = self.config.peers.get(peer_engine) if self.config.peers is not None else (host, port)
+            if known != (host, port):
+                self.counters["unknown_address"] += 1
+                self._add_whole(Outcome(whole, False, f"the request names {host}:{port} as prefill {peer_engine}'s side "
+                                                      f"channel, which the deployment places at "
+                                                      f"{'%s:%d' % known if known else 'no address'}"))
+                return
             if transfer_id in self._parts:
                 self._state.dropped["duplicate_registration"] += 1
                 return
-            sources = sources_of(self.config.tp_rank, prefill, self.config.sharding)
-            keys = [rank_key(transfer_id, rank) for rank in sources]
+            pieces = pieces_for_decode(self.config.tp_rank, prefill, self.config.sharding)
+            keys = [rank_key(transfer_id, piece.p_rank) for piece in pieces]
             self._parts.add(whole, keys)
-            for rank, key in zip(sources, keys):
-                self._state.add(Pending(key, req_id, rank_key(peer_engine, rank), tuple(block_ids), now))
+            for piece, key in zip(pieces, keys):
+                self._state.add(Pending(key, req_id, rank_key(peer_engine, piece.p_rank), tuple(block_ids), now,
+                                        expected_bytes=len(block_ids) * self._bytes_per_block(piece.num_heads)))
+            sources = [piece.p_rank for piece in pieces]
         log.debug("kvpush D expect %s req=%s blocks=%d first=%d from ranks %s t=%.6f", transfer_id, req_id, len(block_ids),
                   first_block, sources, now)
         msg = wire.Register(transfer_id, tuple(block_ids), first_block, num_tokens)
         for rank in sources:
             self._reactor.call_soon(lambda r=rank: self._send(rank_key(peer_engine, r), host, port + r, msg))
+
+    def _bytes_per_block(self, num_heads: int) -> int:
+        """What `num_heads` of this rank's heads take of one block, over every region."""
+        layouts = self._hello.head_layouts
+        return sum(num_heads * h.head_bytes * len(h.chunk_offsets) for h in layouts)
 
     def cancel(self, transfer_id: str) -> bool:
         """D's request went away: ask P's ranks not to write (the outcome still arrives, or times
@@ -194,13 +217,43 @@ class Consumer:
                               lambda c, error: self._on_connected(peer_engine, f"{host}:{port}", c, error))
 
     def _on_connected(self, peer_engine: str, address: str, conn: Connection | None, error: str) -> None:
-        waiting = self._connecting.pop(peer_engine, [])
         if conn is None:
+            self._connecting.pop(peer_engine, None)
             self._peer_failed(peer_engine, f"cannot reach prefill {_named(peer_engine)} side channel at {address}: {error}")
             return
         conn.engine_id = peer_engine
+        if not self.config.side_channel_key:
+            conn.trust()
+            conn.send(self._hello)
+            self._established(peer_engine, conn)
+            return
+        hello = replace(self._hello, nonce=auth.new_nonce())
+        self._handshakes[peer_engine] = (conn, hello)  # what waits for this P goes out once it proved the key
+        conn.send(hello)
+
+    def _on_challenge(self, conn: Connection, msg: wire.Challenge) -> None:
+        peer_engine = conn.engine_id or ""
+        conn_of, hello = self._handshakes.get(peer_engine, (None, None))
+        if conn_of is not conn or hello is None:
+            self.counters["unexpected_challenge"] += 1
+            return
+        key, hello_digest = self.config.side_channel_key, auth.digest(wire.encode(hello))
+        claimed = rank_key(msg.engine_id, msg.tp_rank)
+        if claimed != peer_engine or not auth.verify(key, msg.proof, "prefill", msg.nonce, hello.nonce, msg.engine_id,
+                                                     msg.tp_rank, hello_digest):
+            self.counters["failed_auth"] += 1
+            self._reactor.close(conn, f"the side channel at {conn.peer} failed to prove it is {_named(peer_engine)}")
+            return  # on_closed fails what waited for it
+        del self._handshakes[peer_engine]
+        conn.trust()
+        conn.send(wire.Auth(auth.prove(key, "decode", msg.nonce, hello.nonce, self.config.engine_id,
+                                       self.config.tp_rank, hello_digest)))
+        self._established(peer_engine, conn)
+
+    def _established(self, peer_engine: str, conn: Connection) -> None:
+        """The connection speaks for this P rank now: send what waited for it."""
         self._conns[peer_engine] = conn
-        for msg in [self._hello] + waiting:
+        for msg in self._connecting.pop(peer_engine, []):
             if not conn.send(msg):
                 self._reactor.close(conn, "send failed")
                 return
@@ -254,6 +307,12 @@ class Consumer:
         log.warning("kvpush: dropped malformed message from %s: %s", conn.peer, error)
 
     def on_closed(self, conn: Connection, reason: str) -> None:
+        if conn.engine_id is not None and self._handshakes.get(conn.engine_id, (None,))[0] is conn:
+            del self._handshakes[conn.engine_id]
+            self._connecting.pop(conn.engine_id, None)
+            self._peer_failed(conn.engine_id, f"side channel to prefill {_named(conn.engine_id)} closed during its "
+                                              f"handshake ({reason})")
+            return
         if conn.engine_id is not None and self._conns.get(conn.engine_id) is conn:
             del self._conns[conn.engine_id]
             self._liveness.forget(conn.engine_id)
@@ -264,6 +323,12 @@ class Consumer:
     def on_message(self, conn: Connection, msg: wire.Message) -> None:
         now = time.monotonic()
         peer_key = conn.engine_id or ""
+        if isinstance(msg, wire.Challenge):
+            self._on_challenge(conn, msg)
+            return
+        if not conn.authenticated and not isinstance(msg, wire.Refuse):
+            self.counters["before_handshake"] += 1
+            return
         self._liveness.heard(peer_key)
         if isinstance(msg, wire.Pong):
             return

@@ -6,8 +6,8 @@ runs the forward pass in which a request's prefill completes: if D's registratio
 the request's coalesced WRITE is made then (see transfer.prepare_write), off the critical path.
 `offer()` is called once the forward is done (on CPU by the compute thread, on a GPU by the save
 queue); if D's registration is here, the WRITE (made ahead, or now) is posted right there. With
-`stream_writes` (CPU) the compute thread instead writes layer by layer, telling D STREAMING first and
-LANDED after each layer, so that D's forward pass overlaps the copy. Everything that
+`stream_writes` (CPU) the compute thread instead writes layer by layer (streamed_write.py), so that
+D's forward pass overlaps the copy. Who may connect is admission.py's call. Everything that
 arrives later is handled on the reactor thread. `take_freed()` hands back the requests whose
 blocks P may free (WRITE done or failed, or never matched before the timeout).
 """
@@ -20,17 +20,18 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from . import wire
-from .channel import Connection, Reactor
-from .coalesce import CoalesceError, Plan, slice_segments
+from .admission import Admission, ThrottledWarnings
+from .channel import AUTH_DEADLINE_S, MAX_CONNECTIONS, Connection, Reactor
+from .coalesce import Plan
 from .fanin import base_name, rank_key, rank_of
-from .sharding import HeadSharding, ShardingError, pieces_for_prefill, targets_of
+from .sharding import HeadSharding, ShardingError, targets_of
 from .state import Match, Offer, ProducerState, Registration, Rejection, counts_since
+from .streamed_write import stream_parts
 from .transfer import NixlEngine, Peer, TransferError, Write
 
 log = logging.getLogger(__name__)
 POLL_S = 0.0002  # completion polling period, only while WRITEs are in flight
 SYNC_DRIVE_S = 0.5  # at most this long the compute thread drives a WRITE it posted itself
-STREAM_DRIVE_S = 1.0  # the same for each part of a streamed one, which D is already computing on
 # Counters that are outcomes, not dropped or refused input (those are exported by `take_counts`)
 _OUTCOME_COUNTERS = frozenset({"sent", "failed"})
 
@@ -50,6 +51,7 @@ class SendRecord:
     reason: str = ""
     num_descriptors: int = 0
     prepared_ahead: bool = False  # the WRITE was made before the prefill ended
+    peer_rank: int = 0  # the decode rank this push wrote into (transfer_id is the request's, over all ranks)
 
 
 @dataclass
@@ -95,6 +97,11 @@ class ProducerConfig:
     # follows from it and the decode's TP size (sharding.py)
     sharding: HeadSharding = field(default_factory=lambda: HeadSharding(1, 1))
     head_layouts: tuple[wire.HeadLayout, ...] = ()  # per region; () = one head filling each block
+    # The deployment's side-channel key: a decode rank must prove it holds it (auth.py). Empty:
+    # no authentication, for tests and benchmarks that build the service directly.
+    side_channel_key: bytes = b""
+    auth_deadline_s: float = AUTH_DEADLINE_S  # a connection that has not proven itself by then is closed
+    max_connections: int = MAX_CONNECTIONS
     # DRAM: the copy is CPU work, so the compute thread that posted a WRITE completes it at once.
     # VRAM: the GPU's copy engines do it; the compute thread returns to vLLM.
     drive_writes: bool = True
@@ -121,11 +128,14 @@ class Producer:
         self._writing: set[str] = set()  # transfer ids the compute thread writes right now (no lock held)
         self._prepared: dict[str, _Prepared] = {}  # transfer id ->
         self._counted: Counter = Counter()  # what take_counts already handed out
+        self._warnings = ThrottledWarnings()
         self._freed: list[str] = []
         self._parts_left: dict[str, int] = {}  # request -> pushes (one per decode rank) not yet ended
         self._records: list[SendRecord] = []
         self.counters: Counter = Counter()
-        self._reactor = Reactor(f"kvpush-p-{config.engine_id}", self)
+        self._reactor = Reactor(f"kvpush-p-{config.engine_id}", self, max_connections=config.max_connections,
+                                auth_deadline_s=config.auth_deadline_s if config.side_channel_key else None)
+        self._admission = Admission(config, engine, self.counters, self._warnings, self._reactor.close, self._admit)
         self.port = self._reactor.listen(config.host, config.port)
         self._reactor.start()
 
@@ -157,6 +167,12 @@ class Producer:
                 return False
             self._prepared[transfer_id] = _Prepared(peer_engine, peer, src, reg.block_ids, write)
             return True
+
+    def has_registration(self, transfer_id: str, peer_tp_size: int = 1) -> bool:
+        """Whether every decode rank this rank writes into has registered its blocks for the transfer."""
+        with self._lock:
+            targets = self._targets(peer_tp_size)
+            return bool(targets) and all(rank_key(transfer_id, r) in self._state.registrations for r in targets)
 
     def peer(self, engine_id: str, rank: int = 0) -> Peer | None:
         """The NIXL peer of a decode rank that completed its handshake."""
@@ -226,11 +242,8 @@ class Producer:
             self._poll()
 
     def _stream(self, match: Match) -> None:
-        """Write one part (layer) after the other from the compute thread, telling D STREAMING
-        before the first and LANDED after each, so D can schedule the request and compute each
-        layer as soon as it is there. A part still copying after STREAM_DRIVE_S goes on in flight
-        with the rest, like any WRITE: D then learns of them from DONE or FAIL only."""
-        tid = match.offer.transfer_id
+        """Write part by part, telling D as each lands (streamed_write.py); parts still copying
+        join `_inflight` only once all are posted, so the reactor does not release them early."""
         engine_id = match.registration.peer_engine
         with self._lock:
             conn, peer = self._peers.conns.get(engine_id), self._peers.nixl.get(engine_id)
@@ -244,63 +257,18 @@ class Producer:
             with self._lock:
                 self._finish(match, conn, started, time.monotonic(), False, str(exc))
             return
-        conn.send(wire.Streaming(base_name(tid)))
-        landed_bytes = 0
-        descriptors = sum(w.num_descriptors for w, _ in parts)
-        for i, (write, regions) in enumerate(parts):
-            later = [w for w, _ in parts[i + 1:]]
-            if conn.gone():  # D gave up on this P (or died): its blocks may be another request's by now
-                self._fail_stream(match, conn, started, [write] + later, descriptors,
-                                  f"decode engine {engine_id} disconnected during the streamed WRITE "
-                                  f"(before layer part {i + 1} of {len(parts)})")
-                return
-            try:
-                self.engine.post(write, engine_id)
-            except TransferError as exc:  # post released this part's handle
-                self._fail_stream(match, conn, started, later, descriptors, str(exc))
-                return
-            deadline = time.monotonic() + STREAM_DRIVE_S
-            state = self.engine.state(write)
-            while state == "PROC" and time.monotonic() < deadline:
-                state = self.engine.state(write)
-            if state == "PROC":
-                self._go_on_in_flight(match, conn, started, write, parts[i + 1:], landed_bytes)
-                return
-            self.engine.release(write)
-            if state != "DONE":
-                self._fail_stream(match, conn, started, later, descriptors,
-                                  f"NIXL WRITE to {engine_id} failed (layer part {i + 1} of {len(parts)})")
-                return
-            landed_bytes += write.num_bytes
-            conn.send(wire.Landed(base_name(tid), regions))
+        outcome = stream_parts(self.engine, conn, engine_id, base_name(match.offer.transfer_id), parts)
         with self._lock:
-            self._finish(match, conn, started, time.monotonic(), True, num_bytes=landed_bytes, num_descriptors=descriptors)
-
-    def _fail_stream(self, match: Match, conn: Connection, started: float, unposted: list[Write],
-                     num_descriptors: int, reason: str) -> None:
-        for write in unposted:
-            self.engine.release(write)
-        with self._lock:
-            self._finish(match, conn, started, time.monotonic(), False, reason, num_descriptors=num_descriptors)
-
-    def _go_on_in_flight(self, match: Match, conn: Connection, started: float, copying: Write,
-                         rest: list[tuple[Write, tuple[int, ...]]], landed_bytes: int) -> None:
-        writes, error = [copying], ""
-        for write, _ in rest:
-            if not error and conn.gone():
-                error = f"decode engine {match.registration.peer_engine} disconnected during the streamed WRITE"
-            if error:
-                self.engine.release(write)
-                continue
-            try:
-                self.engine.post(write, match.registration.peer_engine)
-                writes.append(write)
-            except TransferError as exc:
-                error = str(exc)
-        num_bytes = landed_bytes + sum(w.num_bytes for w in writes)
-        with self._lock:  # only now may the reactor poll (and release) them
-            self._queue(_InFlight(match, writes, conn, started, False, error, num_bytes,
-                                  time.monotonic() + self.config.timeout_s))
+            if outcome.copying:
+                self._queue(_InFlight(match, outcome.copying, conn, started, False, outcome.error,
+                                      outcome.landed_bytes + outcome.copying_bytes,
+                                      time.monotonic() + self.config.timeout_s))
+            elif outcome.error:
+                self._finish(match, conn, started, time.monotonic(), False, outcome.error,
+                             num_descriptors=outcome.num_descriptors)
+            else:
+                self._finish(match, conn, started, time.monotonic(), True, num_bytes=outcome.landed_bytes,
+                             num_descriptors=outcome.num_descriptors)
 
     def accept(self, transfers: list[tuple[str, int]]) -> None:
         """P's scheduler has these requests (queued or prefilling), given as (transfer id, decode
@@ -345,6 +313,7 @@ class Producer:
     def take_counts(self) -> Counter:
         """Messages and requests dropped or refused since the last call, by reason."""
         with self._lock:
+            self.counters["connection_cap"] = self._reactor.refused_connections
             return counts_since(self.counters + self._state.dropped, self._counted, _OUTCOME_COUNTERS)
 
     def take_records(self) -> list[SendRecord]:
@@ -437,8 +406,9 @@ class Producer:
             if conn is not None:
                 conn.send(wire.Fail(base_name(tid), reason, may_still_land))
         self._push_ended(match.offer.req_id)
-        self._records.append(SendRecord(tid, match.offer.req_id, ok, num_bytes, match.offer.created,
-                                        match.registration.created, posted, now, reason, num_descriptors, ahead))
+        self._records.append(SendRecord(base_name(tid), match.offer.req_id, ok, num_bytes, match.offer.created,
+                                        match.registration.created, posted, now, reason, num_descriptors, ahead,
+                                        rank_of(tid)))
         log.debug("kvpush P done %s ok=%s bytes=%d prefill_end_to_done=%.6f t=%.6f", tid, ok, num_bytes,
                   now - match.offer.created, now)
 
@@ -512,7 +482,7 @@ class Producer:
 
     def on_malformed(self, conn: Connection, error: str) -> None:
         self.counters["malformed"] += 1
-        log.warning("kvpush: dropped malformed message from %s: %s", conn.peer, error)
+        self._warnings.warn("malformed", "kvpush: dropped malformed message from %s: %s", conn.peer, error)
 
     def on_closed(self, conn: Connection, reason: str) -> None:
         with self._lock:
@@ -525,7 +495,10 @@ class Producer:
 
     def on_message(self, conn: Connection, msg: wire.Message) -> None:
         if isinstance(msg, wire.Hello):
-            self._on_hello(conn, msg)
+            self._admission.on_hello(conn, msg)
+            return
+        if isinstance(msg, wire.Auth):
+            self._admission.on_auth(conn, msg)
             return
         if conn.engine_id is None:
             self.counters["before_handshake"] += 1
@@ -576,22 +549,8 @@ class Producer:
             return f"block ids up to {max(msg.block_ids)}, but decode engine {engine_id} registered {num_blocks} blocks"
         return ""
 
-    def _on_hello(self, conn: Connection, hello: wire.Hello) -> None:
-        if conn.engine_id is not None:  # this connection already speaks for an engine
-            self.counters["repeated_hello"] += 1
-            return
-        reason, plan = self._check_hello(hello)
-        if plan is not None:
-            try:
-                peer = self.engine.add_peer(hello.agent_metadata, hello.regions, hello.device_id, plan.segments)
-            except TransferError as exc:
-                reason = str(exc)
-        if reason is not None:
-            self.counters["refused_handshake"] += 1
-            log.error("kvpush: refused handshake from %s rank %d (%s): %s", hello.engine_id, hello.tp_rank, conn.peer, reason)
-            conn.send(wire.Refuse(self.config.engine_id, reason))
-            self._reactor.close(conn, "handshake refused")
-            return
+    def _admit(self, conn: Connection, hello: wire.Hello, peer: Peer, plan: Plan) -> None:
+        """A decode rank proved the key and pairs with this rank: its pushes may start."""
         key = rank_key(hello.engine_id, hello.tp_rank)
         with self._lock:
             old = self._peers.conns.get(key)
@@ -603,30 +562,3 @@ class Producer:
         conn.send(wire.Welcome(self.config.engine_id))
         log.info("kvpush: handshake with decode engine %s rank %d (%s) done: %d segment(s) per block run",
                  hello.engine_id, hello.tp_rank, conn.peer, len(plan.segments))
-
-    def _check_hello(self, hello: wire.Hello) -> tuple[str | None, Plan | None]:
-        """Why this decode rank cannot be written into (None if it can), else how: the pairing of
-        this rank's heads with the decode rank's, region by region."""
-        cfg = self.config
-        if hello.engine_id not in cfg.allowed_engines:
-            return f"engine {hello.engine_id!r} is not in this prefill's allowed_engines {sorted(cfg.allowed_engines)}", None
-        diffs = cfg.identity.mismatches(hello.identity)
-        if diffs:
-            return f"KV layout of prefill {cfg.engine_id} vs decode {hello.engine_id} differs: " + "; ".join(diffs), None
-        try:
-            decode = HeadSharding(cfg.sharding.total_heads, hello.tp_size)
-        except ShardingError as exc:
-            return f"decode {hello.engine_id}: {exc}", None
-        pieces = [p for p in pieces_for_prefill(cfg.tp_rank, cfg.sharding, decode) if p.d_rank == hello.tp_rank]
-        if not pieces:
-            return (f"decode rank {hello.tp_rank} (TP {hello.tp_size}) takes no KV heads from prefill rank {cfg.tp_rank} "
-                    f"(TP {cfg.sharding.tp_size}, {cfg.sharding.total_heads} KV heads) but reached its side channel"), None
-        piece = pieces[0]
-        local_heads = cfg.head_layouts or tuple(wire.HeadLayout.whole(r.block_len) for r in self.engine.regions)
-        try:
-            segments = slice_segments(
-                self.engine.regions, local_heads, piece.start - cfg.sharding.heads_of(cfg.tp_rank).start,
-                hello.regions, hello.head_layouts, piece.start - decode.heads_of(hello.tp_rank).start, piece.num_heads)
-        except CoalesceError as exc:
-            return f"KV blocks of prefill {cfg.engine_id} rank {cfg.tp_rank} and decode {hello.engine_id} rank {hello.tp_rank} do not pair: {exc}", None
-        return None, Plan(segments, self.engine.device_id, hello.device_id)

@@ -52,6 +52,11 @@ class Settings:
     # 0 turns it off. Only with kv_load_failure_policy "fail": under "recompute" the request keeps
     # its blocks and a late WRITE brings the same prompt's KV.
     late_write_hold_s: float = 30.0
+    # the deployment secret's file on this host: the side-channel key is derived from it (auth.py).
+    # Empty only where code builds Settings itself (benchmarks): an unauthenticated side channel.
+    secret_file: str = ""
+    # each allowed peer's side channel (engine id -> host, base port), from the deployment's configuration
+    peer_side_channels: dict[str, tuple[str, int]] | None = None
 
     @classmethod
     def from_vllm(cls, vllm_config: Any, kv_cache_config: Any = None) -> "Settings":
@@ -59,7 +64,7 @@ class Settings:
         extra = dict(kv.kv_connector_extra_config or {})
         if kv.kv_role not in ("kv_producer", "kv_consumer"):
             raise UnsupportedDeployment(f"kvpush: kv_role {kv.kv_role!r} is not supported; use kv_producer (prefill) or kv_consumer (decode)")
-        missing = [k for k in ("side_channel_host", "side_channel_port", "allowed_engines") if k not in extra]
+        missing = [k for k in ("side_channel_host", "side_channel_port", "allowed_engines", "secret_file") if k not in extra]
         if missing:
             raise UnsupportedDeployment(f"kvpush: kv_connector_extra_config lacks {missing}; generate the config with `kvpush plan`")
         if getattr(vllm_config.model_config, "use_mla", False):
@@ -96,9 +101,46 @@ class Settings:
             kv_cache_layout=(getattr(kv_cache_config, "kv_cache_layout", None)
                              or getattr(vllm_config.cache_config, "kv_cache_layout", None)),
             accepted_timeout_s=_positive(extra.get("accepted_timeout_s", 300.0), "accepted_timeout_s"),
+            secret_file=_secret_file(extra["secret_file"]),
+            peer_side_channels=_addresses(extra.get("peer_side_channels")),
             late_write_hold_s=(_non_negative(extra.get("late_write_hold_s", 30.0), "late_write_hold_s")
                                if getattr(kv, "kv_load_failure_policy", "fail") == "fail" else 0.0),
         )
+
+
+def _addresses(value: Any) -> dict[str, tuple[str, int]] | None:
+    """{"engine": "host:port"} -> {"engine": ("host", port)}; None where not given."""
+    if value is None:
+        return None
+    out = {}
+    try:
+        for engine, address in dict(value).items():
+            host, port = str(address).rsplit(":", 1)
+            out[str(engine)] = (host, int(port))
+    except (TypeError, ValueError):
+        raise UnsupportedDeployment(f"kvpush: kv_connector_extra_config.peer_side_channels must map engine ids to "
+                                    f"'host:port', not {value!r}") from None
+    return out
+
+
+def _secret_file(value: Any) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise UnsupportedDeployment(f"kvpush: kv_connector_extra_config.secret_file must name the deployment secret's file, "
+                                    f"not {value!r}; generate the config with `kvpush plan`")
+    return value
+
+
+def side_channel_key(settings: Settings) -> bytes:
+    """The key this instance's side channel authenticates with, from the deployment secret
+    (empty: no secret file, no authentication)."""
+    from kvpush.common.deployment_secret import SIDE_CHANNEL, SecretFileError, derive_key, read_secret
+
+    if not settings.secret_file:
+        return b""
+    try:
+        return derive_key(read_secret(settings.secret_file), SIDE_CHANNEL)
+    except SecretFileError as exc:
+        raise UnsupportedDeployment(f"kvpush: kv_connector_extra_config.secret_file: {exc}") from None
 
 
 def _flag(value: Any, key: str) -> bool:

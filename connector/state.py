@@ -192,6 +192,7 @@ class Pending:
     peer_engine: str
     block_ids: tuple[int, ...]
     created: float
+    expected_bytes: int | None = None  # what P's DONE must report for these blocks; None: not checked
 
 
 @dataclass(frozen=True)
@@ -260,8 +261,15 @@ class ConsumerState:
         return landed is None or landed.issuperset(regions)
 
     def done(self, transfer_id: str, peer_engine: str, num_bytes: int) -> Outcome | None:
+        """P wrote the blocks; a DONE that does not account for every byte registered is a failure."""
         p = self._take(transfer_id, peer_engine, "done")
-        return Outcome(p, True, num_bytes=num_bytes) if p else None
+        if p is None:
+            return None
+        if p.expected_bytes is not None and num_bytes != p.expected_bytes:
+            self.dropped["bad_done"] += 1
+            return Outcome(p, False, f"{peer_engine} reported {num_bytes} bytes written, but these blocks take "
+                                     f"{p.expected_bytes}", num_bytes=num_bytes, may_still_land=True)
+        return Outcome(p, True, num_bytes=num_bytes)
 
     def fail(self, transfer_id: str, peer_engine: str, reason: str, may_still_land: bool = False) -> Outcome | None:
         p = self._take(transfer_id, peer_engine, "fail")

@@ -1,10 +1,11 @@
 """Side-channel wire messages between a decode (D) and a prefill (P) worker.
 
 Frames are a 4-byte big-endian length followed by a UTF-8 JSON object with a "type" field.
-D opens one TCP connection per P; over it D sends HELLO, REGISTER, CANCEL and PING and P answers with
-WELCOME/REFUSE, ACCEPTED (P has the request), STREAMING and LANDED (a WRITE that lands part by
-part), DONE, FAIL and PONG. Decoding validates every field: a malformed frame raises
-WireError, which the receiver counts and drops (it never reaches protocol state).
+D opens one TCP connection per P rank; over it D sends HELLO, AUTH, REGISTER, CANCEL and PING and P
+answers with CHALLENGE, WELCOME/REFUSE, ACCEPTED (P has the request), STREAMING and LANDED (a WRITE
+that lands part by part), DONE, FAIL and PONG. HELLO, CHALLENGE and AUTH authenticate both sides
+(auth.py) before anything else is taken from the peer. Decoding validates every field: a malformed
+frame raises WireError, which the receiver counts and drops (it never reaches protocol state).
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import struct
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar, Union
 
-MAX_FRAME_BYTES = 64 * 1024 * 1024  # agent metadata of large registrations stays far below this
+MAX_FRAME_BYTES = 16 * 1024 * 1024  # a REGISTER of a million blocks; nothing else comes near it
+MAX_UNAUTHENTICATED_FRAME_BYTES = 1024 * 1024  # until a peer proves who it is: a HELLO (agent metadata, regions)
 LENGTH = struct.Struct(">I")
 
 
@@ -88,6 +90,26 @@ class Hello:
     regions: tuple[Region, ...]
     head_layouts: tuple[HeadLayout, ...]  # one per region
     device_id: int = 0  # the GPU the regions live on (NIXL descriptors name it); 0 for DRAM
+    nonce: str = ""  # D's challenge to P (auth.py); "" where the side channel is not authenticated
+
+
+@dataclass(frozen=True)
+class Challenge:
+    """P's answer to a HELLO: its proof of the key, and a nonce for D to prove it too (auth.py)."""
+
+    type: ClassVar[str] = "challenge"
+    engine_id: str
+    tp_rank: int
+    nonce: str
+    proof: str
+
+
+@dataclass(frozen=True)
+class Auth:
+    """D's proof of the key, answering P's CHALLENGE."""
+
+    type: ClassVar[str] = "auth"
+    proof: str
 
 
 @dataclass(frozen=True)
@@ -173,11 +195,14 @@ class Pong:
     type: ClassVar[str] = "pong"
 
 
-Message = Union[Hello, Welcome, Refuse, Register, Cancel, Accepted, Streaming, Landed, Done, Fail, Ping, Pong]
-_TYPES: dict[str, type] = {cls.type: cls for cls in (Hello, Welcome, Refuse, Register, Cancel, Accepted, Streaming, Landed,
-                                                     Done, Fail, Ping, Pong)}
+Message = Union[Hello, Challenge, Auth, Welcome, Refuse, Register, Cancel, Accepted, Streaming, Landed, Done, Fail, Ping,
+                Pong]
+_TYPES: dict[str, type] = {cls.type: cls for cls in (Hello, Challenge, Auth, Welcome, Refuse, Register, Cancel, Accepted,
+                                                     Streaming, Landed, Done, Fail, Ping, Pong)}
+HANDSHAKE_TYPES = (Hello, Challenge, Auth, Welcome, Refuse)  # what a peer may send before it is authenticated
 MAX_ID_CHARS = 256
 ID_PATTERN = re.compile(r"[A-Za-z0-9._:-]+")
+HEX_64 = re.compile(r"[0-9a-f]{64}")
 MAX_INT = 2 ** 63 - 1
 MAX_LIST = 65536  # layers, regions: far above any model  # every integer on the wire is an index, a size or an address: it fits an int64
 
@@ -317,7 +342,15 @@ def _hello(body: dict) -> Hello:
         regions=parsed,
         head_layouts=tuple(_head_layout(h, r) for h, r in zip(head_layouts, parsed)),
         device_id=_int(body["device_id"], "device_id"),
+        nonce=_hex(body["nonce"], "nonce", allow_empty=True),
     )
+
+
+def _hex(value: Any, what: str, allow_empty: bool = False) -> str:
+    """A nonce or proof: 64 hex digits."""
+    if isinstance(value, str) and (value == "" and allow_empty or HEX_64.fullmatch(value)):
+        return value
+    raise WireError(f"{what} must be 64 hex digits")
 
 
 def _register(body: dict) -> Register:
@@ -343,6 +376,8 @@ def _simple(cls: type, checks: dict):
 _BUILDERS = {
     Hello: _hello,
     Register: _register,
+    Challenge: _simple(Challenge, {"engine_id": _id, "tp_rank": _int, "nonce": _hex, "proof": _hex}),
+    Auth: _simple(Auth, {"proof": _hex}),
     Welcome: _simple(Welcome, {"engine_id": _id}),
     Refuse: _simple(Refuse, {"engine_id": _id, "reason": _text}),
     Cancel: _simple(Cancel, {"transfer_id": _id}),
@@ -358,8 +393,10 @@ _BUILDERS = {
 
 @dataclass
 class FrameReader:
-    """Splits a byte stream into frame bodies; a frame over the limit raises WireError."""
+    """Splits a byte stream into frame bodies; a frame over the limit raises WireError (before
+    any of its body is buffered)."""
 
+    max_frame: int = MAX_FRAME_BYTES
     buffer: bytearray = field(default_factory=bytearray)
 
     def feed(self, data: bytes) -> list[bytes]:
@@ -367,8 +404,8 @@ class FrameReader:
         frames = []
         while len(self.buffer) >= LENGTH.size:
             (size,) = LENGTH.unpack_from(self.buffer)
-            if size > MAX_FRAME_BYTES:
-                raise WireError(f"frame of {size} bytes exceeds {MAX_FRAME_BYTES}")
+            if size > self.max_frame:
+                raise WireError(f"frame of {size} bytes exceeds {self.max_frame}")
             if len(self.buffer) < LENGTH.size + size:
                 break
             frames.append(bytes(self.buffer[LENGTH.size:LENGTH.size + size]))

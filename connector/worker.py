@@ -25,7 +25,7 @@ from .layout import TensorView, head_layout, kv_regions, region_spans, regions_o
 from .metadata import PushMetadata
 from .producer import Producer, ProducerConfig
 from .save_order import ForwardMark, SaveQueue, cuda_forward_marks
-from .settings import Settings
+from .settings import Settings, side_channel_key
 from .sharding import HeadSharding
 from .state import Outcome, Pending
 from .stats import PushStats
@@ -83,6 +83,7 @@ class PushWorker:
         identity = LayoutIdentity(s.model, str(tensors[0].dtype).removeprefix("torch."), s.block_size,
                                   tuple(sorted(kv_caches)), s.kv_heads)
         sharding = HeadSharding(s.kv_heads, s.tp_size)
+        key = side_channel_key(s)
         head_layouts = _head_layouts(kv_caches, regions, self.num_blocks, sharding.heads_per_rank)
         on_gpu = bool(tensors[0].is_cuda)
         mem_type = "VRAM" if on_gpu else "DRAM"
@@ -107,7 +108,8 @@ class PushWorker:
             try:
                 self.producer = Producer(ProducerConfig(s.engine_id, identity, s.allowed_engines, s.side_channel_host,
                                                         port, s.transfer_timeout_s, tp_rank=self.tp_rank, sharding=sharding,
-                                                        head_layouts=head_layouts, drive_writes=not on_gpu,
+                                                        head_layouts=head_layouts, side_channel_key=key,
+                                                        drive_writes=not on_gpu,
                                                         stream_writes=s.stream_writes),
                                          self.engine)
             except OSError as exc:
@@ -118,7 +120,8 @@ class PushWorker:
             self.consumer = Consumer(ConsumerConfig(s.engine_id, self.tp_rank, identity, s.allowed_engines,
                                                     s.transfer_timeout_s, peer_silence_s=s.peer_silence_s,
                                                     accepted_timeout_s=s.accepted_timeout_s, sharding=sharding,
-                                                    head_layouts=head_layouts),
+                                                    head_layouts=head_layouts, side_channel_key=key,
+                                                    peers=s.peer_side_channels),
                                      name, self.engine.metadata, tuple(regions), device_id)
 
     # ---- D ------------------------------------------------------------------------------------

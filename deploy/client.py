@@ -13,6 +13,15 @@ from urllib.parse import urlsplit
 from kvpush.common.errors import KvpushError
 
 
+COMPLETIONS_PATH = "/v1/completions"
+
+
+def completion_body(model: str, prompt: str, max_tokens: int, stream: bool = False, **extra) -> bytes:
+    """A greedy OpenAI completions request: the same answer for the same prompt on any instance."""
+    return json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                       **({"stream": True} if stream else {}), **extra}).encode()
+
+
 @dataclass(frozen=True)
 class CompletionResult:
     text: str
@@ -33,18 +42,18 @@ def stream_completion(
 ) -> CompletionResult:
     """POST /v1/completions with stream=true, greedy; raises KvpushError naming the URL on failure."""
     parts = urlsplit(base_url)
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, **(extra or {})}
     headers = {"Content-Type": "application/json"}
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
     conn = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=timeout_s)
     start = time.perf_counter()
     try:
-        conn.request("POST", "/v1/completions", json.dumps(body), headers)
+        conn.request("POST", COMPLETIONS_PATH, completion_body(model, prompt, max_tokens, stream=True, **(extra or {})),
+                     headers)
         resp = conn.getresponse()
         if resp.status != 200:
             detail = resp.read(2000).decode(errors="replace").strip().replace("\n", " ")
-            raise KvpushError(f"{base_url}/v1/completions answered HTTP {resp.status}: {detail}")
+            raise KvpushError(f"{base_url}{COMPLETIONS_PATH} answered HTTP {resp.status}: {detail}")
         text, ttft, tokens, finish = [], None, 0, None
         for raw in resp:
             line = raw.decode().strip()

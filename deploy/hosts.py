@@ -19,7 +19,7 @@ def runner_for_record(name: str, h: HostRecord, options: SshOptions) -> Runner:
         from .runners.slurm import SlurmRunner
 
         return SlurmRunner(name, h.address, h.slurm.get("job_id"), h.slurm.get("node"), h.slurm.get("srun_options"))
-    return runner_for(name, h.address, h.ssh_port, h.user, h.key, h.is_local, options)
+    return runner_for(name, h, options)
 
 
 @contextmanager

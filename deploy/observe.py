@@ -74,7 +74,7 @@ def _host_status(runner: Runner, records: list[ProcessRecord], keys: AccessKeys)
                 code = runner.http("GET", r.health_url, timeout=HEALTH_BOUND_S, headers=headers).status
                 row.health = "ok" if code == 200 else f"HTTP {code}"
                 if r.role != "router" and code == 200:
-                    metrics_url = r.health_url.rsplit("/", 1)[0] + "/metrics"
+                    metrics_url = r.base_url + "/metrics"
                     load = vllm_load(runner.http("GET", metrics_url, timeout=HEALTH_BOUND_S, headers=headers).text())
                     row.running, row.waiting, row.kv_usage = load.running, load.waiting, load.kv_usage
             except OSError as exc:

@@ -15,10 +15,10 @@ from kvpush.router.config import RouterConfig, Timeouts, Upstream
 from kvpush.router.instances import InstanceList
 
 from . import slurm_render
+from .host_address import HEALTH_PATH, HostAddress, base_url, http_url
 from .supervise import supervisor_argv
 from .topology import (ROUTER_PROCESS_NAME, HostSpec, InstanceSpec, RestartSpec, Role, Topology, core_list_text,
                        parse_core_list)
-from .topology_values import url_host
 
 ProcessRole = Literal["prefill", "decode", "router"]
 # Files `up` writes (mode 0600) from the deployment secret; the plan names them, never their content.
@@ -68,6 +68,10 @@ class ProcessPlan:
     reload_files: list[str] = field(default_factory=list)
 
     @property
+    def base_url(self) -> str:
+        return base_url(self.health_url)
+
+    @property
     def launch_argv(self) -> list[str]:
         """What a launcher starts: argv under its supervisor."""
         return self.supervisor + self.argv
@@ -93,14 +97,9 @@ class SecretFilePlan:
     used_by: list[str]  # processes that read it at start: a new content restarts them
 
 
-@dataclass(frozen=True)
-class HostPlan:
+@dataclass(kw_only=True)
+class HostPlan(HostAddress):
     name: str
-    address: str
-    ssh_port: int
-    user: str | None
-    key: str | None
-    is_local: bool
     workdir: str
     python: str
     files: list[FilePlan]
@@ -124,11 +123,22 @@ class Plan:
     def processes(self) -> list[ProcessPlan]:
         return [p for h in self.hosts for p in h.processes]
 
+    def instance_names(self) -> set[str]:
+        """The vLLM instances (what the router's instance list names)."""
+        return {p.name for p in self.processes() if p.role != "router"}
+
     def process(self, name: str) -> ProcessPlan:
         for proc in self.processes():
             if proc.name == name:
                 return proc
         raise KeyError(name)
+
+    def router_url_from_here(self) -> str:
+        """The router's URL for a client where kvpush runs: `router_url` (as its own host reaches it)
+        when the router runs on this machine, else its host's address."""
+        router = next(p for p in self.processes() if p.role == "router")
+        host = self.host(router.host)
+        return self.router_url if host.is_local else http_url(host.address, router.http_port)
 
     def host(self, name: str) -> HostPlan:
         for host in self.hosts:
@@ -189,6 +199,9 @@ def kv_transfer_config(topo: Topology, role: Role, spec: InstanceSpec) -> dict |
             "side_channel_host": bind_address(host),
             "side_channel_port": spec.side_channel_port,
             "allowed_engines": sorted(engine_id(topo, p) for p in peers),
+            # where each peer's side channel is: decode dials these and nothing a request names
+            "peer_side_channels": {engine_id(topo, p): f"{bind_address(topo.hosts[p.host])}:{p.side_channel_port}"
+                                   for p in sorted(peers, key=lambda p: p.name)},
             "transfer_timeout_s": topo.connector.transfer_timeout_s,
             "secret_file": secret_path(topo, host, "deployment-secret"),  # a path on that host (~ expanded there)
             **topo.connector.extra_config,
@@ -280,7 +293,7 @@ def _vllm_process(topo: Topology, role: Role, spec: InstanceSpec) -> ProcessPlan
         cwd=workdir,
         log_path=f"{workdir}/logs/{spec.name}.log",
         http_port=spec.http_port,
-        health_url=f"http://{bind_address(host)}:{spec.http_port}/health",
+        health_url=http_url(bind_address(host), spec.http_port, HEALTH_PATH),
         side_channel_ports=side_channel_ports(spec, topo.connector.type) if kv_config is not None else [],
         env_file=secret_path(topo, host, "instance-env"),
         **_supervision(host, workdir, spec.name, spec.restart),
@@ -293,7 +306,7 @@ def router_instance_list(topo: Topology) -> InstanceList:
         host = topo.hosts[spec.host]
         return Upstream(
             name=spec.name,
-            url=f"http://{bind_address(host)}:{spec.http_port}",
+            url=http_url(bind_address(host), spec.http_port),
             engine_id=engine_id(topo, spec),
             side_channel_host=bind_address(host),
             side_channel_port=spec.side_channel_port,
@@ -356,7 +369,8 @@ def _router_process(topo: Topology) -> tuple[ProcessPlan, tuple[FilePlan, FilePl
         cwd=workdir,
         log_path=f"{workdir}/logs/router.log",
         http_port=topo.router.port,
-        health_url=f"http://{'127.0.0.1' if topo.router.bind in ('0.0.0.0', '::') else url_host(topo.router.bind)}:{topo.router.port}/health",
+        health_url=http_url("127.0.0.1" if topo.router.bind in ("0.0.0.0", "::") else topo.router.bind, topo.router.port,
+                            HEALTH_PATH),
         **_supervision(host, workdir, ROUTER_PROCESS_NAME, topo.router.restart),
         reload_files=[files[1].path],
     )
@@ -397,12 +411,8 @@ def build_plan(topo: Topology) -> Plan:
 
     hosts = [
         HostPlan(
+            **spec.address_fields(),
             name=name,
-            address=spec.address,
-            ssh_port=spec.ssh_port,
-            user=spec.user,
-            key=spec.key,
-            is_local=spec.is_local,
             workdir=deployment_dir(topo, spec),
             python=spec.interpreter,
             files=files[name],
@@ -419,7 +429,7 @@ def build_plan(topo: Topology) -> Plan:
         platform=topo.platform,
         model_path=topo.model.path,
         served_model_name=topo.model.name,
-        router_url=router.health_url.rsplit("/", 1)[0],
+        router_url=router.base_url,
         hosts=hosts,
         topology_digest=_digest(topo.model_dump(mode="json")),
         slurm=slurm_render.plan_fields(topo, hosts),

@@ -9,7 +9,9 @@ from dataclasses import dataclass
 from kvpush.common.errors import KvpushError
 from kvpush.common.vllm_metrics import external_kv_tokens
 
+from .client import COMPLETIONS_PATH, completion_body
 from .plan import Plan
+from .router_ready import wait_router_ready
 from .runners import Runner
 from .secrets import AccessKeys
 
@@ -27,7 +29,7 @@ def _decode_kv_tokens(runners: dict[str, Runner], plan: Plan, keys: AccessKeys) 
     total = 0.0
     for proc in plan.processes():
         if proc.role == "decode":
-            url = proc.health_url.rsplit("/", 1)[0] + "/metrics"
+            url = proc.base_url + "/metrics"
             total += external_kv_tokens(runners[proc.host].http("GET", url, timeout=10, headers=keys.headers(proc.role)).text())
     return total
 
@@ -37,31 +39,28 @@ def _proof_body(model: str) -> bytes:
     # Fresh words every time: a prefix-cache hit on decode would hide the transfer.
     prompt = " ".join(rng.choice(["kv", "push", "block", "cache", "token", "layer", "remote", "write"]) + str(rng.randint(0, 999))
                       for _ in range(200))
-    return json.dumps({"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0}).encode()
+    return completion_body(model, prompt, max_tokens=8)
 
 
 def prove_kv_transfer(runners: dict[str, Runner], plan: Plan, timeout_s: float = 120.0,
                       keys: AccessKeys = AccessKeys()) -> Proof:
-    """One real completion through the router; decode must report prompt tokens received by KV transfer."""
+    """One real completion through the router, once it is ready; decode must report prompt tokens
+    received by KV transfer."""
     router = next(p for p in plan.processes() if p.role == "router")
-    url = plan.router_url + "/v1/completions"
+    runner = runners[router.host]
+    url = plan.router_url + COMPLETIONS_PATH
     give_up = time.monotonic() + ROUTER_ROTATION_WAIT_S
     while True:
+        wait_router_ready(runner, plan.router_url, max(0.0, give_up - time.monotonic()), keys,
+                          instances=plan.instance_names())
         before = _decode_kv_tokens(runners, plan, keys)
         started = time.monotonic()
         try:
-            response = runners[router.host].http("POST", url, _proof_body(plan.served_model_name), timeout=timeout_s,
-                                                 headers=keys.headers("router"))
+            response = runner.http("POST", url, _proof_body(plan.served_model_name), timeout=timeout_s,
+                                   headers=keys.headers("router"))
         except OSError as exc:
             raise KvpushError(f"proof request to the router {url} failed: {exc}; see `kvpush logs router`") from None
         latency = time.monotonic() - started
-        # The router may have ejected an instance it probed while that instance was still loading,
-        # and takes it back only at its next probe (each router worker at its own). Until then it
-        # answers 503 (no decode instance), or lets decode compute the prompt itself (no prefill
-        # instance): an answer that moved no KV. Either way, ask again with a fresh prompt.
-        if response.status == 503 and time.monotonic() < give_up:
-            time.sleep(1.0)
-            continue
         if response.status != 200:
             raise KvpushError(f"proof request to the router {url} answered HTTP {response.status}: {response.text()[:200]}; see `kvpush logs`")
         try:
@@ -71,6 +70,8 @@ def prove_kv_transfer(runners: dict[str, Runner], plan: Plan, timeout_s: float =
         moved = _decode_kv_tokens(runners, plan, keys) - before
         if moved > 0:
             return Proof(answer, latency, moved)
+        # A probe that began while an instance was still loading can take it out of rotation just
+        # after the router looked ready; decode then computed the prompt itself. Look again.
         if time.monotonic() >= give_up:
             raise KvpushError("the proof request was answered, but no decode instance received prompt tokens by KV transfer "
                               "(vllm:prompt_tokens_by_source_total{source=\"external_kv_transfer\"} did not grow); "

@@ -54,7 +54,7 @@ def without(listed: InstanceList, names: set[str]) -> InstanceList:
 
 
 def _progress(runner: Runner, record: ProcessRecord, keys: AccessKeys) -> ReloadProgress | None:
-    url = record.health_url.rsplit("/", 1)[0] + "/metrics"
+    url = record.base_url + "/metrics"
     try:
         response = runner.http("GET", url, timeout=5, headers=keys.headers("router"))
     except (OSError, HostError):

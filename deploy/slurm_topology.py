@@ -36,7 +36,7 @@ def check_slurm_fields(topo: Topology, fail: Callable[[tuple, str], None]) -> No
     nodes: dict[str, str] = {}
     for name, host in topo.hosts.items():
         for field in SSH_ONLY_FIELDS:
-            if field in host.model_fields_set:
+            if getattr(host, field) is not None:
                 fail(("hosts", name, field), "is an SSH setting; with launcher: slurm kvpush reaches nodes through srun, remove it")
         if host.python is None and host.venv is None:
             # Slurm nodes share the submit host's filesystem as a rule: run what kvpush runs with.

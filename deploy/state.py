@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Iterator
 
 from kvpush.common.errors import KvpushError
+from .host_address import HostAddress, base_url
 from .plan import HostPlan
 
 STATE_VERSION = 1
@@ -26,19 +27,14 @@ def state_dir() -> Path:
     return Path(os.environ.get("KVPUSH_STATE_DIR") or Path.home() / ".kvpush" / "state")
 
 
-@dataclass
-class HostRecord:
-    address: str
-    ssh_port: int
-    user: str | None
-    key: str | None
-    is_local: bool
+@dataclass(kw_only=True)
+class HostRecord(HostAddress):
     workdir: str
     slurm: dict | None = None  # launcher slurm: job_id, node, srun_options
 
     @classmethod
     def from_plan(cls, host: HostPlan) -> "HostRecord":
-        return cls(host.address, host.ssh_port, host.user, host.key, host.is_local, host.workdir, host.slurm)
+        return cls(**host.address_fields(), workdir=host.workdir, slurm=host.slurm)
 
 
 @dataclass
@@ -57,6 +53,10 @@ class ProcessRecord:
     restarts: int = 0  # by `up`; its supervisor counts its own in the status file
     status_path: str = ""  # its supervisor's status file ("": started without one)
     reload_digest: str = ""  # of the files it reads again on SIGHUP, as it last read them (changes.reload_digest)
+
+    @property
+    def base_url(self) -> str:
+        return base_url(self.health_url)
 
 
 @dataclass
@@ -83,6 +83,8 @@ class DeploymentState:
             records = data.get(key, {})
             if not isinstance(records, dict) or not all(isinstance(v, dict) for v in records.values()):
                 raise ValueError(f"'{key}' is not a mapping of records")
+            if key == "hosts":  # older states recorded is_local, which the address now implies
+                records = {k: {f: x for f, x in v.items() if f != "is_local"} for k, v in records.items()}
             try:
                 data[key] = {k: record_type(**v) for k, v in records.items()}
             except TypeError:

@@ -2,20 +2,24 @@
 an environment, a URL or a path on some host.
 
 Each check raises ValueError with the words that follow a field name (what is wrong, the fix), as
-pydantic validators do; topology.py attaches them to its fields.
+pydantic validators do; the annotated types at the end attach them to the schema's fields. Core
+lists ("0-3,8", per TP rank "0-1|2-3") are parsed here too.
 """
 from __future__ import annotations
 
 import ipaddress
 import math
 import re
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, BeforeValidator
 
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")  # POSIX: what `env` and `export` take as a name
 _LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
 MAX_HOSTNAME = 253
 MAX_PATH = 4096
 MAX_NAME = 256
+MAX_CORE = 4095  # above any host's core numbers; bounds what a range like '0-999999999' would allocate
 
 # Set by kvpush from the deployment secret (docs/security.md): a topology that set them too would
 # hand vLLM a key the router does not know, or point the connector at another secret.
@@ -133,3 +137,71 @@ def extra_config(value: dict[str, Any]) -> dict[str, Any]:
     for key, item in value.items():
         _json_value(item, key)
     return value
+
+
+def rank_core_lists(text: str) -> list[set[int]]:
+    """'0-1|2-3' -> [{0, 1}, {2, 3}]: the cores of each TP rank."""
+    return [parse_core_list(group) for group in str(text).split("|")]
+
+
+def core_list_text(cores: set[int]) -> str:
+    """{0, 1, 2, 5} -> '0-2,5' (what taskset takes)."""
+    out, run = [], []
+    for core in sorted(cores):
+        if run and core == run[-1] + 1:
+            run.append(core)
+            continue
+        if run:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+        run = [core]
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ",".join(out)
+
+
+def parse_core_list(text: str) -> set[int]:
+    """'0-3,8' -> {0,1,2,3,8}; per-rank lists ('0|1') give their union; raises ValueError with a fix hint."""
+    cores: set[int] = set()
+    if "|" in str(text):
+        for group in rank_core_lists(text):
+            cores |= group
+        return cores
+    for part in str(text).split(","):
+        part = part.strip()
+        m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
+        if not m:
+            raise ValueError(f"'{text}' is not a core list; write e.g. '0' or '0-3,8'")
+        lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
+        if hi > MAX_CORE:
+            raise ValueError(f"core {hi} in '{part}' is above {MAX_CORE}; give the core numbers of this host (see `nproc`)")
+        if hi < lo:
+            raise ValueError(f"range '{part}' runs backwards; write the low core first")
+        cores.update(range(lo, hi + 1))
+    return cores
+
+
+# -- the checks as annotated types for the schema's fields ----------------------------------------
+
+
+def _not_bool(value: Any) -> Any:
+    # YAML reads `port: true` as a bool, and pydantic would take it as 1.
+    if isinstance(value, bool):
+        raise ValueError("is true/false, not a number; give a number")
+    return value
+
+
+def not_blank(fix: str) -> AfterValidator:
+    def check(value: str) -> str:
+        if not value.strip():
+            raise ValueError(f"is empty; {fix}")
+        return value
+
+    return AfterValidator(check)
+
+
+IntNotBool = Annotated[int, BeforeValidator(_not_bool)]
+PathText = Annotated[str, AfterValidator(path)]
+PlainName = Annotated[str, AfterValidator(plain_name)]
+EnvMap = Annotated[dict[str, str], AfterValidator(env_map)]
+ExtraArgs = Annotated[list[str], AfterValidator(extra_args)]
+HostAddressText = Annotated[str, not_blank("give the host's IP address or DNS name"), AfterValidator(host_address)]

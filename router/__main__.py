@@ -16,7 +16,7 @@ def run_router(config_path: str, worker_fd: int | None = None) -> int:
 
     from pydantic import ValidationError
 
-    from kvpush.common.errors import KvpushError
+    from kvpush.common.errors import KvpushError, validation_problem
 
     from .app import run
     from .config import RouterConfig
@@ -30,9 +30,7 @@ def run_router(config_path: str, worker_fd: int | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "(file)"
-        print(f"error: router config {config_path}: {where}: {first['msg']}", file=sys.stderr)
+        print(f"error: router config {config_path}: {validation_problem(exc)}", file=sys.stderr)
         return 2
     except FileNotFoundError as exc:
         print(f"error: router config {config_path}: {exc.strerror}", file=sys.stderr)

@@ -22,7 +22,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from kvpush.common.errors import UsageError
-from kvpush.common.vllm_metrics import metric_samples
+from kvpush.common.vllm_metrics import samples
 
 from .config import Upstream
 from .metrics import DRAINING_METRIC, INSTANCE_LIST_METRIC
@@ -93,11 +93,9 @@ class ReloadProgress:
 
 def reload_progress(metrics_text: str) -> ReloadProgress:
     progress = ReloadProgress()
-    for labels, value in metric_samples(metrics_text, INSTANCE_LIST_METRIC):
-        if value == 1 and "digest" in labels:
+    for metric, labels, value in samples(metrics_text):
+        if metric == INSTANCE_LIST_METRIC and value == 1 and "digest" in labels:
             progress.serving.add(labels["digest"])
-    for labels, value in metric_samples(metrics_text, DRAINING_METRIC):
-        name = labels.get("instance")
-        if name is not None:
-            progress.draining[name] = progress.draining.get(name, 0.0) + value
+        elif metric == DRAINING_METRIC and "instance" in labels:
+            progress.draining[labels["instance"]] = progress.draining.get(labels["instance"], 0.0) + value
     return progress

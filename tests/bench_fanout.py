@@ -58,7 +58,7 @@ def main() -> int:
               f"{os.cpu_count()} CPU cores; shell rc {'on' if args.with_shell_rc else 'skipped'}", flush=True)
         ssh = SshOptions(known_hosts=str(cluster.known_hosts))
         python = str(write_standin_python(work / "standin-python"))
-        records = {h.name: HostRecord(h.address, h.port, "root", str(cluster.client_key), False, str(work / h.name))
+        records = {h.name: HostRecord(**cluster.host_address(h).address_fields(), workdir=str(work / h.name))
                    for h in cluster.hosts}
         try:
             def start_everywhere():

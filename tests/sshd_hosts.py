@@ -173,6 +173,12 @@ class SshdCluster:
 
     # -- for topologies ---------------------------------------------------------------------
 
+    def host_address(self, host: SshdHost):
+        """How kvpush reaches `host` (root, with the test client key)."""
+        from kvpush.deploy.host_address import HostAddress
+
+        return HostAddress(address=host.address, ssh_port=host.port, user="root", key=str(self.client_key))
+
     def host_yaml(self, host: SshdHost, **extra: str) -> dict:
         entry = {"address": host.address, "ssh_port": host.port, "user": os.environ.get("USER", "root"),
                  "key": str(self.client_key)}

@@ -1,7 +1,8 @@
 """`kvpush bench`: push vs pull under load, measured with vLLM's own benchmark client.
 
-modes.py derives one topology per connector mode (pure); client.py builds and runs
-`vllm bench serve`; scrape.py reads the router's and instances' /metrics; results.py parses and
-aggregates (pure); environment.py records versions and the machine; plots.py draws PNGs;
-runner.py ties it together around the lifecycle's up/down.
+options.py says what a bench does and how it reports; modes.py derives one topology per
+connector mode (pure); deployment.py brings a mode up, ready and warm; client.py builds and runs
+`vllm bench serve`; measure.py drives one rate and scrapes /metrics around it, which scrape.py
+reads; results.py parses and aggregates (pure); report.py writes bench.json and, through plots.py,
+the PNGs, with environment.py's versions and machine; runner.py orchestrates the modes and rounds.
 """

@@ -11,13 +11,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from kvpush.common.vllm_metrics import PROMPT_TOKENS_BY_SOURCE, metric_sum
+from kvpush.common.vllm_metrics import PROMPT_TOKENS_BY_SOURCE, metric_sum, samples
 
 HANDOFF_GAP = "kvpush_router_handoff_gap_seconds"
 ROUTER_RETRIES = "kvpush_router_retries_total"
 ROUTER_LEG_FAILURES = "kvpush_router_leg_failures_total"
 ROUTER_REQUESTS = "kvpush_router_requests_total"
-ROUTER_IN_ROTATION = "kvpush_router_instance_in_rotation"
 EXTERNAL_SOURCE = "external_kv_transfer"
 LOCAL_SOURCES = ("local_compute",)
 CACHED_SOURCES = ("local_cache_hit",)
@@ -27,22 +26,6 @@ FAILED_TRANSFERS = ("vllm:nixl_num_failed_transfers_total", "vllm:kvpush_failed_
 # Bytes a connector reports moving; the first group of each name is summed.
 _BYTES_METRIC = re.compile(r"^(vllm:(?:nixl|kvpush)_\w*bytes\w*?)(_sum|_total)$")
 
-_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)')
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
-
-
-def samples(text: str) -> list[tuple[str, dict[str, str], float]]:
-    out = []
-    for line in text.splitlines():
-        if line.startswith("#"):
-            continue
-        m = _SAMPLE.match(line)
-        if m:
-            try:
-                out.append((m.group(1), dict(_LABEL.findall(m.group(2) or "")), float(m.group(3))))
-            except ValueError:
-                continue
-    return out
 
 
 @dataclass(frozen=True)
@@ -191,9 +174,3 @@ def instance_figures(name: str, role: str, before: str, after: str) -> InstanceF
         engine_requests=prefill_time.count, engine_prefill_s=prefill_time.total,
         engine_queued=queue_time.count, engine_queue_s=queue_time.total,
     )
-
-
-def out_of_rotation(router_page: str) -> list[str]:
-    """Instances the router does not send legs to right now (kvpush_router_instance_in_rotation 0)."""
-    return sorted(labels.get("instance", "?") for metric, labels, value in samples(router_page)
-                  if metric == ROUTER_IN_ROTATION and value < 1)

@@ -221,9 +221,11 @@ def evaluate(ctx: DoctorContext, selected: list[str]) -> list[CheckResult]:
     return results
 
 
-def run_doctor(topo: Topology, runners: Mapping[str, CommandRunner], options: DoctorOptions = DoctorOptions()) -> DoctorReport:
-    """Every selected check on every host that needs it. Never raises for a host's problem:
-    those are results. Raises UsageError for unknown check names."""
+def run_doctor(topo: Topology, runners: Mapping[str, CommandRunner], options: DoctorOptions = DoctorOptions(),
+               unreachable: Mapping[str, str] = {}) -> DoctorReport:
+    """Every selected check on every host that needs it; `unreachable` hosts (host -> why, as
+    hosts.connected says it) are reported failed without a probe. Never raises for a host's
+    problem: those are results. Raises UsageError for unknown check names."""
     started = time.monotonic()
     selected = select_checks(options.only, options.skip)
     plan = build_plan(topo)
@@ -233,7 +235,8 @@ def run_doctor(topo: Topology, runners: Mapping[str, CommandRunner], options: Do
     listening = {(c.host, c.port) for c in ctx.claims}
     ctx.targets = [t for t in reach_targets(topo) if (t.target, t.port) in listening] if "reachability" in selected else []
     requests = probe_requests(ctx, selected, options)
-    missing = [h for h in requests if h not in runners]
+    ctx.probe_failures.update({h: ProbeFailure(h, why) for h, why in unreachable.items() if h in requests})
+    missing = [h for h in requests if h not in runners and h not in unreachable]
     if missing:
         raise UsageError(f"no runner for host(s) {', '.join(missing)}")
     nixl = _NixlProbes(ctx, runners, options) if "nixl-backend" in selected and ctx.disaggregated else None
@@ -246,7 +249,7 @@ def run_doctor(topo: Topology, runners: Mapping[str, CommandRunner], options: Do
         return facts
 
     cutoff = options.timeout_s + (options.nixl_timeout_s + 5 if nixl else 0)
-    jobs = {h: (lambda h=h: probe(h)) for h in requests}
+    jobs = {h: (lambda h=h: probe(h)) for h in requests if h in runners}
     for host, outcome in in_parallel(jobs, cutoff, shown_timeout=options.timeout_s).items():
         if isinstance(outcome, HostFacts):
             ctx.facts[host] = outcome

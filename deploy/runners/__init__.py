@@ -1,6 +1,7 @@
 """Runners: how kvpush drives a host (locally or over SSH), and parallel fan-out across hosts."""
 from __future__ import annotations
 
+from ..host_address import HostAddress
 from .base import CommandResult, HostError, HttpResponse, ProcessInfo, Runner, Started
 from .fanout import FanOutError, HostResult, fan_out, values_or_raise
 from .local import LocalRunner
@@ -13,13 +14,12 @@ __all__ = [
 ]
 
 
-def runner_for(name: str, address: str, ssh_port: int, user: str | None, key: str | None,
-               is_local: bool, options: SshOptions = SshOptions()) -> Runner:
-    if is_local:
+def runner_for(name: str, host: HostAddress, options: SshOptions = SshOptions()) -> Runner:
+    if host.is_local:
         return LocalRunner(name)
     from .ssh import SshRunner  # paramiko costs ~0.7 s to import: only when a host needs it
 
-    return SshRunner(name, address, ssh_port, user, key, options)
+    return SshRunner(name, host, options)
 
 
 def __getattr__(name: str):

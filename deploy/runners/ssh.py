@@ -17,7 +17,9 @@ import paramiko
 from .base import (CommandResult, Deadline, HostError, HttpResponse, ProcessInfo, Runner,
                    parse_proc_table, proc_table_command, signal_groups_command)
 from .http import exchange, split_url
+from ..host_address import HostAddress
 from .options import SshOptions
+from .ssh_config import SshTarget, read_config, resolve
 
 ACCEPT_HINT = "--accept-new-host-keys"
 _known_hosts_write = threading.Lock()
@@ -55,11 +57,11 @@ class _HostKeyPolicy(paramiko.MissingHostKeyPolicy):
 
 
 class SshRunner(Runner):
-    def __init__(self, name: str, address: str, port: int = 22, user: str | None = None,
-                 key: str | None = None, options: SshOptions = SshOptions()):
-        self.name, self.address, self.port, self.user, self.key = name, address, port, user, key
-        self.options = options
+    def __init__(self, name: str, host: HostAddress, options: SshOptions = SshOptions()):
+        self.name, self.host, self.options = name, host, options
+        self._target: SshTarget | None = None  # resolved through ~/.ssh/config at the first connect
         self._client: paramiko.SSHClient | None = None
+        self._hops: list[paramiko.SSHClient] = []  # ProxyJump hosts, first hop first
         self._sftp: paramiko.SFTPClient | None = None
         self._home: str | None = None
         self._lock = threading.RLock()
@@ -67,36 +69,57 @@ class SshRunner(Runner):
     # -- connection -------------------------------------------------------------------------
 
     def _where(self) -> str:
-        return f"host {self.name} ({self.user + '@' if self.user else ''}{self.address}:{self.port})"
+        return f"host {self.name} ({self._target.describe() if self._target else self.host.describe()})"
 
     def connect(self) -> paramiko.SSHClient:
         with self._lock:
             if self._client is not None and self._client.get_transport() and self._client.get_transport().is_active():
                 return self._client
+            self._close_clients()
             self._client = self._open()
             return self._client
 
     def _open(self) -> paramiko.SSHClient:
+        opts = self.options
+        self._target = target = resolve(self.host, read_config(opts.config_file), opts.config_file)
+        sock = None
+        for hop, after in zip(target.jumps, [*target.jumps[1:], target]):
+            client = self._handshake(hop, sock, f"{self._where()}: jump host {hop.name} ({hop.user}@{hop.hostname}:{hop.port})")
+            self._hops.append(client)
+            try:
+                sock = client.get_transport().open_channel("direct-tcpip", (after.hostname, after.port), ("127.0.0.1", 0),
+                                                           timeout=opts.connect_timeout_s)
+            except (paramiko.SSHException, OSError, EOFError) as exc:
+                self._close_clients()
+                raise HostError(f"{self._where()}: jump host {hop.name} could not connect to {after.hostname}:{after.port} "
+                                f"({exc or type(exc).__name__}); check that it reaches the host and allows TCP forwarding") from None
+        try:
+            return self._handshake(target, sock, self._where())
+        except HostError:
+            self._close_clients()
+            raise
+
+    def _handshake(self, target: SshTarget, sock, where: str) -> paramiko.SSHClient:
+        """An authenticated client for `target`, over `sock` (a hop's channel) or a new TCP connection."""
         opts = self.options
         known_hosts = Path(os.path.expanduser(opts.known_hosts))
         client = paramiko.SSHClient()
         if known_hosts.is_file():
             client.load_host_keys(str(known_hosts))
         client.set_missing_host_key_policy(_HostKeyPolicy(known_hosts, opts.accept_new_host_keys))
-        where = self._where()
-        try:
-            sock = socket.create_connection((self.address, self.port), timeout=opts.connect_timeout_s)
-        except ConnectionRefusedError:
-            raise HostError(f"{where}: connection refused; is sshd running and listening on port {self.port}?") from None
-        except (socket.timeout, OSError) as exc:
-            raise HostError(f"{where}: unreachable ({exc.strerror or exc}); check the address, network and firewall") from None
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        key_file = os.path.expanduser(self.key) if self.key else None
+        if sock is None:
+            try:
+                sock = socket.create_connection((target.hostname, target.port), timeout=opts.connect_timeout_s)
+            except ConnectionRefusedError:
+                raise HostError(f"{where}: connection refused; is sshd running and listening on port {target.port}?") from None
+            except (socket.timeout, OSError) as exc:
+                raise HostError(f"{where}: unreachable ({exc.strerror or exc}); check the address, network and firewall") from None
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             client.connect(
-                self.address, port=self.port, username=self.user or _local_user(), sock=sock,
-                key_filename=key_file, look_for_keys=key_file is None, allow_agent=key_file is None,
-                timeout=opts.connect_timeout_s, banner_timeout=opts.connect_timeout_s,
+                target.hostname, port=target.port, username=target.user, sock=sock,
+                key_filename=list(target.key_files) or None, look_for_keys=not target.key_files,
+                allow_agent=target.agent, timeout=opts.connect_timeout_s, banner_timeout=opts.connect_timeout_s,
                 auth_timeout=opts.auth_timeout_s,
             )
         except _UnknownHostKey as exc:
@@ -110,25 +133,30 @@ class SshRunner(Runner):
             raise HostError(
                 f"{where}: host key CHANGED from the one in {opts.known_hosts}; refusing to connect. If the host "
                 f"was legitimately reinstalled, remove its entry: ssh-keygen -f {opts.known_hosts} -R "
-                f"'{known_hosts_name(self.address, self.port)}'"
+                f"'{known_hosts_name(target.hostname, target.port)}'"
             ) from None
         except paramiko.AuthenticationException:
             sock.close()
-            raise HostError(f"{where}: authentication failed; check 'user' and 'key' for this host in the topology") from None
+            raise HostError(f"{where}: authentication failed; check 'user' and 'key' for this host in the topology "
+                            f"or {opts.config_file}") from None
         except (paramiko.SSHException, OSError, EOFError) as exc:
             sock.close()
             raise HostError(f"{where}: SSH handshake failed: {exc or type(exc).__name__}") from None
-        transport = client.get_transport()
-        transport.set_keepalive(15)
+        client.get_transport().set_keepalive(15)
         return client
+
+    def _close_clients(self) -> None:
+        for client in [self._client, *reversed(self._hops)]:
+            if client is not None:
+                client.close()
+        self._client, self._hops = None, []
 
     def close(self) -> None:
         with self._lock:
             if self._sftp is not None:
                 self._sftp.close()
-            if self._client is not None:
-                self._client.close()
-            self._client = self._sftp = None
+            self._sftp = None
+            self._close_clients()
 
     def _sftp_client(self) -> paramiko.SFTPClient:
         with self._lock:
@@ -260,11 +288,3 @@ class SshRunner(Runner):
         with chan:
             chan.settimeout(timeout)
             return exchange(chan, host, port, method, path, body, headers)
-
-
-def _local_user() -> str:
-    import getpass
-
-    return getpass.getuser()
-
-

@@ -13,7 +13,8 @@ import socket
 import pytest
 
 from kvpush.deploy.bench.modes import bench_topology
-from kvpush.deploy.bench.runner import BenchOptions, run_bench
+from kvpush.deploy.bench.options import BenchOptions
+from kvpush.deploy.bench.runner import run_bench
 from kvpush.deploy.lifecycle import LifecycleOptions
 from kvpush.deploy.state import load_state
 from kvpush.deploy.topology import parse_topology

@@ -27,6 +27,7 @@ from kvpush.deploy.topology import TinyModelSpec, parse_topology
 from kvpush.common.vllm_metrics import PROMPT_TOKENS_BY_SOURCE, metric_sum
 from openai_conformance import MATRIX, run_case
 from random_prompts import full_length_prompts, random_prompts
+from plan_secrets import write_secret_files
 from server_process import ServerProcess
 
 PORTS = {"prefill_http": 18300, "decode_http": 18301, "reference_http": 18302, "router": 18310,
@@ -91,7 +92,9 @@ def answer_text(status: int, raw: str, stream: bool) -> str:
 def make_plan(protocol: str, model: Path, workdir: Path):
     prefill = "[]" if protocol == "colocated" else PREFILL.format(**PORTS)
     topo = parse_topology(TOPOLOGY.format(protocol=protocol, model=model, workdir=workdir, prefill=prefill, **PORTS))
-    return build_plan(topo)
+    plan = build_plan(topo)
+    write_secret_files(plan)  # kvpush's connector authenticates its side channel with the deployment's key
+    return plan
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +151,7 @@ def deployment(request, model_dir, reference, tmp_path_factory):
     try:
         for name in instances:
             proc = plan.process(name)
-            started.append(ServerProcess(name, proc.argv, proc.env, proc.health_url.rsplit("/", 1)[0], workdir))
+            started.append(ServerProcess(name, proc.argv, proc.env, proc.base_url, workdir))
         router_plan = plan.process("router")
         config_file, instances_file = plan.host(router_plan.host).files[:2]
         config_path = workdir / "router.json"
@@ -157,7 +160,7 @@ def deployment(request, model_dir, reference, tmp_path_factory):
         config["instance_api_key_file"] = None  # these instances start without `up`, so without a key
         config_path.write_text(json.dumps(config))
         started.append(ServerProcess("router", [sys.executable, "-m", "kvpush.router", "--config", str(config_path)],
-                               router_plan.env, router_plan.health_url.rsplit("/", 1)[0], workdir))
+                               router_plan.env, router_plan.base_url, workdir))
         for proc in started:
             proc.wait_healthy()
         deployment = Deployment(protocol, *([None] if protocol == "colocated" else []), *started)

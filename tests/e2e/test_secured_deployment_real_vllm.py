@@ -80,8 +80,8 @@ def test_keys_guard_a_real_deployment_end_to_end(e2e_hosts, tmp_path, state_dir,
 
         state = load_state("secured")
         router, decode = state.processes["router"], state.processes["decode-0"]
-        router_url = router.health_url.rsplit("/", 1)[0]
-        decode_url = decode.health_url.rsplit("/", 1)[0]
+        router_url = router.base_url
+        decode_url = decode.base_url
         body = json.dumps({"model": "tiny", "prompt": "one two three four five", "max_tokens": 4, "temperature": 0}).encode()
         with connected(state.hosts, opts.ssh) as (runners, _):
             h0, h1 = runners["h0"], runners["h1"]

@@ -108,10 +108,10 @@ def test_1p1d_over_ssh_matches_a_single_server_and_moves_kv(e2e_hosts, tmp_path,
 
         with connected(state.hosts, opts.ssh) as (runners, _):
             decode = state.processes["decode-0"]
-            metrics_url = decode.health_url.rsplit("/", 1)[0] + "/metrics"
+            metrics_url = decode.base_url + "/metrics"
             before = external_kv_tokens(runners["h1"].http("GET", metrics_url).text())
             router = state.processes["router"]
-            pd_answers = [_complete(runners["h0"], router.health_url.rsplit("/", 1)[0], p) for p in PROMPTS]
+            pd_answers = [_complete(runners["h0"], router.base_url, p) for p in PROMPTS]
             moved = external_kv_tokens(runners["h1"].http("GET", metrics_url).text()) - before
         assert moved >= 128, f"decode received only {moved} prompt tokens by KV transfer"
     finally:

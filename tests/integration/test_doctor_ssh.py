@@ -66,7 +66,7 @@ def cpu_topology(c, workdir: Path, model: Path, port_base: int, **over) -> dict:
 
 
 def runners(topo, known_hosts: dict[str, str]):
-    return {h.name: SshRunner(h.name, h.address, h.ssh_port, h.user, h.key, SshOptions(known_hosts=known_hosts[h.name]))
+    return {h.name: SshRunner(h.name, h, SshOptions(known_hosts=known_hosts[h.name]))
             for h in build_plan(topo).hosts}
 
 

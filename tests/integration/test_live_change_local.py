@@ -12,7 +12,7 @@ import urllib.request
 
 import yaml
 
-from kvpush.common.vllm_metrics import metric_samples
+from kvpush.common.vllm_metrics import samples
 from kvpush.deploy.lifecycle import LifecycleOptions, down, up
 from kvpush.deploy.runners import SshOptions
 from kvpush.deploy.state import load_state
@@ -82,7 +82,7 @@ class Load:
 
 def per_instance(router_port: int, metric: str) -> dict[str, float]:
     with urllib.request.urlopen(f"http://127.0.0.1:{router_port}/metrics", timeout=10) as r:
-        return {labels["instance"]: value for labels, value in metric_samples(r.read().decode(), metric)}
+        return {labels["instance"]: value for name, labels, value in samples(r.read().decode()) if name == metric}
 
 
 def in_rotation(router_port: int) -> dict[str, float]:

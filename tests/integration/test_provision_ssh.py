@@ -36,8 +36,7 @@ def test_up_installs_kvpush_once_into_a_host_that_lacks_it(sshd_cluster, bare_ve
     python = write_standin_python(tmp_path / "standin-python", str(bare_venv / "bin/python"))
     topo = topology_for(sshd_cluster, "prov", str(python), tmp_path, prefill=[0], decode=[0], router=0, port_base=19900)
     host = sshd_cluster.hosts[0]
-    runner = SshRunner("h0", host.address, host.port, "root", str(sshd_cluster.client_key),
-                       SshOptions(known_hosts=str(sshd_cluster.known_hosts)))
+    runner = SshRunner("h0", sshd_cluster.host_address(host), SshOptions(known_hosts=str(sshd_cluster.known_hosts)))
     assert "kvpush.connector" in probe(runner, str(python)).missing
     try:
         first = up(topo, options(sshd_cluster, provision=True))
@@ -66,8 +65,7 @@ def test_missing_python_is_one_clear_line(sshd_cluster, tmp_path, state_dir):
 
 def test_editable_checkout_on_a_host_is_never_overwritten(sshd_cluster, tmp_path):
     host = sshd_cluster.hosts[0]
-    runner = SshRunner("h0", host.address, host.port, "root", str(sshd_cluster.client_key),
-                       SshOptions(known_hosts=str(sshd_cluster.known_hosts)))
+    runner = SshRunner("h0", sshd_cluster.host_address(host), SshOptions(known_hosts=str(sshd_cluster.known_hosts)))
     from kvpush.deploy.plan import build_plan
     from kvpush.deploy.provision import WheelSource, provision_host
 

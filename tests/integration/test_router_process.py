@@ -309,11 +309,11 @@ def eventually(condition, timeout_s: float = 20) -> bool:
 
 
 def all_serve(digest: str, workers: int) -> bool:
-    from kvpush.common.vllm_metrics import metric_samples
+    from kvpush.common.vllm_metrics import samples
 
     with urllib.request.urlopen(f"http://127.0.0.1:{PORTS['router']}/metrics", timeout=10) as r:
-        serving = [labels["digest"] for labels, value in metric_samples(r.read().decode(), "kvpush_router_instance_list")
-                   if value == 1]
+        serving = [labels["digest"] for metric, labels, value in samples(r.read().decode())
+                   if metric == "kvpush_router_instance_list" and value == 1]
     return serving == [digest] * workers
 
 

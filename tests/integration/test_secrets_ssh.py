@@ -127,8 +127,8 @@ def test_secret_lands_0600_on_every_host_and_in_no_argv_and_keys_guard_router_an
     state = load_state(topo.name)
     router, decode = state.processes["router"], state.processes["decode-0"]
     body = json.dumps({"model": "tiny", "prompt": "a b c", "max_tokens": 2}).encode()
-    router_url = router.health_url.rsplit("/", 1)[0] + "/v1/completions"
-    decode_url = decode.health_url.rsplit("/", 1)[0] + "/v1/completions"
+    router_url = router.base_url + "/v1/completions"
+    decode_url = decode.base_url + "/v1/completions"
     with connected(state.hosts, options(sshd_cluster).ssh) as (runners, _):
         assert runners["h2"].http("POST", router_url, body).status == 401
         assert runners["h2"].http("POST", router_url, body, headers={"Authorization": "Bearer wrong"}).status == 401

@@ -2,16 +2,18 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 
+from kvpush.deploy.host_address import HostAddress
 from kvpush.deploy.runners import HostError, LocalRunner, SshOptions, SshRunner, fan_out
 
 
 def _runner(cluster, i=0, **opts) -> SshRunner:
     host = cluster.hosts[i]
     opts.setdefault("known_hosts", str(cluster.known_hosts))
-    return SshRunner(host.name, host.address, host.port, "root", str(cluster.client_key), SshOptions(**opts))
+    return SshRunner(host.name, cluster.host_address(host), SshOptions(**opts))
 
 
 def test_unknown_host_key_is_refused_with_the_fix_then_recorded_on_request(sshd_cluster, tmp_path):
@@ -43,11 +45,12 @@ def test_auth_failure_and_refused_and_unreachable(sshd_cluster, tmp_path):
     import subprocess
 
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other_key)], check=True)
-    bad = SshRunner("h0", host.address, host.port, "root", str(other_key), SshOptions(known_hosts=str(sshd_cluster.known_hosts)))
+    bad = SshRunner("h0", replace(sshd_cluster.host_address(host), key=str(other_key)),
+                    SshOptions(known_hosts=str(sshd_cluster.known_hosts)))
     with pytest.raises(HostError, match="authentication failed"):
         bad.connect()
     with pytest.raises(HostError, match="connection refused"):
-        SshRunner("x", host.address, 1, "root", None).connect()
+        SshRunner("x", HostAddress(address=host.address, ssh_port=1, user="root")).connect()
     import socket
 
     with socket.socket() as silent:  # accepts TCP (kernel backlog) but never speaks SSH
@@ -55,7 +58,8 @@ def test_auth_failure_and_refused_and_unreachable(sshd_cluster, tmp_path):
         silent.listen(1)
         started = time.monotonic()
         with pytest.raises(HostError, match="SSH handshake failed"):
-            SshRunner("y", host.address, silent.getsockname()[1], "root", None, SshOptions(connect_timeout_s=0.5)).connect()
+            SshRunner("y", HostAddress(address=host.address, ssh_port=silent.getsockname()[1], user="root"),
+                      SshOptions(connect_timeout_s=0.5)).connect()
         assert time.monotonic() - started < 3
 
 

@@ -59,15 +59,3 @@ def test_instance_figures_split_tokens_by_source_and_find_byte_counters():
     assert fig.prompt_tokens_cached == 0
     assert fig.kv_bytes == {"vllm:nixl_bytes_transferred": 8000.0}
     assert fig.failed_transfers == 0
-
-
-def test_out_of_rotation_names_ejected_instances():
-    from pathlib import Path
-
-    from kvpush.deploy.bench.scrape import out_of_rotation
-
-    recorded = (Path(__file__).parents[1] / "fixtures" / "bench" / "router_metrics_after.txt").read_text()
-    assert out_of_rotation(recorded) == []  # both instances in rotation while the bench ran
-    ejected = recorded.replace('kvpush_router_instance_in_rotation{instance="decode-0",role="decode"} 1.0',
-                               'kvpush_router_instance_in_rotation{instance="decode-0",role="decode"} 0.0')
-    assert out_of_rotation(ejected) == ["decode-0"]

@@ -1,6 +1,8 @@
 """`kvpush doctor`'s command line: the same SSH options as up/down/status, and output printed as written."""
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 from typer.testing import CliRunner
 
 from kvpush.cli import doctor_cmd
@@ -14,12 +16,13 @@ SSH_TOPOLOGY = "model: {path: /m}\nhosts: {gpu: {address: 10.0.0.9, user: ubuntu
 def _doctor_with_recorded_options(monkeypatch, tmp_path, *args: str, env: dict[str, str] | None = None):
     seen = []
 
-    def runner_for(name, address, ssh_port, user, key, is_local, options):
+    @contextmanager
+    def connected(hosts, options):
         seen.append(options)
-        return type("Runner", (), {"close": lambda self: None})()
+        yield {name: object() for name in hosts}, {}
 
-    monkeypatch.setattr(doctor_cmd, "runner_for", runner_for)
-    monkeypatch.setattr(doctor_cmd, "run_doctor", lambda topo, runners, options: DoctorReport([], 0.0, list(runners)))
+    monkeypatch.setattr(doctor_cmd, "connected", connected)
+    monkeypatch.setattr(doctor_cmd, "run_doctor", lambda topo, runners, options, unreachable: DoctorReport([], 0.0, list(runners)))
     (tmp_path / "t.yaml").write_text(SSH_TOPOLOGY)
     result = CliRunner().invoke(app, ["doctor", str(tmp_path / "t.yaml"), *args], env=env)
     assert result.exit_code == 0, result.output

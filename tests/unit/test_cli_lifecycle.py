@@ -66,7 +66,7 @@ def test_logs_print_bracketed_lines_as_written(tmp_path, monkeypatch):
     log = tmp_path / "prefill-0.log"
     lines = ["INFO 05-01 [api_utils.py:347] Started server", "WARNING cannot open [/tmp] [bold]x"]
     log.write_text("\n".join(lines) + "\n")
-    state = DeploymentState("t", hosts={"local": HostRecord("127.0.0.1", 22, None, None, True, str(tmp_path))})
+    state = DeploymentState("t", hosts={"local": HostRecord(address="127.0.0.1", workdir=str(tmp_path))})
     state.processes["prefill-0"] = ProcessRecord("prefill-0", "prefill", "local", 1, 1, None, 8100,
                                                  "http://127.0.0.1:8100/health", str(log), "", 0.0)
     monkeypatch.setenv("KVPUSH_STATE_DIR", str(tmp_path / "state"))

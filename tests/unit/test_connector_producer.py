@@ -71,6 +71,8 @@ class FakeConn:
     def __init__(self):
         self.closed = False
         self.engine_id = None
+        self.auth_state = None
+        self.authenticated = False
         self.peer = "127.0.0.1:1"
         self.sent: list = []
         self.sock = socket.socket()  # never connected: only for the reactor to close on a refusal
@@ -81,6 +83,9 @@ class FakeConn:
 
     def gone(self):
         return self.closed
+
+    def trust(self):
+        self.authenticated = True
 
 
 @pytest.fixture
@@ -277,7 +282,7 @@ def test_a_stream_whose_decode_disconnects_posts_no_further_layer(setup):
 
 
 def test_a_stream_past_its_deadline_posts_nothing_more_once_decode_disconnected(setup, monkeypatch):
-    monkeypatch.setattr("kvpush.connector.producer.STREAM_DRIVE_S", 0.0)
+    monkeypatch.setattr("kvpush.connector.streamed_write.STREAM_DRIVE_S", 0.0)
     producer, engine, conn = setup(latency_s=0.05, stream_writes=True)
     register(producer, conn, "s6", [5, 6])
     lose_decode_at_first_post(engine, conn)
@@ -289,7 +294,7 @@ def test_a_stream_past_its_deadline_posts_nothing_more_once_decode_disconnected(
 
 
 def test_a_stream_still_copying_at_the_deadline_goes_on_in_flight_and_ends_with_done(setup, monkeypatch):
-    monkeypatch.setattr("kvpush.connector.producer.STREAM_DRIVE_S", 0.0)
+    monkeypatch.setattr("kvpush.connector.streamed_write.STREAM_DRIVE_S", 0.0)
     producer, engine, conn = setup(latency_s=0.05, stream_writes=True)
     register(producer, conn, "s3", [5, 6])
     producer.offer("s3", "q3", [1, 2], "D")

@@ -399,6 +399,14 @@ def test_a_hanging_host_is_cut_off_and_reported_as_failed():
     assert report.failed and report.first_failure_line().startswith("doctor: probe on a")
 
 
+def test_a_host_that_could_not_be_connected_is_reported_failed_without_a_probe():
+    why = "host b (root@10.0.0.2:22): connection refused; is sshd running and listening on port 22?"
+    report = run_doctor(TWO_CPU_HOSTS, {"a": BrokenRunner()}, DoctorOptions(only=frozenset({"memlock"})), unreachable={"b": why})
+    probe = {r.subject: r for r in report.results if r.check == "probe"}
+    assert probe["b"].summary == why and probe["b"].status is Status.FAIL and "fix SSH access" in probe["b"].remedy
+    assert set(probe) == {"a", "b"}  # a was probed (and failed on its own)
+
+
 def test_every_check_on_the_whole_probe_output_recorded_on_this_machine():
     from kvpush.deploy.doctor.engine import CHECK_NAMES, evaluate
 

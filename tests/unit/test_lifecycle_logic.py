@@ -1,6 +1,7 @@
 """Pure logic behind up/down/status: change detection, state file, shell snippets, metrics, fan-out."""
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -122,6 +123,14 @@ def test_state_round_trip_and_location(tmp_path, monkeypatch):
     loaded = load_state("t")
     assert loaded.processes["router"] == state.processes["router"]
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temp file left behind
+
+
+def test_a_state_whose_hosts_record_is_local_still_loads(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVPUSH_STATE_DIR", str(tmp_path))
+    (tmp_path / "t.json").write_text(json.dumps({"deployment": "t", "hosts": {"local": {
+        "address": "127.0.0.1", "ssh_port": 22, "user": None, "key": None, "is_local": True, "workdir": "/w", "slurm": None}}}))
+    host = load_state("t").hosts["local"]
+    assert host.is_local and host.workdir == "/w"
 
 
 @pytest.mark.parametrize("content", [
@@ -267,12 +276,12 @@ class _ProofRunner:
         self.fallbacks = fallbacks
         self.external = 0
         self.prompts: list[str] = []
-        self.authorization: dict[str, set] = {"metrics": set(), "completions": set()}
+        self.authorization: dict[str, set] = {"router metrics": set(), "metrics": set(), "completions": set()}
 
     def http(self, method, url, body=None, timeout=5.0, headers=None):
         from kvpush.deploy.runners.base import HttpResponse
 
-        kind = "metrics" if url.endswith("/metrics") else "completions"
+        kind = ("router metrics" if url.endswith(":8000/metrics") else "metrics") if url.endswith("/metrics") else "completions"
         self.authorization[kind].add((headers or {}).get("Authorization"))
         if url.endswith("/metrics"):
             return HttpResponse(200, f'vllm:prompt_tokens_by_source_total{{source="external_kv_transfer"}} {self.external}.0\n'.encode())
@@ -304,7 +313,8 @@ def test_proof_sends_the_routers_key_to_the_router_and_the_instances_key_to_deco
     plan = build_plan(parse_topology(template_text(DEFAULT_TEMPLATE)))
     runner = _ProofRunner(fallbacks=0)
     lifecycle.prove_kv_transfer({"local": runner}, plan, keys=AccessKeys(client="client-key", instance="instance-key"))
-    assert runner.authorization == {"metrics": {"Bearer instance-key"}, "completions": {"Bearer client-key"}}
+    assert runner.authorization == {"router metrics": {"Bearer client-key"}, "metrics": {"Bearer instance-key"},
+                                    "completions": {"Bearer client-key"}}
 
 
 def test_doctor_gate_names_doctor_once(monkeypatch):

@@ -7,7 +7,7 @@ import json
 import pytest
 from router_harness import MODEL, deployment, eventually
 
-from kvpush.router.config import RouterConfig, Timeouts
+from kvpush.router.config import Timeouts
 
 COMPLETION = {"model": MODEL, "prompt": "hello", "max_tokens": 4}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}

@@ -235,3 +235,54 @@ def test_the_instances_served_are_in_the_metrics_by_digest():
             assert json.loads(listed.model_dump_json())["decode"][0]["name"] == "d0"
 
     run(scenario())
+
+
+# --- xPyD under load ---------------------------------------------------------------------------
+
+
+async def _streamed_load(dep, clients: int, until: asyncio.Event) -> list[tuple[bool, bool]]:
+    """`clients` clients sending streamed completions back to back until `until` is set; for each
+    request: (answered whole, whether a token had reached the client before it failed)."""
+    outcomes: list[tuple[bool, bool]] = []
+
+    async def client() -> None:
+        while not until.is_set():
+            status, raw = await dep.post("/v1/completions", {**COMPLETION, "max_tokens": 6, "stream": True})
+            data = [e for e in raw.decode().split("\n\n") if e.startswith("data: {")]
+            error = status != 200 or any('"error"' in e for e in data)
+            streamed = any('"error"' not in e for e in data)
+            outcomes.append((not error, error and streamed))
+
+    await asyncio.gather(*(client() for _ in range(clients)))
+    return outcomes
+
+
+@pytest.mark.parametrize("fault", ["hang", "kill"])
+def test_with_two_prefills_and_two_decodes_losing_one_of_each_under_load_fails_no_request_not_yet_streaming(fault):
+    """As SIGSTOP (nothing answers, connections stay open) or SIGKILL (connections refused and
+    reset) of prefill-0 and then of decode-0 under 32 concurrent streams."""
+    async def scenario():
+        timeouts = Timeouts(connect_s=1, health_s=0.2, stream_idle_s=1.0)
+        async with deployment("kvpush", n_prefill=2, n_decode=2, timeouts=timeouts, **FAST_PROBES) as dep:
+            for fake in dep.prefill + dep.decode:
+                fake.behavior.first_token_delay_s = 0.02
+                fake.behavior.token_delay_s = 0.02
+            until = asyncio.Event()
+            load = asyncio.create_task(_streamed_load(dep, 32, until))
+            await asyncio.sleep(0.5)
+            for victim in (dep.prefill[0], dep.decode[0]):
+                if fault == "hang":
+                    victim.behavior.stopped = True
+                else:
+                    asyncio.create_task(victim.stop())
+                await asyncio.sleep(1.0)
+            until.set()
+            outcomes = await load
+            assert not dep.router.prefill.instances[0].in_rotation and not dep.router.decode.instances[0].in_rotation
+            answered = sum(ok for ok, _ in outcomes)
+            failed_before_streaming = [o for o in outcomes if not o[0] and not o[1]]
+            assert answered >= 32 and failed_before_streaming == []
+            for victim in (dep.prefill[0], dep.decode[0]):
+                victim.behavior.stopped = False
+
+    run(scenario())

@@ -101,6 +101,13 @@ model: {path: /m, kv_heads: 8}
 prefill: [{devices: [0, 1], tensor_parallel_size: 2}]
 decode: [{devices: [2, 3, 4], tensor_parallel_size: 3}]
 """, 4, "decode[0].tensor_parallel_size", "decode-0 uses TP size 3 but the model has 8 KV heads"),
+    ("upstream connector with tp sizes it cannot pair", """platform: cuda
+model: {path: /m, kv_heads: 24}
+connector: {type: nixl-pull}
+prefill: [{devices: [0, 1, 2, 3, 4, 5, 6, 7], tensor_parallel_size: 8}]
+decode: [{devices: [8, 9, 10], tensor_parallel_size: 3}]
+""", 5, "decode[0].tensor_parallel_size",
+     "decode-0 with prefill prefill-0: vLLM's NixlConnector pairs TP sizes only when one divides the other (prefill TP 8, decode TP 3)"),
     ("one core list for two ranks", MINIMAL.replace("  - {}\ndecode", "  - {cpu_cores: '0-1', tensor_parallel_size: 2}\ndecode"),
      4, "prefill[0].cpu_cores", "gives 1 core list(s) for 2 TP rank(s); give one per rank, '|'-separated, e.g. '0|1'"),
     ("instances share cores unasked", MINIMAL.replace("  - {}\ndecode:\n  - {}",
@@ -221,6 +228,16 @@ def test_env_values_become_strings():
 def test_colocated_needs_no_prefill():
     topo = parse_topology("model: {path: /m}\nconnector: {type: colocated}\ndecode: [{}, {}]\n")
     assert [d.http_port for d in topo.decode] == [8200, 8201]
+
+
+def test_kvpush_pairs_tp_sizes_that_only_split_the_heads():
+    """Prefill TP 8 -> decode TP 3 over 24 KV heads: kvpush re-shards; only vLLM's own connectors refuse it."""
+    topo = parse_topology("""platform: cuda
+model: {path: /m, kv_heads: 24}
+prefill: [{devices: [0, 1, 2, 3, 4, 5, 6, 7], tensor_parallel_size: 8}]
+decode: [{devices: [8, 9, 10], tensor_parallel_size: 3}]
+""")
+    assert [s.tensor_parallel_size for _, _, s in topo.instances()] == [8, 3]
 
 
 def test_bad_file_count_meets_the_bar():

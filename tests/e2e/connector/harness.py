@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvpush.deploy.plan import ProcessPlan, build_plan
+from plan_secrets import write_secret_files
 from server_process import ServerProcess
 from kvpush.deploy.tiny_model import make_tiny_model
 from kvpush.deploy.topology import TinyModelSpec, parse_topology
@@ -44,7 +45,9 @@ env: {{UCX_MODULES: "^ib", UCX_MEM_EVENTS: "no", VLLM_LOGGING_LEVEL: "DEBUG"}}
 
 def deployment_plan(model_dir: Path, workdir: Path):
     topo = parse_topology(TOPOLOGY.format(model=model_dir, workdir=workdir, hold_s=LATE_WRITE_HOLD_S, **PORTS))
-    return topo, build_plan(topo)
+    plan = build_plan(topo)
+    write_secret_files(plan)  # the connector authenticates its side channel with the deployment's key
+    return topo, plan
 
 
 def ensure_model(model_dir: Path) -> Path:

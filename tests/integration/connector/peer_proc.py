@@ -118,6 +118,7 @@ def main() -> None:
     producer = Producer(ProducerConfig(cfg["engine_id"], identity(arr, cfg.get("model", "test-model"), layers),
                                        frozenset(cfg["allowed"]), "127.0.0.1", cfg.get("port", 0),
                                        cfg.get("timeout_s", 5.0), stream_writes=cfg.get("stream_writes", False),
+                                       side_channel_key=bytes.fromhex(cfg.get("side_channel_key", "")),
                                        drive_writes=not cfg.get("save_queue", False)),
                         engine)
     saves = SaveQueue(producer) if cfg.get("save_queue") else None

@@ -362,3 +362,38 @@ def test_a_prefill_stalled_mid_stream_writes_no_further_layer_once_decode_gave_u
         peer.kill()
         consumer.close()
         engine.close()
+
+
+def test_an_authenticated_side_channel_pushes_byte_exact_and_refuses_a_decode_without_the_key():
+    """The deployment's key on both sides: the push lands byte-exact; a decode holding another key
+    never gets a NIXL peer on prefill, and its transfer fails at the handshake."""
+    key, wrong = "ab" * 32, "cd" * 32
+    peer = PeerProcess("P.auth", ["D.auth", "D.wrong"], num_blocks=NUM_BLOCKS, block_shape=BLOCK_SHAPE, seed=SEED,
+                       side_channel_key=key)
+    expected = kv_buffer(NUM_BLOCKS, BLOCK_SHAPE, SEED)
+    sides = []
+    try:
+        for engine_id, k in (("D.auth", key), ("D.wrong", wrong)):
+            arr = kv_buffer(NUM_BLOCKS, BLOCK_SHAPE, None)
+            regions = kv_regions([view_of(arr)], NUM_BLOCKS)
+            engine = NixlEngine(engine_id, regions)
+            consumer = Consumer(ConsumerConfig(engine_id, 0, identity(arr), frozenset({"P.auth"}), timeout_s=5.0,
+                                               side_channel_key=bytes.fromhex(k)),
+                                engine.name, engine.metadata, tuple(regions))
+            sides.append((engine_id, arr, engine, consumer))
+        (_, arr, _, good), (_, _, _, bad) = sides[0], sides[1]
+        good.expect("rq", "t-auth", "P.auth", "127.0.0.1", peer.port, [3, 4, 5], 0, 48)
+        bad.expect("rq", "t-wrong", "P.auth", "127.0.0.1", peer.port, [6], 0, 16)
+        time.sleep(0.2)
+        peer.send(offer=["t-auth", "pr", [10, 11, 12], "D.auth"])
+        [outcome] = wait_outcomes(good, 1)
+        assert outcome.ok and np.array_equal(arr[[3, 4, 5]], expected[[10, 11, 12]])
+        [refused] = wait_outcomes(bad, 1)
+        assert not refused.ok and "closed during its handshake" in refused.reason, refused.reason
+        assert bad.counters["failed_auth"] == 1  # prefill's proof, made with the other key, fails on decode first
+        assert peer.status()["counters"].get("sent") == 1  # nothing went to the decode without the key
+    finally:
+        peer.kill()
+        for _, _, engine, consumer in sides:
+            consumer.close()
+            engine.close()

@@ -6,22 +6,22 @@ from __future__ import annotations
 import logging
 import os
 import re
-from types import SimpleNamespace
 
 import pytest
 import torch
 
+from kvpush.connector.settings import Settings
 from kvpush.connector.worker import PushWorker
 
 os.environ.update({"UCX_MODULES": "^ib", "UCX_MEM_EVENTS": "no", "NIXL_LOG_LEVEL": "WARN"})
 LAYERS, BLOCKS, PAGE_ELEMS = 3, 16, 1024
 
 
-def settings(layout: str) -> SimpleNamespace:
-    return SimpleNamespace(engine_id="D.w", is_producer=False, backend="UCX", side_channel_host="127.0.0.1",
-                           side_channel_port=0, allowed_engines=frozenset({"P.w"}), transfer_timeout_s=1.0, peer_silence_s=1.0,
-                           model="m", tp_size=1, kv_heads=1, block_size=16, progress_delay_us=100, kv_cache_layout=layout,
-                           huge_pages=True, accepted_timeout_s=300.0, late_write_hold_s=30.0)
+def settings(layout: str) -> Settings:
+    return Settings(engine_id="D.w", is_producer=False, backend="UCX", side_channel_host="127.0.0.1",
+                    side_channel_port=0, allowed_engines=frozenset({"P.w"}), transfer_timeout_s=1.0, peer_silence_s=1.0,
+                    buffer_device="cpu", model="m", tp_size=1, kv_heads=1, block_size=16, progress_delay_us=100,
+                    kv_cache_layout=layout, huge_pages=True, accepted_timeout_s=300.0, late_write_hold_s=30.0)
 
 
 def caches(block_outermost: bool) -> dict[str, torch.Tensor]:

@@ -137,3 +137,43 @@ def test_a_prefill_given_up_on_for_silence_may_still_write_one_that_hung_up_may_
             p.close()
     assert outcomes["silent"].may_still_land and "no answer" in outcomes["silent"].reason
     assert not outcomes["hung up"].may_still_land
+
+
+def test_a_request_that_names_another_address_for_a_known_prefill_is_refused_without_dialing_it():
+    """A client cannot point decode at a host of its choosing: the deployment says where P is."""
+    good = StandInPrefill("P.good")
+    consumer = Consumer(ConsumerConfig("D", 0, IDENTITY, frozenset({"P.good"}), peers={"P.good": ("127.0.0.1", good.port)}),
+                        "agent-D", b"meta", REGIONS)
+    try:
+        with socket.create_server(("127.0.0.1", 0)) as elsewhere:
+            elsewhere.settimeout(0.3)
+            consumer.expect("r", "t-moved", "P.good", "127.0.0.1", elsewhere.getsockname()[1], [1], 0, 16)
+            [outcome] = wait_for(consumer.take_outcomes, 2.0)
+            assert not outcome.ok and "which the deployment places at 127.0.0.1:%d" % good.port in outcome.reason
+            with pytest.raises(TimeoutError):
+                elsewhere.accept()  # never dialed
+        assert consumer.take_counts() == {"unknown_address": 1}
+        consumer.expect("r2", "t-ok", "P.good", "127.0.0.1", good.port, [2], 0, 16)
+        assert wait_for(lambda: good.registered.get("t-ok"), 2.0)
+    finally:
+        consumer.close()
+        good.close()
+
+
+def test_a_done_that_does_not_account_for_the_registered_bytes_fails_the_transfer():
+    good = StandInPrefill("P.good")
+    consumer = Consumer(ConsumerConfig("D", 0, IDENTITY, frozenset({"P.good"})), "agent-D", b"meta", REGIONS)
+    try:
+        consumer.expect("r", "t1", "P.good", "127.0.0.1", good.port, [1, 2], 0, 32)
+        consumer.expect("r", "t2", "P.good", "127.0.0.1", good.port, [3], 0, 16)
+        assert wait_for(lambda: len(good.registered) == 2, 2.0)
+        good.conn.sendall(wire.encode(wire.Done("t1", 0)) + wire.encode(wire.Done("t2", 4096)))  # t1 claims nothing written
+        got: list = []
+        wait_for(lambda: got.extend(consumer.take_outcomes()) or len(got) == 2, 2.0)
+        outcomes = {o.pending.transfer_id: o for o in got}
+        assert not outcomes["t1"].ok and "reported 0 bytes written, but these blocks take 8192" in outcomes["t1"].reason
+        assert outcomes["t2"].ok and outcomes["t2"].num_bytes == 4096
+        assert consumer.take_counts()["bad_done"] == 1
+    finally:
+        consumer.close()
+        good.close()

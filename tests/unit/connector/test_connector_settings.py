@@ -11,7 +11,8 @@ from kvpush.connector.settings import Settings, UnsupportedDeployment
 def vllm_config(role="kv_consumer", extra=None, use_mla=False, dp=1, pp=1):
     kv = SimpleNamespace(kv_role=role, engine_id="dep.decode-0", kv_buffer_device="cpu",
                          kv_connector_extra_config={"side_channel_host": "127.0.0.1", "side_channel_port": 9,
-                                                    "allowed_engines": ["dep.prefill-0"], **(extra or {})})
+                                                    "allowed_engines": ["dep.prefill-0"],
+                                                    "secret_file": "/run/dep/deployment.secret", **(extra or {})})
     return SimpleNamespace(kv_transfer_config=kv, model_config=SimpleNamespace(model="/m", use_mla=use_mla,
                                                                                      get_total_num_kv_heads=lambda: 8),
                            parallel_config=SimpleNamespace(tensor_parallel_size=1, data_parallel_size=dp, pipeline_parallel_size=pp),
@@ -23,6 +24,17 @@ def test_settings_from_config():
     assert not s.is_producer and s.allowed_engines == {"dep.prefill-0"} and s.transfer_timeout_s == 2.0
     assert Settings.from_vllm(vllm_config("kv_producer")).is_producer
     assert s.kv_heads == 8  # before TP splits them
+    assert s.secret_file == "/run/dep/deployment.secret" and s.peer_side_channels is None
+    peers = Settings.from_vllm(vllm_config(extra={"peer_side_channels": {"dep.prefill-0": "10.0.0.1:5600"}}))
+    assert peers.peer_side_channels == {"dep.prefill-0": ("10.0.0.1", 5600)}
+    with pytest.raises(UnsupportedDeployment, match="peer_side_channels must map engine ids to 'host:port'"):
+        Settings.from_vllm(vllm_config(extra={"peer_side_channels": {"dep.prefill-0": "no-port"}}))
+    with pytest.raises(UnsupportedDeployment, match=r"lacks \['secret_file'\]"):
+        config = vllm_config()
+        del config.kv_transfer_config.kv_connector_extra_config["secret_file"]
+        Settings.from_vllm(config)
+    with pytest.raises(UnsupportedDeployment, match="secret_file must name the deployment secret's file"):
+        Settings.from_vllm(vllm_config(extra={"secret_file": ""}))
 
 
 def test_huge_pages_default_on_and_switchable_with_a_boolean_only():

@@ -1,0 +1,87 @@
+"""A push written part by part (one layer of a layer-major cache each) from the compute thread,
+telling decode STREAMING before the first part and LANDED after each, so decode can schedule the
+request and compute each layer as soon as it is there.
+
+A part still copying after STREAM_DRIVE_S is not waited for: it and the parts after it are posted
+and handed back still copying, for the producer's reactor to poll to their end; decode then
+learns of them from DONE or FAIL only. Uses the NIXL engine and the connection; no producer state.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from . import wire
+from .channel import Connection
+from .transfer import NixlEngine, TransferError, Write
+
+STREAM_DRIVE_S = 1.0  # at most this long the compute thread drives one part; decode already computes on it
+
+
+@dataclass
+class StreamOutcome:
+    error: str = ""  # why the push failed ("" if it did not, or not yet)
+    landed_bytes: int = 0  # of the parts that completed on this thread
+    num_descriptors: int = 0
+    copying: list[Write] = field(default_factory=list)  # posted parts left for the reactor to finish
+
+    @property
+    def copying_bytes(self) -> int:
+        return sum(w.num_bytes for w in self.copying)
+
+
+def stream_parts(engine: NixlEngine, conn: Connection, engine_id: str, transfer_id: str,
+                 parts: list[tuple[Write, tuple[int, ...]]]) -> StreamOutcome:
+    """Post and drive each part to `engine_id` in turn; every part not handed back is released."""
+    outcome = StreamOutcome(num_descriptors=sum(w.num_descriptors for w, _ in parts))
+    conn.send(wire.Streaming(transfer_id))
+    for i, (write, regions) in enumerate(parts):
+        later = [w for w, _ in parts[i + 1:]]
+        if conn.gone():  # decode gave up on this prefill (or died): its blocks may be another request's by now
+            _release(engine, [write] + later)
+            outcome.error = (f"decode engine {engine_id} disconnected during the streamed WRITE "
+                             f"(before layer part {i + 1} of {len(parts)})")
+            return outcome
+        try:
+            engine.post(write, engine_id)
+        except TransferError as exc:  # post released this part's handle
+            _release(engine, later)
+            outcome.error = str(exc)
+            return outcome
+        deadline = time.monotonic() + STREAM_DRIVE_S
+        state = engine.state(write)
+        while state == "PROC" and time.monotonic() < deadline:
+            state = engine.state(write)
+        if state == "PROC":
+            _go_on_in_flight(engine, conn, engine_id, write, later, outcome)
+            return outcome
+        engine.release(write)
+        if state != "DONE":
+            _release(engine, later)
+            outcome.error = f"NIXL WRITE to {engine_id} failed (layer part {i + 1} of {len(parts)})"
+            return outcome
+        outcome.landed_bytes += write.num_bytes
+        conn.send(wire.Landed(transfer_id, regions))
+    return outcome
+
+
+def _go_on_in_flight(engine: NixlEngine, conn: Connection, engine_id: str, copying: Write, rest: list[Write],
+                     outcome: StreamOutcome) -> None:
+    """Post the remaining parts without waiting; stop posting at the first error or disconnect."""
+    outcome.copying.append(copying)
+    for write in rest:
+        if not outcome.error and conn.gone():
+            outcome.error = f"decode engine {engine_id} disconnected during the streamed WRITE"
+        if outcome.error:
+            engine.release(write)
+            continue
+        try:
+            engine.post(write, engine_id)
+            outcome.copying.append(write)
+        except TransferError as exc:
+            outcome.error = str(exc)
+
+
+def _release(engine: NixlEngine, writes: list[Write]) -> None:
+    for write in writes:
+        engine.release(write)

@@ -1,0 +1,53 @@
+"""Measuring one rate against one running deployment: /metrics scraped before and after the load."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from kvpush.common.errors import KvpushError
+
+from ..runners import Runner
+from ..secrets import AccessKeys
+from .client import BenchClient, LoadSpec
+from .deployment import Deployed, Endpoint, timed
+from .options import BenchEvents, BenchOptions, seed_for
+from .results import RatePoint, parse_client_result
+from .scrape import instance_figures, router_figures
+
+
+def scrape(runners: dict[str, Runner], endpoints: list[Endpoint], keys: AccessKeys) -> dict[str, str]:
+    pages = {}
+    for e in endpoints:
+        response = runners[e.host].http("GET", e.metrics_url, timeout=15, headers=keys.headers(e.role))
+        if response.status != 200:
+            raise KvpushError(f"{e.name} on host {e.host}: {e.metrics_url} answered HTTP {response.status}")
+        pages[e.name] = response.text()
+    return pages
+
+
+def measure_rate(d: Deployed, options: BenchOptions, events: BenchEvents, client: BenchClient, rate_index: int,
+                 round_index: int = 0) -> tuple[RatePoint, Path]:
+    """Drive one rate against one deployment; /metrics scraped before and after. Returns the point and
+    the client's result file."""
+    rate = options.rates[rate_index]
+    seed = seed_for(options.seed, rate_index, round_index)
+    name = f"{d.run.mode}-rate{rate:g}" + (f"-round{round_index + 1}" if options.rounds > 1 else "")
+    raw_dir = options.out_dir / "raw"
+    load = LoadSpec(base_url=d.base_url, served_model=d.topo.model.name, tokenizer=d.tokenizer, rate=rate,
+                    num_prompts=options.num_prompts, input_len=options.input_len, output_len=options.output_len,
+                    seed=seed, result_dir=str(raw_dir), result_filename=f"{name}.json")
+    before = scrape(d.runners, d.endpoints, d.keys)
+    events.rate_started(d.run.mode, rate, options.num_prompts / rate)
+    with timed(d.run, f"rate {rate:g}" + (f" round {round_index + 1}" if options.rounds > 1 else "")):
+        path = client.run(load, options.out_dir / "logs" / f"{name}.log", options.client_timeout_s, d.keys.client)
+    after = scrape(d.runners, d.endpoints, d.keys)
+    (raw_dir / f"{name}-metrics.json").write_text(json.dumps({"before": before, "after": after}))
+    text = path.read_text()
+    point = RatePoint(
+        mode=d.run.mode, rate=rate, seed=seed, client=parse_client_result(text, str(path)),
+        router=router_figures(before[d.router.name], after[d.router.name]),
+        instances=[instance_figures(e.name, e.role, before[e.name], after[e.name]) for e in d.endpoints if e.role != "router"],
+        round=round_index,
+    )
+    events.rate_done(d.run.mode, point)
+    return point, path

@@ -1,0 +1,72 @@
+"""What a bench is asked to do (its options), and what it tells the user while it runs (its events)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvpush.common.errors import UsageError
+
+from ..lifecycle import Events, LifecycleOptions
+from ..topology import Topology
+from .modes import DEFAULT_BASELINE, ROUNDS_NEED_PORT_BASE, bench_topology
+from .results import RatePoint
+
+MAX_ROUNDS = 50
+ROUND_SEED_STRIDE = 100_000
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    modes: list[str]
+    rates: list[float]
+    input_len: int
+    output_len: int
+    num_prompts: int
+    out_dir: Path
+    kv_heavy: bool = False
+    baseline: str = DEFAULT_BASELINE
+    port_base: int | None = None
+    rounds: int = 1  # > 1: every mode up at once, the rates run `rounds` times with the modes interleaved
+    seed: int = 0
+    tokenizer: str | None = None
+    client_timeout_s: float = 900.0
+    lifecycle: LifecycleOptions = field(default_factory=LifecycleOptions)
+
+    def validate(self) -> None:
+        for name in ("input_len", "output_len", "num_prompts"):
+            if getattr(self, name) < 1:
+                raise UsageError(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(self, name)})")
+        if not 1 <= self.rounds <= MAX_ROUNDS:
+            raise UsageError(f"--rounds must be between 1 and {MAX_ROUNDS} (got {self.rounds})")
+        if self.rounds > 1 and self.port_base is None:
+            raise UsageError(ROUNDS_NEED_PORT_BASE)
+        if self.baseline not in self.modes:
+            raise UsageError(f"--baseline {self.baseline} is not among --modes {','.join(self.modes)}; add it or choose "
+                             f"another baseline")
+
+
+class BenchEvents:
+    """What a bench tells the user while it runs; the CLI renders it. Default: silent."""
+
+    def mode(self, mode: str, status: str) -> None: ...
+
+    def rate_started(self, mode: str, rate: float, expected_s: float) -> None: ...
+
+    def rate_done(self, mode: str, point: RatePoint) -> None: ...
+
+    def mode_failed(self, mode: str, error: str) -> None: ...
+
+    def lifecycle(self) -> Events:
+        return Events()
+
+
+def seed_for(base: int, rate_index: int, round_index: int = 0) -> int:
+    """Every rate (and every round) gets its own prompts; every mode gets the same prompts at the same rate
+    and round (fair comparison: each mode has its own servers, so nothing is cached from another mode)."""
+    return base + 1000 * (rate_index + 1) + ROUND_SEED_STRIDE * round_index
+
+
+def mode_topology(topo: Topology, options: BenchOptions, mode: str) -> Topology:
+    """What the bench deploys for `mode`: with --rounds every mode has a name and ports of its own."""
+    index = options.modes.index(mode) if options.rounds > 1 else None
+    return bench_topology(topo, mode, kv_heavy=options.kv_heavy, port_base=options.port_base, mode_index=index)

@@ -1,0 +1,274 @@
+"""The topology file's schema: typed models that check each field on its own.
+
+Defaults that depend on other fields (names, hosts, ports) are filled by topology_defaults, rules
+between fields are checked by topology_checks, and topology.py loads a file through all three.
+"""
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic.dataclasses import dataclass as pydantic_dataclass
+
+from kvpush.common.errors import UsageError
+
+from .host_address import HostAddress
+from . import topology_values as values
+from .topology_values import EnvMap, ExtraArgs, IntNotBool, PathText, PlainName, not_blank, parse_core_list
+
+NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+ROUTER_PROCESS_NAME = "router"  # the plan's and state's name for the router process
+DAY_S = 86_400.0  # upper bound of every timeout
+ConnectorType = Literal["kvpush", "nixl-push", "nixl-pull", "colocated"]
+Backend = Literal["UCX", "LIBFABRIC"]
+Platform = Literal["cpu", "cuda"]
+Policy = Literal["round-robin", "least-loaded"]
+Role = Literal["prefill", "decode"]
+Launcher = Literal["ssh", "slurm"]
+
+
+class TopologyError(UsageError):
+    """A topology problem; str() is the one-line message a user sees."""
+
+
+_CONFIG = ConfigDict(extra="forbid", validate_assignment=False, allow_inf_nan=False)
+
+
+class _Model(BaseModel):
+    model_config = _CONFIG
+
+
+class TinyModelSpec(_Model):
+    """Settings for the small causal LM that kvpush makes locally (no model hub needed)."""
+
+    seed: IntNotBool = Field(0, ge=0, le=2**32 - 1)
+    layers: IntNotBool = Field(2, ge=1, le=64)
+    hidden_size: IntNotBool = Field(256, ge=32, le=16384)
+    heads: IntNotBool = Field(4, ge=1, le=256)
+    kv_heads: IntNotBool = Field(2, ge=1, le=256)
+    head_dim: IntNotBool = Field(64, ge=8, le=1024)
+    vocab_size: IntNotBool = Field(4096, ge=300, le=1_000_000)
+    max_position_embeddings: IntNotBool = Field(4096, ge=128, le=1 << 20)
+
+    @model_validator(mode="after")
+    def _kv_heads_divide_heads(self) -> "TinyModelSpec":
+        if self.heads % self.kv_heads:
+            raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads}); "
+                             "each KV head serves the same number of attention heads")
+        return self
+
+
+class ModelSpec(_Model):
+    path: Annotated[PathText, not_blank("give the model directory")] = Field(description="model directory on every host that runs vLLM")
+    kv_heads: IntNotBool | None = Field(None, ge=1, le=4096, description="the model's KV heads, to check TP sizes before "
+                                                                         "launch (default: tiny.kv_heads, or config.json "
+                                                                         "where the model is on this machine)")
+    served_name: PlainName | None = None
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "bfloat16"
+    max_model_len: IntNotBool | None = Field(None, ge=16, le=1 << 24)
+    block_size: IntNotBool | None = Field(None, ge=1, le=4096)
+    enforce_eager: bool = False
+    extra_args: ExtraArgs = Field(default_factory=list)
+    tiny: TinyModelSpec | None = Field(
+        None, description="if set, `up` makes this tiny model at `path` on each host where it is missing"
+    )
+
+    @property
+    def name(self) -> str:
+        return self.served_name or Path(self.path).name
+
+
+class ConnectorSpec(_Model):
+    type: ConnectorType = "kvpush"
+    backend: Backend = "UCX"
+    # Seconds after which a registration or finished-block set that never matched is failed. A
+    # backstop for a leg that never reached the other side: a dead or hung prefill is noticed in
+    # ~1 s by the side channel's ping, and a busy one may hold a request queued for many seconds.
+    transfer_timeout_s: float = Field(30.0, gt=0, le=DAY_S)
+    extra_config: Annotated[dict[str, Any], AfterValidator(values.extra_config)] = Field(default_factory=dict)
+
+
+@pydantic_dataclass(config=_CONFIG, kw_only=True)
+class HostSpec(HostAddress):
+    """A host of the topology: how it is reached (HostAddress), and where and with what it runs."""
+
+    workdir: Annotated[PathText, not_blank("give a directory, or remove the field for ~/.kvpush")] = "~/.kvpush"
+    python: Annotated[PathText | None, Field(description="interpreter that runs vLLM there (default: <venv>/bin/python)")] = None
+    venv: PathText | None = None
+    node: Annotated[PlainName | None, Field(description="launcher slurm: the Slurm node this host is (default: any node "
+                                                        "of the allocation)")] = None
+
+    @property
+    def interpreter(self) -> str:
+        if self.python:
+            return self.python
+        if self.venv:
+            return f"{self.venv.rstrip('/')}/bin/python"
+        if self.is_local:
+            return sys.executable  # this host runs kvpush itself: use the same environment
+        return "python3"
+
+
+def _valid_core_list(value: str) -> str:
+    if "|" in value:
+        raise ValueError(f"'{value}' has per-rank lists ('|'); give one core list like '0-3,8' here")
+    parse_core_list(value)  # raises ValueError with the reason
+    return value
+
+
+def _valid_rank_core_lists(value: str) -> str:
+    for group in value.split("|"):
+        if not group.strip():
+            raise ValueError(f"'{value}' has an empty rank core list; write one list per rank, e.g. '0|1' or '0-1|2-3'")
+        parse_core_list(group)
+    return value
+
+
+def _core_number_as_text(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise ValueError("is true/false, not a core list; give cores like \"0-3,8\"")
+    return str(value) if isinstance(value, int) else value  # `cpu_cores: 3` unquoted
+
+
+CoreList = Annotated[str, BeforeValidator(_core_number_as_text), AfterValidator(_valid_core_list)]  # "0-3,8"
+# One core list per TP rank, '|'-separated as VLLM_CPU_OMP_THREADS_BIND takes them: "0-1|2-3"
+RankCoreLists = Annotated[str, BeforeValidator(_core_number_as_text), AfterValidator(_valid_rank_core_lists)]
+
+
+def _restart_shorthand(value: Any) -> Any:
+    # `restart: on-failure` for the defaults; YAML reads a bare `no` as false.
+    if value is False:
+        return {"policy": "never"}
+    if isinstance(value, str):
+        return {"policy": value}
+    return value
+
+
+class RestartSpec(_Model):
+    """What the process's supervisor does when it exits on its own (see kvpush.deploy.supervise)."""
+
+    policy: Literal["never", "on-failure"] = Field("never", description="on-failure: start it again after a crash")
+    max_restarts: IntNotBool = Field(3, ge=1, le=1000, description="restarts allowed within window_s; then it stays down")
+    window_s: float = Field(600.0, gt=0)
+
+
+RestartField = Annotated[RestartSpec, BeforeValidator(_restart_shorthand)]
+
+
+class InstanceSpec(_Model):
+    name: str | None = None
+    host: str | None = None
+    devices: list[Annotated[IntNotBool, Field(le=1023)]] = Field(default_factory=list, description="GPU indices (platform cuda)")
+    cpu_cores: RankCoreLists | None = Field(None, description="cores for VLLM_CPU_OMP_THREADS_BIND (platform cpu): one "
+                                                              "list per TP rank, '|'-separated, e.g. '0|1'")
+    share_cores: bool = Field(False, description="platform cpu: this instance may share cores with other instances "
+                                                 "that say so too, and its ranks with each other (a small machine)")
+    kv_cache_gib: IntNotBool | None = Field(None, ge=1, le=1 << 16, description="VLLM_CPU_KVCACHE_SPACE (platform cpu)")
+    tensor_parallel_size: IntNotBool = Field(1, ge=1, le=64)
+    data_parallel_size: IntNotBool = Field(1, ge=1, le=256)
+    http_port: IntNotBool | None = Field(None, ge=1, le=65535)
+    side_channel_port: IntNotBool | None = Field(None, ge=1, le=65535)
+    env: EnvMap = Field(default_factory=dict)
+    extra_args: ExtraArgs = Field(default_factory=list)
+    restart: RestartField = Field(default_factory=RestartSpec)
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env_strings(cls, value: Any) -> Any:
+        return _stringify_env(value)
+
+    @field_validator("devices")
+    @classmethod
+    def _no_duplicate_devices(cls, value: list[int]) -> list[int]:
+        if len(set(value)) != len(value):
+            raise ValueError("lists a device twice; give each GPU index once")
+        if any(d < 0 for d in value):
+            raise ValueError("GPU indices start at 0")
+        return value
+
+
+class RouterSpec(_Model):
+    host: str | None = None
+    bind: Annotated[str, AfterValidator(values.bind_address)] = "127.0.0.1"
+    port: IntNotBool = Field(8000, ge=1, le=65535)
+    policy: Policy = "round-robin"
+    api_key_env: Annotated[str, AfterValidator(values.env_name)] | None = Field(
+        None, description="name of an env var, on the machine running kvpush, holding the router's API key")
+    api_key_file: PathText | None = Field(None, description="file on the machine running kvpush holding the router's API key")
+    public_paths: list[Literal["/health", "/metrics"]] = Field(
+        default_factory=lambda: ["/health"], description="router paths served without the API key (default: /health only)")
+    prefill_timeout_s: float = Field(600.0, gt=0, le=DAY_S)
+    decode_timeout_s: float = Field(600.0, gt=0, le=DAY_S)
+    connect_timeout_s: float = Field(5.0, gt=0, le=DAY_S)
+    max_prompt_chars: IntNotBool = Field(4_000_000, ge=1, le=100_000_000)
+    cpu_cores: CoreList | None = Field(None, description="cores the router process runs on (taskset); may share an instance's")
+    workers: IntNotBool = Field(1, ge=1, le=64, description="router processes sharing the port, each relaying its share of "
+                                                    "the streams; give the router at least as many cpu_cores")
+    restart: RestartField = Field(default_factory=RestartSpec)
+
+    @model_validator(mode="after")
+    def _one_key_source(self) -> "RouterSpec":
+        if self.api_key_env is not None and self.api_key_file is not None:
+            raise ValueError("gives both api_key_env and api_key_file; keep one")
+        return self
+
+
+class SlurmSpec(_Model):
+    """How `up` gets a Slurm allocation and launches job steps in it (launcher: slurm)."""
+
+    partition: str | None = Field(None, description="sbatch --partition (default: the cluster's default partition)")
+    account: str | None = Field(None, description="sbatch --account")
+    time_limit: str | None = Field(None, description="sbatch --time, e.g. '04:00:00' or '2-00:00:00'")
+    job_name: str | None = Field(None, description="sbatch --job-name (default: kvpush-<name>)")
+    job_id: str | None = Field(None, description="run in this existing allocation (default: $SLURM_JOB_ID if set, else submit one)")
+    gpus_per_node: IntNotBool | None = Field(None, ge=1, description="sbatch --gpus-per-node (default on cuda: the most GPUs an instance host uses)")
+    exclusive: bool | None = Field(None, description="sbatch --exclusive (default: true on cuda)")
+    sbatch_options: list[str] = Field(default_factory=list, description="more sbatch options, e.g. ['--qos=high']")
+    srun_options: list[str] = Field(default_factory=list, description="more options for every job step's srun")
+    start_timeout_s: float = Field(600.0, gt=0, description="how long `up` waits for a submitted job to start")
+
+
+class Topology(_Model):
+    name: str = "kvpush"
+    platform: Platform = "cpu"
+    launcher: Launcher = "ssh"
+    slurm: SlurmSpec | None = None
+    model: ModelSpec
+    connector: ConnectorSpec = Field(default_factory=ConnectorSpec)
+    hosts: dict[str, HostSpec] = Field(default_factory=lambda: {"local": HostSpec(address="127.0.0.1")})
+    prefill: list[InstanceSpec] = Field(default_factory=list)
+    decode: list[InstanceSpec] = Field(default_factory=list)
+    router: RouterSpec = Field(default_factory=RouterSpec)
+    env: EnvMap = Field(default_factory=dict)
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env_strings(cls, value: Any) -> Any:
+        return _stringify_env(value)
+
+    @field_validator("name")
+    @classmethod
+    def _name_pattern(cls, value: str) -> str:
+        if not NAME_PATTERN.match(value):
+            raise ValueError("must be lowercase letters, digits and '-' (it names directories and state files)")
+        return value
+
+    def instances(self) -> list[tuple[Role, int, InstanceSpec]]:
+        return [("prefill", i, s) for i, s in enumerate(self.prefill)] + [
+            ("decode", i, s) for i, s in enumerate(self.decode)
+        ]
+
+    def instance(self, name: str) -> InstanceSpec:
+        for _, _, spec in self.instances():
+            if spec.name == name:
+                return spec
+        raise KeyError(name)
+
+
+def _stringify_env(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: ("" if v is None else str(v).lower() if isinstance(v, bool) else str(v)) for k, v in value.items()}
+    return value

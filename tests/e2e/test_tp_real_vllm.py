@@ -1,0 +1,151 @@
+"""Tensor-parallel instances for real, through kvpush's router and connector (vLLM on CPU): prefill
+TP 2 -> decode TP 2, prefill TP 2 -> decode TP 1 and prefill TP 1 -> decode TP 2, each pair behind a
+router of its own over one set of four instances on this 2-core machine (cores shared, as the
+topology asks with share_cores).
+
+Every answer equals what its decode instance answers by itself for the same prompt (decode caches no
+prefixes here, so asking it first is a plain server's answer with the same model, dtype and TP), for
+prompts of 1 to ~1,500 tokens, block edges included, one after the other and 16 at once; decode's
+own counters show the prompts' KV came by transfer. float32: greedy answers then do not depend on
+the order TP reduces in, nor on decode's batch shape."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import pytest
+
+from kvpush.common.vllm_metrics import PROMPT_TOKENS_BY_SOURCE, metric_sum
+from kvpush.deploy.plan import build_plan, router_config
+from kvpush.deploy.tiny_model import make_tiny_model
+from kvpush.deploy.topology import TinyModelSpec, parse_topology
+from plan_secrets import write_secret_files
+from random_prompts import full_length_prompts, random_prompts
+from server_process import ServerProcess
+
+PORTS = {"p2_http": 19100, "p1_http": 19101, "d2_http": 19102, "d1_http": 19103,
+         "p2_side": 19200, "p1_side": 19210, "d2_side": 19220, "d1_side": 19230}
+ROUTER_PORTS = {("p2", "d2"): 19010, ("p2", "d1"): 19011, ("p1", "d2"): 19012}
+TOPOLOGY = """
+name: tp-e2e
+platform: cpu
+model: {{path: {model}, served_name: tiny, max_model_len: 2048, enforce_eager: true, dtype: float32}}
+connector: {{type: kvpush, backend: UCX, transfer_timeout_s: 20}}
+hosts:
+  local: {{address: 127.0.0.1, workdir: {workdir}}}
+prefill:
+  - {{name: p2, tensor_parallel_size: 2, cpu_cores: "0|1", share_cores: true, kv_cache_gib: 1,
+     http_port: {p2_http}, side_channel_port: {p2_side}}}
+  - {{name: p1, cpu_cores: "0", share_cores: true, kv_cache_gib: 1, http_port: {p1_http}, side_channel_port: {p1_side}}}
+decode:
+  - {{name: d2, tensor_parallel_size: 2, cpu_cores: "0|1", share_cores: true, kv_cache_gib: 1,
+     http_port: {d2_http}, side_channel_port: {d2_side}, extra_args: ["--no-enable-prefix-caching"]}}
+  - {{name: d1, cpu_cores: "1", share_cores: true, kv_cache_gib: 1, http_port: {d1_http}, side_channel_port: {d1_side},
+     extra_args: ["--no-enable-prefix-caching"]}}
+router: {{port: 19009}}
+env: {{UCX_MODULES: "^ib", UCX_MEM_EVENTS: "no"}}
+"""
+MAX_TOKENS = 10
+EDGES = [1, 2, 127, 128, 129, 255, 256, 257, 1500]  # around vLLM's 128-token CPU blocks, and the longest
+PAIRS = list(ROUTER_PORTS)
+
+
+def post(url: str, body: dict, timeout_s: float = 180) -> tuple[int, dict]:
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, {"error": exc.read().decode(errors="replace")[:500]}
+
+
+def text_of(url: str, prompt: list[int]) -> str:
+    status, answer = post(url, {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+                                "ignore_eos": True})
+    assert status == 200, answer
+    return answer["choices"][0]["text"]
+
+
+@dataclass
+class Deployment:
+    instances: dict[str, ServerProcess]
+    routers: dict[tuple[str, str], ServerProcess]
+
+    def external_kv_tokens(self, decode: str) -> float:
+        return metric_sum(self.instances[decode].metrics(), PROMPT_TOKENS_BY_SOURCE, source="external_kv_transfer") or 0.0
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("tp")
+    make_tiny_model(workdir / "tiny", TinyModelSpec(seed=0))
+    topo = parse_topology(TOPOLOGY.format(model=workdir / "tiny", workdir=workdir, **PORTS))
+    plan = build_plan(topo)
+    write_secret_files(plan)
+    started: dict[str, ServerProcess] = {}
+    routers: dict[tuple[str, str], ServerProcess] = {}
+    try:
+        for name in ("p2", "p1", "d2", "d1"):
+            proc = plan.process(name)
+            started[name] = ServerProcess(name, proc.argv, proc.env, proc.health_url.rsplit("/", 1)[0], workdir)
+        full = router_config(topo)
+        for (p, d), port in ROUTER_PORTS.items():
+            config = full.model_copy(update={"port": port, "instance_api_key_file": None, "api_key_file": None,
+                                             "prefill": [u for u in full.prefill if u.name == p],
+                                             "decode": [u for u in full.decode if u.name == d]})
+            path = workdir / f"router-{p}-{d}.json"
+            path.write_text(config.model_dump_json())
+            routers[(p, d)] = ServerProcess(f"router-{p}-{d}", [sys.executable, "-m", "kvpush.router", "--config", str(path)],
+                                            {}, f"http://127.0.0.1:{port}", workdir)
+        for server in [*started.values(), *routers.values()]:
+            server.wait_healthy(timeout_s=600)
+        dep = Deployment(started, routers)
+        for router in routers.values():  # the routers probe instances from their start: wait until both are in
+            deadline = time.monotonic() + 60
+            while metric_sum(router.metrics(), "kvpush_router_instance_in_rotation") != 2:
+                assert time.monotonic() < deadline, f"{router.name} never had both instances in rotation"
+                time.sleep(0.2)
+        yield dep
+    finally:
+        for server in [*routers.values(), *started.values()]:
+            server.kill()
+
+
+def check_answers(deployment: Deployment, pair: tuple[str, str], prompts: list[list[int]], concurrency: int) -> None:
+    p, d = pair
+    decode = deployment.instances[d].url
+    expected = [text_of(decode, prompt) for prompt in prompts]  # decode by itself: no connector, no cache
+    before = deployment.external_kv_tokens(d)
+    with ThreadPoolExecutor(concurrency) as pool:
+        got = list(pool.map(lambda prompt: text_of(deployment.routers[pair].url, prompt), prompts))
+    moved = deployment.external_kv_tokens(d) - before
+    wrong = [(len(prompts[i]), got[i], expected[i]) for i in range(len(prompts)) if got[i] != expected[i]]
+    assert not wrong, f"P {p} -> D {d}: (prompt tokens, through the router, decode alone) differ: {wrong}"
+    tokens = sum(len(prompt) for prompt in prompts)
+    # vLLM may recompute each prompt's last token on decode; every other prompt token came by transfer
+    assert tokens - len(prompts) <= moved <= tokens, (pair, moved, tokens)
+    router = deployment.routers[pair]
+    assert metric_sum(router.metrics(), "kvpush_router_fallbacks_total") == 0, router.tail(20)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("pair", PAIRS, ids=lambda pair: f"P-{pair[0]}-to-D-{pair[1]}")
+def test_answers_equal_decode_alone_for_prompts_at_block_edges_one_at_a_time(deployment, pair):
+    seed = PAIRS.index(pair)
+    prompts = [full_length_prompts(1, length, seed=100 * seed + i)[0] for i, length in enumerate(EDGES)]
+    prompts += random_prompts(12 + 4, 1500, seed=20 + seed)[12:]  # and a few lengths at random
+    check_answers(deployment, pair, prompts, concurrency=1)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("pair", PAIRS, ids=lambda pair: f"P-{pair[0]}-to-D-{pair[1]}")
+def test_sixteen_at_once(deployment, pair):
+    prompts = random_prompts(16 + 12, 1500, seed=30 + PAIRS.index(pair))[12:]  # random lengths up to 1,500
+    check_answers(deployment, pair, prompts, concurrency=16)

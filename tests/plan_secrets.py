@@ -1,0 +1,17 @@
+"""The secret files `kvpush up` would write, for tests that start a plan's processes themselves."""
+from __future__ import annotations
+
+from kvpush.common.deployment_secret import new_secret
+from kvpush.deploy.plan import Plan
+from kvpush.deploy.runners import LocalRunner
+from kvpush.deploy.secrets import AccessKeys, SecretDelivery
+
+
+def write_secret_files(plan: Plan) -> AccessKeys:
+    """Every secret file of every (local) host of the plan, with a fresh deployment secret; the
+    keys kvpush's own requests would carry."""
+    secret = new_secret()
+    keys = AccessKeys.of(secret, None)
+    runner = LocalRunner()
+    SecretDelivery(plan, secret, keys).write({h.name: runner for h in plan.hosts}, {h.name: h.secret_files for h in plan.hosts})
+    return keys

@@ -1,0 +1,221 @@
+"""The side channel authenticated with the deployment's key, attacked over real loopback sockets:
+who a peer is comes from its proof, a failed proof displaces nobody, reads and sends are bounded."""
+from __future__ import annotations
+
+import socket
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from kvpush.connector import auth, channel, wire
+from kvpush.connector.consumer import Consumer, ConsumerConfig
+from kvpush.connector.producer import Producer, ProducerConfig
+
+KEY, OTHER_KEY = b"k" * 32, b"x" * 32
+IDENTITY = wire.LayoutIdentity("m", "bfloat16", 16, ("l0",), 1)
+REGIONS = (wire.Region(1 << 20, 4096, 4096, 64),)
+HEADS = (wire.HeadLayout.whole(4096),)
+
+
+class Engine:
+    regions, device_id = REGIONS, 0
+
+    def __init__(self):
+        self.peers = []
+
+    def add_peer(self, metadata, regions, device_id=0, segments=None):
+        self.peers.append(metadata)
+        return SimpleNamespace(regions=tuple(regions))
+
+    def release(self, write):
+        pass
+
+
+def hello(engine="D", rank=0, nonce=None, metadata=b"meta"):
+    return wire.Hello(engine, rank, 1, "agent-" + engine, metadata, IDENTITY, REGIONS, HEADS,
+                      nonce=auth.new_nonce() if nonce is None else nonce)
+
+
+@pytest.fixture
+def producer():
+    made = []
+
+    def make(**config):
+        p = Producer(ProducerConfig("P", IDENTITY, frozenset({"D", "D2"}), "127.0.0.1", 0, side_channel_key=KEY,
+                                    **config), Engine())
+        made.append(p)
+        return p
+
+    yield make
+    for p in made:
+        p.close()
+
+
+class Client:
+    """A raw side-channel client, friend or foe."""
+
+    def __init__(self, port: int):
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=3)
+        self.reader = wire.FrameReader()
+        self.got: list = []
+
+    def send(self, msg) -> None:
+        self.sock.sendall(wire.encode(msg))
+
+    def read(self, kind, timeout_s: float = 3.0):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for m in self.got:
+                if isinstance(m, kind):
+                    self.got.remove(m)
+                    return m
+            data = self.sock.recv(65536)
+            if not data:
+                return None  # closed by the other side
+            self.got += [wire.decode(f) for f in self.reader.feed(data)]
+        raise AssertionError(f"no {kind.__name__} within {timeout_s} s")
+
+    def handshake(self, key: bytes, engine="D", rank=0):
+        h = hello(engine, rank)
+        self.send(h)
+        challenge = self.read(wire.Challenge)
+        digest = auth.digest(wire.encode(h))
+        assert auth.verify(key, challenge.proof, "prefill", challenge.nonce, h.nonce, "P", 0, digest)
+        self.send(wire.Auth(auth.prove(key, "decode", challenge.nonce, h.nonce, engine, rank, digest)))
+        return self.read((wire.Welcome, wire.Refuse))
+
+
+def wait_for(predicate, timeout_s=3.0):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_a_decode_that_proves_the_key_is_welcomed(producer):
+    p = producer()
+    assert isinstance(Client(p.port).handshake(KEY), wire.Welcome)
+    assert len(p.engine.peers) == 1
+
+
+def test_a_peer_with_another_key_is_dropped_and_counted_and_displaces_nobody(producer):
+    p = producer()
+    real = Client(p.port)
+    assert isinstance(real.handshake(KEY), wire.Welcome)
+    impostor = Client(p.port)
+    h = hello()  # the same, predictable engine id: "D"
+    impostor.send(h)
+    challenge = impostor.read(wire.Challenge)
+    impostor.send(wire.Auth(auth.prove(OTHER_KEY, "decode", challenge.nonce, h.nonce, "D", 0, auth.digest(wire.encode(h)))))
+    assert impostor.read(wire.Welcome) is None  # closed, nothing said
+    real.send(wire.Ping())
+    assert isinstance(real.read(wire.Pong), wire.Pong)  # the established peer still speaks for D
+    assert len(p.engine.peers) == 1 and p.take_counts()["failed_auth"] == 1
+
+
+def test_a_proof_recorded_from_one_handshake_fails_in_another(producer):
+    p = producer()
+    first = Client(p.port)
+    h = hello()
+    first.send(h)
+    challenge = first.read(wire.Challenge)
+    stolen = wire.Auth(auth.prove(KEY, "decode", challenge.nonce, h.nonce, "D", 0, auth.digest(wire.encode(h))))
+    replay = Client(p.port)
+    replay.send(h)  # the same HELLO, and the proof made for the first connection's nonce
+    replay.read(wire.Challenge)
+    replay.send(stolen)
+    assert replay.read(wire.Welcome) is None and p.take_counts()["failed_auth"] == 1
+
+
+def test_nothing_but_the_handshake_is_taken_before_the_proof(producer):
+    p = producer()
+    c = Client(p.port)
+    c.send(wire.Register("t1", (1, 2), 0, 32))  # before any HELLO
+    c.send(wire.Ping())
+    h = hello()
+    c.send(h)
+    c.read(wire.Challenge)
+    c.send(wire.Register("t2", (1, 2), 0, 32))  # after HELLO, before AUTH
+    wait_for(lambda: p.counters["before_handshake"] == 3)
+    assert p.engine.peers == []  # no NIXL peer from an unproven HELLO
+
+
+def test_a_hello_without_a_nonce_is_refused(producer):
+    p = producer()
+    c = Client(p.port)
+    c.send(hello(nonce=""))
+    refused = c.read(wire.Refuse)
+    assert refused is not None and "no nonce" in refused.reason and "secret_file" in refused.reason
+
+
+def test_a_connection_that_never_proves_itself_is_closed_at_the_deadline(producer):
+    p = producer(auth_deadline_s=0.3)
+    idle = Client(p.port)
+    idle.send(hello())
+    idle.read(wire.Challenge)
+    assert idle.read(wire.Welcome, timeout_s=3.0) is None  # closed, not kept forever
+
+
+def test_a_frame_too_large_for_an_unproven_peer_is_cut_off_before_it_is_buffered(producer):
+    p = producer()
+    c = Client(p.port)
+    c.sock.sendall(wire.LENGTH.pack(wire.MAX_UNAUTHENTICATED_FRAME_BYTES + 1) + b"{")
+    assert c.read(wire.Welcome) is None
+    assert p.take_counts()["malformed"] == 1
+
+
+def test_connections_past_the_cap_are_refused_and_counted(producer):
+    p = producer(max_connections=3)
+    held = [Client(p.port) for _ in range(3)]
+    extra = Client(p.port)
+    assert extra.read(wire.Welcome) is None
+    assert p.take_counts()["connection_cap"] >= 1
+    del held
+
+
+def test_a_peer_that_never_reads_is_cut_off_and_sending_never_waits(producer, monkeypatch):
+    monkeypatch.setattr(channel, "MAX_QUEUED_BYTES", 1 << 20)
+    p = producer()
+    c = Client(p.port)
+    assert isinstance(c.handshake(KEY), wire.Welcome)
+    c.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    conn = next(iter(p._peers.conns.values()))
+    started = time.monotonic()
+    sent = 0
+    while conn.send(wire.Fail("t" * 200, "x" * 4000)) and sent < 10_000:
+        sent += 1
+    assert time.monotonic() - started < 2.0  # queued, never blocked on the peer
+    wait_for(lambda: conn.closed, 3.0)
+
+
+def test_decode_refuses_a_prefill_that_cannot_prove_the_key():
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        consumer = Consumer(ConsumerConfig("D", 0, IDENTITY, frozenset({"P"}), side_channel_key=KEY),
+                            "agent-D", b"meta", REGIONS)
+        try:
+            consumer.expect("r", "t", "P", "127.0.0.1", server.getsockname()[1], [1], 0, 16)
+            sock, _ = server.accept()
+            reader = wire.FrameReader()
+            got = []
+            while not got:
+                got = [wire.decode(f) for f in reader.feed(sock.recv(65536))]
+            h = got[0]
+            assert isinstance(h, wire.Hello) and h.nonce
+            nonce = auth.new_nonce()
+            forged = auth.prove(OTHER_KEY, "prefill", h.nonce, nonce, "P", 0, auth.digest(wire.encode(h)))
+            sock.sendall(wire.encode(wire.Challenge("P", 0, nonce, forged)))
+            # nothing of the request may reach a prefill that failed: only the HELLO was ever sent
+            outcomes: list = []
+            wait_for(lambda: outcomes.extend(consumer.take_outcomes()) or outcomes)
+            assert not outcomes[0].ok and "failed to prove it is P rank 0" in outcomes[0].reason
+            sock.settimeout(0.5)
+            rest = b""
+            try:
+                rest = sock.recv(65536)
+            except TimeoutError:
+                pass
+            assert b"register" not in rest
+            sock.close()
+        finally:
+            consumer.close()
