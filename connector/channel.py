@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 _SELECT_RESOLUTION_S = 0.001
 MAX_QUEUED_BYTES = 8 * 1024 * 1024  # unsent bytes a peer may leave behind before it is cut off
 SEND_STALL_S = 5.0  # ... or for how long it may read nothing at all while bytes wait for it
-MAX_CONNECTIONS = 256  # per listener: one per decode rank of each peer instance, with room to spare
+MAX_CONNECTIONS = 256  # per listener, accepted connections not yet proven; proven peers are not counted
 AUTH_DEADLINE_S = 5.0  # an accepted connection that has not proven who it is by then is closed
 
 
@@ -46,6 +46,7 @@ class Connection:
         self.auth_state: object = None  # the owner's handshake in progress (auth.py)
         self.closed = False
         self.accepted_at = time.monotonic()
+        self.accepted = False  # came in through this side's listener (else this side dialled it)
         self._reader = wire.FrameReader(wire.MAX_UNAUTHENTICATED_FRAME_BYTES)
         self._send_lock = threading.Lock()
         self._out = bytearray()
@@ -142,7 +143,7 @@ class Reactor:
         self._conns: set[Connection] = set()  # reactor thread only
         self._stop = False
         self._listener: socket.socket | None = None
-        self.refused_connections = 0  # over the cap (reactor thread writes, anyone may read)
+        self.refused_connections = 0  # closed to stay under the cap (reactor thread writes, anyone may read)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> None:
@@ -356,9 +357,14 @@ class Reactor:
             sock, addr = listener.accept()
         except (BlockingIOError, InterruptedError, OSError):
             return
-        if len(self._conns) >= self.max_connections:
+        unproven = [c for c in self._conns if not c.authenticated and c.accepted]
+        if len(unproven) >= self.max_connections:
+            # Make room by closing the oldest stranger rather than refusing the newcomer: a flood
+            # that holds its connections open cannot keep a real peer out for the whole auth
+            # deadline, and proven peers never count against the cap.
             self.refused_connections += 1
-            sock.close()
-            return
+            self.close(min(unproven, key=lambda c: c.accepted_at), "too many connections that have not proven the key")
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._add(Connection(sock, f"{addr[0]}:{addr[1]}", self))
+        conn = Connection(sock, f"{addr[0]}:{addr[1]}", self)
+        conn.accepted = True
+        self._add(conn)

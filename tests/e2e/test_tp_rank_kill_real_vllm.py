@@ -57,11 +57,12 @@ def post(url: str, prompt: list[int], timeout_s: float = 120, **extra) -> tuple[
 
 
 def rank_worker(server: ServerProcess, rank: int) -> int:
-    """The PID of the server's TP worker of this rank (vLLM names them VLLM::Worker_TP<rank>)."""
+    """The PID of the server's TP worker of this rank: vLLM titles them VLLM::Worker_TP<rank>, which
+    the kernel's 15-character comm cuts before the rank, so the title is read from the command line."""
     for pid in os.listdir("/proc"):
         try:
             if pid.isdigit() and os.getpgid(int(pid)) == server.proc.pid and \
-                    open(f"/proc/{pid}/comm").read().strip() == f"VLLM::Worker_TP{rank}":
+                    open(f"/proc/{pid}/cmdline").read().split("\0")[0].strip() == f"VLLM::Worker_TP{rank}":
                 return int(pid)
         except OSError:
             continue

@@ -66,10 +66,10 @@ def post(url: str, body: dict, timeout_s: float = 180) -> tuple[int, dict]:
         return exc.code, {"error": exc.read().decode(errors="replace")[:500]}
 
 
-def text_of(url: str, prompt: list[int]) -> str:
+def text_of(url: str, prompt: list[int], logs=lambda: "") -> str:
     status, answer = post(url, {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
                                 "ignore_eos": True})
-    assert status == 200, answer
+    assert status == 200, f"{len(prompt)}-token prompt: {answer}\n{logs()}"
     return answer["choices"][0]["text"]
 
 
@@ -123,15 +123,19 @@ def check_answers(deployment: Deployment, pair: tuple[str, str], prompts: list[l
     decode = deployment.instances[d].url
     expected = [text_of(decode, prompt) for prompt in prompts]  # decode by itself: no connector, no cache
     before = deployment.external_kv_tokens(d)
+    router = deployment.routers[pair]
+
+    def logs() -> str:  # what the instances and the router said, for a failed request
+        return "\n".join(f"--- {server.name}\n{server.tail(30)}" for server in (deployment.instances[p], deployment.instances[d], router))
+
     with ThreadPoolExecutor(concurrency) as pool:
-        got = list(pool.map(lambda prompt: text_of(deployment.routers[pair].url, prompt), prompts))
+        got = list(pool.map(lambda prompt: text_of(router.url, prompt, logs), prompts))
     moved = deployment.external_kv_tokens(d) - before
     wrong = [(len(prompts[i]), got[i], expected[i]) for i in range(len(prompts)) if got[i] != expected[i]]
     assert not wrong, f"P {p} -> D {d}: (prompt tokens, through the router, decode alone) differ: {wrong}"
     tokens = sum(len(prompt) for prompt in prompts)
     # vLLM may recompute each prompt's last token on decode; every other prompt token came by transfer
     assert tokens - len(prompts) <= moved <= tokens, (pair, moved, tokens)
-    router = deployment.routers[pair]
     assert metric_sum(router.metrics(), "kvpush_router_fallbacks_total") == 0, router.tail(20)
 
 

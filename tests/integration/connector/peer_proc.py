@@ -140,6 +140,7 @@ def main() -> None:
         elif "forward_done" in cmd:
             gates.popleft().open()
         elif "freed" in cmd:
+            producer.take_counts()  # brings the reactor's own counts (connections over the cap) into counters
             recs = [r.__dict__ for r in producer.take_records()]
             print(json.dumps({"freed": producer.take_freed(), "records": recs,
                               "counters": dict(producer.counters)}), flush=True)

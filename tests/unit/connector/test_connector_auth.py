@@ -165,13 +165,17 @@ def test_a_frame_too_large_for_an_unproven_peer_is_cut_off_before_it_is_buffered
     assert p.take_counts()["malformed"] == 1
 
 
-def test_connections_past_the_cap_are_refused_and_counted(producer):
+def test_past_the_cap_the_oldest_stranger_makes_room_and_a_proven_peer_stays(producer):
     p = producer(max_connections=3)
-    held = [Client(p.port) for _ in range(3)]
-    extra = Client(p.port)
-    assert extra.read(wire.Welcome) is None
-    assert p.take_counts()["connection_cap"] >= 1
-    del held
+    proven = Client(p.port)
+    assert isinstance(proven.handshake(KEY), wire.Welcome)
+    strangers = [Client(p.port) for _ in range(3)]  # the cap counts only these
+    strangers[0].sock.settimeout(5.0)
+    newcomer = Client(p.port)
+    assert strangers[0].sock.recv(1) == b""  # the oldest stranger was closed for the newcomer
+    assert isinstance(newcomer.handshake(KEY, engine="D2"), wire.Welcome)
+    assert p.take_counts()["connection_cap"] == 1
+    assert len(p._peers.conns) == 2  # the first proven peer was never displaced
 
 
 def test_a_peer_that_never_reads_is_cut_off_and_sending_never_waits(producer, monkeypatch):
