@@ -6,7 +6,8 @@ forwards completions to the first decode upstream (of its instances_file, read a
 its /metrics says which list it serves, as the router's does). Any other invocation (`-` for the probe, `-m pip`,
 ...) runs the real interpreter, so provisioning works unchanged.
 Env: STANDIN_EXIT=1 exits at once (a process that fails to start); STANDIN_READY_DELAY=S delays /health;
-STANDIN_ROUTER_503=N makes the router answer its first N completions with 503 (instance not in rotation);
+STANDIN_ROUTER_OUT_OF_ROTATION=N makes the router's first N /metrics pages show every instance out of
+rotation (as a router that has not taken its instances back yet);
 STANDIN_ENGINE_CORE=1 makes a vLLM stand-in start a child that listens on its side-channel port and
 outlives it, as vLLM's `VLLM::EngineCore` outlives a SIGKILLed API server.
 Keys as the real ones take them: the vLLM stand-in answers 401 on /v1 without `Bearer $VLLM_API_KEY`
@@ -52,8 +53,11 @@ def serve(role, host, port, routes=None, required_key=None, upstream_key=None):
             if self.path == "/health":
                 ok = time.monotonic() - started >= ready_after
                 self._send(200 if ok else 503, "{}")
-            elif self.path == "/metrics" and routes is not None:  # what `up` reads after a reload
-                lines = ['kvpush_router_instance_in_rotation{instance="%s"} 1.0' % n for n in routes["names"]]
+            elif self.path == "/metrics" and routes is not None:  # what `up` reads before its proof, after a reload
+                counters["scrapes"] = counters.get("scrapes", 0) + 1
+                out = counters["scrapes"] <= int(os.environ.get("STANDIN_ROUTER_OUT_OF_ROTATION", "0"))
+                lines = ['kvpush_router_instance_in_rotation{instance="%s"} %s' % (n, "0.0" if out else "1.0")
+                         for n in routes["names"]]
                 if routes["digest"]:
                     lines.append('kvpush_router_instance_list{digest="%s"} 1.0' % routes["digest"])
                 self._send(200, "\n".join(lines + [""]), "text/plain")
@@ -73,8 +77,6 @@ def serve(role, host, port, routes=None, required_key=None, upstream_key=None):
                 return self._send(401, json.dumps({"error": "Unauthorized"}))
             counters["posts"] = counters.get("posts", 0) + 1
             decode_url = routes and routes["decode_url"]
-            if decode_url and counters["posts"] <= int(os.environ.get("STANDIN_ROUTER_503", "0")):
-                return self._send(503, json.dumps({"error": {"message": "no decode instance in rotation"}}))
             if decode_url:
                 headers = {"Content-Type": "application/json"}
                 if upstream_key:
