@@ -1,6 +1,8 @@
 """Changing a live deployment's instances under a steady load, on real vLLM on CPU through `kvpush up`:
 1P1D, then a second decode added, then removed again. The router takes each new instance list on
 SIGHUP (it never restarts), the removed decode drains before it stops, and no request fails.
+The prefill restarts with each change (its connector config names its decodes): the router takes it
+out of its list first, lets its legs finish, and decode computes prompts alone until it is back.
 
 The load: a streamed completion started every 0.5 s (2 req/s, each in its own thread), prompts of
 PROMPT_TOKENS tokens, MAX_TOKENS output tokens. It prints TTFT p50/p99 before, during and after
@@ -153,12 +155,15 @@ def test_adding_then_removing_a_decode_under_steady_load_fails_no_request(model_
         add_began = time.monotonic()
         added = up(two, options, events)
         add_done = time.monotonic()
+        # prefill-0 restarts too: its connector config lists the decodes it may push to
         assert added.changes.start == ["decode-1"] and added.changes.reload == ["router"], added.changes
+        assert added.changes.restart == ["prefill-0"] and added.changes.keep == ["decode-0"], added.changes
         time.sleep(STEADY_S)
         remove_began = time.monotonic()
         removed = up(one, options, events)
         remove_done = time.monotonic()
         assert removed.changes.stop == ["decode-1"] and removed.changes.reload == ["router"], removed.changes
+        assert removed.changes.restart == ["prefill-0"], removed.changes
         time.sleep(STEADY_S)
         outcomes, load = load.stop(), None
 
