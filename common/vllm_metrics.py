@@ -62,3 +62,11 @@ def prefix_caching(text: str) -> bool | None:
     if metric_sum(text, CACHE_CONFIG_INFO, enable_prefix_caching="False") is not None:
         return False
     return None
+
+
+PROCESS_START_TIME = "process_start_time_seconds"  # prometheus_client's process collector (vLLM's API server)
+
+
+def process_start_time(text: str) -> float | None:
+    """When the serving process started (seconds since the epoch); None when its page does not say."""
+    return metric_sum(text, PROCESS_START_TIME)

@@ -1,13 +1,16 @@
 """`up` and `down`: execute the plan on the hosts, record it, wait for readiness, stop it again.
 
 `up` runs as named steps: provision, look at what runs, clear what dead processes left behind,
-doctor's gate, stop what is replaced, launch, wait until ready, prove KV moves. Rendering stays in
-the CLI: this module reports through an `Events` object.
+doctor's gate, hand the instances that stop over to the others (a running router takes them out
+of rotation and lets them drain), stop what is replaced, launch, wait until ready, give the router
+its whole instance list, prove KV moves. Rendering stays in the CLI: this module reports through
+an `Events` object.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from kvpush.common.deployment_secret import fingerprint as secret_fingerprint
 from kvpush.common.errors import KvpushError
@@ -20,6 +23,7 @@ from .process_view import ProcessView, view_deployment
 from .processes import Events, StartFailure, prepare_host, start_on_host, stop_processes, stop_records, wait_ready
 from .proof import Proof, prove_kv_transfer
 from .provision import ProvisionResult, WheelSource, local_digest, provision_host
+from .router_reload import hand_over
 from .runners import Runner, SshOptions, fan_out, values_or_raise
 from .secrets import AccessKeys, SecretDelivery, client_api_key, ensure_local_secret, restart_users_of
 from .state import DeploymentState, HostRecord, ProcessRecord, load_state, locked, remove_state, save_state
@@ -38,6 +42,7 @@ class LifecycleOptions:
     prove: bool = True  # send one request through the router and check KV moved
     doctor: bool = True  # run doctor's fast checks first and refuse to launch on a failure
     rotate_secret: bool = False  # a new deployment secret (and keys); every process that reads one restarts
+    drain_timeout_s: float = 60.0  # how long an instance that stops may finish what the router sent it
 
 
 @dataclass
@@ -100,8 +105,9 @@ def _stop_or_raise(runners: dict[str, Runner], records: list[ProcessRecord], tim
 
 def _launch(runners: dict[str, Runner], plan: Plan, topo: Topology, state: DeploymentState, names: list[str],
             restarts: dict[str, int], options: LifecycleOptions, events: Events, result: UpResult,
-            keys: AccessKeys) -> None:
-    """Start `names`, record them, wait until ready, prove KV moves; on a failure stop what this started."""
+            keys: AccessKeys, when_ready: Callable[[], None] = lambda: None) -> None:
+    """Start `names`, record them, wait until ready, call `when_ready`, prove KV moves; on a failure
+    stop what this started."""
     launch = set(names)
     launch_hosts = [h for h in plan.hosts if launch & {p.name for p in h.processes}]
     values_or_raise(fan_out(launch_hosts, lambda h: prepare_host(runners[h.name], h, topo), name=lambda h: h.name))
@@ -118,6 +124,7 @@ def _launch(runners: dict[str, Runner], plan: Plan, topo: Topology, state: Deplo
     try:
         values_or_raise(outcomes)
         result.ready_s = wait_ready(runners, list(new_records.values()), options.ready_timeout_s, events, started_at, keys)
+        when_ready()
         if options.prove and plan.connector != "colocated":
             events.process("proof", "one request through the router")
             result.proof = prove_kv_transfer(runners, plan, keys=keys)
@@ -186,6 +193,7 @@ def _up(topo: Topology, options: LifecycleOptions, events: Events) -> UpResult:
             result.cleared = _clear_leftovers(runners, state, views, options, events)
             if options.doctor:
                 _doctor_gate(topo, runners, frozenset(n for n, alive in running.items() if alive), events)
+            when_ready = hand_over(runners, plan, state, changes, running, keys, options.drain_timeout_s, events)
 
             # Stop what is removed or changed (what died is stopped already), and forget them.
             old = [state.processes[n] for n in changes.stop + changes.restart + changes.revive]
@@ -197,7 +205,7 @@ def _up(topo: Topology, options: LifecycleOptions, events: Events) -> UpResult:
             state.plan_hash = plan.topology_digest
             save_state(state)
             delivery.write(runners, stale)
-            _launch(runners, plan, topo, state, changes.to_launch, restarts, options, events, result, keys)
+            _launch(runners, plan, topo, state, changes.to_launch, restarts, options, events, result, keys, when_ready)
     result.total_s = time.monotonic() - begun
     return result
 

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 from kvpush.router.config import RouterConfig, Timeouts, Upstream
+from kvpush.router.instances import InstanceList
 
 from . import slurm_render
 from .host_address import HEALTH_PATH, HostAddress, base_url, http_url
@@ -30,6 +31,7 @@ SECRET_FILE_NAMES: dict[SecretKind, str] = {
 }
 
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+ROUTER_INSTANCES_FILE = "router-instances.json"
 ROUTER_MODULE = "kvpush.router"
 KVPUSH_CONNECTOR_CLASS = "KVPushConnector"
 KVPUSH_CONNECTOR_MODULE = "kvpush.connector"
@@ -61,6 +63,9 @@ class ProcessPlan:
     # What argv runs under (kvpush.deploy.supervise: the tree dies with it, restarts, status file).
     supervisor: list[str] = field(default_factory=list)
     status_path: str = ""
+    # Host files the process reads again on SIGHUP (the router's instance list): `up` rewrites them
+    # and signals it, instead of restarting it.
+    reload_files: list[str] = field(default_factory=list)
 
     @property
     def base_url(self) -> str:
@@ -72,8 +77,11 @@ class ProcessPlan:
         return self.supervisor + self.argv
 
     def digest(self) -> str:
-        """Changes whenever anything about how this process is launched changes."""
-        return _digest(asdict(self))
+        """Changes whenever anything about how this process is launched changes (what it reloads
+        is not how it is launched)."""
+        launch = asdict(self)
+        del launch["reload_files"]
+        return _digest(launch)
 
 
 @dataclass(frozen=True)
@@ -114,6 +122,10 @@ class Plan:
 
     def processes(self) -> list[ProcessPlan]:
         return [p for h in self.hosts for p in h.processes]
+
+    def instance_names(self) -> set[str]:
+        """The vLLM instances (what the router's instance list names)."""
+        return {p.name for p in self.processes() if p.role != "router"}
 
     def process(self, name: str) -> ProcessPlan:
         for proc in self.processes():
@@ -288,7 +300,8 @@ def _vllm_process(topo: Topology, role: Role, spec: InstanceSpec) -> ProcessPlan
     )
 
 
-def router_config(topo: Topology) -> RouterConfig:
+def router_instance_list(topo: Topology) -> InstanceList:
+    """The instances the router sends legs to (colocated: every instance serves whole requests)."""
     def upstream(spec: InstanceSpec) -> Upstream:
         host = topo.hosts[spec.host]
         return Upstream(
@@ -300,9 +313,17 @@ def router_config(topo: Topology) -> RouterConfig:
             tp_size=spec.tensor_parallel_size,
         )
 
+    if topo.connector.type == "colocated":
+        return InstanceList(prefill=[], decode=[upstream(s) for _, _, s in topo.instances()])
+    return InstanceList(prefill=[upstream(s) for s in topo.prefill], decode=[upstream(s) for s in topo.decode])
+
+
+def router_config(topo: Topology) -> RouterConfig:
+    """The router's config with its instances inline (`kvpush router TOPOLOGY`); `up` writes them
+    to a file of their own (router_files)."""
     r = topo.router
     router_host = topo.hosts[r.host]
-    colocated = topo.connector.type == "colocated"
+    instances = router_instance_list(topo)
     return RouterConfig(
         bind=r.bind,
         port=r.port,
@@ -317,15 +338,27 @@ def router_config(topo: Topology) -> RouterConfig:
         max_prompt_chars=r.max_prompt_chars,
         workers=r.workers,
         timeouts=Timeouts(connect_s=r.connect_timeout_s, prefill_s=r.prefill_timeout_s, decode_s=r.decode_timeout_s),
-        prefill=[] if colocated else [upstream(s) for s in topo.prefill],
-        decode=[upstream(s) for _, _, s in topo.instances()] if colocated else [upstream(s) for s in topo.decode],
+        prefill=instances.prefill,
+        decode=instances.decode,
     )
 
 
-def _router_process(topo: Topology) -> tuple[ProcessPlan, FilePlan]:
+def router_files(topo: Topology) -> tuple[FilePlan, FilePlan]:
+    """router.json (what the router is started with: a change restarts it) and the instance list it
+    names (a change is a reload: `up` rewrites it and sends the router SIGHUP)."""
+    workdir = deployment_dir(topo, topo.hosts[topo.router.host])
+    config_path, instances_path = f"{workdir}/router.json", f"{workdir}/{ROUTER_INSTANCES_FILE}"
+    # Relative: the router reads it beside its config, wherever the host's workdir lies.
+    config = router_config(topo).model_copy(update={"instances_file": ROUTER_INSTANCES_FILE, "prefill": [], "decode": []})
+    return (FilePlan(path=config_path, content=config.to_file_json(indent=2)),
+            FilePlan(path=instances_path, content=router_instance_list(topo).model_dump_json(indent=2)))
+
+
+def _router_process(topo: Topology) -> tuple[ProcessPlan, tuple[FilePlan, FilePlan]]:
     host = topo.hosts[topo.router.host]
     workdir = deployment_dir(topo, host)
-    config_path = f"{workdir}/router.json"
+    files = router_files(topo)
+    config_path = files[0].path
     env = {"PYTHONUNBUFFERED": "1", **topo.env}
     proc = ProcessPlan(
         name=ROUTER_PROCESS_NAME,
@@ -339,8 +372,9 @@ def _router_process(topo: Topology) -> tuple[ProcessPlan, FilePlan]:
         health_url=http_url("127.0.0.1" if topo.router.bind in ("0.0.0.0", "::") else topo.router.bind, topo.router.port,
                             HEALTH_PATH),
         **_supervision(host, workdir, ROUTER_PROCESS_NAME, topo.router.restart),
+        reload_files=[files[1].path],
     )
-    return proc, FilePlan(path=config_path, content=router_config(topo).model_dump_json(indent=2))
+    return proc, files
 
 
 def has_client_key(topo: Topology) -> bool:
@@ -371,9 +405,9 @@ def build_plan(topo: Topology) -> Plan:
     files: dict[str, list[FilePlan]] = {name: [] for name in topo.hosts}
     for role, _, spec in topo.instances():
         processes[spec.host].append(_vllm_process(topo, role, spec))
-    router, router_file = _router_process(topo)
+    router, router_host_files = _router_process(topo)
     processes[router.host].append(router)
-    files[router.host].append(router_file)
+    files[router.host] += router_host_files
 
     hosts = [
         HostPlan(

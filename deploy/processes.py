@@ -7,7 +7,7 @@ import time
 
 from kvpush.common.errors import KvpushError
 
-from .changes import is_running, launch_digest
+from .changes import is_running, launch_digest, reload_digest
 from .plan import HostPlan
 from .runners import Runner, fan_out, values_or_raise
 from .secrets import AccessKeys
@@ -109,6 +109,7 @@ def start_on_host(runner: Runner, host: HostPlan, names: list[str]) -> dict[str,
                 name=proc.name, role=proc.role, host=host.name, pid=s.pid, pgid=s.pgid, start_time=s.start_time,
                 http_port=proc.http_port, health_url=proc.health_url, log_path=proc.log_path,
                 digest=launch_digest(host, proc), started_at=time.time(), status_path=proc.status_path,
+                reload_digest=reload_digest(host, proc),
             )
     return started
 

@@ -51,7 +51,8 @@ def prove_kv_transfer(runners: dict[str, Runner], plan: Plan, timeout_s: float =
     url = plan.router_url + COMPLETIONS_PATH
     give_up = time.monotonic() + ROUTER_ROTATION_WAIT_S
     while True:
-        wait_router_ready(runner, plan.router_url, max(0.0, give_up - time.monotonic()), keys)
+        wait_router_ready(runner, plan.router_url, max(0.0, give_up - time.monotonic()), keys,
+                          instances=plan.instance_names())
         before = _decode_kv_tokens(runners, plan, keys)
         started = time.monotonic()
         try:

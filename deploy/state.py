@@ -52,6 +52,7 @@ class ProcessRecord:
     started_at: float
     restarts: int = 0  # by `up`; its supervisor counts its own in the status file
     status_path: str = ""  # its supervisor's status file ("": started without one)
+    reload_digest: str = ""  # of the files it reads again on SIGHUP, as it last read them (changes.reload_digest)
 
     @property
     def base_url(self) -> str:

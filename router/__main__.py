@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import logging
+import signal
 import sys
 
 
@@ -48,12 +49,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker-fd", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--supervisor-pid", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    # A reload request (SIGHUP) that comes while the router starts waits until it serves: by default
+    # the signal would end the process.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
     faulthandler.enable()  # a crash in native code (uvloop, NIXL-free but C-heavy) leaves a trace in the log
     who = "" if args.worker_index is None else f"[worker {args.worker_index}]"
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s %(levelname)s %(name)s{who}: %(message)s")
     if args.worker_fd is not None:
-        import signal
-
         from .workers import stop_with_supervisor
 
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})  # inherited from the supervisor's mask

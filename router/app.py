@@ -1,8 +1,8 @@
-"""The router's HTTP front (aiohttp): routes, API key, validation, background health and load work."""
+"""The router's HTTP front (aiohttp): routes, API key, validation; the process's signals (stop,
+reload). The background health, load and instance-list work is rotation.py's."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import logging
 import secrets
@@ -14,15 +14,14 @@ from pathlib import Path
 
 from aiohttp import web
 
-from kvpush.common.vllm_metrics import prefix_caching
-
 from .config import RouterConfig
 from .dispatch import Dispatcher, RequestContext
 from .errors import error_response
 from .fanout import split
 from .keys import Keys
 from .metrics import CLIENT_ERROR, RouterMetrics
-from .pool import Instance, Pool, parse_load
+from .pool import Pool
+from .rotation import Rotation
 from .upstream_http import UpstreamClient, UpstreamError
 from .validation import RequestRejected, check_request_id, parse_request
 
@@ -49,7 +48,7 @@ class Router:
         self.decode = Pool("decode", config.decode, config.policy, config.eject_after_failures, self.metrics)
         self.upstream: UpstreamClient | None = None
         self.dispatcher: Dispatcher | None = None
-        self._background: list[asyncio.Task] = []
+        self.rotation: Rotation | None = None
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -59,24 +58,21 @@ class Router:
         self.upstream = UpstreamClient(keepalive_s=UPSTREAM_KEEPALIVE_S)
         self.dispatcher = Dispatcher(self.config, self.prefill, self.decode, self.metrics, self.upstream,
                                      self.keys.instance)
-        # Instances enter rotation on their first healthy answer: one round now, so a router
-        # started beside ready instances serves at once, and one started beside loading ones
-        # reports 503 on /health until they are up (never sends them legs while they load).
-        await self._probe_all()
-        self._background.append(asyncio.create_task(self._probe_loop()))
-        if self.config.policy == "least-loaded":
-            self._background.append(asyncio.create_task(self._scrape_loop()))
+        self.rotation = Rotation(self.config, self.prefill, self.decode, self.metrics, self._get)
+        await self.rotation.start()
 
     async def stop(self) -> None:
-        for task in self._background:
-            task.cancel()
-        for task in self._background:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        if self.rotation is not None:
+            await self.rotation.stop()
         if self.dispatcher is not None:
             await self.dispatcher.close()
         if self.upstream is not None:
             self.upstream.close()
+
+    def reload(self) -> None:
+        """Take the instance list of instances_file again (on SIGHUP)."""
+        if self.rotation is not None:
+            self.rotation.reload()
 
     def pools(self) -> list[Pool]:
         return [self.prefill, self.decode]
@@ -91,56 +87,6 @@ class Router:
             return resp.status, (await resp.read()).decode(errors="replace")
         finally:
             resp.close()
-
-    async def _probe_loop(self) -> None:
-        """Every instance's /health, every probe_interval_s: a failing answer counts like a failed
-        leg (so a dead idle instance leaves rotation before a request finds it), and an ejected
-        instance comes back when it answers 200."""
-
-        while True:
-            await asyncio.sleep(self.config.probe_interval_s)
-            await self._probe_all()
-
-    async def _probe_all(self) -> None:
-        async def probe(pool: Pool, inst) -> None:
-            try:
-                status, _ = await self._get(inst.upstream.url, "/health", self.config.timeouts.connect_s)
-            except (UpstreamError, asyncio.TimeoutError):
-                status = None
-            if inst.in_rotation and status != 200:
-                pool.failed(inst, "health")
-            elif not inst.in_rotation and status == 200:
-                if pool is self.decode:
-                    await self._learn_cache_config(inst)
-                pool.restore(inst)
-
-        await asyncio.gather(*(probe(p, i) for p in self.pools() for i in p.instances))
-
-    async def _learn_cache_config(self, inst: Instance) -> None:
-        """Whether a decode instance caches prefixes (several samples of one prompt share one
-        transfer through that cache), from its /metrics as it joins rotation."""
-        try:
-            status, text = await self._get(inst.upstream.url, "/metrics", self.config.timeouts.connect_s)
-        except (UpstreamError, asyncio.TimeoutError):
-            return
-        if status == 200:
-            inst.prefix_caching = prefix_caching(text)
-
-    async def _scrape_loop(self) -> None:
-        """Each instance's own load, for least-loaded selection; never on the request path."""
-        timeout = min(self.config.metrics_refresh_s, self.config.timeouts.connect_s) or 1.0
-
-        async def scrape(pool: Pool, inst) -> None:
-            try:
-                status, text = await self._get(inst.upstream.url, "/metrics", timeout)
-            except (UpstreamError, asyncio.TimeoutError):
-                pool.observe_load(inst, None)
-                return
-            pool.observe_load(inst, parse_load(text) if status == 200 else None)
-
-        while True:
-            await asyncio.gather(*(scrape(p, i) for p in self.pools() for i in p.instances if i.in_rotation))
-            await asyncio.sleep(self.config.metrics_refresh_s)
 
     # --- handlers ------------------------------------------------------------------------------
 
@@ -295,6 +241,7 @@ async def start_site(app: web.Application, host: str, port: int,
 
 
 STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+RELOAD_SIGNAL = signal.SIGHUP  # read the instance list again (`kvpush up` sends it after rewriting the file)
 
 
 def describe_process(pid: int) -> str:
@@ -306,7 +253,8 @@ def describe_process(pid: int) -> str:
 
 
 async def serve(config: RouterConfig, keys: Keys, listen_socket: socket.socket | None = None) -> None:
-    """Run in the foreground until SIGINT or SIGTERM (blocked by `run`, awaited on a thread)."""
+    """Run in the foreground until SIGINT or SIGTERM, reloading the instance list on SIGHUP (all
+    blocked by `run`, awaited on a thread)."""
     app = build_app(config, keys)
     # Everything built so far lives as long as the router: keep it out of the collector's full
     # passes, whose walk over the imported modules' objects otherwise stalls every request in flight.
@@ -318,13 +266,22 @@ async def serve(config: RouterConfig, keys: Keys, listen_socket: socket.socket |
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
 
-    def wait_for_stop_signal() -> None:
-        info = signal.sigwaitinfo(STOP_SIGNALS)
-        # Who sent it: a stray group kill by another tool looks exactly like `kvpush down` otherwise.
-        log.info("kvpush router stopping on %s from %s", signal.Signals(info.si_signo).name, describe_process(info.si_pid))
-        loop.call_soon_threadsafe(stop.set)
+    router: Router = app[ROUTER_KEY]
 
-    threading.Thread(target=wait_for_stop_signal, name="kvpush-router-signals", daemon=True).start()
+    def wait_for_signals() -> None:
+        while True:
+            info = signal.sigwaitinfo(STOP_SIGNALS | {RELOAD_SIGNAL})
+            if info.si_signo == RELOAD_SIGNAL:
+                log.info("kvpush router reloading its instance list on SIGHUP from %s", describe_process(info.si_pid))
+                loop.call_soon_threadsafe(router.reload)
+                continue
+            # Who sent it: a stray group kill by another tool looks exactly like `kvpush down` otherwise.
+            log.info("kvpush router stopping on %s from %s", signal.Signals(info.si_signo).name,
+                     describe_process(info.si_pid))
+            loop.call_soon_threadsafe(stop.set)
+            return
+
+    threading.Thread(target=wait_for_signals, name="kvpush-router-signals", daemon=True).start()
     try:
         await stop.wait()
     finally:
@@ -342,7 +299,7 @@ def run(config: RouterConfig, keys: Keys, listen_socket: socket.socket | None = 
 
         supervise(config, logging.getLevelName(logging.getLogger().getEffectiveLevel()), run_dir_parent)
         return
-    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # every thread: only serve's waiter takes them
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS | {RELOAD_SIGNAL})  # every thread: only serve's waiter takes them
     try:
         import uvloop
     except ImportError:

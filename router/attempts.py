@@ -4,6 +4,11 @@ sees a byte, so any LegFailure may be retried by the dispatcher on another pair.
 
 Invariant: a failing leg cancels (closes the connection of) the other legs of the same attempt,
 so no instance keeps blocks reserved for a request nobody waits for.
+
+Blame: a decode leg of a transfer that fails by answering (a 5xx, an error event) rather than by
+not answering may have failed because of prefill: kvpush's connector fails a transfer whose
+prefill died or went silent, and vLLM answers such a request with a 500 that does not say why. The
+next attempt then avoids both instances; neither is ejected for it (their health probes decide).
 """
 from __future__ import annotations
 
@@ -22,6 +27,13 @@ from .protocols import (CONCURRENT_PROTOCOLS, concurrent_legs, new_transfer_id, 
 from .upstream_http import UpstreamResponse
 
 log = logging.getLogger("kvpush.router")
+
+
+def _blame_transfer(exc: BaseException, prefill: Instance) -> None:
+    """A decode leg's failure as an answer (not a connection failure or a timeout) names prefill too."""
+    if isinstance(exc, LegFailure) and exc.role == "decode" and (
+            exc.reason.startswith("http_5") or exc.reason == "generation_error"):
+        exc.also_avoid.append(("prefill", prefill.name))
 
 
 def _fail_if_failed(resp: UpstreamResponse, task: asyncio.Task) -> None:
@@ -53,15 +65,26 @@ class Attempts:
             return await self.legs.decode_head(leg, resp, stream)
         assert prefill is not None
         transfer_id = new_transfer_id()
-        if way == SAMPLES:
-            # one transfer into decode's prefix cache, then the samples from there
-            loaded = await self._transfer(endpoint, chat, False, part.body, prefill, decode, transfer_id,
-                                          decode_body=prefill_only(part.body, chat))
-            await self._finish_loading(loaded)
-            leg, resp = self.legs.send(self.decode, decode, endpoint, part.data(), self.legs.headers(new_transfer_id()),
-                                       self.config.timeouts.decode_s)
-            return await self.legs.decode_head(leg, resp, stream)
-        return await self._transfer(endpoint, chat, stream, part.body, prefill, decode, transfer_id)
+        self.prefill.transfer_started(prefill)  # until decode's head: a draining prefill is stopped only after
+        try:
+            if way == SAMPLES:
+                # one transfer into decode's prefix cache, then the samples from there
+                loaded = await self._transfer(endpoint, chat, False, part.body, prefill, decode, transfer_id,
+                                              decode_body=prefill_only(part.body, chat))
+                try:
+                    await self._finish_loading(loaded)
+                except LegFailure as exc:
+                    _blame_transfer(exc, prefill)
+                    raise
+                self.prefill.transfer_ended(prefill)
+                prefill = None
+                leg, resp = self.legs.send(self.decode, decode, endpoint, part.data(),
+                                           self.legs.headers(new_transfer_id()), self.config.timeouts.decode_s)
+                return await self.legs.decode_head(leg, resp, stream)
+            return await self._transfer(endpoint, chat, stream, part.body, prefill, decode, transfer_id)
+        finally:
+            if prefill is not None:
+                self.prefill.transfer_ended(prefill)
 
     async def _finish_loading(self, head: DecodeHead) -> None:
         """The KV-loading leg's (one-token) answer, read whole: its end means the prompt is in
@@ -94,6 +117,9 @@ class Attempts:
             release = pull_decode_leg(prefill_only(body, chat), answer)
             assert release is not None
             self._release(endpoint, decode, release, headers)
+            raise
+        except LegFailure as exc:  # decode reads the KV from prefill: the failure may be prefill's
+            _blame_transfer(exc, prefill)
             raise
         self.metrics.handoff_gap.observe(max(0.0, head.first_token_at - answered_at))
         return head
@@ -151,6 +177,7 @@ class Attempts:
             await self._settle(prefill_task)
             if isinstance(exc, OtherLegFailed):
                 raise prefill_task.exception() from None
+            _blame_transfer(exc, prefill)
             raise
         # Decode's first token came before prefill's HTTP answer (the KV already arrived): let the
         # prefill leg finish on its own; it frees nothing the client waits for.

@@ -1,14 +1,19 @@
 """The router's configuration: written by `kvpush plan`/`up` as JSON, read by the router at start.
 
-One model for both sides so the plan and the router can never disagree on a field.
+One model for both sides so the plan and the router can never disagree on a field. The instances
+come inline (`prefill`, `decode`) or from `instances_file` (instances.py), which the router reads
+again on SIGHUP: a deployment changes its instances without restarting the router.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from kvpush.common.errors import UsageError
 
 Protocol = Literal["kvpush", "nixl-push", "nixl-pull", "colocated"]
 Policy = Literal["round-robin", "least-loaded"]
@@ -44,6 +49,7 @@ class Timeouts(_Model):
     prefill_s: float = Field(600.0, gt=0)  # a prefill leg's whole answer
     decode_s: float = Field(600.0, gt=0)  # a non-streamed decode answer; a stream's first token
     stream_idle_s: float = Field(120.0, gt=0)  # longest silence of a decode stream after its first token
+    health_s: float = Field(1.0, gt=0)  # a /health probe's answer; none this long is a failed probe (a hang)
 
 
 class RouterConfig(_Model):
@@ -64,19 +70,42 @@ class RouterConfig(_Model):
     timeouts: Timeouts = Field(default_factory=Timeouts)
     metrics_refresh_s: float = 1.0
     max_retries: int = Field(1, ge=0)  # extra attempts on another pair before the first token
-    eject_after_failures: int = Field(3, ge=1)  # consecutive connection/health failures that take an instance out
-    probe_interval_s: float = Field(1.0, gt=0)  # how often ejected instances' /health is probed
+    eject_after_failures: int = Field(2, ge=1)  # consecutive connection/health failures that take an instance out
+    probe_interval_s: float = Field(0.5, gt=0)  # how often each instance's /health is probed
     workers: int = Field(1, ge=1, le=64)  # router processes sharing the port (see workers.py)
+    # A JSON file {"prefill": [...], "decode": [...]} read at start and again on SIGHUP (a path
+    # relative to the config file's folder); or the instances inline:
+    instances_file: str | None = None
     prefill: list[Upstream] = Field(default_factory=list)
-    decode: list[Upstream]
+    decode: list[Upstream] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _one_source_per_key(self) -> "RouterConfig":
         for prefix in ("api_key", "instance_api_key"):
             if getattr(self, f"{prefix}_env") and getattr(self, f"{prefix}_file"):
                 raise ValueError(f"set {prefix}_env or {prefix}_file, not both")
+        if not self.instances_file and not self.decode:
+            raise ValueError("give the decode instances (decode: [...]) or an instances_file that lists them")
         return self
 
     @classmethod
     def from_file(cls, path: str | Path) -> "RouterConfig":
-        return cls.model_validate_json(Path(path).read_text())
+        """The config, with the instances of its instances_file (whose path becomes absolute)."""
+        from .instances import load_instance_list
+
+        path = Path(path)
+        config = cls.model_validate_json(path.read_text())
+        if config.instances_file is None:
+            return config
+        if config.prefill or config.decode:
+            raise UsageError(f"router config {path}: instances_file and inline prefill/decode lists are both "
+                             "given; keep one")
+        where = (path.parent / Path(config.instances_file).expanduser()).absolute()
+        listed = load_instance_list(where)
+        return config.model_copy(update={"instances_file": str(where), "prefill": listed.prefill, "decode": listed.decode})
+
+    def to_file_json(self, indent: int | None = None) -> str:
+        """The config as from_file reads it back: without the instances its instances_file lists."""
+        if self.instances_file is None:
+            return self.model_dump_json(indent=indent)
+        return json.dumps(self.model_dump(mode="json", exclude={"prefill", "decode"}), indent=indent)

@@ -4,8 +4,10 @@ answer (respond.py).
 Each part goes through two phases:
 1. retryable, from the pair choice up to decode's head (a stream's first token, a non-streamed
    answer's status line). A LegFailure here is retried (max_retries) with a new transfer id on a
-   pair that avoids the failed instance (the same one if there is no other); an instance's 4xx
-   ends the request with that answer, unchanged.
+   pair that avoids the failed instance (and the prefill of a transfer decode failed, attempts.py):
+   another decode, or the same one if there is no other; another prefill, or none (decode computes
+   the prompt) if every prefill in rotation failed this part. An instance's 4xx ends the request
+   with that answer, unchanged.
 2. answering, from the first byte to the client on: nothing is retried. A failure ends a stream
    with an error event and `data: [DONE]`, a non-streamed answer with a 502.
 A batch is answered once every part reached phase 2, so one prompt's 4xx rejects the batch, as
@@ -24,7 +26,7 @@ from . import metrics as M
 from .attempts import Attempts
 from .config import RouterConfig
 from .errors import error_response
-from .fanout import Part, way_to_decode
+from .fanout import NO_PREFILL, PREFILL_FAILED, Part, way_to_decode
 from .legs import DecodeHead, LegFailure, LegRunner, UpstreamClientError
 from .pool import Pool
 from .respond import Responder
@@ -121,9 +123,11 @@ class Dispatcher:
             decode = self.decode.pick(avoid["decode"])
             if decode is None:
                 raise EarlyAnswer(self._unavailable("decode", failure), M.UNAVAILABLE)
-            prefill = None if colocated else self.prefill.pick(avoid["prefill"])
+            prefill = None if colocated else self.prefill.pick(avoid["prefill"], strict=True)
             way, why_local = way_to_decode(part.body, ctx.chat, colocated, prefill is not None,
                                            decode.prefix_caching is not False)
+            if why_local == NO_PREFILL and avoid["prefill"] and self.prefill.available():
+                why_local = PREFILL_FAILED
             if attempt > 0 and failure is not None:
                 self.metrics.retries.labels(failure.reason).inc()
                 log.warning("retrying %s (attempt %d): %s", ctx.endpoint, attempt + 1, failure)
@@ -133,6 +137,8 @@ class Dispatcher:
             except LegFailure as exc:
                 failure = exc
                 avoid[exc.role].add(exc.instance)
+                for role, name in exc.also_avoid:
+                    avoid[role].add(name)
                 continue
             except UpstreamClientError as exc:
                 raise EarlyAnswer(exc.response(), M.CLIENT_ERROR) from None

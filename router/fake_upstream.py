@@ -1,7 +1,8 @@
 """A fast in-process imitation of one vLLM OpenAI server, for the router's tests and overhead benchmark.
 
 It answers like vLLM (same JSON shapes, SSE framing, error bodies) with deterministic text, and can
-be told to misbehave: fail with a status, report a KV-transfer failure, hang, or die mid-stream.
+be told to misbehave: fail with a status, report a KV-transfer failure, hang, die mid-stream, or
+stop answering anything until told to go on (as a SIGSTOPped process does until SIGCONT).
 It records what it received and how many requests were abandoned by their client.
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ class Behavior:
     stall_after_tokens: int | None = None  # go silent mid-stream (the connection stays open)
     cut_answer_after_bytes: int | None = None  # drop the connection inside a non-streamed answer's body
     unhealthy: bool = False  # /health answers 503
+    stopped: bool = False  # nothing is answered (health, metrics, generation) until this is cleared
     label_answers: bool = False  # each choice's text starts with "[<prompt>#<sample>]"
 
 
@@ -47,6 +49,7 @@ class FakeVllm:
     running: int = 0
     metrics_text: str | None = None  # override of /metrics
     created: int | None = None  # fixed `created` timestamps make answers byte-comparable
+    start_time: float = 1_700_000_000.0  # its /metrics' process_start_time_seconds (a restart changes it)
     prefix_caching: bool = True  # what its /metrics says (vllm:cache_config_info)
     url: str = ""
     _runner: web.AppRunner | None = None
@@ -76,7 +79,12 @@ class FakeVllm:
 
     # --- handlers ----------------------------------------------------------------------------
 
+    async def _while_stopped(self) -> None:
+        while self.behavior.stopped:
+            await asyncio.sleep(0.01)
+
     async def _health(self, request: web.Request) -> web.Response:
+        await self._while_stopped()
         return web.Response(status=503 if self.behavior.unhealthy else 200)
 
     async def _models(self, request: web.Request) -> web.Response:
@@ -85,13 +93,15 @@ class FakeVllm:
                                                               "max_model_len": 2048, "permission": []}]})
 
     async def _metrics(self, request: web.Request) -> web.Response:
+        await self._while_stopped()
         text = self.metrics_text
         if text is None:
             text = (f'vllm:num_requests_running{{engine="0",model_name="{self.model}"}} {float(self.running)}\n'
                     f'vllm:num_requests_waiting{{engine="0",model_name="{self.model}"}} 0.0\n'
                     f'vllm:kv_cache_usage_perc{{engine="0",model_name="{self.model}"}} 0.0\n'
                     f'vllm:cache_config_info{{block_size="16",enable_prefix_caching="{self.prefix_caching}",'
-                    f'engine="0"}} 1.0\n')
+                    f'engine="0"}} 1.0\n'
+                    f'process_start_time_seconds {self.start_time}\n')
         return web.Response(text=text, content_type="text/plain")
 
     async def _tokenize(self, request: web.Request) -> web.Response:
@@ -144,6 +154,7 @@ class FakeVllm:
 
     async def _answer(self, request: web.Request, body: dict, chat: bool) -> web.StreamResponse:
         b = self.behavior
+        await self._while_stopped()
         if b.hang:
             await asyncio.sleep(3600)
         if self._should_fail():
@@ -222,6 +233,7 @@ class FakeVllm:
                 return resp
             if b.stall_after_tokens is not None and k >= b.stall_after_tokens:
                 await asyncio.sleep(3600)
+            await self._while_stopped()
             last = k == len(tokens) - 1
             reason = "length" if last else None
             for p, i in sequences:

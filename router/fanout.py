@@ -13,8 +13,9 @@ How decode gets a part's prompt:
   samples share it. (vLLM fans n out into child requests that would each ask for a transfer.)
 - local: decode computes the prompt itself. Colocated does; so does a request whose prompt's
   own logits are asked for (prompt_logprobs; echo with logprobs), since a transferred prompt has
-  none; so do samples on a decode instance without prefix caching, and every request while no
-  prefill instance is in rotation. Those three are counted and named in a response header.
+  none; so do samples on a decode instance without prefix caching, every request while no
+  prefill instance is in rotation, and a retry after every prefill in rotation failed it. Those
+  are counted and named in a response header.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ LOCAL = "local"
 NO_PREFILL = "no_prefill_in_rotation"
 PROMPT_LOGITS = "prompt_logprobs"
 SAMPLES_WITHOUT_CACHE = "samples_without_prefix_caching"
+PREFILL_FAILED = "prefill_failed"  # a retry: every prefill in rotation failed this prompt already
 
 
 @dataclass

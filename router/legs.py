@@ -17,7 +17,7 @@ from aiohttp import web
 
 from . import metrics as M
 from .config import RouterConfig
-from .pool import Instance, Pool
+from .pool import Instance, LeftRotation, Pool
 from .upstream_http import UpstreamClient, UpstreamError, UpstreamResponse, answer_head
 
 _TOKEN_DELTA_KEYS = ("content", "reasoning_content", "reasoning", "tool_calls")
@@ -29,6 +29,7 @@ class LegFailure(Exception):
     def __init__(self, role: str, instance: str, reason: str, detail: str):
         super().__init__(f"{role} leg on instance {instance} failed: {detail}")
         self.role, self.instance, self.reason = role, instance, reason
+        self.also_avoid: list[tuple[str, str]] = []  # (role, instance) the next attempt should avoid too
 
 
 class OtherLegFailed(Exception):
@@ -53,7 +54,19 @@ class Leg:
         self.pool, self.inst, self.metrics = pool, inst, metrics
         self.started = time.perf_counter()
         self._ended = False
+        self._waiting_for: UpstreamResponse | None = None
         pool.leg_started(inst)
+
+    def wait_for(self, resp: UpstreamResponse) -> None:
+        """Until answered(): `resp` fails with LeftRotation if the instance leaves rotation."""
+        self._waiting_for = resp
+        self.inst.waiting.add(resp)
+
+    def answered(self) -> None:
+        """The instance answered (what the client may see first): it no longer waits on its rotation."""
+        if self._waiting_for is not None:
+            self.inst.waiting.discard(self._waiting_for)
+            self._waiting_for = None
 
     @property
     def role(self) -> str:
@@ -71,6 +84,7 @@ class Leg:
         if self._ended:
             return
         self._ended = True
+        self.answered()
         self.pool.leg_ended(self.inst)
         if cancelled:
             return
@@ -162,10 +176,12 @@ class LegRunner:
         leg = Leg(pool, inst, self.metrics)
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         try:
-            return leg, self.upstream.start("POST", inst.upstream.url, path, headers, data,
-                                            self.config.timeouts.connect_s, timeout_s)
+            resp = self.upstream.start("POST", inst.upstream.url, path, headers, data, self.config.timeouts.connect_s,
+                                       timeout_s)
         except UpstreamError as exc:  # e.g. an unusable URL: counted and ended like a refused connection
             raise self.fail(leg, "connect", str(exc)) from None
+        leg.wait_for(resp)
+        return leg, resp
 
     @staticmethod
     def fail(leg: Leg, reason: str, detail: str) -> LegFailure:
@@ -177,6 +193,8 @@ class LegRunner:
             return await answer_head(resp)
         except asyncio.TimeoutError:
             raise self.fail(leg, "timeout", f"no answer within {timeout_s:g} s") from None
+        except LeftRotation as exc:
+            raise self.fail(leg, "left_rotation", str(exc)) from None
         except UpstreamError as exc:
             raise self.fail(leg, "connect", str(exc)) from None
 
@@ -204,6 +222,8 @@ class LegRunner:
                 raw = await resp.read()
             except asyncio.TimeoutError:
                 raise self.fail(leg, "timeout", f"no answer within {timeout_s:g} s") from None
+            except LeftRotation as exc:
+                raise self.fail(leg, "left_rotation", str(exc)) from None
             except UpstreamError as exc:
                 raise self.fail(leg, "connect", str(exc)) from None
             finally:
@@ -232,6 +252,7 @@ class LegRunner:
                 raise await self._read_error(leg, resp)
             content_type = resp.header("content-type", "application/json")
             if not stream:
+                leg.answered()
                 return DecodeHead(leg, resp, b"", content_type, time.perf_counter())
             held = bytearray()
             scanned = 0
@@ -239,6 +260,7 @@ class LegRunner:
                 chunk = await resp.readany()
                 if not chunk:  # ended before any token: hand over what came, the client sees it as is
                     resp.release()
+                    leg.answered()
                     return DecodeHead(leg, None, bytes(held), content_type, time.perf_counter())
                 held += chunk
                 while (end := held.find(b"\n\n", scanned)) >= 0:
@@ -249,9 +271,12 @@ class LegRunner:
                         raise self.fail(leg, "generation_error", f"stream error before the first token: {error_message(event)}")
                     if kind in ("token", "done"):
                         resp.limit_silence(timeouts.stream_idle_s)
+                        leg.answered()
                         return DecodeHead(leg, resp, bytes(held), content_type, time.perf_counter())
         except asyncio.TimeoutError:
             raise self.fail(leg, "timeout", f"no first token within {timeouts.decode_s:g} s") from None
+        except LeftRotation as exc:
+            raise self.fail(leg, "left_rotation", str(exc)) from None
         except UpstreamError as exc:
             raise self.fail(leg, "connect", str(exc)) from None
         except asyncio.CancelledError:

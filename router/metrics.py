@@ -29,6 +29,10 @@ _HANDOFF_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.0125, 0.015, 0
 _OWN_BUCKETS = (0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.025,
                 0.05, 0.1)
 
+# read by `kvpush up` while it changes the instance list (instances.py)
+INSTANCE_LIST_METRIC = "kvpush_router_instance_list"
+DRAINING_METRIC = "kvpush_router_draining"
+
 # outcome label values of kvpush_router_requests_total
 OK = "success"
 CLIENT_ERROR = "client_error"  # 4xx: the request was wrong (router or upstream said so)
@@ -66,7 +70,8 @@ class RouterMetrics:
             "kvpush_router_decode_computed_prompts",
             "Prompts decode computed itself with prefill instances in rotation, by reason: prompt_logprobs "
             "(a transferred prompt has no logits), samples_without_prefix_caching (n > 1 on a decode instance "
-            "without prefix caching computes the prompt once per sample).", ["reason"], registry=r)
+            "without prefix caching computes the prompt once per sample), prefill_failed (a retry after every prefill "
+            "in rotation failed the prompt).", ["reason"], registry=r)
         self.leg_failures = Counter("kvpush_router_leg_failures", "Failed legs by instance, role and reason.",
                                     ["instance", "role", "reason"], registry=r)
         self.inflight = Gauge("kvpush_router_inflight", "Legs in flight per instance.", ["instance", "role"],
@@ -74,6 +79,15 @@ class RouterMetrics:
         self.in_rotation = Gauge("kvpush_router_instance_in_rotation",
                                  "1 if the instance receives new legs (from every router worker).",
                                  ["instance", "role"], registry=r, multiprocess_mode="livemin")
+        self.draining = Gauge(DRAINING_METRIC,
+                              "Legs and transfers still on an instance removed from the instance list (0: drained).",
+                              ["instance", "role"], registry=r, multiprocess_mode="livesum")
+        self.instance_list = Gauge(INSTANCE_LIST_METRIC,
+                                   "1 for the instance list (its digest) each router process serves, 0 for lists served before.",
+                                   ["digest"], registry=r, multiprocess_mode="liveall")
+        self.restarts = Gauge("kvpush_router_instance_restarts",
+                              "Restarts of an instance the router saw (its server's start time changed).",
+                              ["instance", "role"], registry=r, multiprocess_mode="livemax")
         self.workers = Gauge("kvpush_router_worker_up", "1 per router process serving (one sample per worker's pid).",
                              registry=r, multiprocess_mode="liveall")
         self.workers.set(1)

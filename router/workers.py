@@ -7,7 +7,8 @@ SO_REUSEPORT (the kernel spreads connections over them), hands one to each worke
 gives the workers one Prometheus multiprocess directory, so /metrics on any of them reports all.
 
 Each worker is a whole router (its own pools, health probes and load scrapes): selection and
-ejection are per worker. A worker that ends on its own stops the router as a whole (the
+ejection are per worker. SIGHUP to the supervisor is passed on to every worker, each of which reads
+the instance list again (rotation.py). A worker that ends on its own stops the router as a whole (the
 supervisor stops the others and exits non-zero), so `kvpush status` shows it instead of a router
 serving at part speed; a worker whose supervisor dies, even by SIGKILL, stops too.
 """
@@ -27,7 +28,7 @@ from pathlib import Path
 
 from kvpush.common.errors import KvpushError
 
-from .app import LISTEN_BACKLOG, STOP_SIGNALS, describe_process
+from .app import LISTEN_BACKLOG, RELOAD_SIGNAL, STOP_SIGNALS, describe_process
 from .config import RouterConfig
 from .metrics import PROMETHEUS_DIR_ENV, WORKERS_DIR_ENV
 
@@ -81,7 +82,8 @@ def stop_with_supervisor(supervisor_pid: int) -> None:
 def supervise(config: RouterConfig, log_level: str, run_dir_parent: Path | None = None) -> None:
     """Run `config.workers` router processes until SIGINT/SIGTERM (returns once they stopped) or
     until one of them ends on its own (raises KvpushError after stopping the rest)."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS | {signal.SIGCHLD})
+    # The workers start with this mask too: a SIGHUP that reaches one before it serves waits for it.
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS | {signal.SIGCHLD, RELOAD_SIGNAL})
     try:
         sockets = listening_sockets(config.bind, config.port, config.workers)
     except OSError as exc:
@@ -95,7 +97,7 @@ def supervise(config: RouterConfig, log_level: str, run_dir_parent: Path | None 
         try:
             run_dir = Path(cleanup.enter_context(tempfile.TemporaryDirectory(prefix=".router-workers-", dir=run_dir_parent)))
             config_path = run_dir / "router.json"
-            config_path.write_text(config.model_dump_json())
+            config_path.write_text(config.to_file_json())
             metrics_dir = run_dir / "metrics"
             metrics_dir.mkdir()
             env = {**os.environ, PROMETHEUS_DIR_ENV: str(metrics_dir), WORKERS_DIR_ENV: str(metrics_dir)}
@@ -116,9 +118,15 @@ def supervise(config: RouterConfig, log_level: str, run_dir_parent: Path | None 
 
 
 def _wait_for_stop_or_exit(workers: list[subprocess.Popen]) -> str | None:
-    """None on a stop signal; else which worker ended on its own, and how."""
+    """None on a stop signal; else which worker ended on its own, and how. SIGHUP goes on to every worker."""
     while True:
-        info = signal.sigtimedwait(STOP_SIGNALS | {signal.SIGCHLD}, 1.0)
+        info = signal.sigtimedwait(STOP_SIGNALS | {signal.SIGCHLD, RELOAD_SIGNAL}, 1.0)
+        if info is not None and info.si_signo == RELOAD_SIGNAL:
+            log.info("kvpush router supervisor: SIGHUP from %s, passed on to the workers", describe_process(info.si_pid))
+            for worker in workers:
+                if worker.poll() is None:
+                    worker.send_signal(RELOAD_SIGNAL)
+            continue
         if info is not None and info.si_signo in STOP_SIGNALS:
             log.info("kvpush router supervisor stopping on %s from %s", signal.Signals(info.si_signo).name,
                      describe_process(info.si_pid))

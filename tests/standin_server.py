@@ -2,10 +2,12 @@
 
 `standin -m vllm.entrypoints.openai.api_server ... --host H --port P` serves /health, /metrics and
 /v1/completions like a vLLM instance; `standin -m kvpush.router --config F` serves a router that
-forwards completions to the first decode upstream. Any other invocation (`-` for the probe, `-m pip`,
+forwards completions to the first decode upstream (of its instances_file, read again on SIGHUP;
+its /metrics says which list it serves, as the router's does). Any other invocation (`-` for the probe, `-m pip`,
 ...) runs the real interpreter, so provisioning works unchanged.
 Env: STANDIN_EXIT=1 exits at once (a process that fails to start); STANDIN_READY_DELAY=S delays /health;
-STANDIN_ROUTER_503=N makes the router answer its first N completions with 503 (instance not in rotation);
+STANDIN_ROUTER_OUT_OF_ROTATION=N makes the router's first N /metrics pages show every instance out of
+rotation (as a router that has not taken its instances back yet);
 STANDIN_ENGINE_CORE=1 makes a vLLM stand-in start a child that listens on its side-channel port and
 outlives it, as vLLM's `VLLM::EngineCore` outlives a SIGKILLed API server.
 Keys as the real ones take them: the vLLM stand-in answers 401 on /v1 without `Bearer $VLLM_API_KEY`
@@ -30,7 +32,7 @@ def _key(path):
     return open(os.path.expanduser(path)).read().strip() if path else None
 
 
-def serve(role, host, port, decode_url=None, required_key=None, upstream_key=None):
+def serve(role, host, port, routes=None, required_key=None, upstream_key=None):
     started = time.monotonic()
     ready_after = float(os.environ.get("STANDIN_READY_DELAY", "0"))
     counters = {"external": 0}
@@ -51,6 +53,14 @@ def serve(role, host, port, decode_url=None, required_key=None, upstream_key=Non
             if self.path == "/health":
                 ok = time.monotonic() - started >= ready_after
                 self._send(200 if ok else 503, "{}")
+            elif self.path == "/metrics" and routes is not None:  # what `up` reads before its proof, after a reload
+                counters["scrapes"] = counters.get("scrapes", 0) + 1
+                out = counters["scrapes"] <= int(os.environ.get("STANDIN_ROUTER_OUT_OF_ROTATION", "0"))
+                lines = ['kvpush_router_instance_in_rotation{instance="%s"} %s' % (n, "0.0" if out else "1.0")
+                         for n in routes["names"]]
+                if routes["digest"]:
+                    lines.append('kvpush_router_instance_list{digest="%s"} 1.0' % routes["digest"])
+                self._send(200, "\n".join(lines + [""]), "text/plain")
             elif self.path == "/metrics":
                 self._send(200, "\n".join([
                     "vllm:num_requests_running{engine=\"0\"} 0.0",
@@ -66,8 +76,7 @@ def serve(role, host, port, decode_url=None, required_key=None, upstream_key=Non
             if required_key and self.headers.get("Authorization") != "Bearer " + required_key:
                 return self._send(401, json.dumps({"error": "Unauthorized"}))
             counters["posts"] = counters.get("posts", 0) + 1
-            if decode_url and counters["posts"] <= int(os.environ.get("STANDIN_ROUTER_503", "0")):
-                return self._send(503, json.dumps({"error": {"message": "no decode instance in rotation"}}))
+            decode_url = routes and routes["decode_url"]
             if decode_url:
                 headers = {"Content-Type": "application/json"}
                 if upstream_key:
@@ -106,8 +115,23 @@ def main(argv):
             subprocess.Popen([sys.executable, __file__, *marker, "--engine-core", *side])
         if argv[1] == VLLM:
             serve("vllm", _arg(argv, "--host", "127.0.0.1"), int(_arg(argv, "--port")), required_key=os.environ.get("VLLM_API_KEY"))
-        config = json.load(open(_arg(argv, "--config")))
-        serve("router", config["bind"], config["port"], config["decode"][0]["url"],
+        config_path = _arg(argv, "--config")
+        config = json.load(open(config_path))
+        routes = {"decode_url": config["decode"][0]["url"] if config.get("decode") else None, "digest": None, "names": []}
+        if config.get("instances_file"):  # the instances in a file of their own, read again on SIGHUP
+            import signal
+
+            from kvpush.router.instances import load_instance_list
+
+            def load_instances(*_):
+                listed = load_instance_list(os.path.join(os.path.dirname(config_path),
+                                                         os.path.expanduser(config["instances_file"])))
+                routes.update(decode_url=listed.decode[0].url if listed.decode else None, digest=listed.digest(),
+                              names=[u.name for u in listed.prefill + listed.decode])
+
+            load_instances()
+            signal.signal(signal.SIGHUP, load_instances)
+        serve("router", config["bind"], config["port"], routes,
               required_key=_key(config.get("api_key_file")), upstream_key=_key(config.get("instance_api_key_file")))
     os.execv(sys.executable, [sys.executable] + argv)
 

@@ -90,7 +90,8 @@ def deploy_mode(topo: Topology, options: BenchOptions, events: BenchEvents, run:
     deployed = Deployed(topo, run, endpoints, router, plan.router_url_from_here(), resolve_tokenizer(topo, options.tokenizer),
                         runners, keys)
     with timed(run, "rotation"):
-        wait_router_ready(runners[router.host], plan.router_url, ROTATION_TIMEOUT_S, keys)
+        wait_router_ready(runners[router.host], plan.router_url, ROTATION_TIMEOUT_S, keys,
+                          instances=plan.instance_names())
     events.mode(run.mode, "warming up")
     with timed(run, "warm_up"):
         _warm_up(runners[router.host], deployed.base_url, topo.model.name, keys)

@@ -29,7 +29,8 @@ def step_shell(argv: list[str], env: dict[str, str], cwd: str, log_path: str, en
     Slurm signals a cancelled step's processes, but where it tracks them by parentage
     (proctrack/linuxproc) a process orphaned by its parent's death (vLLM's engine core) escapes
     it: the group kill is what makes the process tree die with its top. Forwarding TERM and
-    waiting keeps the step listed until its processes have really exited, ports closed. With
+    waiting keeps the step listed until its processes have really exited, ports closed. SIGHUP (a
+    reload request, e.g. the router's) is passed on, never the end of the step. With
     env_file, its variables (secrets) are exported by the step's shell, never written on a
     command line."""
     log_dir = log_path.rsplit("/", 1)[0] if "/" in log_path else "."
@@ -39,7 +40,7 @@ def step_shell(argv: list[str], env: dict[str, str], cwd: str, log_path: str, en
     return (f"mkdir -p {shell_word(cwd)} {shell_word(log_dir)} && cd {shell_word(cwd)} || exit 1; {source}"
             f"if [ -f {log} ]; then mv -f {log} {log}.1; fi; "
             f"setsid env {env_words} {' '.join(shell_word(a) for a in argv)} >{log} 2>&1 </dev/null & pid=$!; "
-            "trap 'kill -TERM $pid 2>/dev/null' TERM INT; "
+            "trap 'kill -TERM $pid 2>/dev/null' TERM INT; trap 'kill -HUP $pid 2>/dev/null' HUP; "
             "wait $pid; code=$?; while kill -0 $pid 2>/dev/null; do wait $pid; code=$?; done; "
             f"kill -KILL -- -$pid 2>/dev/null; "
             f"for _ in $(seq {GROUP_EXIT_WAIT_TENTHS}); do kill -0 -- -$pid 2>/dev/null || break; sleep 0.1; done; exit $code")

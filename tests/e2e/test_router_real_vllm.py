@@ -159,8 +159,9 @@ def start_deployment(protocol: str, model_dir: Path, workdir: Path) -> Deploymen
             proc = plan.process(name)
             started.append(ServerProcess(name, proc.argv, proc.env, proc.base_url, workdir))
         router_plan = plan.process("router")
-        config_file = plan.host(router_plan.host).files[0]
+        config_file, instances_file = plan.host(router_plan.host).files[:2]
         config_path = workdir / "router.json"
+        (workdir / json.loads(config_file.content)["instances_file"]).write_text(instances_file.content)
         config = json.loads(config_file.content)
         config["instance_api_key_file"] = None  # these instances start without `up`, so without a key
         config_path.write_text(json.dumps(config))

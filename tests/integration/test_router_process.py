@@ -28,7 +28,7 @@ async def main():
     await fake.stop()
 asyncio.run(main())
 """
-PORTS = {"decode": 18500, "prefill": 18501, "router": 18502}
+PORTS = {"decode": 18500, "prefill": 18501, "router": 18502, "decode-1": 18503}
 
 
 def wait_http(url: str, proc: subprocess.Popen, timeout_s: float = 20) -> int:
@@ -248,3 +248,75 @@ def test_router_workers_stop_cleanly_when_their_process_group_is_signalled(fakes
     os.killpg(proc.pid, signal.SIGTERM)
     assert proc.wait(timeout=30) == 0, proc.stderr.read()
     assert not any(alive(pid) for pid in pids)
+
+
+def instance_list(tmp_path: Path, decodes: list[str]) -> str:
+    """Write the instance list (prefill-0 and the named decodes) beside the config; its digest."""
+    from kvpush.router.instances import InstanceList
+
+    def up(name: str, port: int) -> Upstream:
+        return Upstream(name=name, url=f"http://127.0.0.1:{port}", engine_id=f"t.{name}", side_channel_host="127.0.0.1",
+                        side_channel_port=port + 100)
+
+    ports = {"decode-0": PORTS["decode"], "decode-1": PORTS["decode-1"]}
+    listed = InstanceList(prefill=[up("prefill-0", PORTS["prefill"])], decode=[up(n, ports[n]) for n in decodes])
+    (tmp_path / "instances.json").write_text(listed.model_dump_json())
+    return listed.digest()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_sighup_to_the_routers_group_makes_every_worker_take_the_new_instance_list(fakes, tmp_path, workers):
+    """As `kvpush up` changes the instances: the list file rewritten, SIGHUP to the router's process
+    group; no process of the router restarts."""
+    extra = subprocess.Popen([sys.executable, "-c", FAKE, str(PORTS["decode-1"])])
+    first = instance_list(tmp_path, ["decode-0"])
+    config = RouterConfig(protocol="kvpush", served_model_name="tiny", port=PORTS["router"], workers=workers,
+                          instances_file="instances.json", probe_interval_s=0.1)
+    (tmp_path / "router.json").write_text(config.to_file_json())
+    proc = subprocess.Popen([sys.executable, "-m", "kvpush.router", "--config", str(tmp_path / "router.json")],
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        wait_http(f"http://127.0.0.1:{PORTS['decode-1']}/health", extra)
+        assert wait_http(f"http://127.0.0.1:{PORTS['router']}/health", proc) == 200
+        deadline = time.monotonic() + 20
+        while len(children_of(proc.pid)) < (workers if workers > 1 else 0) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        pids = sorted([proc.pid, *children_of(proc.pid)])
+        assert eventually(lambda: all_serve(first, workers))  # each worker reports once it serves
+        for decodes in (["decode-0", "decode-1"], ["decode-1"]):
+            digest = instance_list(tmp_path, decodes)
+            os.killpg(proc.pid, signal.SIGHUP)
+            assert eventually(lambda: all_serve(digest, workers))
+            assert eventually(lambda: all(in_rotation(n) == 1 for n in decodes))
+            for i in range(6):
+                assert completion(f"p{i}")["choices"][0]["text"] == " t0 t1"
+        assert in_rotation("decode-0") == 0
+        assert sorted([proc.pid, *children_of(proc.pid)]) == pids  # nothing restarted
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=30)
+        extra.send_signal(signal.SIGTERM)
+        extra.wait(timeout=10)
+    assert code == 0, proc.stderr.read()
+    assert "instance list" in proc.stderr.read()
+
+
+def eventually(condition, timeout_s: float = 20) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return condition()
+
+
+def all_serve(digest: str, workers: int) -> bool:
+    from kvpush.common.vllm_metrics import samples
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{PORTS['router']}/metrics", timeout=10) as r:
+        serving = [labels["digest"] for metric, labels, value in samples(r.read().decode())
+                   if metric == "kvpush_router_instance_list" and value == 1]
+    return serving == [digest] * workers
+
+
+def in_rotation(name: str) -> float:
+    lines = [line for line in metric_lines("kvpush_router_instance_in_rotation") if f'instance="{name}"' in line]
+    return min(float(line.split()[-1]) for line in lines) if lines else -1

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from kvpush.deploy.changes import diff_deployment, is_running, launch_digest
+from kvpush.deploy.changes import diff_deployment, is_running, launch_digest, reload_digest
 from kvpush.common.errors import KvpushError
 from kvpush.deploy.plan import build_plan
 from kvpush.deploy.runners import HostError, ProcessInfo, fan_out, values_or_raise
@@ -40,7 +40,7 @@ def _state_from(plan, **overrides) -> DeploymentState:
             state.processes[proc.name] = ProcessRecord(
                 name=proc.name, role=proc.role, host=host.name, pid=100, pgid=100, start_time=1000.0,
                 http_port=proc.http_port, health_url=proc.health_url, log_path=proc.log_path,
-                digest=launch_digest(host, proc), started_at=0.0)
+                digest=launch_digest(host, proc), started_at=0.0, reload_digest=reload_digest(host, proc))
     state.processes.update(overrides)
     return state
 
@@ -62,13 +62,33 @@ def test_dead_process_is_revived_and_others_kept():
     assert changes.revive == ["decode-0"] and sorted(changes.keep) == ["prefill-0", "router"]
 
 
-def test_changed_instance_restarts_it_and_the_router_whose_config_names_it():
+def test_changed_instance_restarts_it_and_the_router_reloads_its_instance_list():
     plan = _plan()
     state = _state_from(plan)
     new_plan = _plan(TOPOLOGY.replace("decode: [{host: b}]", "decode: [{host: b, http_port: 8299}]"))
     changes = diff_deployment(new_plan, state, {n: True for n in state.processes})
-    # decode's argv changed; the router's argv did not, but the router.json it reads did.
-    assert sorted(changes.restart) == ["decode-0", "router"] and changes.keep == ["prefill-0"]
+    # decode's argv changed; the router's argv and router.json did not, its instance list did
+    assert changes.restart == ["decode-0"] and changes.reload == ["router"] and changes.keep == ["prefill-0"]
+    assert "reload (instance list changed): router" in changes.lines()
+
+
+def test_an_added_or_removed_instance_is_a_reload_of_the_router_not_a_restart():
+    plan = _plan()
+    state = _state_from(plan)
+    grown = _plan(TOPOLOGY.replace("decode: [{host: b}]", "decode: [{host: b}, {host: b, name: decode-1}]"))
+    changes = diff_deployment(grown, state, {n: True for n in state.processes})
+    assert changes.start == ["decode-1"] and changes.reload == ["router"] and not changes.restart
+    state = _state_from(grown)
+    changes = diff_deployment(plan, state, {n: True for n in state.processes})
+    assert changes.stop == ["decode-1"] and changes.reload == ["router"] and not changes.restart
+
+
+def test_a_changed_router_setting_restarts_the_router():
+    plan = _plan()
+    state = _state_from(plan)
+    changes = diff_deployment(_plan(TOPOLOGY.replace("router: {host: a}", "router: {host: a, policy: least-loaded}")),
+                              state, {n: True for n in state.processes})
+    assert changes.restart == ["router"] and not changes.reload
 
 
 def test_env_only_change_restarts_only_that_instance():

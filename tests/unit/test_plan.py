@@ -28,6 +28,15 @@ def plan_for(connector: str = "kvpush"):
     return build_plan(parse_topology(TWO_HOSTS % connector))
 
 
+def router_config_of(plan, host: str, tmp_path) -> RouterConfig:
+    """The config the router reads: router.json and the instance list it names, as written on the host."""
+    config_file, instances_file = plan.host(host).files
+    assert config_file.path.endswith("/router.json") and instances_file.path.endswith("/router-instances.json")
+    (tmp_path / "router.json").write_text(config_file.content)
+    (tmp_path / "router-instances.json").write_text(instances_file.content)
+    return RouterConfig.from_file(tmp_path / "router.json")
+
+
 def test_plan_is_deterministic():
     assert plan_for().to_json() == plan_for().to_json()
 
@@ -79,24 +88,25 @@ def test_vllm_connectors_on_cpu_load_kvpush_quiet_subclasses(platform, module):
     assert config.get("kv_connector_module_path") == module
 
 
-def test_colocated_has_no_connector_and_router_spreads_over_all():
+def test_colocated_has_no_connector_and_router_spreads_over_all(tmp_path):
     plan = plan_for("colocated")
     for proc in plan.processes():
         assert "--kv-transfer-config" not in proc.argv
         assert not proc.side_channel_ports
-    router_file = plan.host("a").files[0]
-    config = RouterConfig.model_validate_json(router_file.content)
+    config = router_config_of(plan, "a", tmp_path)
     assert config.protocol == "colocated"
     assert [u.name for u in config.decode] == ["prefill-0", "decode-0"]
 
 
-def test_router_process_and_config_file():
+def test_router_process_and_config_file(tmp_path):
     plan = plan_for()
     router = plan.process("router")
     assert router.host == "a"
     assert router.argv == ["/opt/venv/bin/python", "-m", "kvpush.router", "--config", "~/.kvpush/t/router.json"]
-    (config_file,) = plan.host("a").files
-    config = RouterConfig.model_validate_json(config_file.content)
+    # The instances in a file of their own, which the router reads again on SIGHUP
+    assert router.reload_files == ["~/.kvpush/t/router-instances.json"]
+    assert RouterConfig.model_validate_json(plan.host("a").files[0].content).instances_file == "router-instances.json"
+    config = router_config_of(plan, "a", tmp_path)
     assert config.port == 9000 and config.protocol == "kvpush" and config.workers == 1
     assert config.prefill[0].url == "http://127.0.0.2:8100"
     assert config.decode[0].engine_id == "t.decode-0"
@@ -119,7 +129,16 @@ def test_cpu_instances_run_their_worker_inside_the_engine_process():
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in gpu.env
 
 
-def test_cpu_tensor_parallel_instance_binds_each_rank_to_its_cores():
+def test_only_the_instances_file_changes_when_an_instance_is_added():
+    before = plan_for()
+    after = build_plan(parse_topology((TWO_HOSTS % "kvpush").replace(
+        'decode: [{host: b, cpu_cores: "1"}]', 'decode: [{host: b, cpu_cores: "1"}, {host: b, cpu_cores: "0"}]')))
+    assert before.process("router").digest() == after.process("router").digest()
+    (config_before, list_before), (config_after, list_after) = before.host("a").files, after.host("a").files
+    assert config_before == config_after and list_before != list_after
+
+
+def test_cpu_tensor_parallel_instance_binds_each_rank_to_its_cores(tmp_path):
     plan = build_plan(parse_topology(template_text("local-cpu-tp2")))
     prefill = plan.process("prefill-0")
     assert prefill.argv[:3] == ["taskset", "--cpu-list", "0-1"]  # the whole tree on the union
@@ -128,7 +147,7 @@ def test_cpu_tensor_parallel_instance_binds_each_rank_to_its_cores():
     assert prefill.argv[at:at + 4] == ["--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"]
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in prefill.env  # the ranks are worker processes anyway
     assert prefill.side_channel_ports == [5600, 5601] and plan.process("decode-0").side_channel_ports == [5602, 5603]
-    config = RouterConfig.model_validate_json(plan.host("local").files[0].content)
+    config = router_config_of(plan, "local", tmp_path)
     assert [u.tp_size for u in config.prefill + config.decode] == [2, 2]
 
 
@@ -189,8 +208,7 @@ def test_pinned_router_runs_under_taskset_beside_an_instance():
 def test_router_workers_reach_the_router_config():
     plan = build_plan(parse_topology(TWO_HOSTS.replace("router: {host: a, port: 9000}",
                                                        "router: {host: a, port: 9000, workers: 3}") % "kvpush"))
-    (config_file,) = plan.host("a").files
-    assert RouterConfig.model_validate_json(config_file.content).workers == 3
+    assert RouterConfig.model_validate_json(plan.host("a").files[0].content).workers == 3
 
 
 def test_local_cpu_template_keeps_router_off_the_prefill_core():

@@ -223,21 +223,40 @@ def test_failed_decode_is_retried_once_on_another_pair():
     run(scenario())
 
 
-def test_single_pair_retries_on_the_same_pair():
+@pytest.mark.parametrize("protocol", ["kvpush", "nixl-push", "nixl-pull"])
+def test_a_single_pairs_decode_failing_a_transfer_is_retried_with_decode_computing_the_prompt(protocol):
     async def scenario():
-        async with deployment("nixl-push") as dep:
+        async with deployment(protocol) as dep:
             dep.decode[0].behavior.fail_status = 503
             dep.decode[0].behavior.fail_times = 1
-            status, _ = await dep.post("/v1/completions", {**COMPLETION, "stream": True})
-            assert status == 200
-            assert len(dep.decode[0].received) == 2 and len(dep.prefill[0].received) == 2
+            async with dep.session.post(dep.url + "/v1/completions", json={**COMPLETION, "stream": True}) as resp:
+                assert resp.status == 200 and resp.headers["X-Kvpush-Decode-Computed-Prompt"] == "prefill_failed"
+                await resp.read()
+            # the failure may have been prefill's (a transfer decode gave up on): the retry avoids it
+            assert len(dep.decode[0].received) == 2 and len(dep.prefill[0].received) == 1
+            assert "kv_transfer_params" not in dep.decode[0].received[1].body
+            m = await dep.metrics()
+            assert sample(m, "kvpush_router_decode_computed_prompts_total", reason="prefill_failed") == 1
+            assert sample(m, "kvpush_router_fallbacks_total") == 0  # prefill stayed in rotation
+            assert dep.router.prefill.instances[0].in_rotation and dep.router.decode.instances[0].in_rotation
+
+    run(scenario())
+
+
+def test_a_decode_connection_failure_is_decodes_own_and_its_retry_goes_through_prefill_again():
+    async def scenario():
+        async with deployment("kvpush", eject_after_failures=100) as dep:
+            dep.decode[0].behavior.die_after_tokens = 0  # the connection drops before any token
+            status, raw = await dep.post("/v1/completions", {**COMPLETION, "stream": True})
+            assert status == 502 and "gave up after 2 attempts" in json.loads(raw)["error"]["message"]
+            assert len(dep.prefill[0].received) == 2
 
     run(scenario())
 
 
 def test_transfer_failure_reported_by_decode_is_retried_then_reported():
     async def scenario():
-        async with deployment("kvpush", max_retries=1, eject_after_failures=100) as dep:
+        async with deployment("kvpush", max_retries=0, eject_after_failures=100) as dep:
             dep.decode[0].behavior.transfer_error = True
             for path, body in (("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)):
                 for stream in (False, True):
@@ -245,11 +264,26 @@ def test_transfer_failure_reported_by_decode_is_retried_then_reported():
                     assert status == 502, raw
                     err = json.loads(raw)["error"]
                     assert err["code"] == 502 and "decode leg on instance d0" in err["message"]
-                    assert "gave up after 2 attempts" in err["message"]
+                    assert "gave up after 1 attempt" in err["message"]
             m = await dep.metrics()
-            assert sample(m, "kvpush_router_retries_total", reason="http_500") == 2
-            assert sample(m, "kvpush_router_retries_total", reason="generation_error") == 2
+            assert sample(m, "kvpush_router_leg_failures_total", instance="d0", reason="http_500") == 2
+            assert sample(m, "kvpush_router_leg_failures_total", instance="d0", reason="generation_error") == 2
             assert sample(m, "kvpush_router_requests_total", endpoint="/v1/completions", outcome="failed") == 2
+
+    run(scenario())
+
+
+def test_a_transfer_decode_failed_is_retried_on_another_prefill_and_decode_with_a_fresh_transfer():
+    async def scenario():
+        async with deployment("kvpush", n_prefill=2, n_decode=2, eject_after_failures=100) as dep:
+            dep.decode[0].behavior.transfer_error = True  # e.g. p0 went silent: d0's connector failed the transfer
+            status, raw = await dep.post("/v1/completions", COMPLETION)  # round robin: p0 and d0 first
+            assert status == 200, raw
+            assert [len(f.received) for f in dep.prefill + dep.decode] == [1, 1, 1, 1]
+            first, retry = dep.decode[0].received[0].body, dep.decode[1].received[0].body
+            assert first["kv_transfer_params"]["transfer_id"] != retry["kv_transfer_params"]["transfer_id"]
+            assert retry["kv_transfer_params"]["peer_engine_id"] == "test.p1"
+            assert all(i.in_rotation for i in dep.router.prefill.instances + dep.router.decode.instances)
 
     run(scenario())
 
@@ -635,13 +669,12 @@ def test_prefill_failing_after_decodes_first_token_leaves_the_stream_whole():
 
 def test_decode_failing_before_its_first_token_is_retried_while_prefill_still_runs():
     async def scenario():
-        async with deployment("kvpush", n_decode=2, eject_after_failures=100) as dep:
+        async with deployment("kvpush", n_prefill=2, n_decode=2, eject_after_failures=100) as dep:
             dep.prefill[0].behavior.first_token_delay_s = 0.3
             dep.decode[0].behavior.transfer_error = True  # an error event before any token
             status, raw = await dep.post("/v1/chat/completions", {**CHAT, "stream": True})
             assert status == 200 and events(raw)[-1] == "data: [DONE]"
-            assert len(dep.decode[1].received) == 1
-            await eventually(lambda: len(dep.prefill[0].received) == 2)
+            assert len(dep.decode[1].received) == 1 and len(dep.prefill[1].received) == 1
             await eventually(lambda: dep.prefill[0].abandoned == 1)  # the first attempt's prefill leg was closed
             m = await dep.metrics()
             assert sample(m, "kvpush_router_retries_total", reason="generation_error") == 1

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from kvpush.router.config import Upstream
 from kvpush.router.metrics import RouterMetrics
-from kvpush.router.pool import InstanceLoad, Pool
+from kvpush.router.pool import InstanceLoad, LeftRotation, Pool
 
 
 def make_pool(n: int, policy: str = "round-robin", eject_after: int = 2) -> Pool:
@@ -91,3 +91,82 @@ def test_only_an_unreachable_or_unhealthy_instance_is_ejected_not_a_failed_or_sl
     assert not inst.in_rotation
     samples = {s.labels["reason"]: s.value for s in pool.metrics.leg_failures.collect()[0].samples if s.name.endswith("_total")}
     assert samples["http_500"] == 3 and samples["health"] == 1  # every failure is still counted
+
+
+def ups(*names: str, port: int = 0) -> list[Upstream]:
+    return [Upstream(name=n, url=f"http://h:{port + k}", engine_id=f"e.{n}", side_channel_host="h", side_channel_port=k)
+            for k, n in enumerate(names)]
+
+
+def test_strict_avoid_gives_none_rather_than_an_avoided_instance():
+    pool = make_pool(2)
+    assert pool.pick(avoid={"i0", "i1"}) is not None
+    assert pool.pick(avoid={"i0", "i1"}, strict=True) is None
+    assert pool.pick(avoid={"i0"}, strict=True).name == "i1"
+
+
+def test_a_new_list_keeps_unchanged_instances_as_they_are_and_adds_new_ones_out_of_rotation():
+    pool = Pool("decode", ups("a", "b"), "round-robin", 2, RouterMetrics())
+    a, b = pool.instances
+    pool.restore(a)
+    pool.leg_started(a)
+    added, removed = pool.replace(ups("a", "c"))
+    assert pool.instances[0] is a and a.in_rotation and a.inflight == 1
+    assert [i.name for i in added] == ["c"] and not added[0].in_rotation
+    assert removed == [b] and b.removed and not pool.draining  # b carried nothing
+    pool.restore(b)
+    assert not b.in_rotation  # a removed instance never comes back
+
+
+def test_a_removed_instance_drains_its_legs_and_transfers_before_it_is_forgotten():
+    pool = Pool("prefill", ups("a", "b"), "round-robin", 2, RouterMetrics())
+    a = pool.instances[0]
+    pool.restore(a)
+    pool.leg_started(a)
+    pool.transfer_started(a)
+    pool.replace(ups("a", "b")[1:])
+    draining = lambda: {s.labels["instance"]: s.value for s in pool.metrics.draining.collect()[0].samples}  # noqa: E731
+    assert pool.draining == [a] and not a.in_rotation and draining() == {"a": 2}
+    assert pool.pick() is None  # a is out, b never answered a probe
+    pool.leg_ended(a)
+    assert pool.draining == [a] and draining() == {"a": 1}
+    pool.transfer_ended(a)
+    assert pool.draining == [] and draining() == {"a": 0}
+
+
+def test_a_changed_address_under_the_same_name_is_a_new_instance():
+    pool = Pool("decode", ups("a"), "round-robin", 2, RouterMetrics())
+    old = pool.instances[0]
+    added, removed = pool.replace(ups("a", port=100))
+    assert removed == [old] and added == pool.instances and added[0] is not old
+
+
+class Answer:
+    def __init__(self):
+        self.failed_with = None
+
+    def fail(self, exc):
+        self.failed_with = exc
+
+
+def test_ejection_fails_the_answers_still_waiting_on_the_instance():
+    pool = make_pool(2, eject_after=2)
+    a = pool.instances[0]
+    waiting = Answer()
+    a.waiting.add(waiting)
+    pool.failed(a, "health")
+    assert waiting.failed_with is None
+    pool.failed(a, "health")
+    assert isinstance(waiting.failed_with, LeftRotation) and "i0 left rotation (2 failures in a row" in str(waiting.failed_with)
+    assert not a.waiting
+
+
+def test_a_changed_start_time_counts_a_restart_and_the_first_one_seen_does_not():
+    pool = make_pool(1)
+    a = pool.instances[0]
+    pool.observe_start_time(a, 100.0)
+    pool.observe_start_time(a, 100.0)
+    pool.observe_start_time(a, None)  # a page that does not say
+    assert a.restarts == 0
+    pool.observe_start_time(a, 160.0)
+    assert a.restarts == 1 and a.start_time == 160.0

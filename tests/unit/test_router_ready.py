@@ -20,6 +20,13 @@ def test_out_of_rotation_names_ejected_instances():
     assert out_of_rotation(EJECTED) == ["decode-0"]
 
 
+def test_an_instance_no_longer_planned_is_not_waited_for():
+    removed = RECORDED + 'kvpush_router_instance_in_rotation{instance="decode-1",role="decode"} 0.0\n'
+    assert out_of_rotation(removed) == ["decode-1"]
+    assert out_of_rotation(removed, {"prefill-0", "decode-0"}) == []
+    assert out_of_rotation(EJECTED, {"prefill-0", "decode-0"}) == ["decode-0"]
+
+
 class _Router:
     """A router whose /metrics shows decode-0 ejected for the first `ejected_for` scrapes."""
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import shlex
+import signal
 import subprocess
 
 import pytest
@@ -118,6 +119,23 @@ def test_step_shell_forwards_term_and_ends_only_after_the_process_is_gone(tmp_pa
         pass
     shell.terminate()
     assert shell.wait(10) == 5 and log.read_text() == "started\ncleaned up\n"
+
+
+def test_step_shell_passes_sighup_on_and_the_step_goes_on(tmp_path):
+    """A reload request (the router's instance list) reaches the process; it is not the step's end."""
+    script = tmp_path / "reloads.sh"
+    script.write_text("trap 'echo reloaded' HUP; trap 'exit 4' TERM; echo started; while :; do sleep 0.1; done\n")
+    text = step_shell(["bash", str(script)], {}, str(tmp_path), str(tmp_path / "p.log"))
+    shell = subprocess.Popen(["bash", "-c", text])
+    log = tmp_path / "p.log"
+    while "started" not in (log.read_text() if log.exists() else ""):
+        pass
+    shell.send_signal(signal.SIGHUP)
+    while "reloaded" not in log.read_text():
+        assert shell.poll() is None
+    assert shell.poll() is None
+    shell.terminate()
+    assert shell.wait(10) == 4 and log.read_text() == "started\nreloaded\n"
 
 
 def test_step_shell_runs_the_process_with_its_log_and_home_relative_paths(tmp_path):
