@@ -6,12 +6,15 @@
   content on stdin (never in an argv), and restarts the processes whose files changed.
 - A standalone Slurm script (`kvpush plan --slurm-script`) makes its own secret when the job
   starts and derives the same files from it (secret_content.py); the script holds none.
+- `down` removes the secret files from the hosts (remove_secret_files); the secret kept here stays
+  unless `down --forget-secret` asks (forget_local_secret), so a later `up` brings the same keys back.
 - The router's client key comes from router.api_key_env (an environment variable here) or
   router.api_key_file (a file here); it reaches the router's host as a file too.
 """
 from __future__ import annotations
 
 import os
+import shlex
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +23,7 @@ from kvpush.common import deployment_secret as ds
 from kvpush.common.errors import UsageError
 
 from .changes import Changes
-from .plan import HostPlan, Plan, SecretFilePlan
+from .plan import HostPlan, Plan, SecretFilePlan, secret_paths_in
 from .private_file import private_write_command
 from .runners import Runner, fan_out, values_or_raise
 from .state import state_dir
@@ -144,6 +147,24 @@ def secret_file_content(kind: str, secret: bytes, keys: AccessKeys) -> bytes:
 def write_private_file(runner: Runner, path: str, data: bytes) -> None:
     """Write data to path on the runner's host, readable by its owner only from the first byte."""
     runner.run(private_write_command(runner.expand(path)), timeout=30, stdin=data).check(f"writing {path}")
+
+
+def remove_secret_files(runner: Runner, workdir: str) -> list[str]:
+    """Remove the deployment's secret files from the runner's host (workdir: the deployment's
+    directory there); returns the paths that were there."""
+    paths = [runner.expand(p) for p in secret_paths_in(workdir)]
+    words = " ".join(shlex.quote(p) for p in paths)
+    result = runner.run(f"for f in {words}; do if [ -e \"$f\" ]; then rm -f \"$f\" && echo \"$f\" || exit 1; fi; done",
+                        timeout=30).check("removing the secret files")
+    return result.stdout.splitlines()
+
+
+def forget_local_secret(deployment: str) -> bool:
+    """Delete the secret kept on this machine; whether there was one."""
+    path = local_secret_path(deployment)
+    existed = os.path.lexists(path)
+    path.unlink(missing_ok=True)
+    return existed
 
 
 class SecretDelivery:

@@ -93,9 +93,15 @@ def test_up_launches_every_process_as_a_job_step_and_down_cancels_the_job(deploy
     again = up(topo, OPTIONS)
     assert again.changes.nothing_to_do  # same job, steps still running: nothing to launch
 
+    from kvpush.deploy.plan import build_plan
+
+    secret_files = sorted(os.path.expanduser(f.path) for h in build_plan(topo).hosts for f in h.secret_files)
+    assert all(os.path.exists(p) for p in secret_files) and len(secret_files) == 5
     stopped = down("s", OPTIONS)
     assert stopped.complete and sorted(stopped.stopped) == ["decode-0", "prefill-0", "router"]
     assert stopped.notes == [f"cancelled Slurm job {job}"]
+    assert sorted(p for paths in stopped.secrets_removed.values() for p in paths) == secret_files  # removed through steps
+    assert not any(os.path.exists(p) for p in secret_files)
     assert slurm_cluster.command("squeue", "-h").stdout.strip() == ""
 
 
