@@ -47,7 +47,8 @@ def check_ports_free(ctx: DoctorContext) -> list[CheckResult]:
             first = taken[0]
             more = f" (+{len(taken) - 1} more)" if len(taken) > 1 else ""
             listeners = holders.get(first["port"], [])
-            stop = (f"stop {', '.join(f'pid {p.pid}' for p in listeners)} on {facts.host}" if listeners else
+            stop = (f"stop {', '.join(f'pid {p.pid}' for p in listeners)} on {facts.host} (listening on {first['addr']}:{first['port']})"
+                    if listeners else
                     f"stop what listens on {first['addr']}:{first['port']} on {facts.host} (ss -ltnp 'sport = :{first['port']}')")
             return fail("ports-free", facts.host,
                         f"port {first['port']} on host {facts.host} ({first['label']}) is taken{_held_by(holders, first)}: "

@@ -374,7 +374,7 @@ def test_ports_the_deployment_itself_holds_pass_and_a_foreign_holder_is_named_in
     assert r.status is Status.FAIL and "\n" not in r.summary  # one foreign listener on 5600 makes it foreign
     assert r.summary == ("port 5600 on host a (prefill-0 side channel) is taken by pid 41 (python3), pid 77 (nc): "
                          "Address already in use")
-    assert r.remedy.startswith("stop pid 41, pid 77 on a or choose another port")
+    assert r.remedy.startswith("stop pid 41, pid 77 on a (listening on 10.0.0.1:5600) or choose another port")
 
     ctx.port_holders["a"][5600] = [ProcessInfo(41, "alive", command="python3")]
     r = next(r for r in check_ports.check_ports_free(ctx) if r.subject == "a")
