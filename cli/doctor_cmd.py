@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from contextlib import ExitStack
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -12,7 +13,9 @@ from rich.text import Text
 from kvpush.deploy.doctor import CHECK_NAMES, DoctorOptions, DoctorReport, Status, run_doctor
 from kvpush.deploy.plan import build_plan
 from kvpush.deploy.hosts import connected
-from kvpush.deploy.state import HostRecord
+from kvpush.common.errors import KvpushError
+from kvpush.deploy.process_view import deployment_pids
+from kvpush.deploy.state import HostRecord, load_state
 from kvpush.deploy.topology import check_key_files, resolve_topology
 
 from .console import note, out, print_json, styled
@@ -51,6 +54,16 @@ def render_report(report: DoctorReport, verbose: bool = False) -> None:
                             f"{counts['skip']} skip on {len(report.hosts)} host(s) in {report.seconds:.1f} s"))
 
 
+def _deployment_pids(deployment: str, runners) -> dict[str, dict[int, str]]:
+    """The processes of this deployment where it is up already: the ports they hold are its own.
+    Nothing when it is not up, or when its processes cannot be looked at (then they count as foreign)."""
+    try:
+        state = load_state(deployment)
+        return deployment_pids(runners, state) if state is not None and state.processes else {}
+    except KvpushError:
+        return {}
+
+
 def register(app: typer.Typer) -> None:
     @app.command("doctor")
     def doctor_command(
@@ -80,6 +93,7 @@ def register(app: typer.Typer) -> None:
             if not json_output:
                 note(f"topology: {source}; probing {len(hosts)} host(s)")
             runners, unreachable = stack.enter_context(connected(hosts, ssh))
+            options = replace(options, own_pids=_deployment_pids(topo.name, runners))
             report = run_doctor(topo, runners, options, unreachable)
         if json_output:
             print_json(report.to_dict())

@@ -125,27 +125,38 @@ def register(app: typer.Typer) -> None:
         known_hosts: str = KNOWN_HOSTS,
         connect_timeout: float = CONNECT_TIMEOUT,
         timeout: float = typer.Option(20.0, "--timeout", help="Seconds between SIGTERM and SIGKILL."),
+        forget_secret: bool = typer.Option(False, "--forget-secret", help="Also delete the deployment secret kept on this "
+                                           "machine (the next `up` makes a new one, and new keys)."),
     ) -> None:
-        """Stop every process of the deployment (TERM, then KILL) and verify nothing is left."""
+        """Stop every process of the deployment (TERM, then KILL), verify nothing is left, and remove
+        the deployment's secret files from its hosts. The deployment secret kept on this machine
+        (in the state directory, ~/.kvpush/state/<deployment>.secret) stays, so a later `up` gives the
+        same keys again; --forget-secret deletes it too."""
         name = _deployment_name(file, deployment)
         options = LifecycleOptions(ssh=ssh_options(False, known_hosts, connect_timeout), stop_timeout_s=timeout)
-        result = down(name, options)
+        result = down(name, options, forget_secret=forget_secret)
         for line in result.notes:
             out.print(f"{name}: {line}", highlight=False)
-        if not result.stopped and result.complete and result.notes:
-            return
-        if not result.stopped and result.complete:
-            out.print(f"{name}: nothing running (no state recorded)" if not result.had_state else f"{name}: nothing running", highlight=False)
-            return
         if result.stopped:
             out.print(f"{name}: stopped {', '.join(result.stopped)}", highlight=False)
+        elif result.complete and not result.notes:
+            out.print(f"{name}: nothing running (no state recorded)" if not result.had_state else f"{name}: nothing running", highlight=False)
+        removed = sorted(h for h, paths in result.secrets_removed.items() if paths)
+        if removed:
+            out.print(f"{name}: removed its secret files on {', '.join(removed)}", highlight=False)
+        if result.forgot_secret:
+            out.print(f"{name}: deleted the deployment secret kept on this machine", highlight=False)
         for host, error in result.unreachable.items():
             err.print(styled("[yellow]not reached:[/yellow] {}; its processes stay recorded, rerun `kvpush down` when it is back", error),
                       highlight=False)
+        for host, why in result.secrets_left.items():
+            err.print(styled("[yellow]secret files left:[/yellow] host {}: {}", host, why), highlight=False)
         if result.left_running:
             raise KvpushError(f"{name}: still running after SIGKILL: {', '.join(result.left_running)}")
         if result.unreachable:
             raise KvpushError(f"{name}: {len(result.unreachable)} host(s) not reached; the rest is stopped")
+        if result.secrets_left:
+            raise KvpushError(f"{name}: the secret files on {', '.join(sorted(result.secrets_left))} could not be removed (see above)")
 
     @app.command("status")
     def status_command(

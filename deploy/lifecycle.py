@@ -25,7 +25,8 @@ from .proof import Proof, prove_kv_transfer
 from .provision import ProvisionResult, WheelSource, local_digest, provision_host
 from .router_reload import hand_over
 from .runners import Runner, SshOptions, fan_out, values_or_raise
-from .secrets import AccessKeys, SecretDelivery, client_api_key, ensure_local_secret, restart_users_of
+from .secrets import (AccessKeys, SecretDelivery, client_api_key, ensure_local_secret, forget_local_secret,
+                      remove_secret_files, restart_users_of)
 from .state import DeploymentState, HostRecord, ProcessRecord, load_state, locked, remove_state, save_state
 from .topology import Topology
 
@@ -213,42 +214,62 @@ def _up(topo: Topology, options: LifecycleOptions, events: Events) -> UpResult:
 @dataclass
 class DownResult:
     stopped: list[str] = field(default_factory=list)
-    unreachable: dict[str, str] = field(default_factory=dict)  # host -> error
+    unreachable: dict[str, str] = field(default_factory=dict)  # host -> error (processes still recorded there)
     left_running: list[str] = field(default_factory=list)
     had_state: bool = True
     notes: list[str] = field(default_factory=list)  # e.g. the Slurm job it found ended or cancelled
+    secrets_removed: dict[str, list[str]] = field(default_factory=dict)  # host -> the secret files removed there
+    secrets_left: dict[str, str] = field(default_factory=dict)  # host -> why its secret files are still there
+    forgot_secret: bool = False  # the secret kept on this machine was deleted (forget_secret)
 
     @property
     def complete(self) -> bool:
-        return not self.unreachable and not self.left_running
+        return not self.unreachable and not self.left_running and not self.secrets_left
 
 
-def down(deployment: str, options: LifecycleOptions = LifecycleOptions(), events: Events = Events()) -> DownResult:
+def down(deployment: str, options: LifecycleOptions = LifecycleOptions(), events: Events = Events(),
+         forget_secret: bool = False) -> DownResult:
+    """Stop every process, remove the deployment's secret files from every host where nothing of
+    it runs any more, then forget it (and, with forget_secret, the secret kept on this machine)."""
     with locked(deployment):
         state = load_state(deployment)
-        ended = slurm_allocation.ended_message(state)
-        if ended is not None:  # nothing of it can run: forget it
-            remove_state(deployment)
-            return DownResult(had_state=True, notes=[ended])
-        if state is None or not state.processes:
-            released = slurm_allocation.release(state)
-            remove_state(deployment)
-            return DownResult(had_state=state is not None, notes=[released] if released else [])
-        result = DownResult()
-        hosts = {n: h for n, h in state.hosts.items() if state.processes_on(n)}
-        with connected(hosts, options.ssh) as (runners, unreachable):
-            result.unreachable = unreachable
-            left = stop_records(runners, [r for r in state.processes.values() if r.host in runners], options.stop_timeout_s)
-        for host, names in left.items():
+        result = _down(deployment, state, options)
+        if forget_secret and load_state(deployment) is None:  # kept while anything of it is still recorded
+            result.forgot_secret = forget_local_secret(deployment)
+        return result
+
+
+def _down(deployment: str, state: DeploymentState | None, options: LifecycleOptions) -> DownResult:
+    if state is None:
+        return DownResult(had_state=False)
+    ended = slurm_allocation.ended_message(state)
+    if ended is not None:  # nothing of it can run, and no job reaches its nodes: forget it
+        remove_state(deployment)
+        where = "; ".join(f"{r.workdir} on {h}" for h, r in state.hosts.items())
+        return DownResult(had_state=True, notes=[ended] + ([f"its secret files remain in {where} (no job reaches those "
+                                                             "nodes now); remove them by hand"] if where else []))
+    result = DownResult()
+    with connected(state.hosts, options.ssh) as (runners, unreachable):
+        left = stop_records(runners, [r for r in state.processes.values() if r.host in runners], options.stop_timeout_s)
+        for names in left.values():
             result.left_running += names
         for r in list(state.processes.values()):
             if r.host in runners and r.name not in result.left_running:
                 result.stopped.append(r.name)
                 del state.processes[r.name]
-        if state.processes:
-            save_state(state)  # what could not be stopped stays recorded for the next `down`
-        else:
-            released = slurm_allocation.release(state)
-            result.notes += [released] if released else []
-            remove_state(deployment)
-        return result
+        result.unreachable = {h: e for h, e in unreachable.items() if state.processes_on(h)}
+        result.secrets_left = {h: f"not reached ({e}); remove its secret files in {state.hosts[h].workdir} by hand"
+                               for h, e in unreachable.items() if not state.processes_on(h)}
+        clear = [h for h in runners if not state.processes_on(h)]  # a process still there may read them yet
+        for host, outcome in fan_out(clear, lambda h: remove_secret_files(runners[h], state.hosts[h].workdir)).items():
+            if outcome.ok:
+                result.secrets_removed[host] = outcome.value
+            else:
+                result.secrets_left[host] = str(outcome.error)
+    if state.processes:
+        save_state(state)  # what could not be stopped stays recorded for the next `down`
+    else:
+        released = slurm_allocation.release(state)
+        result.notes += [released] if released else []
+        remove_state(deployment)
+    return result

@@ -181,6 +181,11 @@ def secret_path(topo: Topology, host: HostSpec, kind: SecretKind) -> str:
     return f"{deployment_dir(topo, host)}/{SECRET_FILE_NAMES[kind]}"
 
 
+def secret_paths_in(workdir: str) -> list[str]:
+    """Every secret file a host of the deployment whose directory is `workdir` may hold (`down` removes them)."""
+    return [f"{workdir.rstrip('/')}/{name}" for name in SECRET_FILE_NAMES.values()]
+
+
 def engine_id(topo: Topology, spec: InstanceSpec) -> str:
     """Stable engine identity: the connector's allowlists name peers by it."""
     return f"{topo.name}.{spec.name}"

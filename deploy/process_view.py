@@ -154,3 +154,15 @@ def _is_supervisor_part(member: ProcessInfo, view: ProcessView) -> bool:
     """The supervisor and its watcher, while they finish cleaning up, are not leftovers."""
     sup = view.supervisor
     return view.leader_running and sup is not None and member.pid in (sup.supervisor_pid, sup.watcher_pid)
+
+
+def deployment_pids(runners: dict[str, Runner], state: DeploymentState) -> dict[str, dict[int, str]]:
+    """Per host: every live PID in the process groups of the deployment's recorded processes (a
+    running one's tree, or what a dead one left behind) -> that process's name. Records on hosts
+    without a runner are left out; a host that fails raises (FanOutError)."""
+    reachable = DeploymentState(state.deployment, processes={n: r for n, r in state.processes.items() if r.host in runners})
+    owned: dict[str, dict[int, str]] = {}
+    for view in view_deployment(runners, reachable).values():
+        for member in view.members:
+            owned.setdefault(view.record.host, {})[member.pid] = view.record.name
+    return owned

@@ -4,6 +4,10 @@
   `up --rotate-secret` replaces it; `status` and `bench` derive the instances' key from it.
 - `up` writes the plan's secret files (HostPlan.secret_files) on each host with mode 0600, their
   content on stdin (never in an argv), and restarts the processes whose files changed.
+- A standalone Slurm script (`kvpush plan --slurm-script`) makes its own secret when the job
+  starts and derives the same files from it (secret_content.py); the script holds none.
+- `down` removes the secret files from the hosts (remove_secret_files); the secret kept here stays
+  unless `down --forget-secret` asks (forget_local_secret), so a later `up` brings the same keys back.
 - The router's client key comes from router.api_key_env (an environment variable here) or
   router.api_key_file (a file here); it reaches the router's host as a file too.
 """
@@ -19,7 +23,8 @@ from kvpush.common import deployment_secret as ds
 from kvpush.common.errors import UsageError
 
 from .changes import Changes
-from .plan import HostPlan, Plan, SecretFilePlan
+from .plan import HostPlan, Plan, SecretFilePlan, secret_paths_in
+from .private_file import private_write_command
 from .runners import Runner, fan_out, values_or_raise
 from .state import state_dir
 from .topology import Topology
@@ -66,21 +71,32 @@ def _valid_key(key: str, where: str) -> str:
     return key
 
 
+HERE = ("on this machine", "export it here (kvpush delivers the key to the router's host as a file)",
+        "give the path of a file on this machine")
+
+
 def client_api_key(topo: Topology) -> str | None:
     """The key clients send to the router, read on this machine; None when the router takes none."""
-    router = topo.router
-    if router.api_key_env is not None:
-        value = os.environ.get(router.api_key_env, "")
+    return read_client_key(topo.router.api_key_env, topo.router.api_key_file, HERE)
+
+
+def read_client_key(api_key_env: str | None, api_key_file: str | None,
+                    where: tuple[str, str, str] = HERE) -> str | None:
+    """The router's client key from the variable api_key_env, else the file api_key_file, as the
+    process reading it sees them; `where` says in error messages where that is (place, how to set
+    the variable, where the file must be)."""
+    place, export_hint, file_hint = where
+    if api_key_env is not None:
+        value = os.environ.get(api_key_env, "")
         if not value:
-            raise UsageError(f"router.api_key_env: {router.api_key_env} is unset or empty on this machine; "
-                             f"export it here (kvpush delivers the key to the router's host as a file)")
-        return _valid_key(value.strip(), f"router.api_key_env ({router.api_key_env})")
-    if router.api_key_file is not None:
+            raise UsageError(f"router.api_key_env: {api_key_env} is unset or empty {place}; {export_hint}")
+        return _valid_key(value.strip(), f"router.api_key_env ({api_key_env})")
+    if api_key_file is not None:
         try:
-            key = ds.read_key_file(router.api_key_file, missing_hint="give the path of a file on this machine")
+            key = ds.read_key_file(api_key_file, missing_hint=file_hint)
         except ds.SecretFileError as exc:
             raise UsageError(f"router.api_key_file: {exc}") from None
-        return _valid_key(key, f"router.api_key_file ({router.api_key_file})")
+        return _valid_key(key, f"router.api_key_file ({api_key_file})")
     return None
 
 
@@ -114,7 +130,8 @@ def observed_keys(deployment: str, topo: Topology | None) -> AccessKeys:
     return AccessKeys.of(secret, client)
 
 
-def _content(kind: str, secret: bytes, keys: AccessKeys) -> bytes:
+def secret_file_content(kind: str, secret: bytes, keys: AccessKeys) -> bytes:
+    """What the secret file of this kind holds (kinds: plan.SecretKind)."""
     if kind == "deployment-secret":
         return ds.secret_file_text(secret).encode()
     if kind == "instance-env":
@@ -128,14 +145,26 @@ def _content(kind: str, secret: bytes, keys: AccessKeys) -> bytes:
 
 
 def write_private_file(runner: Runner, path: str, data: bytes) -> None:
-    """Write data to path on the runner's host, readable by its owner only from the first byte:
-    mktemp makes the file 0600 before anything is in it, and the data comes on stdin."""
-    target = runner.expand(path)
-    directory = target.rsplit("/", 1)[0] or "/"
-    q = shlex.quote
-    command = (f"umask 077 && mkdir -p {q(directory)} && t=$(mktemp {q(directory + '/.secret.XXXXXX')}) && "
-               f"{{ cat >\"$t\" && mv -f \"$t\" {q(target)}; }} || {{ rm -f \"$t\"; exit 1; }}")
-    runner.run(command, timeout=30, stdin=data).check(f"writing {path}")
+    """Write data to path on the runner's host, readable by its owner only from the first byte."""
+    runner.run(private_write_command(runner.expand(path)), timeout=30, stdin=data).check(f"writing {path}")
+
+
+def remove_secret_files(runner: Runner, workdir: str) -> list[str]:
+    """Remove the deployment's secret files from the runner's host (workdir: the deployment's
+    directory there); returns the paths that were there."""
+    paths = [runner.expand(p) for p in secret_paths_in(workdir)]
+    words = " ".join(shlex.quote(p) for p in paths)
+    result = runner.run(f"for f in {words}; do if [ -e \"$f\" ]; then rm -f \"$f\" && echo \"$f\" || exit 1; fi; done",
+                        timeout=30).check("removing the secret files")
+    return result.stdout.splitlines()
+
+
+def forget_local_secret(deployment: str) -> bool:
+    """Delete the secret kept on this machine; whether there was one."""
+    path = local_secret_path(deployment)
+    existed = os.path.lexists(path)
+    path.unlink(missing_ok=True)
+    return existed
 
 
 class SecretDelivery:
@@ -145,7 +174,7 @@ class SecretDelivery:
         self.plan, self.secret, self.keys = plan, secret, keys
 
     def _wanted(self, host: HostPlan) -> list[tuple[SecretFilePlan, bytes]]:
-        return [(f, _content(f.kind, self.secret, self.keys)) for f in host.secret_files]
+        return [(f, secret_file_content(f.kind, self.secret, self.keys)) for f in host.secret_files]
 
     def stale(self, runners: dict[str, Runner]) -> dict[str, list[SecretFilePlan]]:
         """Per host: its secret files whose content there is not what this `up` would write."""

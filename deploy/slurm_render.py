@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from kvpush.common.errors import UsageError
 
+from .private_file import private_write_command
 from .runners.slurm_step import shell_word, srun_argv, step_shell
 from .slurm_topology import node_count, used_hosts
 from .tiny_model import MARKER as TINY_MODEL_MARKER
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
 
 HOLD_COMMAND = "exec sleep infinity"
 SCRIPT_EOF = "KVPUSH_FILE_END"
+SECRET_MODULE = "kvpush.deploy.secret_content"  # run by the job: derives each secret file (never in the script)
 
 
 def job_name(topo: Topology) -> str:
@@ -119,12 +121,13 @@ def standalone_script(topo: Topology, hosts: list["HostPlan"], source: str) -> s
         "# Submit with `sbatch THIS_FILE`; the job ends when any step ends (scancel stops them all).",
         "set -u",
     ]
+    lines += _secret_file_lines(topo, hosts)
     for host in hosts:
         for f in host.files:
             directory = f.path.rsplit("/", 1)[0]
             write = f"mkdir -p {shell_word(directory)} && cat > {shell_word(f.path)}"
             lines += [f"# {f.path} on {host.name}",
-                      shlex.join(step_argv_for(host, "write-file", write)) + f" <<'{SCRIPT_EOF}'",
+                      shlex.join(step_argv_for(host, "write-file", write)) + f" <<'{SCRIPT_EOF}' || exit 1",
                       f.content, SCRIPT_EOF]
         if topo.model.tiny is not None and any(p.role != "router" for p in host.processes):
             model = topo.model.path
@@ -138,6 +141,49 @@ def standalone_script(topo: Topology, hosts: list["HostPlan"], source: str) -> s
     lines += ["wait -n", 'echo "kvpush: a step ended; ending job $SLURM_JOB_ID and with it the other steps" >&2',
               "exit 1", ""]
     return "\n".join(lines)
+
+
+def _secret_file_lines(topo: Topology, hosts: list["HostPlan"]) -> list[str]:
+    """The job's own deployment secret and the plan's secret files, with nothing secret in the script.
+
+    On the batch step's node (one of the deployment's), with umask 077 and in a private temporary
+    directory: a fresh secret, then every kind of secret file derived from it by kvpush itself
+    (the router's client key first: a missing one fails the job before anything is written).
+    Each file then goes to its node through a step, its content on stdin; the private directory
+    is removed as soon as they are written, and at exit whatever happens."""
+    kinds = list(dict.fromkeys(f.kind for h in hosts for f in h.secret_files))
+    if not kinds:
+        return []
+    kinds.sort(key=lambda kind: kind != "router-client-key")
+    pythons = {(h.slurm or {}).get("node"): h.python for h in hosts}
+    nodes = ", ".join(str(n) for n in pythons)
+    lines = [
+        "# Secret files: the job makes its own deployment secret on its first node and derives each file",
+        "# from it there; steps write them on their nodes (mode 0600, content on stdin).",
+        'kvpush_umask=$(umask); umask 077',
+        'kvpush_private=$(mktemp -d) || exit 1',
+        "trap 'rm -rf \"$kvpush_private\"' EXIT",
+        "trap 'exit 143' TERM INT",
+        'case "${SLURMD_NODENAME:-}" in',
+        *(f"  {shlex.quote(str(node))}) kvpush_python={shell_word(python)} ;;" for node, python in pythons.items()),
+        f'  *) echo "kvpush: the batch script runs on node ${{SLURMD_NODENAME:-?}}, none of this deployment\'s ({nodes})" >&2; exit 1 ;;',
+        "esac",
+        f'"$kvpush_python" -m {SECRET_MODULE} new >"$kvpush_private/secret" || exit 1',
+    ]
+    router = topo.router
+    for kind in kinds:
+        client = ""
+        if kind == "router-client-key":
+            client = (f" --client-key-env {shlex.quote(router.api_key_env)}" if router.api_key_env is not None
+                      else f" --client-key-file {shlex.quote(str(router.api_key_file))}")
+        lines.append(f'"$kvpush_python" -m {SECRET_MODULE} {kind} --secret "$kvpush_private/secret"{client} '
+                     f'>"$kvpush_private/{kind}" || exit 1')
+    for host in hosts:
+        for f in host.secret_files:
+            lines += [f"# {f.path} on {host.name} ({f.kind})",
+                      shlex.join(step_argv_for(host, "write-secret", private_write_command(f.path, shell_word)))
+                      + f' <"$kvpush_private/{f.kind}" || exit 1']
+    return lines + ['rm -rf "$kvpush_private"', 'umask "$kvpush_umask"']
 
 
 def step_argv_for(host: "HostPlan", step_name: str, command: str) -> list[str]:

@@ -92,3 +92,18 @@ def standin_deployments(cluster, tmp_path):
         down(name, options(cluster))
     left = kill_leftovers(python)
     assert not left, f"processes left behind: {[p.pid for p in left]}"
+
+
+def wait_for(what: str, condition, timeout_s: float, detail=lambda: "", interval_s: float = 0.3):
+    """Poll condition() until it returns something true (returned); past timeout_s, fail saying
+    what was awaited and detail() (the state that would explain it)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"waited {timeout_s:.0f} s for {what}; {detail()}")
+        time.sleep(interval_s)

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 from kvpush.deploy.plan import Plan, ProcessPlan
+from kvpush.deploy.runners.base import ProcessInfo
 from kvpush.deploy.topology import Topology
 
 from .facts import HostFacts
@@ -38,6 +39,8 @@ class DoctorContext:
     claims: list[PortClaim] = field(default_factory=list)
     targets: list[ReachTarget] = field(default_factory=list)
     transfers: dict[tuple[str, str], TransferOutcome] | None = None  # None: --transfer not given
+    port_holders: dict[str, dict[int, list[ProcessInfo]]] = field(default_factory=dict)  # host -> port in use -> listeners
+    own_pids: dict[str, dict[int, str]] = field(default_factory=dict)  # host -> the deployment's PID -> its process
 
     @property
     def disaggregated(self) -> bool:

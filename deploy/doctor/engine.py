@@ -8,6 +8,7 @@ functions of the facts gathered, so they are tested on recorded outputs.
 """
 from __future__ import annotations
 
+import errno
 import json
 import secrets
 import threading
@@ -17,6 +18,7 @@ from typing import Mapping
 
 from kvpush.common.errors import UsageError
 from kvpush.deploy.plan import bind_address, build_plan
+from kvpush.deploy.runners.base import parse_port_holders, port_holders_command
 from kvpush.deploy.topology import Topology
 
 from . import (check_accelerators, check_fabric, check_limits, check_model, check_nixl, check_ports,
@@ -49,6 +51,9 @@ class DoctorOptions:
     reach_window_s: float = 5.0  # how long connects retry and listeners wait
     transfer_bytes: int = 64 * 2**20
     running: frozenset[str] = frozenset()  # processes already up: their ports are expected taken
+    # The deployment's own live processes, per host: PID -> process name (process_view.deployment_pids).
+    # A port one of them holds is "in use by this deployment", not taken.
+    own_pids: Mapping[str, Mapping[int, str]] = field(default_factory=dict)
 
 
 @dataclass
@@ -255,6 +260,9 @@ def run_doctor(topo: Topology, runners: Mapping[str, CommandRunner], options: Do
             ctx.facts[host] = outcome
         else:
             ctx.probe_failures[host] = outcome
+    ctx.own_pids = {h: dict(pids) for h, pids in options.own_pids.items()}
+    if "ports-free" in selected:
+        ctx.port_holders = _port_holders(ctx, runners, options)
     if options.transfer and "transfer" in selected and ctx.disaggregated:
         ctx.transfers = {}
         for source, target in check_transfer.transfer_pairs(ctx):
@@ -263,6 +271,19 @@ def run_doctor(topo: Topology, runners: Mapping[str, CommandRunner], options: Do
                 ctx.transfers[(source, target)] = outcome
     results = evaluate(ctx, selected)
     return DoctorReport(results, time.monotonic() - started, hosts=[h.name for h in plan.hosts])
+
+
+def _port_holders(ctx: DoctorContext, runners: Mapping[str, CommandRunner], options: DoctorOptions) -> dict:
+    """For the hosts where a port was in use: per port, the processes listening on it."""
+    taken = {host: [r["port"] for r in facts.raw.get("bind", []) if r.get("errno") == errno.EADDRINUSE]
+             for host, facts in ctx.facts.items()}
+
+    def look(host: str) -> dict:
+        result = runners[host].run(port_holders_command(), timeout=options.timeout_s)
+        return parse_port_holders(taken[host], result.stdout) if result.exit_code == 0 else {}
+
+    jobs = {h: (lambda h=h: look(h)) for h, ports in taken.items() if ports}
+    return {h: found for h, found in in_parallel(jobs, options.timeout_s).items() if isinstance(found, dict)}
 
 
 def fast_checks(topo: Topology, runners: Mapping[str, CommandRunner], running: frozenset[str] = frozenset(),

@@ -208,30 +208,61 @@ def parse_proc_table(pids: list[int], text: str) -> dict[int, ProcessInfo]:
     return {p: found.get(p, ProcessInfo(p, "dead")) for p in pids}
 
 
+SOCKET_FDS = "ls -l /proc/$p/fd 2>/dev/null | sed -n \"s/.*socket:\\[\\([0-9]*\\)\\]/$p \\1/p\""
+TCP_TABLES = "cat /proc/net/tcp /proc/net/tcp6 2>/dev/null"
+
+
 def listening_ports_command(pids: list[int]) -> str:
     """Prints `PID <fd listing>` lines for each PID's socket fds, then `==`, then the kernel's TCP tables."""
     pid_words = " ".join(str(int(p)) for p in pids)
-    return (f"for p in {pid_words}; do ls -l /proc/$p/fd 2>/dev/null | sed -n \"s/.*socket:\\[\\([0-9]*\\)\\]/$p \\1/p\"; done; "
-            "echo ==; cat /proc/net/tcp /proc/net/tcp6 2>/dev/null; true")
+    return f"for p in {pid_words}; do {SOCKET_FDS}; done; echo ==; {TCP_TABLES}; true"
+
+
+def port_holders_command() -> str:
+    """listening_ports_command for every process this user may look into, then `==` and each
+    process's command name (`/proc/PID/comm:NAME` lines)."""
+    return (f"for d in /proc/[0-9]*; do p=${{d#/proc/}}; {SOCKET_FDS}; done; echo ==; {TCP_TABLES}; echo ==; "
+            "grep -H . /proc/[0-9]*/comm 2>/dev/null; true")
 
 
 TCP_LISTEN = "0A"
 
 
-def parse_listening_ports(pids: list[int], text: str) -> dict[int, list[int]]:
-    owned, _, tables = text.partition("==\n")
+def _listening(owned: str, tables: str) -> dict[int, set[int]]:
+    """PID -> the TCP ports its sockets listen on, from `PID INODE` lines and the kernel's tables."""
     inode_owner: dict[str, int] = {}
     for line in owned.splitlines():
         pid, _, inode = line.partition(" ")
         if inode:
             inode_owner[inode.strip()] = int(pid)
-    ports: dict[int, set[int]] = {int(p): set() for p in pids}
+    ports: dict[int, set[int]] = {}
     for line in tables.splitlines():
         fields = line.split()
         # sl local_address rem_address st tx:rx tr:when retrnsmt uid timeout inode
         if len(fields) > 9 and fields[3] == TCP_LISTEN and fields[9] in inode_owner:
-            ports[inode_owner[fields[9]]].add(int(fields[1].rsplit(":", 1)[1], 16))
-    return {pid: sorted(found) for pid, found in ports.items()}
+            ports.setdefault(inode_owner[fields[9]], set()).add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def parse_listening_ports(pids: list[int], text: str) -> dict[int, list[int]]:
+    owned, _, tables = text.partition("==\n")
+    found = _listening(owned, tables)
+    return {int(pid): sorted(found.get(int(pid), ())) for pid in pids}
+
+
+def parse_port_holders(ports: list[int], text: str) -> dict[int, list[ProcessInfo]]:
+    """Per port: the live processes listening on it (with their command names), from port_holders_command."""
+    owned, _, rest = text.partition("==\n")
+    tables, _, comms = rest.partition("==\n")
+    names: dict[int, str] = {}
+    for line in comms.splitlines():
+        path, _, name = line.partition(":")
+        pid = path.removeprefix("/proc/").removesuffix("/comm")
+        if pid.isdigit():
+            names[int(pid)] = name.strip()
+    found = _listening(owned, tables)
+    return {port: [ProcessInfo(pid, "alive", command=names.get(pid)) for pid in sorted(found) if port in found[pid]]
+            for port in ports}
 
 
 def signal_groups_command(pgids: list[int], signal_name: str) -> str:

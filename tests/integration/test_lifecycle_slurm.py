@@ -6,8 +6,8 @@ started under a temporary directory and stopped after (tests/slurm_cluster.py).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
-import time
 
 import psutil
 import pytest
@@ -19,7 +19,7 @@ from kvpush.deploy.runners import SshOptions
 from kvpush.deploy.runners.slurm_cli import SlurmClient
 from kvpush.deploy.state import load_state
 from kvpush.deploy.lifecycle import LifecycleOptions
-from lifecycle_helpers import RecordingEvents, kill_leftovers
+from lifecycle_helpers import RecordingEvents, kill_leftovers, wait_for
 from slurm_cluster import slurm_topology_for
 from sshd_hosts import write_standin_python
 
@@ -93,9 +93,15 @@ def test_up_launches_every_process_as_a_job_step_and_down_cancels_the_job(deploy
     again = up(topo, OPTIONS)
     assert again.changes.nothing_to_do  # same job, steps still running: nothing to launch
 
+    from kvpush.deploy.plan import build_plan
+
+    secret_files = sorted(os.path.expanduser(f.path) for h in build_plan(topo).hosts for f in h.secret_files)
+    assert all(os.path.exists(p) for p in secret_files) and len(secret_files) == 5
     stopped = down("s", OPTIONS)
     assert stopped.complete and sorted(stopped.stopped) == ["decode-0", "prefill-0", "router"]
     assert stopped.notes == [f"cancelled Slurm job {job}"]
+    assert sorted(p for paths in stopped.secrets_removed.values() for p in paths) == secret_files  # removed through steps
+    assert not any(os.path.exists(p) for p in secret_files)
     assert slurm_cluster.command("squeue", "-h").stdout.strip() == ""
 
 
@@ -105,9 +111,8 @@ def test_a_killed_step_is_reported_and_up_relaunches_only_it(deploy, slurm_clust
     before = load_state("s")
     prefill = before.processes["prefill-0"]
     slurm_cluster.command("scancel", "--signal=KILL", f"{before.slurm_submitted_job}.{prefill.pid}")
-    deadline = time.monotonic() + 20
-    while "prefill-0" in _steps(slurm_cluster) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    wait_for("the killed step prefill-0 to leave squeue", lambda: "prefill-0" not in _steps(slurm_cluster), 20,
+             lambda: f"steps: {_steps(slurm_cluster)}")
     code, out, _ = _cli(["status", "-d", "s", "--json"], capsys)
     document = json.loads(out)
     assert code == 1 and not document["healthy"]
@@ -193,34 +198,86 @@ def test_more_nodes_than_the_partition_has_names_the_hosts(deploy, slurm_cluster
     assert slurm_cluster.command("squeue", "-h").stdout.strip() == ""
 
 
-def test_plan_slurm_script_runs_the_deployment_when_submitted(deploy, slurm_cluster, tmp_path, capsys):
+def _script_job_output(tmp_path, job) -> str:
+    path = next(tmp_path.glob(f"kvpush-*-{job}.out"), None)
+    return path.read_text(errors="replace") if path else "(no job output file)"
+
+
+def _submit_script(deploy, slurm_cluster, tmp_path, capsys, name, env):
+    """`kvpush plan --slurm-script` for a stand-in topology whose router wants a client key from
+    KVPUSH_TEST_CLIENT_KEY; the script submitted with sbatch in env. Returns (topology, script, job)."""
     import yaml
 
-    topo = deploy(name="script")
-    path = tmp_path / "script.yaml"
+    topo = deploy(name=name, extra={"router": {"api_key_env": "KVPUSH_TEST_CLIENT_KEY"}})
+    path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(topo.model_dump(mode="json", exclude_defaults=True)))
     code, script, err = _cli(["plan", str(path), "--slurm-script"], capsys)
-    assert code == 0 and script.startswith("#!/bin/bash\n#SBATCH --job-name=kvpush-script"), err
-    submitted = subprocess.run(["sbatch", "--parsable"], input=script, text=True, capture_output=True, check=True, cwd=tmp_path)
-    job = submitted.stdout.strip()
+    assert code == 0 and script.startswith(f"#!/bin/bash\n#SBATCH --job-name=kvpush-{name}"), err
+    (tmp_path / "job-tmp").mkdir(exist_ok=True)
+    inherited = {k: v for k, v in os.environ.items() if k != "KVPUSH_TEST_CLIENT_KEY"}
+    env = {**inherited, "TMPDIR": str(tmp_path / "job-tmp"), **env}  # TMPDIR: where the job keeps its private copies
+    submitted = subprocess.run(["sbatch", "--parsable"], input=script, text=True, capture_output=True, check=True,
+                               cwd=tmp_path, env=env)
+    return topo, script, submitted.stdout.strip()
+
+
+def test_plan_slurm_script_runs_the_deployment_when_submitted(deploy, slurm_cluster, tmp_path, capsys):
+    import urllib.request
+
+    from kvpush.common import deployment_secret as ds
+    from kvpush.deploy.plan import build_plan
+
+    client_key = "client-key-" + os.urandom(8).hex()
+    topo, script, job = _submit_script(deploy, slurm_cluster, tmp_path, capsys, "script", {"KVPUSH_TEST_CLIENT_KEY": client_key})
+    assert client_key not in script and ds.FORMAT not in script  # the job makes its secrets; the script holds none
     try:
         router = f"http://{slurm_cluster.nodes[1].address}:{topo.router.port}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                body = json.dumps({"model": "tiny", "prompt": "a b c", "max_tokens": 2}).encode()
-                import urllib.request
+        body = json.dumps({"model": "tiny", "prompt": "a b c", "max_tokens": 2}).encode()
 
-                with urllib.request.urlopen(urllib.request.Request(router + "/v1/completions", body), timeout=5) as resp:
-                    assert json.loads(resp.read())["choices"][0]["text"] == " stand-in answer"
-                    break
+        def answer():
+            request = urllib.request.Request(router + "/v1/completions", body, {"Authorization": f"Bearer {client_key}"})
+            try:
+                with urllib.request.urlopen(request, timeout=5) as resp:
+                    return json.loads(resp.read())["choices"][0]["text"]
             except OSError:
-                assert time.monotonic() < deadline, slurm_cluster.command("scontrol", "show", "job", job).stdout
-                time.sleep(0.5)
+                return None
+
+        text = wait_for(f"the router of job {job} to answer a completion with the client key", answer, 60,
+                        lambda: f"steps {_steps(slurm_cluster)}; job output: {_script_job_output(tmp_path, job)}")
+        assert text == " stand-in answer"
         assert set(_steps(slurm_cluster)) >= {"prefill-0", "decode-0", "router"}
+
+        files = {(h.name, f.kind): f.path for h in build_plan(topo).hosts for f in h.secret_files}
+        assert sorted(files) == [("n1", "deployment-secret"), ("n1", "instance-env"), ("n2", "deployment-secret"),
+                                 ("n2", "instance-env"), ("n2", "router-client-key"), ("n2", "router-upstream-key")]
+        for path in files.values():
+            assert os.stat(path).st_mode & 0o777 == 0o600, path
+        secret = ds.read_secret(files[("n1", "deployment-secret")])
+        assert ds.read_secret(files[("n2", "deployment-secret")]) == secret  # one secret for the whole job
+        instance_key = ds.derive_token(secret, ds.INSTANCE_API_KEY)
+        assert open(files[("n1", "instance-env")]).read() == f"VLLM_API_KEY={instance_key}\n"
+        assert open(files[("n2", "router-upstream-key")]).read() == f"{instance_key}\n"
+        assert open(files[("n2", "router-client-key")]).read() == f"{client_key}\n"
+        assert list((tmp_path / "job-tmp").iterdir()) == []  # its private copies are gone once the files are written
     finally:
         slurm_cluster.command("scancel", job, check=False)
         assert SlurmClient().wait_gone(job, 30)
+
+
+def test_plan_slurm_script_without_the_client_key_fails_at_once_in_one_line(deploy, slurm_cluster, tmp_path, capsys):
+    from kvpush.deploy.plan import build_plan
+
+    topo, _, job = _submit_script(deploy, slurm_cluster, tmp_path, capsys, "nokey", {})
+    try:
+        assert SlurmClient().wait_gone(job, 30), _script_job_output(tmp_path, job)
+        lines = _script_job_output(tmp_path, job).splitlines()
+        assert lines == ["kvpush: router.api_key_env: KVPUSH_TEST_CLIENT_KEY is unset or empty in the job's environment; "
+                         "export it before `sbatch` (the job takes the submitter's environment)"]
+        assert not any(os.path.exists(f.path) for h in build_plan(topo).hosts for f in h.secret_files)
+        assert list((tmp_path / "job-tmp").iterdir()) == []
+    finally:
+        slurm_cluster.command("scancel", job, check=False)
+        SlurmClient().wait_gone(job, 30)
 
 
 def test_doctor_runs_its_checks_as_one_job_step_per_node_in_a_job_it_cancels_after(deploy, slurm_cluster, tmp_path, capsys):
@@ -256,11 +313,12 @@ def test_up_inside_an_sbatch_script_deploys_into_that_job(deploy, slurm_cluster,
     job = subprocess.run(["sbatch", "--parsable", "-N2", f"--output={tmp_path / 'batch.out'}"], input=script, text=True,
                          capture_output=True, check=True).stdout.strip()
     try:
-        deadline = time.monotonic() + 60
-        while not (load_state("batch") and len(load_state("batch").processes) == 3
-                   and "ready" in (tmp_path / "batch.out").read_text(errors="replace")):
-            assert time.monotonic() < deadline, (tmp_path / "batch.out").read_text(errors="replace")
-            time.sleep(0.5)
+        def batch_output():
+            return (tmp_path / "batch.out").read_text(errors="replace") if (tmp_path / "batch.out").exists() else "(no output yet)"
+
+        wait_for("`kvpush up` in the batch script to record 3 processes and say ready",
+                 lambda: load_state("batch") and len(load_state("batch").processes) == 3 and "ready" in batch_output(), 60,
+                 lambda: f"job {job}: {batch_output()}")
         state = load_state("batch")
         assert state.slurm_submitted_job is None and {h.slurm["job_id"] for h in state.hosts.values()} == {job}
         code, out, err = _cli(["status", "-d", "batch", "--json"], capsys)
@@ -304,7 +362,6 @@ def test_logs_follow_tails_each_step_through_a_step_on_its_node_and_stops_cleanl
     follower.start()
     follower.join(60)
     assert not follower.is_alive() and set(seen) == {"prefill-0", "decode-0", "router"}, seen
-    deadline = time.monotonic() + 15
-    while "kvpush-follow" in _steps(slurm_cluster) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    wait_for("the tails' steps to end with the follower", lambda: set(_steps(slurm_cluster)) == {"prefill-0", "decode-0", "router"},
+             15, lambda: f"steps: {_steps(slurm_cluster)}")
     assert set(_steps(slurm_cluster)) == {"prefill-0", "decode-0", "router"}  # the tails' steps ended with them

@@ -4,9 +4,12 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
+import yaml
 
 from kvpush.common.errors import KvpushError
 from kvpush.deploy.lifecycle import StartFailure, down, up
@@ -172,3 +175,34 @@ def test_proof_waits_while_the_router_has_no_instance_in_rotation(deploy, sshd_c
     router_log = open(load_state("t").processes["router"].log_path).read()
     assert router_log.count('"GET /metrics HTTP/1.0" 200') >= 3  # two pages with the instances out, then ready
     assert router_log.count('"POST /v1/completions HTTP/1.0" 200') == 1  # the one request, sent once ready
+
+
+def test_doctor_on_the_running_deployment_passes_its_own_ports_and_names_a_foreign_holder(deploy, sshd_cluster, tmp_path, capsys):
+    topo = deploy()
+    up(topo, options(sshd_cluster))
+    path = tmp_path / "kvpush.yaml"
+    path.write_text(yaml.safe_dump(topo.model_dump(mode="json", exclude_none=True)))
+    doctor = ["doctor", str(path), "--only", "ports-free", "--json", "--known-hosts", str(sshd_cluster.known_hosts)]
+    code, out, err = run_cli(doctor, capsys)
+    rows = {r["subject"]: r for r in json.loads(out)["results"]}
+    assert code == 0 and {s: r["status"] for s, r in rows.items()} == {"h0": "ok", "h1": "ok", "h2": "ok"}, out + err
+    prefill, decode = topo.prefill[0], topo.decode[0]
+    assert f"1 in use by this deployment: {prefill.http_port} (prefill-0)" in rows["h0"]["summary"]
+    assert f"1 in use by this deployment: {decode.http_port} (decode-0)" in rows["h1"]["summary"]
+    assert f"1 in use by this deployment: {topo.router.port} (router)" in rows["h2"]["summary"]
+
+    # Something else listens on prefill-0's side-channel port (its stand-in leaves that port alone).
+    address = sshd_cluster.hosts[0].address
+    foreign = subprocess.Popen([sys.executable, "-c", f"import socket, time; s = socket.create_server(('{address}', "
+                                f"{prefill.side_channel_port})); print('listening', flush=True); time.sleep(120)"],
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        assert foreign.stdout.readline().strip() == "listening"
+        code, out, err = run_cli(doctor, capsys)
+        rows = {r["subject"]: r for r in json.loads(out)["results"]}
+        assert code == 1 and rows["h0"]["status"] == "fail" and rows["h1"]["status"] == "ok", out
+        assert rows["h0"]["summary"] == (f"port {prefill.side_channel_port} on host h0 (prefill-0 side channel) is taken by "
+                                         f"pid {foreign.pid} (python): Address already in use")
+    finally:
+        foreign.kill()
+        foreign.wait()

@@ -187,3 +187,25 @@ def test_an_unset_router_key_variable_is_bad_input_before_anything_starts(keyed,
                         capsys)
     assert code == 2 and f"router.api_key_env: {KEY_VARIABLE} is unset or empty on this machine" in err
     assert processes_under(str(tmp_path / "standin-python")) == [] and not local_secret_path(keyed.name).exists()
+
+
+def test_down_removes_the_secret_files_from_every_host_and_keeps_this_machine_s_secret_unless_asked(keyed, sshd_cluster,
+                                                                                                    tmp_path, capsys):
+    topo = keyed
+    up(topo, options(sshd_cluster))
+    secret = ds.read_secret(local_secret_path(topo.name))
+    on_hosts = sorted(tmp_path.glob("h*/sec/*.secret")) + sorted(tmp_path.glob("h*/sec/*.key")) + sorted(tmp_path.glob("h*/sec/*.env"))
+    assert len(on_hosts) == 7, on_hosts  # the secret on 3 hosts, 2 instance env files, the router's 2 keys
+
+    known = ["--known-hosts", str(sshd_cluster.known_hosts)]
+    code, out, err = _cli(["down", "-d", topo.name, *known], capsys)
+    assert code == 0, err
+    assert "sec: stopped" in out and "sec: removed its secret files on h0, h1, h2" in out
+    assert [p for p in on_hosts if p.exists()] == [] and (tmp_path / "h0" / "sec" / "logs").is_dir()  # only the secrets go
+    assert ds.read_secret(local_secret_path(topo.name)) == secret  # kept: the next `up` gives the same keys
+
+    up(topo, options(sshd_cluster))
+    assert ds.read_secret(tmp_path / "h1" / "sec" / "deployment.secret") == secret
+    code, out, err = _cli(["down", "-d", topo.name, "--forget-secret", *known], capsys)
+    assert code == 0 and "deleted the deployment secret kept on this machine" in out, err
+    assert not local_secret_path(topo.name).exists() and not list(tmp_path.glob("h*/sec/deployment.secret"))

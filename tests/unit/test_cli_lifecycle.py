@@ -90,3 +90,29 @@ def test_status_into_a_pipe_prints_every_name_and_value_whole(monkeypatch):
     assert "…" not in table and name in table and "gpu-host-with-a-long-name" in table and "running" in table
     assert f"{name}: died at 10:00:00 (pid 4242: killed by SIGKILL); left behind: pid 4250 (VLLM::EngineCor) holding port 5600" in result.stderr
 
+
+
+def test_down_removes_the_secret_files_on_the_hosts_and_keeps_this_machine_s_secret_unless_asked(tmp_path, monkeypatch):
+    from kvpush.deploy.plan import secret_paths_in
+    from kvpush.deploy.secrets import ensure_local_secret, local_secret_path
+
+    monkeypatch.setenv("KVPUSH_STATE_DIR", str(tmp_path / "state"))
+    workdir = tmp_path / "w" / "t"
+    workdir.mkdir(parents=True)
+    (workdir / "router.json").write_text("{}")
+    for path in secret_paths_in(str(workdir)):
+        open(path, "w").write("x\n")
+    ensure_local_secret("t")
+    save_state(DeploymentState("t", hosts={"local": HostRecord(address="127.0.0.1", workdir=str(workdir))}))
+
+    help_text = kvpush("down", "--help", state_dir=tmp_path / "state").stdout
+    assert "secret" in help_text and "--forget-secret" in help_text
+    result = kvpush("down", "-d", "t", state_dir=tmp_path / "state")
+    assert result.returncode == 0, result.stderr
+    assert "t: removed its secret files on local" in result.stdout
+    assert sorted(p.name for p in workdir.iterdir()) == ["router.json"] and local_secret_path("t").exists()
+
+    save_state(DeploymentState("t", hosts={"local": HostRecord(address="127.0.0.1", workdir=str(workdir))}))
+    result = kvpush("down", "-d", "t", "--forget-secret", state_dir=tmp_path / "state")
+    assert result.returncode == 0 and "deleted the deployment secret kept on this machine" in result.stdout, result.stderr
+    assert "removed its secret files" not in result.stdout and not local_secret_path("t").exists()

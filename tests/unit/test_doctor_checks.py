@@ -364,6 +364,54 @@ def test_ports_free_fails_naming_port_and_host_and_reachability_names_both_ends(
     assert pairs["a -> a"].status is Status.SKIP  # 8100 taken on a: nothing of ours listened
 
 
+def test_ports_the_deployment_itself_holds_pass_and_a_foreign_holder_is_named_in_one_line():
+    from kvpush.deploy.runners.base import ProcessInfo
+
+    def bound(port, label, ok):
+        return {"addr": "10.0.0.1", "port": port, "label": label, "ok": ok, "errno": None if ok else 98,
+                "error": None if ok else "Address already in use"}
+
+    a = facts("a", bind=[bound(8100, "prefill-0 HTTP", False), bound(5600, "prefill-0 side channel", False),
+                         bound(8000, "router HTTP", False)])
+    ctx = context(TWO_CPU_HOSTS, {"a": a})
+    ctx.own_pids = {"a": {41: "prefill-0", 42: "prefill-0", 50: "router"}}
+    ctx.port_holders = {"a": {8100: [ProcessInfo(41, "alive", command="python3"), ProcessInfo(42, "alive", command="python3")],
+                              5600: [ProcessInfo(41, "alive", command="python3"), ProcessInfo(77, "alive", command="nc")],
+                              8000: [ProcessInfo(50, "alive", command="python3")]}}
+    r = next(r for r in check_ports.check_ports_free(ctx) if r.subject == "a")
+    assert r.status is Status.FAIL and "\n" not in r.summary  # one foreign listener on 5600 makes it foreign
+    assert r.summary == ("port 5600 on host a (prefill-0 side channel) is taken by pid 41 (python3), pid 77 (nc): "
+                         "Address already in use")
+    assert r.remedy.startswith("stop pid 41, pid 77 on a (listening on 10.0.0.1:5600) or choose another port")
+
+    ctx.port_holders["a"][5600] = [ProcessInfo(41, "alive", command="python3")]
+    r = next(r for r in check_ports.check_ports_free(ctx) if r.subject == "a")
+    assert r.status is Status.OK
+    assert r.summary == "0 port(s) free; 3 in use by this deployment: 8100 (prefill-0), 5600 (prefill-0), 8000 (router)"
+    assert "10.0.0.1:8000 (router HTTP): in use by this deployment (router)" in r.evidence[0].lines
+
+    ctx.own_pids = {}  # not this deployment's (or it is not up): every holder is foreign
+    ctx.port_holders["a"][8000] = []
+    results = {r.subject: r for r in check_ports.check_ports_free(ctx)}
+    assert results["a"].summary == ("port 8100 on host a (prefill-0 HTTP) is taken by pid 41 (python3), pid 42 (python3): "
+                                    "Address already in use (+2 more)")
+    assert "8000 (router HTTP): Address already in use (errno 98) by a process this user cannot see" in "\n".join(results["a"].evidence[0].lines)
+
+
+def test_port_holders_are_parsed_from_the_hosts_socket_listing():
+    from kvpush.deploy.runners.base import parse_port_holders
+
+    text = ("7 111\n8 222\n9 333\n==\n"
+            "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
+            "   0: 0100007F:1FA4 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 111 1\n"
+            "   1: 0100007F:15E0 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 222 1\n"
+            "   2: 0100007F:15E0 0100007F:9C40 01 00000000:00000000 00:00000000 00000000     0        0 333 1\n"
+            "==\n/proc/7/comm:python3\n/proc/8/comm:VLLM::EngineCor\n")
+    holders = parse_port_holders([8100, 5600, 9999], text)
+    assert {port: [(p.pid, p.command) for p in found] for port, found in holders.items()} == {
+        8100: [(7, "python3")], 5600: [(8, "VLLM::EngineCor")], 9999: []}  # 333 connects to 5600, it does not listen
+
+
 # -- transfer ----------------------------------------------------------------------------------------
 
 

@@ -165,6 +165,74 @@ def test_standalone_script_writes_files_launches_every_step_and_ends_with_the_fi
         standalone_script(parse_topology(template_text("p5en-slurm")), [], "x")
 
 
+def _slurm_cpu_with(extra: str):
+    text = template_text("slurm-cpu").replace("router:\n  host: n2\n", f"router:\n  host: n2\n{extra}")
+    t = parse_topology(text)
+    return t, build_plan(t)
+
+
+def test_the_standalone_script_holds_no_secret_and_makes_its_own_on_the_job_s_node(monkeypatch):
+    monkeypatch.setenv("CLIENT_KEY_VAR", "the-client-key-value")
+    t, plan = _slurm_cpu_with("  api_key_env: CLIENT_KEY_VAR\n")
+    script = standalone_script(t, plan.hosts, "x.yaml")
+    lines = script.splitlines()
+    assert "the-client-key-value" not in script and "kvpush-secret-v1" not in script
+    index = lines.index
+    umask, private = index("kvpush_umask=$(umask); umask 077"), index('kvpush_private=$(mktemp -d) || exit 1')
+    assert umask < private and "trap 'rm -rf \"$kvpush_private\"' EXIT" in lines
+    derive = [ln for ln in lines if "-m kvpush.deploy.secret_content" in ln]
+    assert derive[0] == '"$kvpush_python" -m kvpush.deploy.secret_content new >"$kvpush_private/secret" || exit 1'
+    assert derive[1].startswith('"$kvpush_python" -m kvpush.deploy.secret_content router-client-key '
+                                '--secret "$kvpush_private/secret" --client-key-env CLIENT_KEY_VAR >')  # a missing key fails first
+    writes = [ln for ln in lines if "--job-name=write-secret" in ln]
+    assert len(writes) == sum(len(h.secret_files) for h in plan.hosts) == 6
+    assert all(w.endswith('<"$kvpush_private/' + w.split('<"$kvpush_private/')[-1]) for w in writes)  # content on stdin
+    assert all("umask 077 && " in w for w in writes)
+    cleanup = index('rm -rf "$kvpush_private"')
+    first_process = next(i for i, ln in enumerate(lines) if ln.endswith(" &"))
+    assert max(index(w) for w in writes) < cleanup < first_process and lines[cleanup + 1] == 'umask "$kvpush_umask"'
+
+
+def test_the_standalone_script_reads_the_client_key_file_at_job_time_and_skips_it_without_one():
+    t, plan = _slurm_cpu_with("  api_key_file: ~/router.key\n")
+    assert "--client-key-file '~/router.key'" in standalone_script(t, plan.hosts, "x.yaml")
+    t = parse_topology(template_text("slurm-cpu"))
+    script = standalone_script(t, build_plan(t).hosts, "x.yaml")
+    assert "router-client-key" not in script and "--client-key" not in script
+
+
+def test_the_standalone_script_s_secret_part_writes_private_derived_files_and_removes_its_copies(tmp_path):
+    """The script's own shell run for real, with an srun that runs write steps here and nothing else
+    (the real Slurm run is tests/integration/test_lifecycle_slurm.py)."""
+    import os
+
+    from kvpush.common import deployment_secret as ds
+
+    t = parse_topology(template_text("slurm-cpu"))
+    plan = build_plan(t)
+    script = standalone_script(t, plan.hosts, "x.yaml")
+    bin_dir, home, tmp = tmp_path / "bin", tmp_path / "home", tmp_path / "tmp"
+    for d in (bin_dir, home, tmp):
+        d.mkdir()
+    srun = bin_dir / "srun"
+    srun.write_text('#!/bin/bash\nname=""\nwhile [ "$1" != bash ]; do case "$1" in --job-name=*) name=${1#--job-name=};; esac; shift; done\n'
+                    'case "$name" in write-*) exec "$@";; *) exit 0;; esac\n')
+    srun.chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(home), "TMPDIR": str(tmp), "SLURMD_NODENAME": "n1", "SLURM_JOB_ID": "7"}
+    ran = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 1 and "a step ended" in ran.stderr, ran.stderr  # the stand-in steps end at once
+    paths = {f.kind: os.path.expanduser(f.path).replace(os.path.expanduser("~"), str(home), 1)
+             for h in plan.hosts for f in h.secret_files}
+    for path in paths.values():
+        assert os.stat(path).st_mode & 0o777 == 0o600, path
+    secret = ds.read_secret(paths["deployment-secret"])
+    assert open(paths["instance-env"]).read() == f"VLLM_API_KEY={ds.derive_token(secret, ds.INSTANCE_API_KEY)}\n"
+    assert list(tmp.iterdir()) == []
+    refused = subprocess.run(["bash", "-c", script], env={**env, "SLURMD_NODENAME": "login"}, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 1 and refused.stderr.strip().splitlines() == [
+        "kvpush: the batch script runs on node login, none of this deployment's (n1, n2)"]
+
+
 # -- parsing Slurm's output ----------------------------------------------------------------------
 
 
