@@ -27,7 +27,7 @@ from kvpush.deploy.lifecycle import Events, LifecycleOptions
 from kvpush.deploy.topology import check_key_files, resolve_topology
 
 from .console import err, note, out, print_json, styled
-from .lifecycle_cmd import ACCEPT, CONNECT_TIMEOUT, KNOWN_HOSTS, ssh_options
+from .options import ACCEPT, CONNECT_TIMEOUT, FILE_ARG, KNOWN_HOSTS, ssh_options
 
 DEFAULT_MODES = ",".join(BENCH_DEFAULT_MODES)
 DEFAULT_RATES = "0.5,1,2,4"
@@ -229,7 +229,7 @@ def render(report: BenchReport) -> None:
 def register(app: typer.Typer) -> None:
     @app.command("bench")
     def bench_command(
-        file: Optional[Path] = typer.Argument(None, help="Topology file (default: ./kvpush.yaml, else the built-in local-cpu)."),
+        file: Optional[Path] = FILE_ARG,
         modes: str = typer.Option(DEFAULT_MODES, "--modes", help=f"Modes to compare, comma-separated, from {','.join(MODES)}; "
                                   "the -stock modes run vLLM's NIXL connectors exactly as vLLM ships them, the plain ones "
                                   "as kvpush tunes them for shared CPU cores (on GPU both are stock)."),

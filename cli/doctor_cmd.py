@@ -19,7 +19,7 @@ from kvpush.deploy.state import HostRecord, load_state
 from kvpush.deploy.topology import check_key_files, resolve_topology
 
 from .console import note, out, print_json, styled
-from .lifecycle_cmd import ACCEPT, CONNECT_TIMEOUT, KNOWN_HOSTS, ssh_options
+from .options import ACCEPT, CONNECT_TIMEOUT, FILE_ARG, KNOWN_HOSTS, ssh_options
 
 STYLE = {Status.OK: "green", Status.WARN: "yellow", Status.FAIL: "bold red", Status.SKIP: "dim"}
 
@@ -67,7 +67,7 @@ def _deployment_pids(deployment: str, runners) -> dict[str, dict[int, str]]:
 def register(app: typer.Typer) -> None:
     @app.command("doctor")
     def doctor_command(
-        file: Optional[Path] = typer.Argument(None, help="Topology file (default: ./kvpush.yaml, else the built-in local-cpu)."),
+        file: Optional[Path] = FILE_ARG,
         json_output: bool = typer.Option(False, "--json", help="Print the results as one JSON document."),
         only: Optional[str] = typer.Option(None, "--only", help=f"Run only these checks (comma-separated): {', '.join(CHECK_NAMES)}."),
         skip: Optional[str] = typer.Option(None, "--skip", help="Skip these checks (comma-separated)."),

@@ -16,24 +16,12 @@ from kvpush.common.errors import KvpushError, UsageError
 from kvpush.deploy.lifecycle import Events, LifecycleOptions, down, up
 from kvpush.deploy.observe import ProcessStatus, deployment_status, require_state, stream_logs
 from kvpush.deploy.plan import build_plan
-from kvpush.deploy.runners import SshOptions
 from kvpush.deploy.secrets import observed_keys
 from kvpush.deploy.topology import NAME_PATTERN, check_key_files, resolve_topology
 
 from .console import err, note, out, print_json, styled
+from .options import ACCEPT, CONNECT_TIMEOUT, DEPLOYMENT, FILE_ARG, FILE_OPTION, KNOWN_HOSTS, ssh_options
 
-FILE_ARG = typer.Argument(None, help="Topology file (default: ./kvpush.yaml, else the built-in local-cpu).")
-
-
-def ssh_options(accept_new: bool, known_hosts: str, connect_timeout: float) -> SshOptions:
-    return SshOptions(known_hosts=known_hosts, accept_new_host_keys=accept_new,
-                      connect_timeout_s=connect_timeout, auth_timeout_s=connect_timeout)
-
-
-ACCEPT = typer.Option(False, "--accept-new-host-keys", help="Record unknown SSH host keys in known_hosts (trust on first use).")
-KNOWN_HOSTS = typer.Option("~/.ssh/known_hosts", "--known-hosts", envvar="KVPUSH_KNOWN_HOSTS", help="known_hosts file to verify SSH hosts against.")
-CONNECT_TIMEOUT = typer.Option(10.0, "--connect-timeout", help="Seconds to connect and authenticate to each host.")
-DEPLOYMENT = typer.Option(None, "--deployment", "-d", help="Deployment name (default: the topology's name).")
 
 
 def _deployment_name(file: Optional[Path], deployment: Optional[str]) -> str:
@@ -208,7 +196,7 @@ def register(app: typer.Typer) -> None:
     @app.command("logs")
     def logs_command(
         selector: Optional[str] = typer.Argument(None, help="Process name or role (prefill, decode, router); default all."),
-        file: Optional[Path] = typer.Option(None, "--file", help="Topology file (default: ./kvpush.yaml, else local-cpu)."),
+        file: Optional[Path] = FILE_OPTION,
         deployment: Optional[str] = DEPLOYMENT,
         follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing new lines, like tail -f."),
         lines: int = typer.Option(20, "-n", "--lines", help="Lines of each log to print first."),

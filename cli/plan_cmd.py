@@ -16,8 +16,8 @@ from kvpush.deploy.topology import TinyModelSpec, parse_topology, resolve_topolo
 from kvpush.templates import DEFAULT_TEMPLATE, template_names, template_summary, template_text
 
 from .console import heading, note, out, print_json, styled
+from .options import FILE_ARG
 
-FILE_ARG = typer.Argument(None, help="Topology file (default: ./kvpush.yaml, else the built-in local-cpu).")
 
 
 def render_plan(plan: Plan) -> None:

@@ -12,18 +12,19 @@ from kvpush.deploy.secrets import client_api_key
 from kvpush.deploy.topology import resolve_topology
 
 from .console import note, out, print_json, styled
+from .options import FILE_OPTION
 
 
 def register(app: typer.Typer) -> None:
     @app.command("request")
     def request_command(
         prompt: str = typer.Argument(..., help="Prompt text."),
-        topology: Optional[Path] = typer.Option(None, "--topology", "-f", help="Topology file (default: ./kvpush.yaml, else built-in local-cpu)."),
+        file: Optional[Path] = FILE_OPTION,
         max_tokens: int = typer.Option(32, "--max-tokens", "-n", help="Tokens to generate (greedy)."),
         json_output: bool = typer.Option(False, "--json", help="Print the result as JSON."),
     ) -> None:
         """Send one streamed, greedy completion through the router; print the answer and its TTFT."""
-        topo, source = resolve_topology(topology)
+        topo, source = resolve_topology(file)
         plan = build_plan(topo)
         router_url = plan.router_url_from_here()
         result = stream_completion(router_url, plan.served_model_name, prompt, max_tokens=max_tokens,

@@ -280,7 +280,7 @@ def test_up_inside_an_allocation_made_with_salloc(slurm_cluster, model, tmp_path
         assert _steps(slurm_cluster) == {"prefill-0", "decode-0", "router"}
         decode = f"http://127.0.0.52:{PORTS['decode'][0]}"
         before = _external_kv(decode)
-        code, out, err = _cli(["request", "-f", str(path), "--json", "a prompt held out from every other test " * 20], capsys)
+        code, out, err = _cli(["request", "--file", str(path), "--json", "a prompt held out from every other test " * 20], capsys)
         assert code == 0 and json.loads(out)["completion_tokens"] > 0, err
         assert _external_kv(decode) > before
         code, out, err = _cli(["down", str(path)], capsys)

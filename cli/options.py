@@ -1,0 +1,27 @@
+"""The options several commands share, defined once so every command names them the same way.
+
+The topology file is the first positional argument wherever a command takes no other one; where
+a command's positional argument is something else (`logs PROCESS`, `request PROMPT`) it is
+`--file`. `-f` is left to `logs --follow`, as in `tail -f`.
+"""
+from __future__ import annotations
+
+import typer
+
+from kvpush.deploy.runners import SshOptions
+
+FILE_HELP = "Topology file (default: ./kvpush.yaml, else the built-in local-cpu)."
+FILE_ARG = typer.Argument(None, help=FILE_HELP)
+FILE_OPTION = typer.Option(None, "--file", help=FILE_HELP)
+
+ACCEPT = typer.Option(False, "--accept-new-host-keys", help="Record unknown SSH host keys in known_hosts (trust on first use).")
+KNOWN_HOSTS = typer.Option("~/.ssh/known_hosts", "--known-hosts", envvar="KVPUSH_KNOWN_HOSTS", help="known_hosts file to verify SSH hosts against.")
+CONNECT_TIMEOUT = typer.Option(10.0, "--connect-timeout", help="Seconds to connect and authenticate to each host.")
+DEPLOYMENT = typer.Option(None, "--deployment", "-d", help="Deployment name (default: the topology's name).")
+
+
+def ssh_options(accept_new: bool, known_hosts: str, connect_timeout: float) -> SshOptions:
+    return SshOptions(known_hosts=known_hosts, accept_new_host_keys=accept_new,
+                      connect_timeout_s=connect_timeout, auth_timeout_s=connect_timeout)
+
+
