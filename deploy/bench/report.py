@@ -87,13 +87,20 @@ def write_outputs(report: BenchReport) -> None:
     subtitle = (f"{model.get('served_name')}, {report.options.input_len} in / {report.options.output_len} out tokens, "
                 f"{report.options.num_prompts} prompts per rate"
                 + (f" x {report.options.rounds} rounds" if report.options.rounds > 1 else ""))
+    path = out / RESULT_FILE
+    report.files.insert(0, str(path))
+    _write_json(report, path)  # first: a run's figures must outlive a failure to draw them
     if any(r.points for r in report.runs):
         try:
             report.files += [str(p) for p in write_plots(report.runs, out, subtitle)]
         except ImportError:  # the JSON and tables still carry every figure
             report.configuration["plots"] = "not drawn: matplotlib is not installed (pip install 'kvpush[bench]')"
-    path = out / RESULT_FILE
-    report.files.insert(0, str(path))
+        except Exception as exc:  # a plotting bug costs the plots, not the run
+            report.configuration["plots"] = f"not drawn: {type(exc).__name__}: {exc}"
+        _write_json(report, path)
+
+
+def _write_json(report: BenchReport, path: Path) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(report.to_dict(), indent=2, default=_json_default) + "\n")
     os.replace(tmp, path)

@@ -110,7 +110,8 @@ def wilson_interval(successes: int, trials: int, confidence: float = CONFIDENCE)
     p = successes / trials
     centre = (p + z * z / (2 * trials)) / (1 + z * z / trials)
     half = z / (1 + z * z / trials) * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials))
-    return max(0.0, centre - half), min(1.0, centre + half)
+    # the interval holds p by construction; rounding must not put p outside it (at p = 1 it did)
+    return max(0.0, min(p, centre - half)), min(1.0, max(p, centre + half))
 
 
 def is_good(ttft_ms: float, tpot_ms: float | None, slo: Slo) -> bool:

@@ -50,6 +50,13 @@ def test_wilson_interval_is_inside_0_1_and_narrows_with_more_trials():
     assert wilson_interval(0, 0) == (0.0, 1.0)
 
 
+@pytest.mark.parametrize("trials", range(1, 400))
+def test_wilson_interval_always_holds_the_observed_fraction(trials):
+    for good in (0, trials // 3, trials):
+        low, high = wilson_interval(good, trials)
+        assert low <= good / trials <= high
+
+
 def test_goodput_counts_requests_meeting_both_slos_per_second_of_bench_time():
     ttft = [100.0, 200.0, 900.0, 50.0]
     tpot = [10.0, 150.0, 10.0, None]  # the last is a one-token answer: no TPOT, meets that SLO
