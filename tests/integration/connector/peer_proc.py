@@ -84,7 +84,8 @@ class PeerProcess:
         self.proc.wait(timeout=10)
 
 
-def wait_outcomes(consumer, n: int, timeout_s: float = 5.0) -> list:
+def wait_outcomes(consumer, n: int, timeout_s: float = 20.0) -> list:
+    """The first n outcomes, waiting at most timeout_s (a bound for a loaded machine, not a speed goal)."""
     got, deadline = [], time.monotonic() + timeout_s
     while len(got) < n and time.monotonic() < deadline:
         got += consumer.take_outcomes()

@@ -52,7 +52,7 @@ def prefill():
     peer.kill()
 
 
-def wait_freed(prefill: PeerProcess, n: int, timeout_s: float = 5.0) -> tuple[list, list]:
+def wait_freed(prefill: PeerProcess, n: int, timeout_s: float = 20.0) -> tuple[list, list]:
     freed, records, deadline = [], [], time.monotonic() + timeout_s
     while len(freed) < n and time.monotonic() < deadline:
         status = prefill.status()

@@ -26,6 +26,7 @@ class StandInPrefill:
     def __init__(self, engine_id: str):
         self.engine_id = engine_id
         self.mute = False  # stop answering PINGs: a hung prefill
+        self.admit_after_s: float | None = 0.0  # busy this long before its WELCOME (making a NIXL peer); None: never
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         self.registered: dict[str, float] = {}
@@ -40,6 +41,10 @@ class StandInPrefill:
             while data := conn.recv(65536):
                 for msg in map(wire.decode, reader.feed(data)):
                     if isinstance(msg, wire.Hello):
+                        if self.admit_after_s is None:
+                            self.mute = True
+                            continue
+                        time.sleep(self.admit_after_s)  # one thread: nothing else is answered meanwhile
                         conn.sendall(wire.encode(wire.Welcome(self.engine_id)))
                     elif isinstance(msg, wire.Ping) and not self.mute:
                         conn.sendall(wire.encode(wire.Pong()))
@@ -177,3 +182,22 @@ def test_a_done_that_does_not_account_for_the_registered_bytes_fails_the_transfe
     finally:
         consumer.close()
         good.close()
+
+
+def test_a_prefill_slow_to_admit_is_not_taken_for_silent_and_one_that_never_admits_fails_at_the_bound():
+    slow, never = StandInPrefill("P.slow"), StandInPrefill("P.never")
+    slow.admit_after_s, never.admit_after_s = 0.8, None  # slower than the silence bound, and never
+    consumer = Consumer(ConsumerConfig("D", 0, IDENTITY, frozenset({"P.slow", "P.never"}), peer_silence_s=0.2,
+                                       admission_timeout_s=1.5), "agent-D", b"meta", REGIONS)
+    try:
+        consumer.expect("r-slow", "t-slow", "P.slow", "127.0.0.1", slow.port, [1], 0, 16)
+        consumer.expect("r-never", "t-never", "P.never", "127.0.0.1", never.port, [2], 0, 16)
+        assert wait_for(lambda: slow.registered.get("t-slow"), 3.0)  # admitted late, its REGISTER went through
+        [outcome] = wait_for(consumer.take_outcomes, 3.0)
+        assert outcome.pending.transfer_id == "t-never" and not outcome.ok
+        assert "did not admit this decode rank within 1.5 s" in outcome.reason
+        assert consumer.take_outcomes() == []  # the slow one is still pending, not failed for silence
+    finally:
+        consumer.close()
+        slow.close()
+        never.close()
