@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import shlex
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from .changes import Changes
 from .plan import HostPlan, Plan, SecretFilePlan, secret_paths_in
 from .private_file import private_write_command
 from .runners import Runner, fan_out, values_or_raise
-from .state import state_dir
+from .state import state_dir, write_private_atomically
 from .topology import Topology
 
 API_KEY_VARIABLE = "VLLM_API_KEY"  # what vLLM reads its --api-key from
@@ -43,17 +42,7 @@ def ensure_local_secret(deployment: str, rotate: bool = False) -> tuple[bytes, b
     if not rotate and os.path.lexists(path):
         return ds.read_secret(path), False
     secret = ds.new_secret()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")  # created 0600
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(ds.secret_file_text(secret))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_private_atomically(path, ds.secret_file_text(secret))
     return secret, True
 
 

@@ -122,20 +122,25 @@ def _corrupt(path: Path, deployment: str, why: str) -> KvpushError:
                        f"deployment {deployment}'s processes on its hosts by hand if any run, then rerun `kvpush up`")
 
 
-def save_state(state: DeploymentState) -> None:
-    path = state_path(state.deployment)
+def write_private_atomically(path: Path, text: str) -> None:
+    """Replace `path` with `text` in one step, readable by its owner only (mkstemp makes it 0600):
+    a reader sees the old file or the new one, never a part."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    state.updated_at = time.time()
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         with os.fdopen(fd, "w") as f:
-            f.write(state.to_json())
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def save_state(state: DeploymentState) -> None:
+    state.updated_at = time.time()
+    write_private_atomically(state_path(state.deployment), state.to_json())
 
 
 def remove_state(deployment: str) -> None:

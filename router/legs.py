@@ -9,9 +9,11 @@ closer to ejection.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from dataclasses import dataclass
+from typing import Iterator
 
 from aiohttp import web
 
@@ -188,15 +190,21 @@ class LegRunner:
         leg.end(reason)
         return LegFailure(leg.role, leg.name, reason, detail)
 
-    async def _answer_head(self, leg: Leg, resp: UpstreamResponse, timeout_s: float) -> UpstreamResponse:
+    @contextlib.contextmanager
+    def _as_leg_failure(self, leg: Leg, timeout_s: float) -> Iterator[None]:
+        """An upstream that times out, leaves rotation or drops the connection fails the leg."""
         try:
-            return await answer_head(resp)
+            yield
         except asyncio.TimeoutError:
             raise self.fail(leg, "timeout", f"no answer within {timeout_s:g} s") from None
         except LeftRotation as exc:
             raise self.fail(leg, "left_rotation", str(exc)) from None
         except UpstreamError as exc:
             raise self.fail(leg, "connect", str(exc)) from None
+
+    async def _answer_head(self, leg: Leg, resp: UpstreamResponse, timeout_s: float) -> UpstreamResponse:
+        with self._as_leg_failure(leg, timeout_s):
+            return await answer_head(resp)
 
     async def _read_error(self, leg: Leg, resp: UpstreamResponse) -> Exception:
         """A non-200 answer: 4xx goes to the client verbatim, anything else is a leg failure."""
@@ -219,13 +227,8 @@ class LegRunner:
             if resp.status != 200:
                 raise await self._read_error(leg, resp)
             try:
-                raw = await resp.read()
-            except asyncio.TimeoutError:
-                raise self.fail(leg, "timeout", f"no answer within {timeout_s:g} s") from None
-            except LeftRotation as exc:
-                raise self.fail(leg, "left_rotation", str(exc)) from None
-            except UpstreamError as exc:
-                raise self.fail(leg, "connect", str(exc)) from None
+                with self._as_leg_failure(leg, timeout_s):
+                    raw = await resp.read()
             finally:
                 resp.close()
             answered_at = time.perf_counter()
