@@ -76,9 +76,11 @@ def check_disk(ctx: DoctorContext) -> list[CheckResult]:
 
 
 def memory_needed_gib(ctx: DoctorContext, host: str) -> tuple[int, list[str]]:
+    """What the instances on `host` that are to start need; those already running hold theirs
+    (it is no longer in MemAvailable), so counting them again would refuse to revive one of them."""
     total, parts = 0, []
     for _, _, spec in ctx.topo.instances():
-        if spec.host != host:
+        if spec.host != host or spec.name in ctx.running:
             continue
         if ctx.topo.platform == "cpu":
             kv = (spec.kv_cache_gib or DEFAULT_CPU_KV_GIB) * spec.tensor_parallel_size  # every rank allocates kv_cache_gib

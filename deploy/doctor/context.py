@@ -41,6 +41,7 @@ class DoctorContext:
     transfers: dict[tuple[str, str], TransferOutcome] | None = None  # None: --transfer not given
     port_holders: dict[str, dict[int, list[ProcessInfo]]] = field(default_factory=dict)  # host -> port in use -> listeners
     own_pids: dict[str, dict[int, str]] = field(default_factory=dict)  # host -> the deployment's PID -> its process
+    running: frozenset[str] = frozenset()  # processes already up: their ports and memory are already taken
 
     @property
     def disaggregated(self) -> bool:

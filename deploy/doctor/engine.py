@@ -234,7 +234,7 @@ def run_doctor(topo: Topology, runners: Mapping[str, CommandRunner], options: Do
     started = time.monotonic()
     selected = select_checks(options.only, options.skip)
     plan = build_plan(topo)
-    ctx = DoctorContext(topo, plan, facts={}, probe_failures={})
+    ctx = DoctorContext(topo, plan, facts={}, probe_failures={}, running=frozenset(options.running))
     port_work = any(n in selected for n in ("ports-free", "reachability", "transfer"))
     ctx.claims = port_claims(topo, options.running) if port_work else []
     listening = {(c.host, c.port) for c in ctx.claims}

@@ -18,7 +18,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -31,11 +30,10 @@ from pathlib import Path
 import pytest
 
 from kvpush.deploy.lifecycle import LifecycleOptions, down, up
-from kvpush.deploy.observe import deployment_status, require_state
 from kvpush.deploy.plan import build_plan
-from kvpush.deploy.runners import SshOptions
 from kvpush.deploy.tiny_model import make_tiny_model
 from kvpush.deploy.topology import TinyModelSpec, parse_topology
+from fault_helpers import instance_pids, port_free, status_rows, wait_healthy
 from lifecycle_helpers import kill_leftovers, processes_under
 from random_prompts import VOCAB, full_length_prompts
 
@@ -134,45 +132,9 @@ def model_dir(tmp_path_factory) -> Path:
     return path
 
 
-def _rows(name: str) -> dict:
-    return {r.name: r for r in deployment_status(require_state(name), SshOptions())}
-
-
 def _cli_status(name: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "kvpush.cli.main", "status", "-d", name], capture_output=True, text=True,
                           timeout=60)
-
-
-def _instance_pids(pid: int) -> list[int]:
-    """The process and everything below it (vLLM's API server and its engine core)."""
-    found, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        found.append(p)
-        try:
-            with open(f"/proc/{p}/task/{p}/children") as f:
-                todo += [int(c) for c in f.read().split()]
-        except FileNotFoundError:
-            pass
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
 
 
 def _record(numbers: dict) -> None:
@@ -186,14 +148,14 @@ def _record(numbers: dict) -> None:
 def _fault(name: str, victim: str, sig: int, pid: int, supervised: bool, numbers: dict) -> tuple[float, subprocess.CompletedProcess]:
     """Inject the fault; return its time and what `kvpush status` printed about it."""
     if sig == signal.SIGSTOP:  # the whole instance: its API server and its engine core, as a hung GPU would
-        target = _instance_pids(pid)
+        target = instance_pids(pid)
         fault_at = time.monotonic()
         for p in target:
             os.kill(p, signal.SIGSTOP)
         try:
             time.sleep(2.0)
             shown = _cli_status(name)
-            row = _rows(name)[victim]
+            row = status_rows(name)[victim]
             assert row.process == "hung" and row.health == "no answer", row
             time.sleep(max(0.0, STOPPED_FOR_S - (time.monotonic() - fault_at)))
         finally:
@@ -204,27 +166,19 @@ def _fault(name: str, victim: str, sig: int, pid: int, supervised: bool, numbers
     os.kill(pid, sig)
     deadline = fault_at + 15
     if supervised:  # restarted in place: a new PID under the same supervisor
-        while (row := _rows(name)[victim]).pid == pid:
+        while (row := status_rows(name)[victim]).pid == pid:
             assert time.monotonic() < deadline, row
             time.sleep(0.2)
         numbers["restarted_after_s"] = round(time.monotonic() - fault_at, 1)
         return fault_at, _cli_status(name)
-    while _rows(name)[victim].process not in ("dead", "zombie"):
-        assert time.monotonic() < deadline, _rows(name)[victim]
+    while status_rows(name)[victim].process not in ("dead", "zombie"):
+        assert time.monotonic() < deadline, status_rows(name)[victim]
         time.sleep(0.2)
     numbers["shown_dead_after_s"] = round(time.monotonic() - fault_at, 1)
     # At once, as a user would: its supervisor may still be stopping what it left (an orphaned engine core).
     shown = _cli_status(name)
     assert "its supervisor is stopping what it left behind: pid" in shown.stderr or "nothing of it is left" in shown.stderr, shown.stderr
     return fault_at, shown
-
-
-def _healthy_again(name: str, victim: str, timeout_s: float) -> float:
-    deadline = time.monotonic() + timeout_s
-    while not (row := _rows(name)[victim]).healthy:
-        assert time.monotonic() < deadline, row
-        time.sleep(0.5)
-    return time.monotonic()
 
 
 def _answered_again_at(outcomes: list[Outcome]) -> float | None:
@@ -255,7 +209,7 @@ def test_fault_under_load(fault, model_dir, tmp_path, state_dir):
         up(topo, options)
         before = [complete(plan.router_url, p) for p in PROBES]
         assert all(o.status == 200 for o in before), before
-        pids_before = {n: (r.supervisor_pid, r.pid) for n, r in _rows(name).items()}
+        pids_before = {n: (r.supervisor_pid, r.pid) for n, r in status_rows(name).items()}
 
         load = Load(plan.router_url, seed=base)
         time.sleep(LOAD_BEFORE_FAULT_S)
@@ -266,7 +220,7 @@ def test_fault_under_load(fault, model_dir, tmp_path, state_dir):
         numbers["status_says"] = next(line for line in shown.stderr.splitlines() if line.startswith(f"{victim}:"))
 
         if supervised:
-            recovered_at = _healthy_again(name, victim, UP_WITHIN_S)
+            recovered_at = wait_healthy(name, victim, UP_WITHIN_S)
             numbers["healthy_again_after_s"] = round(recovered_at - fault_at, 1)
             assert up(topo, options).changes.nothing_to_do
         else:
@@ -300,7 +254,7 @@ def test_fault_under_load(fault, model_dir, tmp_path, state_dir):
             slowest_end_after_fault_s=round(slowest, 1), answered_again_after_s=round(max(0.0, again - fault_at), 1),
             errors=[f"{s or 'no HTTP answer'}: {t}" for s, t in errors][:6])
 
-        rows = _rows(name)
+        rows = status_rows(name)
         assert all(r.healthy for r in rows.values()), rows
         for other, pids in pids_before.items():
             if other != victim or sig == signal.SIGSTOP:
@@ -317,5 +271,5 @@ def test_fault_under_load(fault, model_dir, tmp_path, state_dir):
     left = processes_under(str(tmp_path))
     kill_leftovers(str(tmp_path))
     assert left == [], f"processes of the deployment left: {[p.info['cmdline'][:4] for p in left]}"
-    assert [p for p in ports if not _port_free(p)] == []
+    assert [p for p in ports if not port_free(p)] == []
     _record(numbers)

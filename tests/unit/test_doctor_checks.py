@@ -278,6 +278,16 @@ def test_memory_counts_the_kv_cache_of_every_tp_rank():
     assert needed == 4 + check_limits.DEFAULT_CPU_KV_GIB + 2 * check_limits.VLLM_CPU_RSS_GIB
 
 
+def test_memory_counts_only_instances_not_already_running():
+    """Running instances already hold their memory: reviving one of four must not need all four's."""
+    topo = parse_topology("model: {path: /m}\nhosts: {local: {address: 127.0.0.1}}\n"
+                          "prefill: [{kv_cache_gib: 2}, {kv_cache_gib: 2}]\ndecode: [{kv_cache_gib: 2}, {kv_cache_gib: 2}]\n")
+    ctx = context(topo, {})
+    ctx.running = frozenset({"prefill-1", "decode-0", "decode-1", "router"})
+    needed, parts = check_limits.memory_needed_gib(ctx, "local")
+    assert needed == 2 + check_limits.VLLM_CPU_RSS_GIB and [p.split(":")[0] for p in parts] == ["prefill-0"]
+
+
 def test_clock_skew_warns_only_when_certainly_off():
     date = lambda t: {"date": {"command": "date +%s.%N", "rc": 0, "stdout": f"{t}\n", "stderr": ""}}
     ctx = context(TWO_CPU_HOSTS, {"a": facts("a", date(1000.1)), "b": facts("b", date(1000.15))})

@@ -1,0 +1,269 @@
+"""Faults under load with two prefill and two decode instances: real vLLM on CPU through `kvpush up`,
+`status` and `down` (kvpush connector, least-loaded router, four instances sharing the two cores).
+
+One deployment takes four faults in turn, each under its own load of 32 clients streaming
+completions of 1,500 prompt tokens and 48 output tokens back to back: SIGKILL of prefill-0, SIGSTOP
+of prefill-0 (SIGCONT after STOPPED_FOR_S), SIGKILL of decode-0, SIGSTOP of decode-0. With a healthy
+peer of the same role in rotation, no request may fail before its first streamed token; a request
+that had streamed from a killed decode may end with an error, but every request ends within
+ENDS_WITHIN_S. After each fault `up` revives the killed instance alone (the others keep their PIDs)
+or, after SIGCONT, has nothing to do, and the router has all four instances in rotation again before
+the next fault. Afterwards no process of the deployment is left and no port is held. Prints a table
+of the outcomes per fault. Heavy: run under `flock /tmp/kvpush-heavy.lock`.
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from kvpush.common.vllm_metrics import metric_sum
+from kvpush.deploy.lifecycle import LifecycleOptions, down, up
+from kvpush.deploy.plan import build_plan
+from kvpush.deploy.tiny_model import make_tiny_model
+from kvpush.deploy.topology import TinyModelSpec, parse_topology
+from fault_helpers import instance_pids, port_free, status_rows, wait_healthy
+from lifecycle_helpers import kill_leftovers, processes_under
+from random_prompts import VOCAB, full_length_prompts
+
+CLIENTS, PROMPT_TOKENS, MAX_TOKENS = 32, 1500, 48
+LOAD_BEFORE_FAULT_S = 3.0  # the fault hits a steady load
+STOPPED_FOR_S = 6.0  # SIGSTOP to SIGCONT
+LOAD_AFTER_FAULT_S = 6.0  # after the kill or the SIGCONT, before the clients stop sending
+ENDS_WITHIN_S = 30.0  # every request ends this long after the fault or after its own start
+READ_TIMEOUT_S = 90.0  # a request waiting longer than this for a byte counts as hung
+BASE = 18840  # ports 18840-18859: no other test uses them
+NAME = "faults-2p2d"
+FAULTS = [("kill-prefill", "prefill-0", signal.SIGKILL), ("stop-prefill", "prefill-0", signal.SIGSTOP),
+          ("kill-decode", "decode-0", signal.SIGKILL), ("stop-decode", "decode-0", signal.SIGSTOP)]
+PROBES = full_length_prompts(2, PROMPT_TOKENS, seed=11)  # answered before the faults and after the last
+TOPOLOGY = """
+name: {name}
+platform: cpu
+model: {{path: {model}, served_name: tiny, max_model_len: 2048, enforce_eager: true, dtype: float32,
+         extra_args: ["--no-enable-prefix-caching"]}}
+connector: {{type: kvpush, backend: UCX}}
+hosts:
+  local: {{address: 127.0.0.1, workdir: {workdir}}}
+prefill:
+  - {{cpu_cores: "0", share_cores: true, kv_cache_gib: 1, http_port: {b0}, side_channel_port: {b10}}}
+  - {{cpu_cores: "1", share_cores: true, kv_cache_gib: 1, http_port: {b1}, side_channel_port: {b11}}}
+decode:
+  - {{cpu_cores: "0", share_cores: true, kv_cache_gib: 1, http_port: {b2}, side_channel_port: {b12}}}
+  - {{cpu_cores: "1", share_cores: true, kv_cache_gib: 1, http_port: {b3}, side_channel_port: {b13}}}
+router: {{port: {b4}, cpu_cores: "0-1", policy: least-loaded}}
+env: {{UCX_MODULES: "^ib", UCX_MEM_EVENTS: "no"}}
+"""
+# Prefix caching off: a probe sent twice is computed (and transferred) twice, not served from cache.
+
+
+@dataclass
+class Outcome:
+    start: float
+    end: float
+    first_token_at: float | None  # None: it ended before a first streamed token
+    answered: bool  # HTTP 200, every token (finish_reason length), [DONE], no error event
+    detail: str = ""
+
+    @property
+    def failed_before_streaming(self) -> bool:
+        return not self.answered and self.first_token_at is None
+
+    @property
+    def failed_after_streaming(self) -> bool:
+        return not self.answered and self.first_token_at is not None
+
+    @property
+    def hung(self) -> bool:
+        return "timed out" in self.detail
+
+
+def stream(url: str, prompt: list[int]) -> Outcome:
+    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+                       "ignore_eos": True, "stream": True}).encode()
+    request = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
+    start, first, finish, done, text = time.monotonic(), None, None, False, ""
+    try:
+        with urllib.request.urlopen(request, timeout=READ_TIMEOUT_S) as response:
+            for line in response:
+                if not line.startswith(b"data: "):
+                    continue
+                if line.startswith(b"data: [DONE]"):
+                    done = True
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    return Outcome(start, time.monotonic(), first, False, f"error event: {line[:160]!r}")
+                for choice in event.get("choices", []):
+                    first = first or time.monotonic()
+                    text += choice.get("text") or ""
+                    finish = choice.get("finish_reason") or finish
+        answered = done and finish == "length"  # all MAX_TOKENS tokens (ignore_eos)
+        return Outcome(start, time.monotonic(), first, answered, text if answered else f"finish={finish}, done={done}")
+    except urllib.error.HTTPError as exc:
+        return Outcome(start, time.monotonic(), None, False, f"{exc.code}: {exc.read().decode(errors='replace')[:160]}")
+    except (OSError, ValueError, http.client.HTTPException) as exc:  # refused, reset, timed out, a cut-off stream
+        return Outcome(start, time.monotonic(), first, False, f"{type(exc).__name__}: {exc}")
+
+
+class Load:
+    """CLIENTS threads, each streaming fresh prompts back to back until stop()."""
+
+    def __init__(self, url: str, seed: int):
+        self.outcomes: list[Outcome] = []
+        self._lock, self._stop = threading.Lock(), threading.Event()
+        self._threads = [threading.Thread(target=self._client, args=(url, random.Random(seed * 1000 + i)), daemon=True)
+                         for i in range(CLIENTS)]
+        for t in self._threads:
+            t.start()
+
+    def _client(self, url: str, rng: random.Random) -> None:
+        while not self._stop.is_set():
+            outcome = stream(url, [rng.randint(10, VOCAB - 1) for _ in range(PROMPT_TOKENS)])
+            with self._lock:
+                self.outcomes.append(outcome)
+
+    def stop(self, timeout_s: float) -> list[Outcome]:
+        self._stop.set()
+        end = time.monotonic() + timeout_s
+        for t in self._threads:
+            t.join(max(0.0, end - time.monotonic()))
+        assert not any(t.is_alive() for t in self._threads), "a client is still waiting for an answer"
+        return sorted(self.outcomes, key=lambda o: o.start)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("model") / "tiny"
+    make_tiny_model(path, TinyModelSpec(seed=0))
+    return path
+
+
+def _router_metric(router_url: str, name: str, **labels: str) -> float:
+    with urllib.request.urlopen(router_url + "/metrics", timeout=10) as r:
+        return metric_sum(r.read().decode(), name, **labels) or 0.0
+
+
+def _all_in_rotation(router_url: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (n := _router_metric(router_url, "kvpush_router_instance_in_rotation")) != 4:
+        assert time.monotonic() < deadline, f"{n:.0f} of 4 instances in rotation"
+        time.sleep(0.5)
+
+
+def _inject(victim: str, sig: int, pid: int) -> float:
+    """The fault; returns when it hit. SIGSTOP stops the whole instance (API server and engine core,
+    as a hung GPU would) for STOPPED_FOR_S, checks `status` shows it hung, then SIGCONTs it."""
+    if sig == signal.SIGKILL:
+        fault_at = time.monotonic()
+        os.kill(pid, sig)
+        while status_rows(NAME)[victim].process not in ("dead", "zombie"):
+            assert time.monotonic() < fault_at + 15, status_rows(NAME)[victim]
+            time.sleep(0.2)
+        shown = subprocess.run([sys.executable, "-m", "kvpush.cli.main", "status", "-d", NAME], capture_output=True,
+                               text=True, timeout=60)
+        assert shown.returncode == 1 and f"{victim}: died at" in shown.stderr, shown
+        return fault_at
+    target = instance_pids(pid)
+    fault_at = time.monotonic()
+    for p in target:
+        os.kill(p, signal.SIGSTOP)
+    try:
+        time.sleep(2.5)
+        row = status_rows(NAME)[victim]
+        assert row.process == "hung", row
+        time.sleep(max(0.0, STOPPED_FOR_S - (time.monotonic() - fault_at)))
+    finally:
+        for p in target:
+            os.kill(p, signal.SIGCONT)
+    return fault_at
+
+
+def _table(results: list[dict]) -> str:
+    head = ["fault", "requests", "answered", "failed before 1st token", "failed after streaming",
+            "victim legs at fault", "all ended after fault (s)", "`up` (s)"]
+    rows = [[r["fault"], r["requests"], r["answered"], r["failed_before_streaming"], r["failed_after_streaming"],
+             r["victim_legs_at_fault"], r["all_ended_after_fault_s"], r.get("up_s", "-")] for r in results]
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+    return "\n".join("  ".join(str(x).rjust(w) for x, w in zip(row, widths)) for row in [head, *rows])
+
+
+def test_losing_one_prefill_then_one_decode_under_load_fails_no_request_not_yet_streaming(model_dir, tmp_path, state_dir):
+    ports = {f"b{i}": BASE + i for i in range(20)}
+    topo = parse_topology(TOPOLOGY.format(name=NAME, model=model_dir, workdir=tmp_path, **ports))
+    plan = build_plan(topo)
+    used = [p for proc in plan.processes() for p in [proc.http_port, *proc.side_channel_ports]]
+    options = LifecycleOptions(provision=False, ready_timeout_s=600, stop_timeout_s=15)
+    results: list[dict] = []
+    load = None
+    try:
+        up(topo, options)
+        _all_in_rotation(plan.router_url)
+        before = [stream(plan.router_url, p) for p in PROBES]
+        assert all(o.answered for o in before), before
+        for n, (fault, victim, sig) in enumerate(FAULTS):
+            pids_before = {name: (r.supervisor_pid, r.pid) for name, r in status_rows(NAME).items()}
+            load = Load(plan.router_url, seed=BASE + n)
+            time.sleep(LOAD_BEFORE_FAULT_S)
+            victim_legs = _router_metric(plan.router_url, "kvpush_router_inflight", instance=victim)
+            fault_at = _inject(victim, sig, pids_before[victim][1])
+            time.sleep(LOAD_AFTER_FAULT_S)
+            outcomes, load = load.stop(ENDS_WITHIN_S + READ_TIMEOUT_S), None
+
+            in_flight = [o for o in outcomes if o.start < fault_at < o.end]
+            errors = sorted({o.detail[:120] for o in outcomes if not o.answered})
+            result = {
+                "fault": fault, "requests": len(outcomes), "answered": sum(o.answered for o in outcomes),
+                "failed_before_streaming": sum(o.failed_before_streaming for o in outcomes),
+                "failed_after_streaming": sum(o.failed_after_streaming for o in outcomes),
+                "in_flight_at_fault": len(in_flight), "victim_legs_at_fault": int(victim_legs),
+                "all_ended_after_fault_s": round(max(o.end for o in outcomes) - fault_at, 1),
+                "slowest_end_after_fault_s": round(max(o.end - max(o.start, fault_at) for o in outcomes if o.end > fault_at), 1),
+                "errors": errors[:4]}
+            results.append(result)
+            print(f"\n2p2d fault result: {json.dumps(result)}", file=sys.stderr)
+            assert in_flight, f"{fault}: the fault hit no request in flight"
+            assert not [o for o in outcomes if o.hung], f"{fault}: a request hung"
+            assert result["failed_before_streaming"] == 0, (fault, errors)
+            assert result["slowest_end_after_fault_s"] <= ENDS_WITHIN_S, result
+
+            began = time.monotonic()
+            if sig == signal.SIGSTOP:
+                wait_healthy(NAME, victim, 60)
+            changes = up(topo, options).changes
+            result["up_s"] = round(time.monotonic() - began, 1)
+            if sig == signal.SIGSTOP:
+                assert changes.nothing_to_do, changes
+            else:
+                assert changes.revive == [victim] and not (changes.start or changes.restart or changes.stop), changes
+            rows = status_rows(NAME)
+            assert all(r.healthy for r in rows.values()), rows
+            for other, pids in pids_before.items():
+                if other != victim or sig == signal.SIGSTOP:
+                    assert (rows[other].supervisor_pid, rows[other].pid) == pids, f"{fault}: `up` restarted {other}"
+            _all_in_rotation(plan.router_url)
+        after = [stream(plan.router_url, p) for p in PROBES]
+        assert [o.detail for o in after] == [o.detail for o in before]
+    finally:
+        if load is not None:
+            load.stop(ENDS_WITHIN_S + READ_TIMEOUT_S)
+        stopped = down(NAME, options)
+        if results:
+            print("\n" + _table(results), file=sys.stderr)
+    assert stopped.complete, stopped
+    left = processes_under(str(tmp_path))
+    kill_leftovers(str(tmp_path))
+    assert left == [], f"processes of the deployment left: {[p.info['cmdline'][:4] for p in left]}"
+    assert [p for p in used if not port_free(p)] == []
