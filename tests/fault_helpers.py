@@ -1,5 +1,6 @@
-"""Helpers shared by the fault tests on real vLLM: what `status` sees of a deployment's processes,
-an instance's process tree (to stop all of it as a hung GPU would) and whether a port is free."""
+"""Helpers shared by the e2e tests that break, change or tear down a deployment of real vLLM: what
+`status` sees of its processes, an instance's process tree (to stop all of it as a hung GPU would),
+and whether a port is free again."""
 from __future__ import annotations
 
 import socket

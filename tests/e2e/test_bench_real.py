@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import pytest
 
@@ -20,19 +19,11 @@ from kvpush.deploy.lifecycle import LifecycleOptions
 from kvpush.deploy.state import load_state
 from kvpush.deploy.topology import parse_topology
 from kvpush.templates import DEFAULT_TEMPLATE, template_text
+from fault_helpers import port_free
 
 PORT_BASE = 15100  # this test's range: 15100-15104
 MODES = os.environ.get("KVPUSH_BENCH_E2E_MODES", "kvpush,nixl-pull").split(",")
 
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
 
 
 def test_short_real_bench_measures_every_mode_and_tears_down(tmp_path, state_dir):
@@ -46,7 +37,7 @@ def test_short_real_bench_measures_every_mode_and_tears_down(tmp_path, state_dir
 
     # Torn down: no state left, every port free again.
     assert load_state(bench_topology(topo, MODES[0]).name) is None
-    assert all(_port_free(PORT_BASE + i) for i in range(5))
+    assert all(port_free(PORT_BASE + i) for i in range(5))
 
     assert [r.mode for r in report.runs] == MODES
     for run in report.runs:
@@ -100,7 +91,7 @@ def test_rounds_keep_both_deployments_up_and_pool_their_requests(tmp_path, state
         assert sum(i.prompt_tokens_cached for i in pooled.instances) == 0  # each round's prompts are new
         if run.mode == "kvpush":
             assert pooled.prompt_tokens_external >= 2 * 3 * 100
-    assert all(_port_free(ROUNDS_PORT_BASE + i) for i in range(5)) and _port_free(ROUNDS_PORT_BASE + 100)
+    assert all(port_free(ROUNDS_PORT_BASE + i) for i in range(5)) and port_free(ROUNDS_PORT_BASE + 100)
     document = json.loads((tmp_path / "bench" / "bench.json").read_text())
     assert len(document["paired_ratios_vs_baseline"]["kvpush"]["2"]["ttft_p50"]) == 2
     assert sorted(p.name for p in (tmp_path / "bench" / "raw").glob("*-round2.json")) == ["colocated-rate2-round2.json",
@@ -141,4 +132,4 @@ def test_stock_nixl_modes_serve_with_vllms_own_connectors(tmp_path, state_dir):
         expected = "NixlPushConnector" if run.mode == "nixl-push-stock" else "NixlPullConnector"
         assert f"Creating v1 connector with name: {expected} " in log
         assert "kv_connector_module_path=None" in log and "kvpush.connector.vllm_nixl" not in log
-    assert all(_port_free(STOCK_PORT_BASE + i) for i in range(5)) and all(_port_free(STOCK_PORT_BASE + 100 + i) for i in range(5))
+    assert all(port_free(STOCK_PORT_BASE + i) for i in range(5)) and all(port_free(STOCK_PORT_BASE + 100 + i) for i in range(5))

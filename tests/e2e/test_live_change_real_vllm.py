@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import random
-import socket
 import statistics
 import sys
 import threading
@@ -32,6 +31,7 @@ from kvpush.deploy.tiny_model import make_tiny_model
 from kvpush.deploy.topology import TinyModelSpec, parse_topology
 from lifecycle_helpers import RecordingEvents, kill_leftovers, processes_under
 from random_prompts import VOCAB
+from fault_helpers import port_free
 
 PROMPT_TOKENS, MAX_TOKENS, EVERY_S = 400, 24, 0.5
 STEADY_S = 12.0  # load before the first change, between the changes and after the last
@@ -119,15 +119,6 @@ def ttft(outcomes: list[Outcome], start: float, end: float) -> dict:
     p99 = times[min(len(times) - 1, round(0.99 * (len(times) - 1)))]
     return {"requests": len(times), "ttft_p50_s": round(statistics.median(times), 3), "ttft_p99_s": round(p99, 3)}
 
-
-def port_free(port: int) -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
 
 
 @pytest.fixture(scope="module")

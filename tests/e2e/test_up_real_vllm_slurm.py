@@ -28,7 +28,7 @@ from kvpush.deploy.tiny_model import make_tiny_model
 from kvpush.deploy.topology import TinyModelSpec
 from kvpush.templates import template_text
 from deployment_slot import DeploymentSlot
-from lifecycle_helpers import kill_leftovers, processes_under
+from lifecycle_helpers import kill_leftovers, processes_under, run_cli
 from random_prompts import full_length_prompts, random_prompts
 from server_process import ServerProcess
 
@@ -37,15 +37,6 @@ PORTS = {"prefill": (26210, 26220), "decode": (26230, 26240), "router": 26250, "
 PROMPTS = random_prompts(16, 700, seed=26)[8:]  # 255 to 700 tokens, held out: no other request used them
 MAX_TOKENS = 12
 
-
-def _cli(args: list[str], capsys) -> tuple[int, str, str]:
-    try:
-        cli_run(args)
-        code = 0
-    except SystemExit as exc:
-        code = exc.code or 0
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 def _topology_file(tmp: Path, model: Path) -> Path:
@@ -204,7 +195,7 @@ def _reference_answers(path: Path, model: Path, tmp: Path) -> list[str]:
 
 
 def test_status_shows_each_step_and_logs_tail_them(deployment, slurm_cluster, capsys):
-    code, out, err = _cli(["status", str(deployment), "--json"], capsys)
+    code, out, err = run_cli(["status", str(deployment), "--json"], capsys)
     document = json.loads(out)
     assert code == 0 and document["healthy"], out + err
     rows = {p["name"]: (p["host"], p["process"], p["health"]) for p in document["processes"]}
@@ -213,7 +204,7 @@ def test_status_shows_each_step_and_logs_tail_them(deployment, slurm_cluster, ca
     steps = slurm_cluster.command("squeue", "-h", "-s", "-j", state.slurm_submitted_job, "-o", "%i|%j").stdout.split()
     assert {f"{state.slurm_submitted_job}.{r.pid}|{r.name}" for r in state.processes.values()} <= set(steps)
 
-    code, out, err = _cli(["logs", "--file", str(deployment), "-n", "40"], capsys)
+    code, out, err = run_cli(["logs", "--file", str(deployment), "-n", "40"], capsys)
     assert code == 0, err
     by_process = {}
     for line in out.splitlines():
@@ -232,7 +223,7 @@ def test_a_killed_prefill_step_is_reported_and_up_relaunches_only_it(own_deploym
     psutil.wait_procs([prefill], timeout=10)
     deadline = time.monotonic() + 30
     while True:
-        code, out, _ = _cli(["status", str(deployment), "--json"], capsys)
+        code, out, _ = run_cli(["status", str(deployment), "--json"], capsys)
         rows = {p["name"]: p["process"] for p in json.loads(out)["processes"]}
         if rows["prefill-0"] == "dead" or time.monotonic() > deadline:
             break
@@ -241,7 +232,7 @@ def test_a_killed_prefill_step_is_reported_and_up_relaunches_only_it(own_deploym
     # The server's engine core and every other process it started ended with it: its ports are free.
     assert [p for p in PORTS["prefill"] if _listening("127.0.0.51", p)] == []
 
-    code, out, err = _cli(["up", str(deployment), "--timeout", "400"], capsys)
+    code, out, err = run_cli(["up", str(deployment), "--timeout", "400"], capsys)
     assert code == 0, err
     assert "start again (not running): prefill-0" in err and "keep (unchanged, running): decode-0, router" in err
     after = load_state(NAME)
@@ -258,10 +249,10 @@ def test_scancel_from_outside_status_says_so_in_one_line_and_down_is_a_no_op(own
     job = load_state(NAME).slurm_submitted_job
     slurm_cluster.command("scancel", job)
     assert SlurmClient().wait_gone(job, 60)
-    code, out, err = _cli(["status", str(deployment)], capsys)
+    code, out, err = run_cli(["status", str(deployment)], capsys)
     lines = [ln for ln in (out + err).splitlines() if ln.strip()]
     assert code == 1 and len(lines) == 1 and f"Slurm job {job} has ended (CANCELLED)" in lines[0], lines
-    code, out, err = _cli(["down", str(deployment)], capsys)
+    code, out, err = run_cli(["down", str(deployment)], capsys)
     assert code == 0 and "has ended" in out and "stopped" not in out, out + err
     assert load_state(NAME) is None
     _nothing_left(slurm_cluster, model, deployment.parent)
@@ -274,16 +265,16 @@ def test_up_inside_an_allocation_made_with_salloc(slurm_cluster, model, tmp_path
     try:
         monkeypatch.setenv("SLURM_JOB_ID", job)
         path = _topology_file(tmp_path, model)
-        code, out, err = _cli(["up", str(path), "--timeout", "400", "--skip-doctor"], capsys)
+        code, out, err = run_cli(["up", str(path), "--timeout", "400", "--skip-doctor"], capsys)
         assert code == 0, err
         assert f"deploying into job {job} (SLURM_JOB_ID)" in err and "proof: router answered" in out
         assert _steps(slurm_cluster) == {"prefill-0", "decode-0", "router"}
         decode = f"http://127.0.0.52:{PORTS['decode'][0]}"
         before = _external_kv(decode)
-        code, out, err = _cli(["request", "--file", str(path), "--json", "a prompt held out from every other test " * 20], capsys)
+        code, out, err = run_cli(["request", "--file", str(path), "--json", "a prompt held out from every other test " * 20], capsys)
         assert code == 0 and json.loads(out)["completion_tokens"] > 0, err
         assert _external_kv(decode) > before
-        code, out, err = _cli(["down", str(path)], capsys)
+        code, out, err = run_cli(["down", str(path)], capsys)
         assert code == 0 and "stopped" in out and "cancelled" not in out, out + err
         _nothing_left(slurm_cluster, model, tmp_path)
         assert SlurmClient().job(job).running  # the allocation stays its owner's
@@ -297,7 +288,7 @@ def test_bench_runs_unchanged_on_slurm(slurm_cluster, model, tmp_path, monkeypat
     monkeypatch.setenv("KVPUSH_STATE_DIR", str(tmp_path / "state"))
     path = _topology_file(tmp_path, model)
     out = tmp_path / "bench"
-    code, stdout, err = _cli(["bench", str(path), "--modes", "kvpush", "--baseline", "kvpush", "--rates", "1",
+    code, stdout, err = run_cli(["bench", str(path), "--modes", "kvpush", "--baseline", "kvpush", "--rates", "1",
                               "--num-prompts", "4", "--input-len", "256", "--output-len", "8", "--out", str(out),
                               "--timeout", "400"], capsys)
     assert code == 0, stdout + err

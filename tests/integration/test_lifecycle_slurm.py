@@ -12,14 +12,13 @@ import subprocess
 import psutil
 import pytest
 
-from kvpush.cli.main import run as cli_run
 from kvpush.deploy.lifecycle import down, up
 from kvpush.deploy.observe import deployment_status, require_state
 from kvpush.deploy.runners import SshOptions
 from kvpush.deploy.runners.slurm_cli import SlurmClient
 from kvpush.deploy.state import load_state
 from kvpush.deploy.lifecycle import LifecycleOptions
-from lifecycle_helpers import RecordingEvents, kill_leftovers, wait_for
+from lifecycle_helpers import RecordingEvents, kill_leftovers, run_cli, wait_for
 from slurm_cluster import slurm_topology_for
 from sshd_hosts import write_standin_python
 
@@ -48,15 +47,6 @@ def deploy(slurm_cluster, tmp_path, state_dir):
     assert not jobs, f"jobs left queued: {jobs}"
 
 
-def _cli(args, capsys):
-    try:
-        cli_run(args)
-        code = 0
-    except SystemExit as exc:
-        code = exc.code or 0
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
 
 def _steps(cluster) -> dict[str, str]:
     out = cluster.command("squeue", "-h", "-s", "-o", "%i|%j|%N").stdout
@@ -80,7 +70,7 @@ def test_up_launches_every_process_as_a_job_step_and_down_cancels_the_job(deploy
     assert [(r.name, r.host, r.process, r.health) for r in rows] == [
         ("prefill-0", "n1", "running", "ok"), ("decode-0", "n2", "running", "ok"), ("router", "n2", "running", "ok")]
 
-    code, out, _ = _cli(["logs", "prefill", "-d", "s", "-n", "5"], capsys)
+    code, out, _ = run_cli(["logs", "prefill", "-d", "s", "-n", "5"], capsys)
     assert code == 0 and out.startswith("prefill-0 | ") and "GET /health" in out
 
     from kvpush.deploy.hosts import connected
@@ -113,7 +103,7 @@ def test_a_killed_step_is_reported_and_up_relaunches_only_it(deploy, slurm_clust
     slurm_cluster.command("scancel", "--signal=KILL", f"{before.slurm_submitted_job}.{prefill.pid}")
     wait_for("the killed step prefill-0 to leave squeue", lambda: "prefill-0" not in _steps(slurm_cluster), 20,
              lambda: f"steps: {_steps(slurm_cluster)}")
-    code, out, _ = _cli(["status", "-d", "s", "--json"], capsys)
+    code, out, _ = run_cli(["status", "-d", "s", "--json"], capsys)
     document = json.loads(out)
     assert code == 1 and not document["healthy"]
     assert {p["name"]: p["process"] for p in document["processes"]} == {"prefill-0": "dead", "decode-0": "running", "router": "running"}
@@ -132,11 +122,11 @@ def test_scancel_from_outside_status_says_so_in_one_line_and_down_is_a_no_op(dep
     job = load_state("s").slurm_submitted_job
     slurm_cluster.command("scancel", job)
     assert SlurmClient().wait_gone(job, 30)
-    code, out, err = _cli(["status", "-d", "s"], capsys)
+    code, out, err = run_cli(["status", "-d", "s"], capsys)
     lines = [ln for ln in (out + err).splitlines() if ln.strip()]
     assert code == 1 and len(lines) == 1, lines
     assert f"Slurm job {job} has ended (CANCELLED)" in lines[0]
-    code, out, err = _cli(["down", "-d", "s"], capsys)
+    code, out, err = run_cli(["down", "-d", "s"], capsys)
     assert code == 0 and f"Slurm job {job} has ended" in out and "stopped" not in out
     assert load_state("s") is None
 
@@ -174,7 +164,7 @@ def test_bad_slurm_input_is_one_line_naming_the_field_exit_2_and_nothing_queued(
     topo = deploy(extra=change)
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(topo.model_dump(mode="json", exclude_defaults=True)))
-    code, out, err = _cli(["up", str(path), "--no-provision", "--skip-doctor"], capsys)
+    code, out, err = run_cli(["up", str(path), "--no-provision", "--skip-doctor"], capsys)
     error = [ln for ln in err.splitlines() if ln.startswith("error:")]
     assert code == 2 and len(error) == 1, err
     assert error[0].startswith(f"error: {field}: ") and words in error[0]
@@ -191,7 +181,7 @@ def test_more_nodes_than_the_partition_has_names_the_hosts(deploy, slurm_cluster
     document["decode"][0]["host"] = "n3"
     path = tmp_path / "three.yaml"
     path.write_text(yaml.safe_dump(document))
-    code, out, err = _cli(["up", str(path), "--no-provision", "--skip-doctor"], capsys)
+    code, out, err = run_cli(["up", str(path), "--no-provision", "--skip-doctor"], capsys)
     assert code == 2, err
     assert "error: hosts: the deployment needs 3 nodes (one per host); partition debug has 2; Slurm: " in err
     assert "Requested node configuration is not available" in err
@@ -211,7 +201,7 @@ def _submit_script(deploy, slurm_cluster, tmp_path, capsys, name, env):
     topo = deploy(name=name, extra={"router": {"api_key_env": "KVPUSH_TEST_CLIENT_KEY"}})
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(topo.model_dump(mode="json", exclude_defaults=True)))
-    code, script, err = _cli(["plan", str(path), "--slurm-script"], capsys)
+    code, script, err = run_cli(["plan", str(path), "--slurm-script"], capsys)
     assert code == 0 and script.startswith(f"#!/bin/bash\n#SBATCH --job-name=kvpush-{name}"), err
     (tmp_path / "job-tmp").mkdir(exist_ok=True)
     inherited = {k: v for k, v in os.environ.items() if k != "KVPUSH_TEST_CLIENT_KEY"}
@@ -286,7 +276,7 @@ def test_doctor_runs_its_checks_as_one_job_step_per_node_in_a_job_it_cancels_aft
     topo = deploy(name="checked")
     path = tmp_path / "checked.yaml"
     path.write_text(yaml.safe_dump(topo.model_dump(mode="json", exclude_defaults=True)))
-    code, out, err = _cli(["doctor", str(path), "--json", "--only", "python,packages,memlock,open-files,ports-free,reachability,transfer", "--transfer"], capsys)
+    code, out, err = run_cli(["doctor", str(path), "--json", "--only", "python,packages,memlock,open-files,ports-free,reachability,transfer", "--transfer"], capsys)
     report = json.loads(out)
     assert report["hosts"] == ["n1", "n2"], err
     rows = {(r["subject"], r["check"]): r["status"] for r in report["results"]}
@@ -321,7 +311,7 @@ def test_up_inside_an_sbatch_script_deploys_into_that_job(deploy, slurm_cluster,
                  lambda: f"job {job}: {batch_output()}")
         state = load_state("batch")
         assert state.slurm_submitted_job is None and {h.slurm["job_id"] for h in state.hosts.values()} == {job}
-        code, out, err = _cli(["status", "-d", "batch", "--json"], capsys)
+        code, out, err = run_cli(["status", "-d", "batch", "--json"], capsys)
         assert code == 0 and json.loads(out)["healthy"], out + err
         stopped = down("batch", OPTIONS)
         assert stopped.complete and sorted(stopped.stopped) == ["decode-0", "prefill-0", "router"] and stopped.notes == []

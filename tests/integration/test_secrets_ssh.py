@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from kvpush.cli.main import run as cli_run
 from kvpush.common import deployment_secret as ds
 from kvpush.deploy.hosts import connected
 from kvpush.deploy.lifecycle import down, up
@@ -21,7 +20,7 @@ from kvpush.deploy.secrets import local_secret_path
 from kvpush.deploy.state import load_state
 from sshd_hosts import topology_for, write_standin_python
 
-from lifecycle_helpers import kill_leftovers, options, processes_under
+from lifecycle_helpers import kill_leftovers, options, processes_under, run_cli
 
 PORT_BASE = 20000  # 20000-20019 and 20020-20039
 CLIENT_KEY = "client-key-for-the-test-0123456789"
@@ -87,15 +86,6 @@ def _mode(path: Path) -> int:
     return stat.S_IMODE(path.stat().st_mode)
 
 
-def _cli(args, capsys) -> tuple[int, str, str]:
-    try:
-        cli_run(args)
-        code = 0
-    except SystemExit as exc:
-        code = exc.code or 0
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
 
 def test_secret_lands_0600_on_every_host_and_in_no_argv_and_keys_guard_router_and_instances(keyed, sshd_cluster, tmp_path, capsys):
     topo = keyed
@@ -140,10 +130,10 @@ def test_secret_lands_0600_on_every_host_and_in_no_argv_and_keys_guard_router_an
     topology_file = tmp_path / "sec.yaml"
     topology_file.write_text(json.dumps(topo.model_dump(mode="json", exclude_none=True)))
     for args in (["plan", str(topology_file)], ["plan", str(topology_file), "--json"]):
-        code, out, _ = _cli(args, capsys)
+        code, out, _ = run_cli(args, capsys)
         assert code == 0 and "deployment.secret" in out
         assert not [n for n in (secret.hex(), instance_key, CLIENT_KEY) if n in out]
-    code, out, err = _cli(["status", str(topology_file), "--json", "--known-hosts", str(sshd_cluster.known_hosts)], capsys)
+    code, out, err = run_cli(["status", str(topology_file), "--json", "--known-hosts", str(sshd_cluster.known_hosts)], capsys)
     assert code == 0 and json.loads(out)["healthy"], err
     for log in tmp_path.glob("h*/sec/logs/*.log"):
         text = log.read_text(errors="replace")
@@ -159,7 +149,7 @@ def test_rotating_the_secret_restarts_every_process_and_a_new_client_key_only_th
 
     topology_file = tmp_path / "sec.yaml"
     topology_file.write_text(json.dumps(topo.model_dump(mode="json", exclude_none=True)))
-    code, out, err = _cli(["up", str(topology_file), "--rotate-secret", "--no-provision", "--skip-doctor", "--timeout", "60",
+    code, out, err = run_cli(["up", str(topology_file), "--rotate-secret", "--no-provision", "--skip-doctor", "--timeout", "60",
                            "--known-hosts", str(sshd_cluster.known_hosts)], capsys)
     assert code == 0 and "decode received" in out, err
     second_secret = ds.read_secret(local_secret_path(topo.name))
@@ -183,7 +173,7 @@ def test_an_unset_router_key_variable_is_bad_input_before_anything_starts(keyed,
     monkeypatch.delenv(KEY_VARIABLE)
     topology_file = tmp_path / "sec.yaml"
     topology_file.write_text(json.dumps(keyed.model_dump(mode="json", exclude_none=True)))
-    code, _, err = _cli(["up", str(topology_file), "--no-provision", "--skip-doctor", "--known-hosts", str(sshd_cluster.known_hosts)],
+    code, _, err = run_cli(["up", str(topology_file), "--no-provision", "--skip-doctor", "--known-hosts", str(sshd_cluster.known_hosts)],
                         capsys)
     assert code == 2 and f"router.api_key_env: {KEY_VARIABLE} is unset or empty on this machine" in err
     assert processes_under(str(tmp_path / "standin-python")) == [] and not local_secret_path(keyed.name).exists()
@@ -198,7 +188,7 @@ def test_down_removes_the_secret_files_from_every_host_and_keeps_this_machine_s_
     assert len(on_hosts) == 7, on_hosts  # the secret on 3 hosts, 2 instance env files, the router's 2 keys
 
     known = ["--known-hosts", str(sshd_cluster.known_hosts)]
-    code, out, err = _cli(["down", "-d", topo.name, *known], capsys)
+    code, out, err = run_cli(["down", "-d", topo.name, *known], capsys)
     assert code == 0, err
     assert "sec: stopped" in out and "sec: removed its secret files on h0, h1, h2" in out
     assert [p for p in on_hosts if p.exists()] == [] and (tmp_path / "h0" / "sec" / "logs").is_dir()  # only the secrets go
@@ -206,6 +196,6 @@ def test_down_removes_the_secret_files_from_every_host_and_keeps_this_machine_s_
 
     up(topo, options(sshd_cluster))
     assert ds.read_secret(tmp_path / "h1" / "sec" / "deployment.secret") == secret
-    code, out, err = _cli(["down", "-d", topo.name, "--forget-secret", *known], capsys)
+    code, out, err = run_cli(["down", "-d", topo.name, "--forget-secret", *known], capsys)
     assert code == 0 and "deleted the deployment secret kept on this machine" in out, err
     assert not local_secret_path(topo.name).exists() and not list(tmp_path.glob("h*/sec/deployment.secret"))
