@@ -25,9 +25,7 @@ from dataclasses import replace
 from . import auth, wire
 from .channel import AUTH_DEADLINE_S, Connection, Reactor
 from .fanin import RANK_SEPARATOR, Parts, base_name, rank_key, rank_of
-from .liveness import DEFAULT_SILENCE_S, PeerLiveness
-
-ADMISSION_TIMEOUT_S = 10.0
+from .liveness import DEFAULT_ADMISSION_S, DEFAULT_SILENCE_S, PeerLiveness
 from .sharding import HeadSharding, ShardingError, pieces_for_decode
 from .state import ConsumerState, Outcome, Pending, counts_since
 
@@ -43,10 +41,7 @@ class ConsumerConfig:
     timeout_s: float = 5.0
     connect_timeout_s: float = 1.0
     peer_silence_s: float = DEFAULT_SILENCE_S  # a P waited on that answers no ping this long is gone
-    # A P proves its key at once but admits a decode rank only after making it a NIXL peer, which
-    # under CPU contention took over a second: its silence is timed only once it has WELCOMEd, and
-    # admission has this long.
-    admission_timeout_s: float = ADMISSION_TIMEOUT_S
+    admission_timeout_s: float = DEFAULT_ADMISSION_S  # a P that proved its key must admit D within this (liveness.py)
     accepted_timeout_s: float = 300.0  # a P that accepted a transfer and then sent nothing this long
     sharding: HeadSharding = field(default_factory=lambda: HeadSharding(1, 1))  # this instance's heads over its ranks
     head_layouts: tuple[wire.HeadLayout, ...] = ()  # per region; () = one head filling each block
@@ -67,9 +62,8 @@ class Consumer:
         self._lock = threading.Lock()
         self._outcome_ready = threading.Condition(self._lock)
         self._state = ConsumerState(config.timeout_s, config.accepted_timeout_s)
-        self._liveness = PeerLiveness(silence_s=config.peer_silence_s)  # reactor thread only
+        self._liveness = PeerLiveness(silence_s=config.peer_silence_s, admission_s=config.admission_timeout_s)  # reactor thread only
         self._conns: dict[str, Connection] = {}
-        self._awaiting_welcome: dict[str, float] = {}  # P rank -> when its connection was proven (reactor thread)
         self._connecting: dict[str, list[wire.Message]] = {}  # P engine -> what waits for its connection
         self._silenced: set[str] = set()  # P engines this side hung up on for not answering (reactor thread)
         self._outcomes: list[Outcome] = []
@@ -260,7 +254,7 @@ class Consumer:
     def _established(self, peer_engine: str, conn: Connection) -> None:
         """The connection speaks for this P rank now: send what waited for it."""
         self._conns[peer_engine] = conn
-        self._awaiting_welcome[peer_engine] = time.monotonic()
+        self._liveness.proven(peer_engine, time.monotonic())
         for msg in self._connecting.pop(peer_engine, []):
             if not conn.send(msg):
                 self._reactor.close(conn, "send failed")
@@ -285,19 +279,12 @@ class Consumer:
 
     def _busy_peers(self) -> set[str]:
         """P engines with a transfer pending and a connection to ask them on (lock held)."""
-        return {p.peer_engine for p in self._state.pending.values()
-                if p.peer_engine in self._conns and p.peer_engine not in self._awaiting_welcome}
-
-    def _admission_deadline(self) -> float | None:
-        """When the P rank that has been admitting this decode longest runs out of time (lock held)."""
-        waited_on = {p.peer_engine for p in self._state.pending.values()}
-        starts = [t for peer, t in self._awaiting_welcome.items() if peer in waited_on]
-        return min(starts) + self.config.admission_timeout_s if starts else None
+        return {p.peer_engine for p in self._state.pending.values() if p.peer_engine in self._conns}
 
     def timeout(self) -> float | None:
         with self._lock:
-            deadlines = [d for d in (self._state.next_deadline(), self._liveness.next_deadline(self._busy_peers()),
-                                     self._admission_deadline()) if d is not None]
+            deadlines = [d for d in (self._state.next_deadline(), self._liveness.next_deadline(self._busy_peers()))
+                         if d is not None]
         return None if not deadlines else max(0.0, min(deadlines) - time.monotonic())
 
     def on_tick(self) -> None:
@@ -305,10 +292,9 @@ class Consumer:
         with self._lock:
             late = self._state.expire(now)
             self._add_outcomes(late)
-            to_ping, silent = self._liveness.due(self._busy_peers(), now)
-            waited_on = {p.peer_engine for p in self._state.pending.values()}
-            unadmitted = [peer for peer, since in self._awaiting_welcome.items()
-                          if peer in waited_on and now - since > self.config.admission_timeout_s]
+            busy = self._busy_peers()
+            to_ping, silent = self._liveness.due(busy, now)
+            unadmitted = self._liveness.unadmitted(busy, now)
         for engine_id in unadmitted:
             self._reactor.close(self._conns[engine_id], f"prefill did not admit this decode rank within "
                                                         f"{self.config.admission_timeout_s:g} s of proving its key")
@@ -336,7 +322,6 @@ class Consumer:
             return
         if conn.engine_id is not None and self._conns.get(conn.engine_id) is conn:
             del self._conns[conn.engine_id]
-            self._awaiting_welcome.pop(conn.engine_id, None)
             self._liveness.forget(conn.engine_id)
             silenced = conn.engine_id in self._silenced  # else P went away: nothing of it lands later
             self._silenced.discard(conn.engine_id)
@@ -358,7 +343,7 @@ class Consumer:
             if msg.engine_id != base_name(peer_key):
                 self._reactor.close(conn, f"peer says it is {msg.engine_id!r}")
             else:
-                self._awaiting_welcome.pop(peer_key, None)  # admitted: from now on its silence counts
+                self._liveness.admitted(peer_key)
             return
         if isinstance(msg, wire.Refuse):
             log.error("kvpush: prefill %s refused the handshake: %s", _named(peer_key), msg.reason)

@@ -45,3 +45,14 @@ def test_next_deadline_is_the_next_ping_or_the_silence_limit():
     assert live.next_deadline(["p"]) == 5.2
     live.forget("p")
     assert live.next_deadline(["p"]) == float("-inf")
+
+
+def test_a_peer_still_admitting_is_not_pinged_nor_silent_until_its_admission_bound():
+    live = PeerLiveness(interval_s=0.2, silence_s=1.0, admission_s=10.0)
+    live.proven("p", 0.0)
+    assert live.due(["p"], 5.0) == ([], [])  # making D a NIXL peer: nothing is asked of it yet
+    assert live.unadmitted(["p"], 9.9) == [] and live.next_deadline(["p"]) == 10.0
+    assert live.unadmitted(["p"], 10.1) == ["p"] and live.unadmitted([], 10.1) == []  # only while D waits on it
+    live.admitted("p")
+    assert live.due(["p"], 10.2) == (["p"], [])  # admitted: pinged, and its silence counts from now
+    assert live.due(["p"], 11.3)[1] == ["p"]
