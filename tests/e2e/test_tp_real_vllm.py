@@ -97,7 +97,11 @@ def deployment(tmp_path_factory):
             started[name] = ServerProcess(name, proc.argv, proc.env, proc.health_url.rsplit("/", 1)[0], workdir)
         full = router_config(topo)
         for (p, d), port in ROUTER_PORTS.items():
+            # Four vLLM instances and three routers share two cores here, and the test also asks
+            # decode directly: a busy instance's /health may wait longer than the 1 s default
+            # bound for a hang, which would take a healthy instance out of rotation.
             config = full.model_copy(update={"port": port, "instance_api_key_file": None, "api_key_file": None,
+                                             "timeouts": full.timeouts.model_copy(update={"health_s": 5.0}),
                                              "prefill": [u for u in full.prefill if u.name == p],
                                              "decode": [u for u in full.decode if u.name == d]})
             path = workdir / f"router-{p}-{d}.json"
