@@ -207,6 +207,9 @@ class RouterSpec(_Model):
     prefill_timeout_s: float = Field(600.0, gt=0, le=DAY_S)
     decode_timeout_s: float = Field(600.0, gt=0, le=DAY_S)
     connect_timeout_s: float = Field(5.0, gt=0, le=DAY_S)
+    # a /health probe unanswered this long counts as a hang (2 in a row take an instance out of
+    # rotation); raise it where instances share too few cores to answer promptly while busy
+    health_timeout_s: float = Field(1.0, gt=0, le=600)
     max_prompt_chars: IntNotBool = Field(4_000_000, ge=1, le=100_000_000)
     cpu_cores: CoreList | None = Field(None, description="cores the router process runs on (taskset); may share an instance's")
     workers: IntNotBool = Field(1, ge=1, le=64, description="router processes sharing the port, each relaying its share of "

@@ -45,7 +45,7 @@ decode:
      http_port: {d2_http}, side_channel_port: {d2_side}, extra_args: ["--no-enable-prefix-caching"]}}
   - {{name: d1, cpu_cores: "1", share_cores: true, kv_cache_gib: 1, http_port: {d1_http}, side_channel_port: {d1_side},
      extra_args: ["--no-enable-prefix-caching"]}}
-router: {{port: 19009}}
+router: {{port: 19009, health_timeout_s: 5}}  # 4 instances on 2 cores: a busy one's /health can take over 1 s
 env: {{UCX_MODULES: "^ib", UCX_MEM_EVENTS: "no"}}
 """
 MAX_TOKENS = 10
@@ -97,11 +97,7 @@ def deployment(tmp_path_factory):
             started[name] = ServerProcess(name, proc.argv, proc.env, proc.health_url.rsplit("/", 1)[0], workdir)
         full = router_config(topo)
         for (p, d), port in ROUTER_PORTS.items():
-            # Four vLLM instances and three routers share two cores here, and the test also asks
-            # decode directly: a busy instance's /health may wait longer than the 1 s default
-            # bound for a hang, which would take a healthy instance out of rotation.
             config = full.model_copy(update={"port": port, "instance_api_key_file": None, "api_key_file": None,
-                                             "timeouts": full.timeouts.model_copy(update={"health_s": 5.0}),
                                              "prefill": [u for u in full.prefill if u.name == p],
                                              "decode": [u for u in full.decode if u.name == d]})
             path = workdir / f"router-{p}-{d}.json"

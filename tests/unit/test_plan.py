@@ -158,6 +158,15 @@ def test_router_public_paths_reach_the_router_config():
     assert config.public_paths == ["/health", "/metrics"]
 
 
+def test_router_timeouts_reach_the_router_config():
+    text = (TWO_HOSTS % "kvpush").replace("router: {host: a, port: 9000}",
+                                           "router: {host: a, port: 9000, health_timeout_s: 4, connect_timeout_s: 2}")
+    config = RouterConfig.model_validate_json(build_plan(parse_topology(text)).host("a").files[0].content)
+    assert (config.timeouts.health_s, config.timeouts.connect_s) == (4.0, 2.0)
+    default = RouterConfig.model_validate_json(build_plan(parse_topology(TWO_HOSTS % "kvpush")).host("a").files[0].content)
+    assert default.timeouts.health_s == 1.0
+
+
 def test_hetero_template_pairs_prefill_tp2_with_decode_tp1():
     topo = parse_topology(template_text("local-cpu-hetero"))
     assert [s.tensor_parallel_size for _, _, s in topo.instances()] == [2, 1]
