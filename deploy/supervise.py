@@ -30,7 +30,7 @@ MODULE = "kvpush.deploy.supervise"
 RESTART_POLICIES = ("never", "on-failure")
 STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 # Passed on to the command, not acted on: e.g. a reload request. The supervisor has no terminal
-# (it runs in a session of its own), so a SIGHUP never means a hang-up here.
+# (setsid detached it from any), so a SIGHUP never means a hang-up here.
 PASSED_ON = {signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2}
 HANDLED = STOP_SIGNALS | PASSED_ON | {signal.SIGCHLD}
 _PR_SET_CHILD_SUBREAPER = 36

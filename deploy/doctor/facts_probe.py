@@ -51,7 +51,7 @@ def _ls(path):
 
 # Commands whose output this process can produce itself, byte for byte in the tool's format:
 # a fork+exec per trivial command is most of a probe's cost when one machine plays many hosts.
-# This process inherited the SSH session's limits, so getrlimit says what `ulimit` would.
+# This process inherited the SSH login's limits, so getrlimit says what `ulimit` would.
 BUILTINS = {
     "ulimit -l": _ulimit("RLIMIT_MEMLOCK", unit=1024),
     "ulimit -Sn": _ulimit("RLIMIT_NOFILE"),

@@ -190,7 +190,7 @@ class SlurmRunner(Runner):
             self.client.cancel(f"{self.job_id}.{int(step)}", signal=signal_name)
         if signal_name == "KILL":
             for clients in self._local_clients([int(g) for g in pgids]).values():
-                self.local.signal_groups([c.pid for c in clients], "KILL")  # each leads its own session
+                self.local.signal_groups([c.pid for c in clients], "KILL")  # each is the leader of its own process group (setsid)
 
     def follow(self, command: str, on_line: Callable[[str], None], stop: threading.Event) -> None:
         self.local.follow(shlex.join(self._srun("kvpush-follow", command)), on_line, stop)
