@@ -2,26 +2,14 @@
 real connectors, fail a request of several sequences carrying transfer parameters."""
 from __future__ import annotations
 
-import asyncio
 import json
 
 import pytest
 from router_harness import MODEL, deployment, eventually
 
 from kvpush.router.dispatch import DECODE_COMPUTED_HEADER
+from router_helpers import run, sample
 
-
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 30))
-
-
-def sample(metrics: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for line in metrics.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            if all(f'{k}="{v}"' in line for k, v in labels.items()):
-                total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def stream_events(raw: bytes) -> list:

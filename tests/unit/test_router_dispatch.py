@@ -8,23 +8,11 @@ import pytest
 from router_harness import MODEL, deployment, eventually
 
 from kvpush.router.config import Timeouts
+from router_helpers import run, sample
 
 COMPLETION = {"model": MODEL, "prompt": "hello", "max_tokens": 4}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
 
-
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 30))
-
-
-def sample(metrics: str, name: str, **labels: str) -> float:
-    """Sum of the samples of `name` having `labels` in a Prometheus text page (0 if none)."""
-    total = 0.0
-    for line in metrics.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            if all(f'{k}="{v}"' in line for k, v in labels.items()):
-                total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def events(raw: bytes) -> list[str]:

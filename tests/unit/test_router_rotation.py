@@ -13,23 +13,12 @@ from router_harness import MODEL, deployment, eventually, upstream
 from kvpush.router.config import Timeouts
 from kvpush.router.fake_upstream import FakeVllm
 from kvpush.router.instances import InstanceList, reload_progress
+from router_helpers import run, sample
 
 COMPLETION = {"model": MODEL, "prompt": "hello", "max_tokens": 4}
 FAST_PROBES = {"probe_interval_s": 0.05, "eject_after_failures": 2}
 SHORT_HEALTH = Timeouts(connect_s=1, health_s=0.2)
 
-
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 30))
-
-
-def sample(metrics: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for line in metrics.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            if all(f'{k}="{v}"' in line for k, v in labels.items()):
-                total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 # --- hangs -------------------------------------------------------------------------------------
