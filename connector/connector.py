@@ -107,7 +107,8 @@ class KVPushConnector(KVConnectorBase_V1):
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
-        # D registers its blocks before the forward pass, not after it (where start_load_kv runs)
+        # before the forward pass, not after it (where start_load_kv runs): D registers its blocks,
+        # P on a GPU marks the steps it saved whose marks its recorder thread has not recorded yet
         if self._worker is not None and isinstance(connector_metadata, PushMetadata):
             self._worker.bind(connector_metadata)
 

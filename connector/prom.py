@@ -16,6 +16,9 @@ _COUNTERS = {
     "recvs_ok": ("vllm:kvpush_pushes_received", "Pushes this decode instance received complete."),
     "sends_failed": ("vllm:kvpush_failed_transfers", "Pushes that failed on this instance."),
     "recvs_failed": ("vllm:kvpush_failed_transfers", "Pushes that failed on this instance."),
+    "marks_on_compute_thread": ("vllm:kvpush_step_marks_on_compute_thread",
+                                "GPU prefill steps with pushes whose forward-pass mark vLLM's compute thread "
+                                "recorded itself before the next forward pass (the recorder thread had not run)."),
 }
 _DROPPED = ("vllm:kvpush_dropped_messages",
             "Side-channel messages and requests this instance dropped or refused, by reason "

@@ -5,15 +5,15 @@ vLLM's compute thread never waits for that.
 compute thread's current stream. That is the stream vLLM's model runner launches the forward on
 (a stream of its own per worker; CUDA graph replays, the compute of DBO micro-batches and a draft
 model run there too), so the KV of every request the step computed is complete once the work
-queued there so far is done. The worker records one event there (`cuda_forward_marks`) and hands
-it, with the step's sends, to a `SaveQueue`. The queue's own thread makes each WRITE meanwhile
-(`Producer.prepare`), waits for the event, then offers the blocks, which posts the WRITE. UCX
-copies on streams of its own that know nothing of vLLM's: the wait on the host is what puts the
-copy after the KV. Nothing waits for other work on the GPU (earlier WRITEs still copying, vLLM's
-other streams), and the compute thread only records the event and queues the step.
+queued there so far is done. The worker hands the step's sends to a `SaveQueue` with a mark of that
+point (a CUDA event, recorded off the compute thread: step_marks.py). The queue's own thread makes
+each WRITE meanwhile (`Producer.prepare`), waits for the mark, then offers the blocks, which posts
+the WRITE. UCX copies on streams of its own that know nothing of vLLM's: the wait on the host is
+what puts the copy after the KV. Nothing waits for other work on the GPU (earlier WRITEs still
+copying, vLLM's other streams), and the compute thread only queues the step.
 
 Steps are handled in the order they were saved, which is their order on the stream. A forward
-pass that failed (waiting for its event raises) withdraws its pushes: D hears FAIL and the blocks
+pass that failed (waiting for its mark raises) withdraws its pushes: D hears FAIL and the blocks
 are freed; vLLM reports the error itself. A decode peer that goes away while a step waits is
 handled by the Producer when the blocks are offered, as on any path (refused, blocks freed).
 A request's blocks are freed only after its WRITE ended (the Producer's outcome), never when the
@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 class ForwardMark(Protocol):
     """A point on the compute stream: `synchronize` returns once the work queued before it is done
-    (a torch.cuda.Event recorded there), and raises if that work failed."""
+    (a torch.cuda.Event recorded there, step_marks.StepMark), and raises if that work failed."""
 
     def synchronize(self) -> None: ...
 
@@ -149,18 +149,3 @@ class SaveQueue:
             log.exception("kvpush: could not %s transfer %s (request %s)", what, send.transfer_id, send.req_id)
             return False
 
-
-def cuda_forward_marks(device: Any, blocking: bool = False) -> Callable[[], ForwardMark]:
-    """What wait_for_save calls on CUDA: an event recorded on the calling thread's current stream
-    of `device`. Its waiter (the queue's thread) spins in the driver, CUDA's default, without the
-    GIL: a core while a step with pushes computes, as the compute thread's own waits do. An event
-    whose waiter sleeps instead (`blocking`) took twice as long to record on an H200 and woke its
-    waiter ~1 ms later (benchmarks/NOTES.md)."""
-    import torch
-
-    def mark() -> ForwardMark:
-        event = torch.cuda.Event(blocking=blocking)
-        event.record(torch.cuda.current_stream(device))
-        return event
-
-    return mark

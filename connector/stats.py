@@ -10,7 +10,9 @@ from .pushes import SendRecord
 from .state import Outcome
 
 _SERIES = ("send_bytes", "prefill_end_to_done_s", "registration_wait_s", "recv_bytes", "layer_wait_s")
-_COUNTS = ("sends_ok", "sends_failed", "recvs_ok", "recvs_failed")
+# marks_on_compute_thread: P on a GPU, steps whose forward-pass mark the compute thread recorded
+# itself before the next forward pass, the recorder thread not having run yet (step_marks.py)
+_COUNTS = ("sends_ok", "sends_failed", "recvs_ok", "recvs_failed", "marks_on_compute_thread")
 
 
 def _empty() -> dict[str, Any]:
@@ -43,6 +45,9 @@ class PushStats:
         dropped = self.data["dropped"]
         for reason, n in counts.items():
             dropped[reason] = dropped.get(reason, 0) + int(n)
+
+    def record_marks_on_compute_thread(self, n: int) -> None:
+        self.data["marks_on_compute_thread"] += n
 
     def record_layer_wait(self, seconds: float) -> None:
         """D: one forward pass waited this long in all for streamed KV layers to land."""

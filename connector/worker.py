@@ -3,9 +3,11 @@
 P: `save()` (from wait_for_save, right after the forward pass in which prefills complete was
 launched) offers the finished blocks: the Producer posts their WRITE at once or when D's
 registration comes. On CPU the forward is done by then. On a GPU its kernels are still running:
-save() records where the forward ends on its stream and hands the step to a SaveQueue
-(save_order.py), whose thread makes the WRITEs meanwhile and offers the blocks once the forward
-is done; the compute thread returns to vLLM at once.
+save() hands the step to a SaveQueue (save_order.py) with a mark of where the forward ends on its
+stream, which a thread of its own records (step_marks.py); the queue's thread makes the WRITEs
+meanwhile and offers the blocks once the forward is done. The compute thread launches nothing
+for a push in wait_for_save; `bind()`, before the next forward pass, records the marks the
+recorder has not got to yet (`StepMarks.settle`), so that no WRITE waits for a later forward.
 D: `bind()` registers newly allocated blocks with P at once. A WRITE that P streams layer by layer
 is reported received as it starts; every forward pass until it is over waits, layer by layer
 (`wait_for_layer_load`), for that layer's bytes of every such WRITE. One that fails then has its
@@ -16,7 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Callable
+from typing import Any
 
 from .cache_layout import layout_cost_note
 from .consumer import Consumer, ConsumerConfig
@@ -24,11 +26,12 @@ from .hugepages import back_with_huge_pages
 from .layout import TensorView, head_layout, kv_regions, region_spans, regions_of
 from .metadata import PushMetadata
 from .producer import Producer, ProducerConfig
-from .save_order import ForwardMark, SaveQueue, cuda_forward_marks
+from .save_order import SaveQueue
 from .settings import Settings, side_channel_key
 from .sharding import HeadSharding
 from .state import Outcome, Pending
 from .stats import PushStats
+from .step_marks import CudaStreamMarks, StepMarks
 from .transfer import NixlEngine
 from .wire import HeadLayout, LayoutIdentity, Region
 
@@ -70,8 +73,8 @@ class PushWorker:
         self._all_regions: tuple[int, ...] = ()
         self._idle_step = False
         self._stats = PushStats()
-        # CUDA: marks the end of this step's forward pass on its stream; the queue offers after it
-        self._forward_mark: Callable[[], ForwardMark] | None = None
+        # P on CUDA: where each step's forward pass ends on its stream; the queue offers after it
+        self._step_marks: StepMarks | None = None
         self._saves: SaveQueue | None = None
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -88,8 +91,8 @@ class PushWorker:
         on_gpu = bool(tensors[0].is_cuda)
         mem_type = "VRAM" if on_gpu else "DRAM"
         device_id = (tensors[0].device.index or 0) if on_gpu else 0
-        if on_gpu:
-            self._forward_mark = cuda_forward_marks(tensors[0].device)
+        if on_gpu and s.is_producer:
+            self._step_marks = StepMarks(CudaStreamMarks(tensors[0].device), f"kvpush-mark-tp{self.tp_rank}")
         note = layout_cost_note(s.kv_cache_layout, regions, on_gpu)
         if note is not None:
             (log.warning if on_gpu else log.info)(note)
@@ -124,8 +127,12 @@ class PushWorker:
                                                     peers=s.peer_side_channels),
                                      name, self.engine.metadata, tuple(regions), device_id)
 
-    # ---- D ------------------------------------------------------------------------------------
+    # ---- before the forward pass (mostly D) ------------------------------------------------------
     def bind(self, meta: PushMetadata) -> None:
+        if self._step_marks is not None:  # P on a GPU: the next forward pass is launched after this
+            late = self._step_marks.settle()
+            if late:
+                self._stats.record_marks_on_compute_thread(late)
         self._idle_step = meta.idle
         if self.producer is not None and meta.accepts:
             self.producer.accept(meta.accepts)
@@ -168,19 +175,23 @@ class PushWorker:
             return
         for s in meta.sends:
             self._offered.add(s.req_id)
-        if self._forward_mark is not None:
+        if self._step_marks is not None:
             # the forward's kernels are still running: the queue's thread makes the WRITEs meanwhile
             # and offers the blocks once the KV is written; aborts go behind them, so that this
             # thread never waits on the Producer's lock
             if meta.sends or meta.aborts:
-                if self._saves is None:
-                    self._saves = SaveQueue(self.producer, f"kvpush-save-tp{self.tp_rank}")
-                self._saves.submit(self._forward_mark() if meta.sends else None, meta.sends, meta.aborts)
+                self.save_queue().submit(self._step_marks.mark() if meta.sends else None, meta.sends, meta.aborts)
             return
         for s in meta.sends:
             self.producer.offer(s.transfer_id, s.req_id, list(s.block_ids), s.peer_engine, s.peer_tp_size)
         for tid, reason, peer_tp_size in meta.aborts:
             self.producer.abort(tid, reason, peer_tp_size)
+
+    def save_queue(self) -> SaveQueue:
+        assert self.producer is not None
+        if self._saves is None:
+            self._saves = SaveQueue(self.producer, f"kvpush-save-tp{self.tp_rank}")
+        return self._saves
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self.producer is not None:
@@ -290,6 +301,8 @@ class PushWorker:
         return stats
 
     def shutdown(self) -> None:
+        if self._step_marks is not None:  # first: the queue's waits for marks end then
+            self._step_marks.close()
         if self._saves is not None:
             self._saves.close()
         for service in (self.producer, self.consumer):

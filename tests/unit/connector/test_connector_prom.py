@@ -56,3 +56,15 @@ def test_dropped_messages_are_exported_by_reason_summed_over_intervals():
     assert 'vllm:kvpush_dropped_messages_total{engine="0",model_name="tiny",reason="malformed"} 3.0' in page
     assert 'vllm:kvpush_dropped_messages_total{engine="0",model_name="tiny",reason="refused_handshake"} 1.0' in page
     assert PushStats().aggregate(first).reduce()["dropped"] == 3
+
+
+def test_marks_the_compute_thread_recorded_itself_are_counted():
+    registry = CollectorRegistry()
+    metrics = _metrics(registry)
+    stats = PushStats()
+    stats.record_marks_on_compute_thread(2)
+    stats.record_marks_on_compute_thread(1)
+    assert not stats.is_empty() and stats.reduce()["marks_on_compute_thread"] == 3
+    metrics.observe(stats.to_dict())
+    page = generate_latest(registry).decode()
+    assert 'vllm:kvpush_step_marks_on_compute_thread_total{engine="0",model_name="tiny"} 3.0' in page

@@ -9,6 +9,7 @@ import pytest
 from kvpush.connector.metadata import PushMetadata, RecvSpec, SendSpec
 from kvpush.connector.state import Outcome, Pending
 from kvpush.connector.stats import PushStats
+from kvpush.connector.step_marks import StepMarks
 from kvpush.connector import worker as worker_module
 from kvpush.connector.worker import PushWorker
 
@@ -35,6 +36,9 @@ class FakeProducer:
 
     def accept(self, tids):
         self.accepted += tids
+
+    def close(self):
+        pass
 
     def take_freed(self):
         freed, self.freed = self.freed, []
@@ -113,7 +117,8 @@ def test_prefill_reports_when_push_ends_after_finish():
 
 
 class ForwardPass:
-    """Stand-in for the event wait_for_save records on the compute stream: done when the test says."""
+    """Stand-in for the event marking the end of the forward pass on its stream: reached when the
+    test says."""
 
     def __init__(self, log: list):
         self.log = log
@@ -126,11 +131,43 @@ class ForwardPass:
         self.log.append("forward done")
 
 
-def test_gpu_prefill_returns_at_once_and_its_blocks_are_freed_only_after_the_write_ended():
+class StreamMarks:
+    """StreamMarks stand-in: records `forward` on the stream taken at save; the first record can be
+    held (`gate`)."""
+
+    def __init__(self, forward: ForwardPass):
+        self.forward = forward
+        self.recorded_on: list[threading.Thread] = []
+        self.entered, self.gate, self.recorded = threading.Event(), threading.Event(), threading.Event()
+        self.gate.set()
+        self._first = True
+
+    def current(self):
+        return "compute stream"
+
+    def record(self, stream):
+        assert stream == "compute stream"
+        if self._first:
+            self._first = False
+            self.entered.set()
+            assert self.gate.wait(5)
+        self.recorded_on.append(threading.current_thread())
+        self.recorded.set()
+        return self.forward
+
+
+def gpu_worker(forward: ForwardPass) -> tuple[PushWorker, StreamMarks]:
     w = worker(True)
-    log = w.producer.log
+    marks = StreamMarks(forward)
+    w._step_marks = StepMarks(marks)
+    return w, marks
+
+
+def test_gpu_prefill_returns_at_once_and_its_blocks_are_freed_only_after_the_write_ended():
+    log: list = []
     forward = ForwardPass(log)
-    w._forward_mark = lambda: forward
+    w, marks = gpu_worker(forward)
+    w.producer.log = log
     w.save(PushMetadata(sends=[SendSpec("r", "t", (1, 2), "D")], aborts=[("t0", "request gone", 1)]))
     try:
         assert "offer" not in log  # back in vLLM while the forward's kernels still run
@@ -139,11 +176,36 @@ def test_gpu_prefill_returns_at_once_and_its_blocks_are_freed_only_after_the_wri
         assert w._saves.drain(5)
         assert log == ["prepare", "forward done", "offer", "abort"]  # the WRITE made ahead, posted after the KV
         assert forward.waited_on not in (None, threading.current_thread())
+        assert marks.recorded_on and threading.current_thread() not in marks.recorded_on  # marked off this thread
         assert w.get_finished(set()) == (None, None)  # offered and finished in vLLM, but the WRITE is still on
         w.producer.freed.append("r")  # the Producer saw the WRITE end
         assert w.get_finished(set()) == ({"r"}, None)
     finally:
-        w._saves.close()
+        w.shutdown()
+
+
+def test_gpu_prefill_marks_before_the_next_forward_what_the_recorder_has_not_and_counts_it():
+    forward = ForwardPass([])
+    w, marks = gpu_worker(forward)
+    try:
+        marks.gate.clear()
+        w.save(PushMetadata(sends=[SendSpec("r1", "t1", (1,), "D")]))
+        assert marks.entered.wait(5)  # the recorder holds step 1's record (a full launch queue, say)
+        w.save(PushMetadata(sends=[SendSpec("r2", "t2", (2,), "D")]))
+        binding = threading.Thread(target=w.bind, args=(PushMetadata(),))  # vLLM's compute thread binds
+        binding.start()  # the next step's metadata, then launches its forward pass
+        assert marks.recorded.wait(5)  # step 2 marked by the compute thread; step 1 still held
+        assert marks.recorded_on == [binding] and binding.is_alive()
+        marks.gate.set()
+        binding.join(5)
+        assert not binding.is_alive() and len(marks.recorded_on) == 2  # both marked before the next forward
+        assert w.take_stats().data["marks_on_compute_thread"] == 1
+        w.bind(PushMetadata())
+        assert w.take_stats() is None  # nothing left to mark
+        forward.done.set()
+        assert w._saves.drain(5)
+    finally:
+        w.shutdown()
 
 
 def test_cpu_prefill_offers_at_once():
@@ -153,11 +215,14 @@ def test_cpu_prefill_offers_at_once():
 
 
 def test_gpu_prefill_without_sends_marks_nothing_on_the_stream():
-    w = worker(True)
-    w._forward_mark = lambda: (_ for _ in ()).throw(AssertionError("marked a step with nothing to push"))
-    w.bind(PushMetadata(accepts=[("t", 1)]))
-    w.save(PushMetadata())
-    assert w.producer.prepared == [] and w.producer.offers == [] and w._saves is None
+    w, marks = gpu_worker(ForwardPass([]))
+    marks.current = lambda: (_ for _ in ()).throw(AssertionError("marked a step with nothing to push"))
+    try:
+        w.bind(PushMetadata(accepts=[("t", 1)]))
+        w.save(PushMetadata())
+        assert w.producer.prepared == [] and w.producer.offers == [] and w._saves is None
+    finally:
+        w.shutdown()
 
 
 def test_decode_failure_reports_blocks_and_finished():
