@@ -22,8 +22,8 @@ step is queued or offered.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
-from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
 
@@ -63,9 +63,11 @@ class SaveQueue:
 
     def __init__(self, producer: PushService, name: str = "kvpush-save"):
         self._producer = producer
-        self._steps: deque[_Step] = deque()
+        # the compute thread's end is one C call (SimpleQueue.put): no lock it could find held
+        self._steps: queue.SimpleQueue[_Step | None] = queue.SimpleQueue()
+        self._submitted = 0  # steps queued, by the compute thread
+        self._handled = 0  # steps handled, by the queue's thread (under _cond, for drain)
         self._cond = threading.Condition(threading.Lock())
-        self._busy = False  # the thread is handling a step it took off the queue
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -74,42 +76,38 @@ class SaveQueue:
     def submit(self, mark: ForwardMark | None, sends: Sequence[SendSpec],
                aborts: Sequence[tuple[str, str, int]] = ()) -> None:
         """Queue a step: its sends are offered once `mark` is reached, then its aborts are told."""
-        step = _Step(mark, tuple(sends), tuple(aborts))
-        with self._cond:
-            if self._closed:
-                log.warning("kvpush: push of %d requests after shutdown dropped", len(step.sends))
-                return
-            self._steps.append(step)
-            self._cond.notify_all()
+        if self._closed:
+            log.warning("kvpush: push of %d requests after shutdown dropped", len(sends))
+            return
+        self._submitted += 1
+        self._steps.put(_Step(mark, tuple(sends), tuple(aborts)))
 
     def drain(self, timeout_s: float) -> bool:
         """Wait until every queued step was handled (its WRITEs posted or refused); False on timeout."""
+        submitted = self._submitted
         with self._cond:
-            return self._cond.wait_for(lambda: not self._steps and not self._busy, timeout_s)
+            return self._cond.wait_for(lambda: self._handled >= submitted or self._closed, timeout_s)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop: nothing more is offered, also not the step in hand, and steps still queued are
         dropped (the Producer closes next, which ends every push with its peers)."""
+        self._closed = True
+        self._steps.put(None)
         with self._cond:
-            self._closed = True
-            self._steps.clear()
             self._cond.notify_all()
         self._thread.join(timeout_s)  # a forward pass that never ends leaves a daemon thread behind
 
     # ---- the queue's thread ----------------------------------------------------------------------
     def _run(self) -> None:
         while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._steps or self._closed)
-                if self._closed:
-                    return
-                step = self._steps.popleft()
-                self._busy = True
+            step = self._steps.get()
+            if step is None or self._closed:
+                return
             try:
                 self._handle(step)
             finally:
                 with self._cond:
-                    self._busy = False
+                    self._handled += 1
                     self._cond.notify_all()
 
     def _handle(self, step: _Step) -> None:
@@ -123,9 +121,8 @@ class SaveQueue:
             except Exception as exc:  # the forward pass itself failed: its KV is not to be trusted
                 failure = f"prefill's forward pass failed before its KV was complete: {exc}"
                 log.error("kvpush: %s; withdrawing %d pushes", failure, len(step.sends))
-        with self._cond:
-            if self._closed:  # the Producer is closing: it takes no more WRITEs
-                return
+        if self._closed:  # the Producer is closing: it takes no more WRITEs
+            return
         for s in step.sends:
             if failure:
                 self._guarded(s, "withdraw", self._producer.withdraw, s.transfer_id, s.req_id, failure, s.peer_tp_size)

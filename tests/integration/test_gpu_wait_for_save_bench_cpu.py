@@ -45,11 +45,18 @@ def test_every_push_of_every_mode_moved_the_right_bytes_and_was_reported_once(be
 def test_each_workload_and_mode_is_measured_in_every_round(bench_run):
     _, stdout, results = bench_run
     runs = {(r["workload"], r["mode"], r["round"]) for r in results["runs"]}
-    assert runs == {(w, m, i) for w in ("prefill", "decode") for m in ("none", "queue", "sync") for i in range(2)}
+    assert runs == {(w, m, i) for w in ("prefill", "decode") for m in ("none", "connector", "sync") for i in range(2)}
     for r in results["runs"]:
-        assert r["steps_per_s"] > 0 and len(r["save_ms"]) == r["timed_steps"] == len(r["push_step"])
+        assert r["steps_per_s"] > 0 and len(r["save_ms"]) == r["timed_steps"] == len(r["push_step"]) == len(r["bind_ms"])
         assert any(r["push_step"]) == (r["mode"] != "none")
+        assert r["mark_ms"] == [] and r["marks_on_compute"] == 0  # CPU: nothing to mark, offered at once
     rows = {(s["workload"], s["mode"]): s for s in results["summary"]}
     assert rows[("prefill", "none")]["steps_ratio_vs_none"] == 1.0
-    assert rows[("decode", "queue")]["push_steps"] > 0 and rows[("decode", "queue")]["save_push_p99_ms"] >= 0
+    assert rows[("decode", "connector")]["push_steps"] > 0 and rows[("decode", "connector")]["save_push_p99_ms"] >= 0
     assert stdout.count("-- targets") == 2 and "before (sync)" in stdout
+
+
+def test_the_modes_that_record_cuda_events_are_refused_on_cpu():
+    proc = subprocess.run([sys.executable, str(BENCH), "--device", "cpu", "--modes", "none,record-on-compute"],
+                          capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert proc.returncode == 2 and "record-on-compute" in proc.stderr and "--device cuda" in proc.stderr

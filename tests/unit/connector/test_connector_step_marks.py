@@ -106,6 +106,14 @@ def marks_and_steps():
     steps.close()
 
 
+def recorded(step) -> bool:
+    """Wait for a step's mark to be recorded (WAIT_S bounds a hang only)."""
+    if not step._done.acquire(timeout=WAIT_S):
+        return False
+    step._done.release()
+    return True
+
+
 def in_thread(fn) -> tuple[threading.Thread, list]:
     """Run fn on another thread (standing in for the compute thread while this one watches)."""
     result: list = []
@@ -118,7 +126,7 @@ def test_the_recorder_records_on_the_stream_taken_at_save_not_on_its_own_current
     marks, steps = marks_and_steps
     marks.use("compute")
     step = steps.mark()
-    assert step._recorded.wait(WAIT_S)
+    assert recorded(step)
     [recorder] = marks.recorded("compute")
     assert recorder is not threading.current_thread()
     assert marks.recorded("default") == []  # the recorder thread's own current stream
@@ -136,7 +144,7 @@ def test_settle_records_exactly_the_steps_the_recorder_has_not_taken_and_waits_f
     marks.use("step3")
     third = steps.mark()
     settling, late = in_thread(steps.settle)  # the next forward pass is about to be launched
-    assert second._recorded.wait(WAIT_S) and third._recorded.wait(WAIT_S)
+    assert recorded(second) and recorded(third)
     assert settling.is_alive() and not first.recorded  # it waits for the record in the recorder's hands
     gate.set()
     settling.join(WAIT_S)
@@ -176,7 +184,7 @@ def test_pushes_are_offered_in_save_order_and_each_only_after_its_mark_was_recor
         second = steps.mark()
         queue.submit(second, [send("b")], [("x", "request gone", 1)])
         settling, late = in_thread(steps.settle)
-        assert second._recorded.wait(WAIT_S)  # step 2 marked before step 1 ...
+        assert recorded(second)  # step 2 marked before step 1 ...
         assert not [e for e in log if e[0] == "offer"]  # ... and still nothing offered
         gate.set()
         settling.join(WAIT_S)
@@ -221,7 +229,7 @@ def test_close_marks_every_saved_step_stops_the_recorder_and_abandons_later_mark
     marks.use("step2")
     second = steps.mark()
     closing, _ = in_thread(steps.close)
-    assert second._recorded.wait(WAIT_S)  # recorded by close itself: the queue's wait for it ends
+    assert recorded(second)  # recorded by close itself: the queue's wait for it ends
     gate.set()
     closing.join(WAIT_S)
     assert not closing.is_alive() and first.recorded and not steps._thread.is_alive()
