@@ -24,7 +24,8 @@ whole forward pass. Each step is claimed once (a lock taken without waiting, by 
 `settle`, whichever comes first): it is recorded exactly once.
 
 The compute thread's part is a few C calls (the stream, two locks, a queue put), none of which
-lets go of the GIL: it cannot be made to wait there for another thread's Python. The recorder is
+lets go of the GIL or waits for a lock another thread holds (only CPython's forced switch, after
+another thread waited 5 ms for the GIL, can still stop it there). The recorder is
 separate from the save queue's thread (save_order.py), which waits for events: it is never held
 up behind an earlier step's wait.
 """
