@@ -30,7 +30,7 @@ from .sharding import HeadSharding
 from .state import Outcome, Pending
 from .stats import PushStats
 from .transfer import NixlEngine
-from .wire import HeadLayout, LayoutIdentity, Region
+from .regions import HeadLayout, LayoutIdentity, Region
 
 log = logging.getLogger(__name__)
 
