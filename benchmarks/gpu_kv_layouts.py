@@ -1,5 +1,5 @@
 """KV caches allocated the way vLLM's attention backends lay them out, and a byte pattern to prove
-a transfer moved every byte to the right place. Used by gpu_transfer.py; no vLLM needed.
+a transfer moved every byte to the right place. Used by the GPU transfer benchmarks; no vLLM needed.
 
 Layouts (B blocks, L layers, N tokens per block, H KV heads, D head_dim, C = 2*D: K then V):
 - nhd:   per layer `[2, B, N, H, D]` (FlashAttention before vLLM's layout descriptor), own tensor

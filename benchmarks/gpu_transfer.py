@@ -1,12 +1,12 @@
 """The connector's KV transfer engine between two processes, on GPU (VRAM) or CPU (DRAM) memory.
 
-A prefill writer (this process) and a decode receiver (a child process) each allocate a KV cache
-in one of vLLM's attention layouts (gpu_kv_layouts.py) and register it through kvpush's NixlEngine.
-The writer runs the connector's prefill-side push service (producer.Producer), the receiver its
-decode-side one (consumer.Consumer), which shakes hands over the side channel (agent metadata,
-regions, device id) and registers its blocks for each push, as in a deployment. For each request
-size and block pattern the writer pushes its blocks in each mode and the receiver checks every
-byte after each push:
+A prefill writer (this process) and a decode receiver (a child process; both in
+gpu_transfer_sides.py) each allocate a KV cache in one of vLLM's attention layouts
+(gpu_kv_layouts.py) and register it through kvpush's NixlEngine. The writer runs the connector's
+prefill-side push service (producer.Producer), the receiver its decode-side one (consumer.Consumer),
+which shakes hands over the side channel (agent metadata, regions, device id) and registers its
+blocks for each push, as in a deployment. For each request size and block pattern the writer pushes
+its blocks in each mode and the receiver checks every byte after each push:
 - producer: the connector's path on a GPU. D's Consumer registers its blocks; Producer.prepare
   makes the WRITE (the worker's save queue calls it while the forward's kernels still run);
   the clock starts at Producer.offer (prefill finished: the save queue saw the forward end) and the Producer's own
@@ -42,209 +42,22 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
-os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-REPO = Path(__file__).resolve().parent.parent
-
-
-def _import_connector():
-    """kvpush's connector modules, installed or straight from this checkout (the GPU host has no
-    kvpush install: `kvpush` becomes a namespace whose `connector` is the repo's connector/)."""
-    try:
-        import kvpush.connector.transfer  # noqa: F401
-    except ImportError:
-        import types
-
-        for name in [m for m in sys.modules if m == "kvpush" or m.startswith("kvpush.")]:
-            del sys.modules[name]
-        pkg = types.ModuleType("kvpush")
-        pkg.__path__ = [str(REPO)]
-        sys.modules["kvpush"] = pkg
-    from kvpush.connector import coalesce, consumer, layout, producer, transfer, wire
-
-    return coalesce, consumer, layout, producer, transfer, wire
-
-
-coalesce_mod, consumer_mod, layout_mod, producer_mod, transfer_mod, wire_mod = _import_connector()
-WRITER_ENGINE, RECEIVER_ENGINE = "bench.prefill", "bench.decode"
-
-
-def _identity(shape, regions, model_kv_heads: int = 1) -> "wire_mod.LayoutIdentity":
-    """What both sides' push services compare at handshake (layer names sorted, as the connector's
-    worker lists vLLM's)."""
-    return wire_mod.LayoutIdentity("bench-model", str(shape.dtype).removeprefix("torch."), shape.block_size,
-                                   tuple(sorted(layer_names(shape.num_layers))), model_kv_heads)
-
-
-def layer_names(num_layers: int) -> list[str]:
-    return [f"layer{i}" for i in range(num_layers)]
-
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gpu_kv_layouts as kvl  # noqa: E402
+import gpu_bench_common as common  # noqa: E402  (makes kvpush's connector importable from this checkout)
+from gpu_bench_common import (contiguous_ids, describe_environment, fragmented_ids, kvl, np, pass_fail,  # noqa: E402
+                              torch)
+from gpu_transfer_sides import (ENGINE_MODES, PRODUCER_MODES, RAW_VARIANTS, ProducerPush, RawNixl,  # noqa: E402
+                                Receiver, engine_write)
+from kvpush.connector import coalesce as coalesce_mod, layout as layout_mod, transfer as transfer_mod  # noqa: E402
 
+# gpu_wait_for_save.py reaches these through this module (gt.Receiver, gt.layer_names, gt._pf, ...).
+from gpu_bench_common import layer_names  # noqa: E402,F401
+from gpu_transfer_sides import RECEIVER_ENGINE, WRITER_ENGINE  # noqa: E402,F401
 
-# ---- receiver (decode side, child process) -------------------------------------------------------
-def receiver_main(conn, device: str) -> None:
-    cache = engine = consumer = None
-    try:
-        while True:
-            msg = conn.recv()
-            op = msg[0]
-            if op == "exit":
-                break
-            try:
-                if op == "setup":
-                    _, layout_name, shape = msg
-                    cache = kvl.allocate(layout_name, shape, device)
-                    kvl.poison(cache)
-                    regions = layout_mod.kv_regions((layout_mod.TensorView.of(t) for t in cache.layers), shape.num_blocks)
-                    engine = transfer_mod.NixlEngine(f"bench-decode-{layout_name}-{os.getpid()}", regions,
-                                                     mem_type=_mem_type(device), device_id=_device_id(device))
-                    consumer = consumer_mod.Consumer(
-                        consumer_mod.ConsumerConfig(RECEIVER_ENGINE, 0, _identity(shape, regions),
-                                                    frozenset({WRITER_ENGINE}), timeout_s=60.0),
-                        engine.name, engine.metadata, tuple(regions), _device_id(device))
-                    _sync(device)
-                    conn.send(("ready", engine.metadata, tuple(regions)))
-                elif op == "expect":  # D allocated blocks for a request: register them with P
-                    _, tid, dst, port = msg
-                    consumer.expect(f"req-{tid}", tid, WRITER_ENGINE, "127.0.0.1", port, list(dst), 0,
-                                    len(dst) * 16)
-                    conn.send(("ok",))
-                elif op == "outcome":  # wait for P's DONE/FAIL of a push
-                    _, tid, timeout_s = msg
-                    deadline = time.monotonic() + timeout_s
-                    outcome = None
-                    while outcome is None and time.monotonic() < deadline:
-                        outcome = next((o for o in consumer.take_outcomes() if o.pending.transfer_id == tid), None)
-                        time.sleep(0.0005)
-                    conn.send(("outcome", outcome is not None and outcome.ok,
-                               "timed out" if outcome is None else outcome.reason))
-                elif op == "outcomes":  # wait for P's DONE/FAIL of several pushes: {tid: (ok, reason)}
-                    _, tids, timeout_s = msg
-                    deadline = time.monotonic() + timeout_s
-                    got: dict = {}
-                    while len(got) < len(tids) and time.monotonic() < deadline:
-                        got.update({o.pending.transfer_id: (o.ok, o.reason) for o in consumer.take_outcomes()
-                                    if o.pending.transfer_id in tids})
-                        time.sleep(0.0005)
-                    conn.send(("outcomes", {tid: got.get(tid, (False, "timed out")) for tid in tids}))
-                elif op == "poison":
-                    kvl.poison(cache)
-                    _sync(device)
-                    conn.send(("ok",))
-                elif op == "verify":
-                    _, src, dst = msg
-                    verdict = kvl.verify(cache, torch.as_tensor(src, device=device), torch.as_tensor(dst, device=device))
-                    conn.send(("verdict", verdict))
-                elif op == "teardown":
-                    consumer.close()
-                    engine.close()
-                    engine = cache = consumer = None
-                    _empty_cache(device)
-                    conn.send(("ok",))
-                else:
-                    conn.send(("error", f"unknown op {op!r}"))
-            except Exception:
-                conn.send(("error", traceback.format_exc()))
-    finally:
-        if consumer is not None:
-            consumer.close()
-        if engine is not None:
-            engine.close()
-
-
-def _mem_type(device: str) -> str:
-    return "VRAM" if device.startswith("cuda") else "DRAM"
-
-
-def _device_id(device: str) -> int:
-    return torch.device(device).index or 0 if device.startswith("cuda") else 0
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def _empty_cache(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
-
-
-class ChildProcess:
-    """A spawned process running `target(conn, *args)`, driven over a pipe: each request is a
-    tuple whose first item names it, each answer likewise ("error", traceback) on failure."""
-
-    def __init__(self, name: str, target, *args):
-        import multiprocessing as mp
-
-        ctx = mp.get_context("spawn")  # CUDA cannot be used in a forked child
-        self.name = name
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=target, args=(child, *args), daemon=True)
-        self.proc.start()
-        child.close()
-
-    def call(self, *msg, timeout_s: float = 300.0):
-        self.send(*msg)
-        return self.answer(msg[0], timeout_s)
-
-    def send(self, *msg) -> None:
-        self.conn.send(msg)
-
-    def answer(self, what: str, timeout_s: float = 300.0):
-        """The answer to the request `what` sent last (raises on an error or no answer in time)."""
-        if not self.conn.poll(timeout_s):
-            raise RuntimeError(f"{self.name} did not answer {what!r} within {timeout_s:.0f} s")
-        reply = self.conn.recv()
-        if reply[0] == "error":
-            raise RuntimeError(f"{self.name} failed on {what!r}:\n{reply[1]}")
-        return reply
-
-    def close(self) -> None:
-        try:
-            if self.proc.is_alive():
-                self.conn.send(("exit",))
-        except (BrokenPipeError, OSError):
-            pass
-        self.proc.join(10)
-        if self.proc.is_alive():
-            self.proc.terminate()
-            self.proc.join(5)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join()
-
-
-class Receiver(ChildProcess):
-    def __init__(self, device: str):
-        super().__init__("receiver", receiver_main, device)
+_pf = pass_fail
 
 
 # ---- block ids ------------------------------------------------------------------------------------
-def contiguous_ids(rng: np.random.Generator, num_blocks: int, n: int) -> np.ndarray:
-    start = int(rng.integers(0, num_blocks - n + 1))
-    return np.arange(start, start + n, dtype=np.int64)
-
-
-def fragmented_ids(rng: np.random.Generator, num_blocks: int, n: int, max_run: int) -> np.ndarray:
-    """n distinct ids made of runs of 1..max_run consecutive blocks, in shuffled order, as a block
-    pool that has seen many allocations and frees hands them out."""
-    cuts, pos = [0], 0
-    while pos < num_blocks:
-        pos = min(num_blocks, pos + int(rng.integers(1, max_run + 1)))
-        cuts.append(pos)
-    runs = [np.arange(a, b) for a, b in zip(cuts[:-1], cuts[1:])]
-    order = rng.permutation(len(runs))
-    ids = np.concatenate([runs[i] for i in order])[:n]
-    return ids.astype(np.int64)
-
-
 def count_runs(src: np.ndarray, dst: np.ndarray) -> int:
     """Plain loop, independent of coalesce.block_runs: pairs adjacent on both sides share a run."""
     runs = 0
@@ -254,7 +67,7 @@ def count_runs(src: np.ndarray, dst: np.ndarray) -> int:
     return runs
 
 
-# ---- writer (prefill side, this process) ----------------------------------------------------------
+# ---- measuring ------------------------------------------------------------------------------------
 @dataclass
 class Sample:
     prepare_s: list[float] = field(default_factory=list)  # prepared mode: made before the critical path
@@ -263,148 +76,6 @@ class Sample:
     descriptors: int = 0
     verified_bytes: int = 0
     ok: bool = True
-
-
-ENGINE_MODES = ("per-block", "coalesced", "prepared")
-PRODUCER_MODES = ("producer", "producer-late")
-RAW_VARIANTS = {
-    # name: (progress thread delay in us or None for no progress thread, UCX backend num_threads)
-    "raw": (None, 0),
-    "raw-pt100": (100, 0),  # diagnosis: a progress thread paced like kvpush's engine
-    "raw-pt0": (0, 0),  # diagnosis: nixl_agent's default, a spinning progress thread
-    "raw-w4": (None, 4),  # diagnosis: UCX backend with 4 worker threads
-}
-
-
-class RawNixl:
-    """The same WRITE through nixl._api alone: its own agent (by default without a progress
-    thread: we poll), memory registered as allocated, descriptors handed in ready-made."""
-
-    def __init__(self, name: str, variant: str, buffers: list[torch.Tensor], mem_type: str, device_id: int,
-                 peer_metadata: bytes):
-        from nixl._api import nixl_agent, nixl_agent_config
-
-        delay_us, threads = RAW_VARIANTS[variant]
-        self.mem_type = mem_type
-        if delay_us is not None and delay_us > 0:
-            # nixl_agent cannot pace its progress thread; borrow the engine's agent factory for it
-            self.agent = transfer_mod._create_agent(name, "UCX", delay_us)
-        else:
-            self.agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=delay_us is not None,
-                                                            num_threads=threads, backends=["UCX"]))
-        spans = [(b.data_ptr(), b.numel() * b.element_size(), device_id, "") for b in buffers]
-        self.registered = self.agent.register_memory(spans, mem_type)
-        self.peer = self.agent.add_remote_agent(peer_metadata)
-        self.agent.make_connection(self.peer)
-
-    def write(self, local: np.ndarray, remote: np.ndarray) -> tuple[float, float]:
-        t0 = time.perf_counter()
-        handle = self.agent.initialize_xfer("WRITE", self.agent.get_xfer_descs(local, self.mem_type),
-                                            self.agent.get_xfer_descs(remote, self.mem_type), self.peer)
-        state = self.agent.transfer(handle)
-        t1 = time.perf_counter()
-        while state == "PROC":
-            state = self.agent.check_xfer_state(handle)
-        t2 = time.perf_counter()
-        self.agent.release_xfer_handle(handle)
-        if state != "DONE":
-            raise RuntimeError(f"raw NIXL WRITE ended in state {state}")
-        return t1 - t0, t2 - t1
-
-    def close(self) -> None:
-        self.agent.remove_remote_agent(self.peer)
-        self.agent.deregister_memory(self.registered)
-
-
-def engine_write(engine, peer, mode: str, src, dst):
-    """(seconds made before the critical path, call -> posted, posted -> DONE, descriptors)."""
-    prepare_s = 0.0
-    if mode == "prepared":  # made when both block lists are known; only the post is timed
-        t = time.perf_counter()
-        w = engine.prepare_write(peer, src, dst)
-        prepare_s = time.perf_counter() - t
-    t0 = time.perf_counter()
-    if mode == "per-block":
-        w = engine.write(peer, src, dst)
-    elif mode == "coalesced":
-        w = engine.write_coalesced(peer, src, dst)
-    else:
-        engine.post(w, peer.agent_name)
-    t1 = time.perf_counter()
-    state = engine.state(w)
-    while state == "PROC":
-        state = engine.state(w)
-    t2 = time.perf_counter()
-    engine.release(w)
-    if state != "DONE":
-        raise RuntimeError(f"{mode} WRITE ended in state {state}")
-    return prepare_s, t1 - t0, t2 - t1, w.num_descriptors
-
-
-class ProducerPush:
-    """The connector's prefill-side push service on the writer's engine, pushing to the receiver's
-    Consumer over the side channel."""
-
-    def __init__(self, engine, shape, regions, device: str):
-        config = producer_mod.ProducerConfig(WRITER_ENGINE, _identity(shape, regions), frozenset({RECEIVER_ENGINE}),
-                                             "127.0.0.1", 0, timeout_s=60.0,
-                                             drive_writes=not device.startswith("cuda"))
-        self.producer = producer_mod.Producer(config, engine)
-        self.count = 0
-
-    def push(self, receiver: "Receiver", mode: str, src: list[int], dst: list[int]):
-        """(seconds of Producer.prepare, offer -> posted, posted -> DONE at P, descriptors)."""
-        self.count += 1
-        tid = f"{mode}-{self.count}"
-        receiver.call("expect", tid, dst, self.producer.port)
-        deadline = time.monotonic() + 30
-        while not self.producer.has_registration(tid):  # D's registration travels the side channel
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"no registration from the receiver for {tid}")
-            time.sleep(0.0002)
-        prepare_s = 0.0
-        if mode == "producer":  # the worker's save() while the forward's kernels run
-            t = time.perf_counter()
-            if not self.producer.prepare(tid, src, RECEIVER_ENGINE):
-                raise RuntimeError(f"Producer.prepare made no WRITE for {tid}")
-            prepare_s = time.perf_counter() - t
-        self.producer.offer(tid, f"req-{tid}", src, RECEIVER_ENGINE)  # wait_for_save: prefill finished
-        record = None
-        while record is None:
-            record = next((r for r in self.producer.take_records() if r.transfer_id == tid), None)
-            if record is None:
-                time.sleep(0.0001)
-        _, ok, reason = receiver.call("outcome", tid, 60.0)
-        if not (record.ok and ok):
-            raise RuntimeError(f"{mode} push {tid} failed: P: {record.reason or 'ok'}; D: {reason or 'ok'}")
-        if record.prepared_ahead != (mode == "producer"):
-            raise RuntimeError(f"{mode} push {tid}: prepared_ahead={record.prepared_ahead}")
-        self.producer.take_freed()
-        return prepare_s, record.posted - record.offered, record.finished - record.posted, record.num_descriptors
-
-    def close(self) -> None:
-        self.producer.close()
-
-
-def copy_seconds(device: str, src: torch.Tensor, dst: torch.Tensor, nbytes: int, repeats: int = 5) -> float:
-    """Median time of a plain copy of nbytes (the device's own ceiling for moving these bytes)."""
-    a, b = src[:nbytes], dst[:nbytes]
-    times = []
-    for i in range(repeats + 1):
-        if device.startswith("cuda"):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            b.copy_(a)
-            end.record()
-            end.synchronize()
-            seconds = start.elapsed_time(end) / 1e3
-        else:
-            t0 = time.perf_counter()
-            b.copy_(a)
-            seconds = time.perf_counter() - t0
-        if i:  # the first one warms up
-            times.append(seconds)
-    return statistics.median(times)
 
 
 def median_seconds(fn, repeats: int = 20) -> float:
@@ -422,22 +93,22 @@ def run_layout(args, receiver: Receiver, layout_name: str, rng: np.random.Genera
     shape = kvl.Shape(args.layers, args.num_blocks, args.block_size, args.kv_heads, args.head_dim)
     cache = kvl.allocate(layout_name, shape, device)
     kvl.fill(cache)
-    _sync(device)
+    common.sync(device)
     regions = layout_mod.kv_regions((layout_mod.TensorView.of(t) for t in cache.layers), shape.num_blocks)
     engine = transfer_mod.NixlEngine(f"bench-prefill-{layout_name}-{os.getpid()}", regions,
-                                     mem_type=_mem_type(device), device_id=_device_id(device),
+                                     mem_type=common.mem_type(device), device_id=common.device_id(device),
                                      progress_delay_us=args.progress_delay_us)
     _, peer_meta, peer_regions = receiver.call("setup", layout_name, shape)
-    pusher = ProducerPush(engine, shape, regions, device) if set(args.modes) & set(PRODUCER_MODES) else None
+    pusher = ProducerPush(engine, shape, device) if set(args.modes) & set(PRODUCER_MODES) else None
     if pusher is not None:  # the side channel's handshake adds the receiver as the engine's peer
         everything = np.arange(shape.num_blocks, dtype=np.int64).tolist()
         pusher.push(receiver, "producer", everything, everything)
         peer = pusher.producer.peer(RECEIVER_ENGINE)
     else:
-        peer = engine.add_peer(peer_meta, peer_regions, _device_id(device))
-    raws = {m: RawNixl(f"bench-{m}-{layout_name}-{os.getpid()}", m, cache.buffers, _mem_type(device),
-                       _device_id(device), peer_meta) for m in args.modes if m in RAW_VARIANTS}
-    plan = coalesce_mod.Plan.pair(regions, peer_regions, _device_id(device), _device_id(device))
+        peer = engine.add_peer(peer_meta, peer_regions, common.device_id(device))
+    raws = {m: RawNixl(f"bench-{m}-{layout_name}-{os.getpid()}", m, cache.buffers, common.mem_type(device),
+                       common.device_id(device), peer_meta) for m in args.modes if m in RAW_VARIANTS}
+    plan = coalesce_mod.Plan.pair(regions, peer_regions, common.device_id(device), common.device_id(device))
     segments = plan.segments
     total_bytes = sum(b.numel() * b.element_size() for b in cache.buffers)
     max_bytes = -(-max(args.tokens) // args.block_size) * shape.bytes_per_block
@@ -457,7 +128,7 @@ def run_layout(args, receiver: Receiver, layout_name: str, rng: np.random.Genera
         for tokens in args.tokens:
             n = -(-tokens // args.block_size)
             nbytes = n * shape.bytes_per_block
-            copy_s = copy_seconds(device, copy_src, copy_dst, nbytes)
+            copy_s = common.copy_seconds(device, copy_src, copy_dst, nbytes)
             for pattern_name in ("contiguous", "fragmented"):
                 if pattern_name == "contiguous":
                     src, dst = contiguous_ids(rng, shape.num_blocks, n), contiguous_ids(rng, shape.num_blocks, n)
@@ -505,7 +176,7 @@ def run_layout(args, receiver: Receiver, layout_name: str, rng: np.random.Genera
         engine.close()
         receiver.call("teardown")
         del cache, copy_src, copy_dst
-        _empty_cache(device)
+        common.empty_cache(device)
 
 
 def _record(layout_name, tokens, n, pattern_name, mode, num_regions, num_segments, runs, nbytes, copy_s, prep_s,
@@ -552,20 +223,16 @@ def _print_targets(layout_name: str, rows: list[dict], tokens: int) -> None:
         print(f"   [{mode}: {note}]")
         if c:
             print(f"   contiguous WRITE {c['gbps']:.0f} GB/s = {c['pct_copy']:.1f}% of device copy (target >= 25%): "
-                  f"{_pf(c['pct_copy'] >= 25)}")
-            print(f"   contiguous setup {c['setup_ms']:.3f} ms (target < 1 ms): {_pf(c['setup_ms'] < 1.0)}")
+                  f"{pass_fail(c['pct_copy'] >= 25)}")
+            print(f"   contiguous setup {c['setup_ms']:.3f} ms (target < 1 ms): {pass_fail(c['setup_ms'] < 1.0)}")
         if f:
             print(f"   fragmented descriptors {f['descriptors']} = runs {f['runs']} x segments "
-                  f"({f['expected_descriptors']}): {_pf(f['descriptors'] == f['expected_descriptors'])}")
+                  f"({f['expected_descriptors']}): {pass_fail(f['descriptors'] == f['expected_descriptors'])}")
         if f and fr:
             ratio = f["total_ms"] / fr["total_ms"]
             print(f"   fragmented WRITE {f['total_ms']:.2f} ms = {ratio:.2f}x raw NIXL's {fr['total_ms']:.2f} ms "
-                  f"(target <= 1.5x): {_pf(ratio <= 1.5)}")
-    print(f"   bytes verified on every run: {_pf(all(r['verified'] for r in rows))}", flush=True)
-
-
-def _pf(ok: bool) -> str:
-    return "PASS" if ok else "MISS"
+                  f"(target <= 1.5x): {pass_fail(ratio <= 1.5)}")
+    print(f"   bytes verified on every run: {pass_fail(all(r['verified'] for r in rows))}", flush=True)
 
 
 def parse_args(argv=None):
@@ -605,20 +272,6 @@ def parse_args(argv=None):
     if args.num_blocks < max_blocks:
         p.error(f"--num-blocks {args.num_blocks} is below the largest request's {max_blocks} blocks")
     return args
-
-
-def describe_environment(device: str) -> None:
-    from importlib import metadata
-
-    versions = []
-    for dist in ("nixl", "nixl-cu13", "nixl-cu12"):
-        try:
-            versions.append(f"{dist} {metadata.version(dist)}")
-        except metadata.PackageNotFoundError:
-            pass
-    where = torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else "CPU (DRAM)"
-    print(f"device: {where}; torch {torch.__version__}; {', '.join(versions) or 'nixl version unknown'}; "
-          f"UCX_TLS={os.environ.get('UCX_TLS', '(default)')}", flush=True)
 
 
 def main(argv=None) -> int:

@@ -34,7 +34,7 @@ from typing import Awaitable, Callable
 import aiohttp
 
 from kvpush.deploy.bench.scrape import histogram
-from kvpush.deploy.plan import on_cores
+from kvpush.deploy.placement import on_cores
 from kvpush.router.config import RouterConfig, Upstream
 from kvpush.router.protocols import pull_decode_leg, pull_prefill_leg
 

@@ -15,6 +15,7 @@ from typing import Callable
 from . import auth, wire
 from .channel import Connection
 from .coalesce import CoalesceError, Plan, slice_segments
+from .regions import HeadLayout
 from .sharding import HeadSharding, ShardingError, pieces_for_prefill
 from .transfer import NixlEngine, Peer, TransferError
 
@@ -124,7 +125,7 @@ class Admission:
             return (f"decode rank {hello.tp_rank} (TP {hello.tp_size}) takes no KV heads from prefill rank {cfg.tp_rank} "
                     f"(TP {cfg.sharding.tp_size}, {cfg.sharding.total_heads} KV heads) but reached its side channel"), None
         piece = pieces[0]
-        local_heads = cfg.head_layouts or tuple(wire.HeadLayout.whole(r.block_len) for r in self.engine.regions)
+        local_heads = cfg.head_layouts or tuple(HeadLayout.whole(r.block_len) for r in self.engine.regions)
         try:
             segments = slice_segments(
                 self.engine.regions, local_heads, piece.start - cfg.sharding.heads_of(cfg.tp_rank).start,

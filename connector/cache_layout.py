@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from .coalesce import pair_segments
-from .wire import Region
+from .regions import Region
 
 # Head-major inside the block: every CUDA attention backend of vLLM 0.32 that declares its
 # layouts accepts it (FlashInfer on Blackwell: LBHNC or BLHNC), and FlashAttention and Triton

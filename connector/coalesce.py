@@ -17,7 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .wire import HeadLayout, Region
+from .regions import HeadLayout, Region
 
 # A head slice of a block may be cut into this many ranges (a K/V split); more means the layout
 # puts tokens outside the heads (NHD), one range per token: refused rather than pushed that way.

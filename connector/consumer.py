@@ -26,6 +26,7 @@ from . import auth, wire
 from .channel import AUTH_DEADLINE_S, Connection, Reactor
 from .fanin import RANK_SEPARATOR, Parts, base_name, rank_key, rank_of
 from .liveness import DEFAULT_ADMISSION_S, DEFAULT_SILENCE_S, PeerLiveness
+from .regions import HeadLayout, LayoutIdentity, Region
 from .sharding import HeadSharding, ShardingError, pieces_for_decode
 from .state import ConsumerState, Outcome, Pending, counts_since
 
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 class ConsumerConfig:
     engine_id: str
     tp_rank: int
-    identity: wire.LayoutIdentity
+    identity: LayoutIdentity
     allowed_engines: frozenset[str]
     timeout_s: float = 5.0
     connect_timeout_s: float = 1.0
@@ -44,7 +45,7 @@ class ConsumerConfig:
     admission_timeout_s: float = DEFAULT_ADMISSION_S  # a P that proved its key must admit D within this (liveness.py)
     accepted_timeout_s: float = 300.0  # a P that accepted a transfer and then sent nothing this long
     sharding: HeadSharding = field(default_factory=lambda: HeadSharding(1, 1))  # this instance's heads over its ranks
-    head_layouts: tuple[wire.HeadLayout, ...] = ()  # per region; () = one head filling each block
+    head_layouts: tuple[HeadLayout, ...] = ()  # per region; () = one head filling each block
     side_channel_key: bytes = b""  # the deployment's (auth.py); empty: no authentication (tests, benchmarks)
     # Where each allowed prefill's side channel is (engine id -> host, base port), from the
     # deployment's configuration: a request naming another address is refused, so no client can
@@ -53,10 +54,10 @@ class ConsumerConfig:
 
 
 class Consumer:
-    def __init__(self, config: ConsumerConfig, agent_name: str, agent_metadata: bytes, regions: tuple[wire.Region, ...],
+    def __init__(self, config: ConsumerConfig, agent_name: str, agent_metadata: bytes, regions: tuple[Region, ...],
                  device_id: int = 0):
         self.config = config
-        head_layouts = config.head_layouts or tuple(wire.HeadLayout.whole(r.block_len) for r in regions)
+        head_layouts = config.head_layouts or tuple(HeadLayout.whole(r.block_len) for r in regions)
         self._hello = wire.Hello(config.engine_id, config.tp_rank, config.sharding.tp_size, agent_name, agent_metadata,
                                  config.identity, regions, head_layouts, device_id)
         self._lock = threading.Lock()

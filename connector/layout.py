@@ -13,7 +13,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from .wire import HeadLayout, Region
+from .regions import HeadLayout, Region
 
 
 class LayoutError(ValueError):

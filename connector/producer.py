@@ -28,6 +28,7 @@ from .channel import AUTH_DEADLINE_S, MAX_CONNECTIONS, Connection, Reactor
 from .coalesce import Plan
 from .fanin import base_name, rank_key, rank_of
 from .pushes import Peers, Pushes, SendRecord
+from .regions import HeadLayout, LayoutIdentity
 from .sharding import HeadSharding, ShardingError, targets_of
 from .state import Match, Offer, ProducerState, Registration, Rejection, counts_since
 from .transfer import NixlEngine, Peer
@@ -41,7 +42,7 @@ _OUTCOME_COUNTERS = frozenset({"sent", "failed"})
 @dataclass
 class ProducerConfig:
     engine_id: str
-    identity: wire.LayoutIdentity
+    identity: LayoutIdentity
     allowed_engines: frozenset[str]
     host: str
     port: int
@@ -50,7 +51,7 @@ class ProducerConfig:
     # how this instance's KV heads lie over its ranks; which decode ranks this rank writes into
     # follows from it and the decode's TP size (sharding.py)
     sharding: HeadSharding = field(default_factory=lambda: HeadSharding(1, 1))
-    head_layouts: tuple[wire.HeadLayout, ...] = ()  # per region; () = one head filling each block
+    head_layouts: tuple[HeadLayout, ...] = ()  # per region; () = one head filling each block
     # The deployment's side-channel key: a decode rank must prove it holds it (auth.py). Empty:
     # no authentication, for tests and benchmarks that build the service directly.
     side_channel_key: bytes = b""

@@ -46,7 +46,8 @@ class Settings:
     huge_pages: bool = True  # CPU: collapse the KV cache into 2 MiB pages before registering it (hugepages.py)
     kv_cache_layout: str | None = None  # as vLLM resolved it (e.g. BLHNC), None before vLLM 0.32
     # D: a P that accepted a transfer (it holds the request) but sent nothing this long fails it;
-    # P's own bounds (transfer_timeout_s, the pings) come first in every failure seen so far
+    # a backstop: P's own bounds (transfer_timeout_s, the pings) are shorter and end a stuck
+    # transfer first
     accepted_timeout_s: float = 300.0
     # D: the blocks of a transfer given up on while P may still be writing them (P went silent, a
     # landing or acceptance was overdue) stay out of vLLM's hands this long after the failure;

@@ -23,7 +23,7 @@ import numpy as np
 
 from .coalesce import Plan, Segment
 from .layout import descriptor_indices, descriptor_table, region_spans
-from .wire import Region
+from .regions import Region
 
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL's Python logger prints INFO to stdout
 

@@ -33,7 +33,7 @@ from .state import Outcome, Pending
 from .stats import PushStats
 from .step_marks import CudaStreamMarks, StepMarks
 from .transfer import NixlEngine
-from .wire import HeadLayout, LayoutIdentity, Region
+from .regions import HeadLayout, LayoutIdentity, Region
 
 log = logging.getLogger(__name__)
 

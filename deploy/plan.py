@@ -2,7 +2,8 @@
 
 For every host: the files to write and, for every process, the exact argv, environment, working
 directory, log file, ports and health URL. `kvpush plan` prints it; `kvpush up` executes exactly
-this, and nothing else.
+this, and nothing else. How a vLLM instance is started lives in vllm_launch.py, where things go on
+a host in placement.py; this module assembles them, with the router's config and process.
 """
 from __future__ import annotations
 
@@ -16,35 +17,14 @@ from kvpush.router.instances import InstanceList
 
 from . import slurm_render
 from .host_address import HEALTH_PATH, HostAddress, base_url, http_url
+from .placement import SecretKind, bind_address, deployment_dir, on_cores, secret_path
 from .supervise import supervisor_argv
-from .topology import (ROUTER_PROCESS_NAME, HostSpec, InstanceSpec, RestartSpec, Role, Topology, core_list_text,
-                       parse_core_list)
+from .topology import ROUTER_PROCESS_NAME, HostSpec, InstanceSpec, RestartSpec, Role, Topology, side_channel_ports
+from .vllm_launch import engine_id, kv_transfer_config, vllm_argv, vllm_env
 
 ProcessRole = Literal["prefill", "decode", "router"]
-# Files `up` writes (mode 0600) from the deployment secret; the plan names them, never their content.
-SecretKind = Literal["deployment-secret", "instance-env", "router-upstream-key", "router-client-key"]
-SECRET_FILE_NAMES: dict[SecretKind, str] = {
-    "deployment-secret": "deployment.secret",  # the secret itself (the connector derives its keys)
-    "instance-env": "instance-api-key.env",  # VLLM_API_KEY=..., sourced by each vLLM launch
-    "router-upstream-key": "router-upstream.key",  # the same key, for the router's requests to the instances
-    "router-client-key": "router-client.key",  # the key clients send to the router (router.api_key_env/_file)
-}
-
-VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 ROUTER_INSTANCES_FILE = "router-instances.json"
 ROUTER_MODULE = "kvpush.router"
-KVPUSH_CONNECTOR_CLASS = "KVPushConnector"
-KVPUSH_CONNECTOR_MODULE = "kvpush.connector"
-# vLLM's NIXL connectors with a sleeping progress thread and no re-pinning (see the module): on a
-# CPU host those two cost a core each; on GPU hosts vLLM's stock classes run unchanged.
-VLLM_NIXL_CPU_MODULE = "kvpush.connector.vllm_nixl"
-
-# Environment every vLLM process gets, whatever the topology says.
-BASE_VLLM_ENV = {
-    "PYTHONUNBUFFERED": "1",
-    "NIXL_LOG_LEVEL": "WARN",  # NIXL's Python logger writes INFO to stdout otherwise
-    "VLLM_LOGGING_LEVEL": "INFO",
-}
 
 
 @dataclass(frozen=True)
@@ -153,18 +133,8 @@ class Plan:
         return json.dumps(self.to_dict(), indent=2)
 
 
-def on_cores(cores: str | None, argv: list[str]) -> list[str]:
-    """`argv` run on the given cores ("0-3,8") with taskset, so every process and thread it
-    starts stays there; unchanged when no cores are given."""
-    return argv if cores is None else ["taskset", "--cpu-list", cores, *argv]
-
-
 def _digest(obj: object) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def deployment_dir(topo: Topology, host: HostSpec) -> str:
-    return f"{host.workdir.rstrip('/')}/{topo.name}"
 
 
 def _supervision(host: HostSpec, workdir: str, name: str, restart: RestartSpec) -> dict:
@@ -173,128 +143,16 @@ def _supervision(host: HostSpec, workdir: str, name: str, restart: RestartSpec) 
     return {"supervisor": argv, "status_path": status_path}
 
 
-def bind_address(host: HostSpec) -> str:
-    return "127.0.0.1" if host.address == "localhost" else host.address
-
-
-def secret_path(topo: Topology, host: HostSpec, kind: SecretKind) -> str:
-    return f"{deployment_dir(topo, host)}/{SECRET_FILE_NAMES[kind]}"
-
-
-def secret_paths_in(workdir: str) -> list[str]:
-    """Every secret file a host of the deployment whose directory is `workdir` may hold (`down` removes them)."""
-    return [f"{workdir.rstrip('/')}/{name}" for name in SECRET_FILE_NAMES.values()]
-
-
-def engine_id(topo: Topology, spec: InstanceSpec) -> str:
-    """Stable engine identity: the connector's allowlists name peers by it."""
-    return f"{topo.name}.{spec.name}"
-
-
-def kv_transfer_config(topo: Topology, role: Role, spec: InstanceSpec) -> dict | None:
-    kind = topo.connector.type
-    if kind == "colocated":
-        return None
-    host = topo.hosts[spec.host]
-    buffer_device = "cpu" if topo.platform == "cpu" else "cuda"
-    if kind == "kvpush":
-        peers = topo.decode if role == "prefill" else topo.prefill
-        extra = {
-            "backend": topo.connector.backend,
-            "side_channel_host": bind_address(host),
-            "side_channel_port": spec.side_channel_port,
-            "allowed_engines": sorted(engine_id(topo, p) for p in peers),
-            # where each peer's side channel is: decode dials these and nothing a request names
-            "peer_side_channels": {engine_id(topo, p): f"{bind_address(topo.hosts[p.host])}:{p.side_channel_port}"
-                                   for p in sorted(peers, key=lambda p: p.name)},
-            "transfer_timeout_s": topo.connector.transfer_timeout_s,
-            "secret_file": secret_path(topo, host, "deployment-secret"),  # a path on that host (~ expanded there)
-            **topo.connector.extra_config,
-        }
-        return {
-            "kv_connector": KVPUSH_CONNECTOR_CLASS,
-            "kv_connector_module_path": KVPUSH_CONNECTOR_MODULE,
-            "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
-            "kv_buffer_device": buffer_device,
-            "engine_id": engine_id(topo, spec),
-            "kv_connector_extra_config": extra,
-        }
-    config = {
-        "kv_connector": "NixlPushConnector" if kind == "nixl-push" else "NixlConnector",
-        "kv_role": "kv_both",
-        "kv_buffer_device": buffer_device,
-        "engine_id": engine_id(topo, spec),
-        "kv_connector_extra_config": {"backends": [topo.connector.backend], **topo.connector.extra_config},
-    }
-    if topo.platform == "cpu" and not topo.connector.stock_vllm:
-        config["kv_connector_module_path"] = VLLM_NIXL_CPU_MODULE
-    return config
-
-
 def _vllm_process(topo: Topology, role: Role, spec: InstanceSpec) -> ProcessPlan:
     host = topo.hosts[spec.host]
-    model = topo.model
     workdir = deployment_dir(topo, host)
-    argv = [
-        host.interpreter, "-m", VLLM_SERVER_MODULE,
-        "--model", model.path,
-        "--served-model-name", model.name,
-        "--host", bind_address(host),
-        "--port", str(spec.http_port),
-        "--dtype", model.dtype,
-    ]
-    if model.max_model_len:
-        argv += ["--max-model-len", str(model.max_model_len)]
-    if model.block_size:
-        argv += ["--block-size", str(model.block_size)]
-    if model.enforce_eager:
-        argv.append("--enforce-eager")
-    if spec.tensor_parallel_size > 1:
-        argv += ["--tensor-parallel-size", str(spec.tensor_parallel_size)]
-        if topo.platform == "cpu":  # one worker process per rank; vLLM's CPU build has no ray
-            argv += ["--distributed-executor-backend", "mp"]
-    if spec.data_parallel_size > 1:
-        argv += ["--data-parallel-size", str(spec.data_parallel_size)]
     kv_config = kv_transfer_config(topo, role, spec)
-    if kv_config is not None:
-        argv += ["--kv-transfer-config", json.dumps(kv_config, separators=(",", ":"), sort_keys=True)]
-    argv += model.extra_args + spec.extra_args
-
-    env = dict(BASE_VLLM_ENV)
-    env.update(topo.env)
-    if kv_config is not None:
-        env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = bind_address(host)
-        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(spec.side_channel_port)
-    if topo.platform == "cpu":
-        if spec.tensor_parallel_size == 1:
-            # One worker: run it inside the engine process (vLLM's "uni" executor) instead of a
-            # worker process behind a shared-memory queue whose reader yield-spins. Measured on
-            # the 2-core host: a decode waiting for pushed KV used 0.98 of its core with the worker
-            # process (engine 0.84, spinning) and 0.15 without; TPOT fell from 12-13 ms to 9-10 ms
-            # in both push and pull (benchmarks/NOTES.md). The topology's `env` may set it to "1".
-            env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        if spec.cpu_cores is not None:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = spec.cpu_cores
-        if spec.kv_cache_gib is not None:
-            env["VLLM_CPU_KVCACHE_SPACE"] = str(spec.kv_cache_gib)
-    else:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in spec.devices)
-    env.update(spec.env)
-
-    if topo.platform == "cpu" and spec.cpu_cores is not None:
-        # The whole instance on its cores, not only vLLM's OpenMP threads: otherwise its API server
-        # and engine loop float onto the other instance's core. Measured: a decode engine stepping
-        # every ms while it waits for pushed KV took half of prefill's core (benchmarks/NOTES.md).
-        argv = on_cores(core_list_text(parse_core_list(spec.cpu_cores)), argv)
-
-    from .topology import side_channel_ports  # local import keeps the public surface small
-
     return ProcessPlan(
         name=spec.name,
         role=role,
         host=spec.host,
-        argv=argv,
-        env=env,
+        argv=vllm_argv(topo, spec, kv_config),
+        env=vllm_env(topo, spec, kv_config),
         cwd=workdir,
         log_path=f"{workdir}/logs/{spec.name}.log",
         http_port=spec.http_port,

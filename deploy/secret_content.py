@@ -19,7 +19,7 @@ from typing import get_args
 from kvpush.common import deployment_secret as ds
 from kvpush.common.errors import KvpushError
 
-from .plan import SecretKind
+from .placement import SecretKind
 from .secrets import AccessKeys, read_client_key, secret_file_content
 
 NEW = "new"

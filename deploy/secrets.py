@@ -22,7 +22,8 @@ from kvpush.common import deployment_secret as ds
 from kvpush.common.errors import UsageError
 
 from .changes import Changes
-from .plan import HostPlan, Plan, SecretFilePlan, secret_paths_in
+from .placement import secret_paths_in
+from .plan import HostPlan, Plan, SecretFilePlan
 from .private_file import private_write_command
 from .runners import Runner, fan_out, values_or_raise
 from .state import state_dir, write_private_atomically
@@ -120,7 +121,7 @@ def observed_keys(deployment: str, topo: Topology | None) -> AccessKeys:
 
 
 def secret_file_content(kind: str, secret: bytes, keys: AccessKeys) -> bytes:
-    """What the secret file of this kind holds (kinds: plan.SecretKind)."""
+    """What the secret file of this kind holds (kinds: placement.SecretKind)."""
     if kind == "deployment-secret":
         return ds.secret_file_text(secret).encode()
     if kind == "instance-env":

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 from kvpush.common.errors import UsageError
 
 from .private_file import private_write_command
-from .runners.slurm_step import shell_word, srun_argv, step_shell
+from .runners.base import shell_word
+from .runners.slurm_step import srun_argv, step_shell
 from .slurm_topology import node_count, used_hosts
 from .tiny_model import MARKER as TINY_MODEL_MARKER
 from .topology import Topology

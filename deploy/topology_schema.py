@@ -179,11 +179,6 @@ class InstanceSpec(_Model):
     extra_args: ExtraArgs = Field(default_factory=list)
     restart: RestartField = Field(default_factory=RestartSpec)
 
-    @field_validator("env", mode="before")
-    @classmethod
-    def _env_strings(cls, value: Any) -> Any:
-        return _stringify_env(value)
-
     @field_validator("devices")
     @classmethod
     def _no_duplicate_devices(cls, value: list[int]) -> list[int]:
@@ -251,11 +246,6 @@ class Topology(_Model):
     router: RouterSpec = Field(default_factory=RouterSpec)
     env: EnvMap = Field(default_factory=dict)
 
-    @field_validator("env", mode="before")
-    @classmethod
-    def _env_strings(cls, value: Any) -> Any:
-        return _stringify_env(value)
-
     @field_validator("name")
     @classmethod
     def _name_pattern(cls, value: str) -> str:
@@ -273,9 +263,3 @@ class Topology(_Model):
             if spec.name == name:
                 return spec
         raise KeyError(name)
-
-
-def _stringify_env(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: ("" if v is None else str(v).lower() if isinstance(v, bool) else str(v)) for k, v in value.items()}
-    return value

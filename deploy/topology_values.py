@@ -93,6 +93,14 @@ def env_name(value: str) -> str:
     return value
 
 
+def env_strings(value: Any) -> Any:
+    """An `env` mapping as strings, as YAML's scalars would be written in a shell: true -> "true",
+    1 -> "1", null -> "" (anything but a mapping is left for the type check to refuse)."""
+    if isinstance(value, dict):
+        return {k: ("" if v is None else str(v).lower() if isinstance(v, bool) else str(v)) for k, v in value.items()}
+    return value
+
+
 def env_map(value: dict[str, str]) -> dict[str, str]:
     for key in value:
         env_name(key)
@@ -202,6 +210,6 @@ def not_blank(fix: str) -> AfterValidator:
 IntNotBool = Annotated[int, BeforeValidator(_not_bool)]
 PathText = Annotated[str, AfterValidator(path)]
 PlainName = Annotated[str, AfterValidator(plain_name)]
-EnvMap = Annotated[dict[str, str], AfterValidator(env_map)]
+EnvMap = Annotated[dict[str, str], BeforeValidator(env_strings), AfterValidator(env_map)]
 ExtraArgs = Annotated[list[str], AfterValidator(extra_args)]
 HostAddressText = Annotated[str, not_blank("give the host's IP address or DNS name"), AfterValidator(host_address)]

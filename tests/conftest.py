@@ -49,6 +49,18 @@ def state_dir(tmp_path, monkeypatch):
     return path
 
 
+# -- the tiny local model (kvpush make-model) ------------------------------------------------------
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    """The tiny model (seed 0) real vLLM loads on the CPU, made once per module."""
+    from kvpush.deploy.tiny_model import make_tiny_model
+    from kvpush.deploy.topology import TinyModelSpec
+
+    path = tmp_path_factory.mktemp("model") / "tiny"
+    make_tiny_model(path, TinyModelSpec(seed=0))
+    return path
+
+
 # -- a real Slurm cluster (tests/slurm_cluster.py) ------------------------------------------------
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvpush.common.errors import KvpushError
-from ..plan import on_cores
+from ..placement import on_cores
 
 PERCENTILE_METRICS = "ttft,tpot,itl,e2el"
 API_KEY_VARIABLE = "OPENAI_API_KEY"  # vLLM's benchmark client sends it as `Authorization: Bearer ...`

@@ -4,7 +4,7 @@ from __future__ import annotations
 from kvpush.connector.sharding import tp_problem
 from kvpush.deploy.model_config import kv_heads_from_config
 
-from .context import Check, DoctorContext
+from .context import Check, DoctorContext, agreement
 from .facts import HostFacts
 from .result import TOPOLOGY_SUBJECT, CheckResult, Evidence, fail, ok, skip, warn
 
@@ -49,11 +49,9 @@ def check_model_match(ctx: DoctorContext) -> list[CheckResult]:
         return [skip("model-match", TOPOLOGY_SUBJECT, f"model found on {len(present)} host(s); nothing to compare", scope="topology")]
     lines, differs = [], []
     for key, label in (("config_digest", "config.json"), ("weights_digest", "weights")):
-        groups: dict[str, list[str]] = {}
-        for h, m in present.items():
-            groups.setdefault(str(m.get(key)), []).append(h)
-        lines.append(f"{label}: " + "; ".join(f"{d} on {', '.join(hs)}" for d, hs in groups.items()))
-        if len(groups) > 1:
+        described, agree = agreement({h: str(m.get(key)) for h, m in present.items()})
+        lines.append(f"{label}: {described}")
+        if not agree:
             differs.append(label)
     ev = Evidence("sha256 of config.json and weight files on each host", tuple(lines))
     if differs:

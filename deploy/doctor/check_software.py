@@ -1,7 +1,7 @@
 """Software: the interpreter and packages on each host, and prefill/decode agreement."""
 from __future__ import annotations
 
-from .context import Check, DoctorContext
+from .context import Check, DoctorContext, agreement
 from .facts import HostFacts
 from .result import TOPOLOGY_SUBJECT, CheckResult, Evidence, fail, ok, skip
 
@@ -78,12 +78,10 @@ def check_versions_match(ctx: DoctorContext) -> list[CheckResult]:
                      else "no facts from any vLLM host", scope="topology")]
     mismatches, lines = [], []
     for label, dists in wanted.items():
-        seen: dict[str, list[str]] = {}
-        for h in hosts:
-            found = ctx.facts[h].package(*dists)
-            seen.setdefault(found[1] if found else "missing", []).append(h)
-        lines.append(f"{label}: " + "; ".join(f"{v} on {', '.join(hs)}" for v, hs in seen.items()))
-        if len(seen) > 1:
+        found = {h: ctx.facts[h].package(*dists) for h in hosts}
+        described, agree = agreement({h: version[1] if version else "missing" for h, version in found.items()})
+        lines.append(f"{label}: {described}")
+        if not agree:
             mismatches.append(label)
     ev = Evidence("*.dist-info versions on every vLLM host", tuple(lines))
     if mismatches:

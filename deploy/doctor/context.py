@@ -84,6 +84,15 @@ def hung(check: str, facts: HostFacts, *sections: str) -> CheckResult | None:
     return None
 
 
+def agreement(value_by_host: dict[str, str]) -> tuple[str, bool]:
+    """How the hosts' values of one thing group, as evidence ("v1 on a, b; v2 on c"), and whether
+    they all agree."""
+    groups: dict[str, list[str]] = {}
+    for host, value in value_by_host.items():
+        groups.setdefault(value, []).append(host)
+    return "; ".join(f"{value} on {', '.join(hosts)}" for value, hosts in groups.items()), len(groups) <= 1
+
+
 def tool_commands(topo: Topology, plan: Plan, host: str) -> dict[str, str]:
     """The shell commands whose output the checks parse, by section name (only those needed).
     `df` is added by the probe itself (see df_paths)."""

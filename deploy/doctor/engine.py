@@ -17,7 +17,8 @@ from dataclasses import dataclass, field, replace
 from typing import Mapping
 
 from kvpush.common.errors import UsageError
-from kvpush.deploy.plan import bind_address, build_plan
+from kvpush.deploy.placement import bind_address
+from kvpush.deploy.plan import build_plan
 from kvpush.deploy.runners.base import parse_port_holders, port_holders_command
 from kvpush.deploy.topology import Topology
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from kvpush.deploy.plan import bind_address
+from kvpush.deploy.placement import bind_address
 from kvpush.deploy.topology import Topology, side_channel_ports
 
 

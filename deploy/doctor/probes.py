@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Protocol, TypeVar
 
+from kvpush.deploy.runners.base import shell_word
 from kvpush.deploy.runners.fanout import fan_out
 
 from .facts import HostFacts, NixlProbe
@@ -44,15 +45,6 @@ def in_parallel(jobs: Mapping[str, Callable[[], T]], timeout: float, shown_timeo
             for key, r in results.items()}
 
 
-def shell_path(path: str) -> str:
-    """A path for the shell, with a leading ~ expanded by the host's own shell."""
-    if path == "~":
-        return '"$HOME"'
-    if path.startswith("~/"):
-        return '"$HOME"/' + shlex.quote(path[2:])
-    return shlex.quote(path)
-
-
 def python_command(interpreter: str, source_file: str, args: list[str], env: Mapping[str, str] | None = None,
                    no_site: bool = False) -> str:
     """Shell text running a self-contained script with the host's interpreter (python3 if it is
@@ -61,7 +53,7 @@ def python_command(interpreter: str, source_file: str, args: list[str], env: Map
     env_words = " ".join(shlex.quote(f"{k}={v}") for k, v in sorted((env or {}).items()))
     launcher = f"env {env_words} " if env_words else ""
     return (
-        f"P={shell_path(interpreter)}; command -v \"$P\" >/dev/null 2>&1 || "
+        f"P={shell_word(interpreter)}; command -v \"$P\" >/dev/null 2>&1 || "
         f"{{ echo \"kvpush-doctor: interpreter $P not found, used python3\" >&2; P=python3; }}; "
         f"cd / && {launcher}\"$P\"{' -S' if no_site else ''} -c {shlex.quote(source)} {' '.join(shlex.quote(a) for a in args)}"
     )

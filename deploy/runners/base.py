@@ -161,6 +161,16 @@ class Runner(ABC):
         return result.stdout
 
 
+def shell_word(value: str) -> str:
+    """A word for the host's shell; a leading ~/ becomes that host's $HOME (the shell expands it
+    where the command runs, so it needs no runner's `home`)."""
+    if value == "~":
+        return '"$HOME"'
+    if value.startswith("~/"):
+        return '"$HOME"/' + shlex.quote(value[2:])
+    return shlex.quote(value)
+
+
 def detached_start_command(argv: list[str], env: dict[str, str], cwd: str, log_path: str,
                            env_file: str | None = None) -> str:
     """Shell text that starts argv detached and prints its PID.

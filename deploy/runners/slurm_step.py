@@ -4,21 +4,12 @@ Pure; the Slurm runner launches exactly this, and `kvpush plan` shows it.
 """
 from __future__ import annotations
 
-import shlex
+from .base import shell_word
 
 # Every step shares the whole allocation of its node with the others (--overlap --whole): a step
 # of one task would otherwise get one CPU and no GPU, and two steps on a node would queue.
 STEP_OPTIONS = ("--overlap", "--whole", "--nodes=1", "--ntasks=1", "--mpi=none")
 GROUP_EXIT_WAIT_TENTHS = 100  # a killed process group gets 10 s to be gone (large processes take a moment)
-
-
-def shell_word(value: str) -> str:
-    """A word for the node's shell; a leading ~/ becomes that node's $HOME."""
-    if value == "~":
-        return '"$HOME"'
-    if value.startswith("~/"):
-        return '"$HOME"/' + shlex.quote(value[2:])
-    return shlex.quote(value)
 
 
 def step_shell(argv: list[str], env: dict[str, str], cwd: str, log_path: str, env_file: str | None = None) -> str:

@@ -15,31 +15,22 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
-import random
 import signal
-import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
-from pathlib import Path
-
-import pytest
 
 from kvpush.common.vllm_metrics import metric_sum
 from kvpush.deploy.lifecycle import LifecycleOptions, down, up
 from kvpush.deploy.plan import build_plan
-from kvpush.deploy.tiny_model import make_tiny_model
-from kvpush.deploy.topology import TinyModelSpec, parse_topology
-from fault_helpers import instance_pids, port_free, status_rows, wait_healthy
+from kvpush.deploy.topology import parse_topology
+from fault_helpers import cli_status, hang_instance, kill_until_shown_dead, port_free, status_rows, wait_healthy
+from fault_load import LOAD_BEFORE_FAULT_S, PROMPT_TOKENS, Load, completion_request
 from lifecycle_helpers import kill_leftovers, processes_under
-from random_prompts import VOCAB, full_length_prompts
+from random_prompts import full_length_prompts
 
-CLIENTS, PROMPT_TOKENS, MAX_TOKENS = 32, 1500, 48
-LOAD_BEFORE_FAULT_S = 3.0  # the fault hits a steady load
 STOPPED_FOR_S = 6.0  # SIGSTOP to SIGCONT
 LOAD_AFTER_FAULT_S = 6.0  # after the kill or the SIGCONT, before the clients stop sending
 ENDS_WITHIN_S = 30.0  # every request ends this long after the fault or after its own start
@@ -91,12 +82,9 @@ class Outcome:
 
 
 def stream(url: str, prompt: list[int]) -> Outcome:
-    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
-                       "ignore_eos": True, "stream": True}).encode()
-    request = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
     start, first, finish, done, text = time.monotonic(), None, None, False, ""
     try:
-        with urllib.request.urlopen(request, timeout=READ_TIMEOUT_S) as response:
+        with urllib.request.urlopen(completion_request(url, prompt, stream=True), timeout=READ_TIMEOUT_S) as response:
             for line in response:
                 if not line.startswith(b"data: "):
                     continue
@@ -118,39 +106,6 @@ def stream(url: str, prompt: list[int]) -> Outcome:
         return Outcome(start, time.monotonic(), first, False, f"{type(exc).__name__}: {exc}")
 
 
-class Load:
-    """CLIENTS threads, each streaming fresh prompts back to back until stop()."""
-
-    def __init__(self, url: str, seed: int):
-        self.outcomes: list[Outcome] = []
-        self._lock, self._stop = threading.Lock(), threading.Event()
-        self._threads = [threading.Thread(target=self._client, args=(url, random.Random(seed * 1000 + i)), daemon=True)
-                         for i in range(CLIENTS)]
-        for t in self._threads:
-            t.start()
-
-    def _client(self, url: str, rng: random.Random) -> None:
-        while not self._stop.is_set():
-            outcome = stream(url, [rng.randint(10, VOCAB - 1) for _ in range(PROMPT_TOKENS)])
-            with self._lock:
-                self.outcomes.append(outcome)
-
-    def stop(self, timeout_s: float) -> list[Outcome]:
-        self._stop.set()
-        end = time.monotonic() + timeout_s
-        for t in self._threads:
-            t.join(max(0.0, end - time.monotonic()))
-        assert not any(t.is_alive() for t in self._threads), "a client is still waiting for an answer"
-        return sorted(self.outcomes, key=lambda o: o.start)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("model") / "tiny"
-    make_tiny_model(path, TinyModelSpec(seed=0))
-    return path
-
-
 def _router_metric(router_url: str, name: str, **labels: str) -> float:
     with urllib.request.urlopen(router_url + "/metrics", timeout=10) as r:
         return metric_sum(r.read().decode(), name, **labels) or 0.0
@@ -167,28 +122,16 @@ def _inject(victim: str, sig: int, pid: int) -> float:
     """The fault; returns when it hit. SIGSTOP stops the whole instance (API server and engine core,
     as a hung GPU would) for STOPPED_FOR_S, checks `status` shows it hung, then SIGCONTs it."""
     if sig == signal.SIGKILL:
-        fault_at = time.monotonic()
-        os.kill(pid, sig)
-        while status_rows(NAME)[victim].process not in ("dead", "zombie"):
-            assert time.monotonic() < fault_at + 15, status_rows(NAME)[victim]
-            time.sleep(0.2)
-        shown = subprocess.run([sys.executable, "-m", "kvpush.cli.main", "status", "-d", NAME], capture_output=True,
-                               text=True, timeout=60)
+        fault_at = kill_until_shown_dead(NAME, victim, pid)
+        shown = cli_status(NAME)
         assert shown.returncode == 1 and f"{victim}: died at" in shown.stderr, shown
         return fault_at
-    target = instance_pids(pid)
-    fault_at = time.monotonic()
-    for p in target:
-        os.kill(p, signal.SIGSTOP)
-    try:
-        time.sleep(2.5)
+
+    def shown_hung() -> None:
         row = status_rows(NAME)[victim]
         assert row.process == "hung", row
-        time.sleep(max(0.0, STOPPED_FOR_S - (time.monotonic() - fault_at)))
-    finally:
-        for p in target:
-            os.kill(p, signal.SIGCONT)
-    return fault_at
+
+    return hang_instance(pid, STOPPED_FOR_S, 2.5, shown_hung)[0]
 
 
 def _table(results: list[dict]) -> str:
@@ -215,7 +158,7 @@ def test_losing_one_prefill_then_one_decode_under_load_fails_no_request_not_yet_
         assert all(o.answered for o in before), before
         for n, (fault, victim, sig) in enumerate(FAULTS):
             pids_before = {name: (r.supervisor_pid, r.pid) for name, r in status_rows(NAME).items()}
-            load = Load(plan.router_url, seed=BASE + n)
+            load = Load(plan.router_url, seed=BASE + n, send=stream)
             time.sleep(LOAD_BEFORE_FAULT_S)
             victim_legs = _router_metric(plan.router_url, "kvpush_router_inflight", instance=victim)
             fault_at = _inject(victim, sig, pids_before[victim][1])

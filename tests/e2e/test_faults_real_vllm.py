@@ -16,29 +16,24 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
 from kvpush.deploy.lifecycle import LifecycleOptions, down, up
 from kvpush.deploy.plan import build_plan
-from kvpush.deploy.tiny_model import make_tiny_model
-from kvpush.deploy.topology import TinyModelSpec, parse_topology
-from fault_helpers import instance_pids, port_free, status_rows, wait_healthy
+from kvpush.deploy.topology import parse_topology
+from fault_helpers import cli_status, hang_instance, kill_until_shown_dead, port_free, status_rows, wait_healthy
+from fault_load import LOAD_BEFORE_FAULT_S, PROMPT_TOKENS, Load, completion_request
 from lifecycle_helpers import kill_leftovers, processes_under
-from random_prompts import VOCAB, full_length_prompts
+from random_prompts import full_length_prompts
 
-CLIENTS, PROMPT_TOKENS, MAX_TOKENS = 32, 1500, 48
-LOAD_BEFORE_FAULT_S = 3.0  # the fault hits a steady load
 AFTER_RECOVERY_S = 5.0  # clients go on sending through the fault and `up`, and this long after it
 STOPPED_FOR_S = 8.0  # SIGSTOP to SIGCONT
 ENDS_WITHIN_S = 30.0
@@ -83,58 +78,15 @@ class Outcome:
 
 
 def complete(url: str, prompt: list[int], timeout_s: float = 90.0) -> Outcome:
-    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
-                       "ignore_eos": True}).encode()
-    request = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
     start = time.monotonic()
     try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+        with urllib.request.urlopen(completion_request(url, prompt), timeout=timeout_s) as response:
             text = json.loads(response.read())["choices"][0]["text"]
             return Outcome(start, time.monotonic(), response.status, text)
     except urllib.error.HTTPError as exc:
         return Outcome(start, time.monotonic(), exc.code, exc.read().decode(errors="replace")[:300])
     except (OSError, ValueError) as exc:  # refused, reset, timed out, a cut-off body
         return Outcome(start, time.monotonic(), None, f"{type(exc).__name__}: {exc}")
-
-
-class Load:
-    """CLIENTS threads, each sending fresh prompts back to back until stop()."""
-
-    def __init__(self, url: str, seed: int):
-        self.outcomes: list[Outcome] = []
-        self._lock, self._stop = threading.Lock(), threading.Event()
-        self._threads = [threading.Thread(target=self._client, args=(url, random.Random(seed * 1000 + i)), daemon=True)
-                         for i in range(CLIENTS)]
-        for t in self._threads:
-            t.start()
-
-    def _client(self, url: str, rng: random.Random) -> None:
-        while not self._stop.is_set():
-            outcome = complete(url, [rng.randint(10, VOCAB - 1) for _ in range(PROMPT_TOKENS)])
-            with self._lock:
-                self.outcomes.append(outcome)
-            if outcome.status != 200:
-                self._stop.wait(0.2)  # a client that got an error does not hammer a server that is down
-
-    def stop(self, timeout_s: float) -> list[Outcome]:
-        self._stop.set()
-        end = time.monotonic() + timeout_s
-        for t in self._threads:
-            t.join(max(0.0, end - time.monotonic()))
-        assert not any(t.is_alive() for t in self._threads), "a client is still waiting for an answer"
-        return sorted(self.outcomes, key=lambda o: o.start)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("model") / "tiny"
-    make_tiny_model(path, TinyModelSpec(seed=0))
-    return path
-
-
-def _cli_status(name: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvpush.cli.main", "status", "-d", name], capture_output=True, text=True,
-                          timeout=60)
 
 
 def _record(numbers: dict) -> None:
@@ -147,36 +99,26 @@ def _record(numbers: dict) -> None:
 
 def _fault(name: str, victim: str, sig: int, pid: int, supervised: bool, numbers: dict) -> tuple[float, subprocess.CompletedProcess]:
     """Inject the fault; return its time and what `kvpush status` printed about it."""
-    if sig == signal.SIGSTOP:  # the whole instance: its API server and its engine core, as a hung GPU would
-        target = instance_pids(pid)
-        fault_at = time.monotonic()
-        for p in target:
-            os.kill(p, signal.SIGSTOP)
-        try:
-            time.sleep(2.0)
-            shown = _cli_status(name)
+    if sig == signal.SIGSTOP:
+        def shown_hung() -> subprocess.CompletedProcess:
+            shown = cli_status(name)
             row = status_rows(name)[victim]
             assert row.process == "hung" and row.health == "no answer", row
-            time.sleep(max(0.0, STOPPED_FOR_S - (time.monotonic() - fault_at)))
-        finally:
-            for p in target:
-                os.kill(p, signal.SIGCONT)
-        return fault_at, shown
-    fault_at = time.monotonic()
-    os.kill(pid, sig)
-    deadline = fault_at + 15
+            return shown
+
+        return hang_instance(pid, STOPPED_FOR_S, 2.0, shown_hung)
     if supervised:  # restarted in place: a new PID under the same supervisor
+        fault_at = time.monotonic()
+        os.kill(pid, sig)
         while (row := status_rows(name)[victim]).pid == pid:
-            assert time.monotonic() < deadline, row
+            assert time.monotonic() < fault_at + 15, row
             time.sleep(0.2)
         numbers["restarted_after_s"] = round(time.monotonic() - fault_at, 1)
-        return fault_at, _cli_status(name)
-    while status_rows(name)[victim].process not in ("dead", "zombie"):
-        assert time.monotonic() < deadline, status_rows(name)[victim]
-        time.sleep(0.2)
+        return fault_at, cli_status(name)
+    fault_at = kill_until_shown_dead(name, victim, pid)
     numbers["shown_dead_after_s"] = round(time.monotonic() - fault_at, 1)
     # At once, as a user would: its supervisor may still be stopping what it left (an orphaned engine core).
-    shown = _cli_status(name)
+    shown = cli_status(name)
     assert "its supervisor is stopping what it left behind: pid" in shown.stderr or "nothing of it is left" in shown.stderr, shown.stderr
     return fault_at, shown
 
@@ -211,7 +153,7 @@ def test_fault_under_load(fault, model_dir, tmp_path, state_dir):
         assert all(o.status == 200 for o in before), before
         pids_before = {n: (r.supervisor_pid, r.pid) for n, r in status_rows(name).items()}
 
-        load = Load(plan.router_url, seed=base)
+        load = Load(plan.router_url, seed=base, send=complete, backs_off=lambda o: o.status != 200)
         time.sleep(LOAD_BEFORE_FAULT_S)
         fault_at, shown = _fault(name, victim, sig, pids_before[victim][1], supervised, numbers)
         said = "ended (killed by SIGKILL)" if supervised else "hung" if sig == signal.SIGSTOP else "died at"

@@ -19,19 +19,14 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
-from pathlib import Path
-
-import pytest
 
 from kvpush.deploy.lifecycle import LifecycleOptions, down, up
-from kvpush.deploy.observe import deployment_status, require_state
+from kvpush.deploy.observe import require_state
 from kvpush.deploy.plan import build_plan
-from kvpush.deploy.runners import SshOptions
-from kvpush.deploy.tiny_model import make_tiny_model
-from kvpush.deploy.topology import TinyModelSpec, parse_topology
+from kvpush.deploy.topology import parse_topology
 from lifecycle_helpers import RecordingEvents, kill_leftovers, processes_under
 from random_prompts import VOCAB
-from fault_helpers import port_free
+from fault_helpers import port_free, status_rows
 
 PROMPT_TOKENS, MAX_TOKENS, EVERY_S = 400, 24, 0.5
 STEADY_S = 12.0  # load before the first change, between the changes and after the last
@@ -121,13 +116,6 @@ def ttft(outcomes: list[Outcome], start: float, end: float) -> dict:
 
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("model") / "tiny"
-    make_tiny_model(path, TinyModelSpec(seed=0))
-    return path
-
-
 def test_adding_then_removing_a_decode_under_steady_load_fails_no_request(model_dir, tmp_path, state_dir):
     ports = {f"b{i}": BASE + i for i in range(10)}
     one = parse_topology(TOPOLOGY.format(model=model_dir, workdir=tmp_path, extra="", **ports))
@@ -169,7 +157,7 @@ def test_adding_then_removing_a_decode_under_steady_load_fails_no_request(model_
         assert failed == [], failed[:5]
         assert numbers["adding"]["requests"] > 0 and numbers["removing"]["requests"] > 0
         assert not any("did not confirm" in n or "after waiting" in n for n in events.notes), events.notes
-        rows = {r.name: r for r in deployment_status(require_state("live-change"), SshOptions())}
+        rows = status_rows("live-change")
         assert sorted(rows) == ["decode-0", "prefill-0", "router"] and all(r.healthy for r in rows.values()), rows
         router_after = require_state("live-change").processes["router"]
         assert (router_after.pid, router_after.start_time) == (router_before.pid, router_before.start_time)

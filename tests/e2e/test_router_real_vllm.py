@@ -24,8 +24,7 @@ from pathlib import Path
 import pytest
 
 from kvpush.deploy.plan import build_plan
-from kvpush.deploy.tiny_model import make_tiny_model
-from kvpush.deploy.topology import TinyModelSpec, parse_topology
+from kvpush.deploy.topology import parse_topology
 from kvpush.common.vllm_metrics import PROMPT_TOKENS_BY_SOURCE, metric_sum
 from deployment_slot import DeploymentSlot
 from openai_conformance import MATRIX, run_case
@@ -98,13 +97,6 @@ def make_plan(protocol: str, model: Path, workdir: Path):
     plan = build_plan(topo)
     write_secret_files(plan)  # kvpush's connector authenticates its side channel with the deployment's key
     return plan
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("model") / "tiny"
-    make_tiny_model(path, TinyModelSpec(seed=0))
-    return path
 
 
 @dataclass

@@ -5,35 +5,22 @@ every decode rank is checked. The timings mean nothing here."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-BENCH = REPO / "benchmarks" / "gpu_tp_fanout.py"
+from benchmark_scripts import BENCHMARKS, run_benchmark
+
 ROUNDS = 2
 
 
 @pytest.fixture(scope="module")
 def bench_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("tp-fanout") / "results.json"
-    env = dict(os.environ, UCX_MODULES="^ib", UCX_MEM_EVENTS="no", NIXL_LOG_LEVEL="WARN", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, str(BENCH), "--device", "cpu", "--ranks", "2", "--kv-heads", "2", "--layers", "2",
-           "--head-dim", "16", "--tokens", "72", "--repeats", str(ROUNDS), "--json", str(out)]
-    # own session: on a timeout the benchmark and its rank processes go down together
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env,
-                            start_new_session=True)
-    try:
-        stdout, _ = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    return proc.returncode, stdout, json.loads(out.read_text()) if out.exists() else {}
+    rc, stdout = run_benchmark("gpu_tp_fanout", ["--device", "cpu", "--ranks", "2", "--kv-heads", "2", "--layers", "2",
+                                                 "--head-dim", "16", "--tokens", "72", "--repeats", str(ROUNDS),
+                                                 "--json", str(out)], timeout_s=300)
+    return rc, stdout, json.loads(out.read_text()) if out.exists() else {}
 
 
 def test_every_byte_on_every_decode_rank_is_verified(bench_run):
@@ -81,7 +68,7 @@ def test_numbers_are_printed_with_same_run_ratios(bench_run):
 
 def test_a_shard_on_the_wrong_rank_would_fail_the_check():
     """The fill is salted by the rank's first KV head: rank 1's bytes in rank 0's blocks don't verify."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
+    sys.path.insert(0, str(BENCHMARKS))
     import gpu_kv_layouts as kvl
     import torch
 

@@ -4,35 +4,20 @@ end), its NixlEngine per-block and coalesced WRITEs and a raw NIXL WRITE, every 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-BENCH = REPO / "benchmarks" / "gpu_transfer.py"
+from benchmark_scripts import run_benchmark
+
 MODES = ("producer", "producer-late", "per-block", "coalesced", "raw")
 
 
 @pytest.fixture(scope="module")
 def bench_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu-bench") / "records.json"
-    env = dict(os.environ, UCX_MODULES="^ib", UCX_MEM_EVENTS="no", NIXL_LOG_LEVEL="WARN", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, str(BENCH), "--device", "cpu", "--layouts", "nhd,blnhc", "--layers", "2",
-           "--kv-heads", "2", "--tokens", "48,256", "--repeats", "1", "--json", str(out)]
-    # own session: on a timeout the benchmark and its receiver process go down together
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env,
-                            start_new_session=True)
-    try:
-        stdout, _ = proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    return proc.returncode, stdout, json.loads(out.read_text()) if out.exists() else []
+    rc, stdout = run_benchmark("gpu_transfer", ["--device", "cpu", "--layouts", "nhd,blnhc", "--layers", "2", "--kv-heads", "2",
+                                                "--tokens", "48,256", "--repeats", "1", "--json", str(out)], timeout_s=240)
+    return rc, stdout, json.loads(out.read_text()) if out.exists() else []
 
 
 def test_every_write_moved_the_right_bytes(bench_run):

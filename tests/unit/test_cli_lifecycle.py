@@ -93,7 +93,7 @@ def test_status_into_a_pipe_prints_every_name_and_value_whole(monkeypatch):
 
 
 def test_down_removes_the_secret_files_on_the_hosts_and_keeps_this_machine_s_secret_unless_asked(tmp_path, monkeypatch):
-    from kvpush.deploy.plan import secret_paths_in
+    from kvpush.deploy.placement import secret_paths_in
     from kvpush.deploy.secrets import ensure_local_secret, local_secret_path
 
     monkeypatch.setenv("KVPUSH_STATE_DIR", str(tmp_path / "state"))

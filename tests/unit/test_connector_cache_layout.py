@@ -12,7 +12,7 @@ from kvpush.connector.cache_layout import (
     layout_cost_note,
     required_layout,
 )
-from kvpush.connector.wire import Region
+from kvpush.connector.regions import Region
 
 pytestmark = pytest.mark.unit
 

@@ -7,7 +7,7 @@ import pytest
 
 from kvpush.connector.coalesce import CoalesceError, Plan, block_runs, pair_segments
 from kvpush.connector.layout import TensorView, kv_regions, region_spans, regions_of
-from kvpush.connector.wire import Region
+from kvpush.connector.regions import Region
 
 pytestmark = pytest.mark.unit
 

@@ -12,14 +12,15 @@ import pytest
 
 from kvpush.connector import wire
 from kvpush.connector.producer import Producer, ProducerConfig
+from kvpush.connector.regions import HeadLayout, LayoutIdentity, Region
 from kvpush.connector.sharding import HeadSharding
 from kvpush.connector.transfer import TransferError, Write
 
 pytestmark = pytest.mark.unit
 
-IDENTITY = wire.LayoutIdentity("m", "bfloat16", 16, ("l0",), 1)
-REGIONS = (wire.Region(1 << 20, 4096, 4096, 64),)
-HEADS = (wire.HeadLayout.whole(4096),)
+IDENTITY = LayoutIdentity("m", "bfloat16", 16, ("l0",), 1)
+REGIONS = (Region(1 << 20, 4096, 4096, 64),)
+HEADS = (HeadLayout.whole(4096),)
 
 
 class FakeEngine:
@@ -428,7 +429,7 @@ def test_a_second_hello_on_a_connection_does_not_change_whom_it_speaks_for(setup
 def test_a_decode_rank_reaching_a_prefill_rank_without_its_heads_is_refused():
     """P TP2 rank 0 holds KV head 0 of 2; decode TP2 rank 1 holds head 1, which P rank 1 writes."""
     engine = FakeEngine()
-    producer = Producer(ProducerConfig("P", wire.LayoutIdentity("m", "bfloat16", 16, ("l0",), 2), frozenset({"D2"}),
+    producer = Producer(ProducerConfig("P", LayoutIdentity("m", "bfloat16", 16, ("l0",), 2), frozenset({"D2"}),
                                        "127.0.0.1", 0, tp_rank=0, sharding=HeadSharding(2, 2)), engine)
     try:
         conn = FakeConn()

@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from kvpush.deploy.plan import build_plan, kv_transfer_config
+from kvpush.deploy.plan import build_plan
+from kvpush.deploy.vllm_launch import kv_transfer_config
 from kvpush.deploy.topology import parse_topology
 from kvpush.router.config import RouterConfig
 from kvpush.templates import template_names, template_text

@@ -25,7 +25,7 @@ from kvpush.connector.metadata import SendSpec
 from kvpush.connector.producer import Producer, ProducerConfig
 from kvpush.connector.save_order import SaveQueue
 from kvpush.connector.transfer import NixlEngine
-from kvpush.connector.wire import LayoutIdentity
+from kvpush.connector.regions import LayoutIdentity
 
 
 def kv_buffer(num_blocks: int, block_shape: tuple[int, ...], seed: int | None) -> np.ndarray:

@@ -22,6 +22,7 @@ from peer_proc import PeerProcess, identity, kv_buffer, view_of, wait_outcomes  
 from kvpush.connector import auth, wire
 from kvpush.connector.consumer import Consumer, ConsumerConfig
 from kvpush.connector.layout import kv_regions
+from kvpush.connector.regions import HeadLayout
 from kvpush.connector.transfer import NixlEngine
 
 NUM_BLOCKS, BLOCK_SHAPE, SEED = 64, (2, 16, 64), 11
@@ -74,7 +75,7 @@ def forged_hello(decode: Decode) -> bytes:
     the key (its engine id, layout, regions and NIXL metadata are no secret)."""
     regions = tuple(decode.engine.regions)
     return wire.encode(wire.Hello(decode.engine_id, 0, 1, "agent-forged", decode.engine.metadata, identity(decode.arr),
-                                  regions, tuple(wire.HeadLayout.whole(r.block_len) for r in regions),
+                                  regions, tuple(HeadLayout.whole(r.block_len) for r in regions),
                                   nonce=auth.new_nonce()))
 
 

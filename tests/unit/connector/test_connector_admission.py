@@ -9,27 +9,28 @@ from types import SimpleNamespace
 from kvpush.connector import admission, wire
 from kvpush.connector.admission import Admission, ThrottledWarnings
 from kvpush.connector.producer import ProducerConfig
+from kvpush.connector.regions import HeadLayout, LayoutIdentity, Region
 from kvpush.connector.sharding import HeadSharding
 
-IDENTITY = wire.LayoutIdentity("m", "bfloat16", 16, ("l0",), 4)
+IDENTITY = LayoutIdentity("m", "bfloat16", 16, ("l0",), 4)
 HEAD_BYTES = 1024  # 4 KV heads of 1 KiB per block in all
 
 
 def gate(tp_rank=0, tp_size=1):
     heads_here = 4 // tp_size
-    region = wire.Region(1 << 20, HEAD_BYTES * heads_here, HEAD_BYTES * heads_here, 64)
+    region = Region(1 << 20, HEAD_BYTES * heads_here, HEAD_BYTES * heads_here, 64)
     config = ProducerConfig("P", IDENTITY, frozenset({"D"}), "127.0.0.1", 0, tp_rank=tp_rank,
                             sharding=HeadSharding(4, tp_size),
-                            head_layouts=(wire.HeadLayout(heads_here, HEAD_BYTES, (0,)),))
+                            head_layouts=(HeadLayout(heads_here, HEAD_BYTES, (0,)),))
     engine = SimpleNamespace(regions=(region,), device_id=0)
     return Admission(config, engine, Counter(), ThrottledWarnings(), lambda conn, why: None, lambda *a: None)
 
 
 def hello(engine="D", rank=0, tp_size=1, identity=IDENTITY):
     heads = 4 // tp_size
-    region = wire.Region(2 << 20, HEAD_BYTES * heads, HEAD_BYTES * heads, 64)
+    region = Region(2 << 20, HEAD_BYTES * heads, HEAD_BYTES * heads, 64)
     return wire.Hello(engine, rank, tp_size, "agent", b"meta", identity, (region,),
-                      (wire.HeadLayout(heads, HEAD_BYTES, (0,)),))
+                      (HeadLayout(heads, HEAD_BYTES, (0,)),))
 
 
 def test_an_engine_outside_the_allow_list_is_refused_by_name():
@@ -38,7 +39,7 @@ def test_an_engine_outside_the_allow_list_is_refused_by_name():
 
 
 def test_a_different_model_layout_is_refused_naming_the_difference():
-    other = wire.LayoutIdentity("m", "float16", 16, ("l0",), 4)
+    other = LayoutIdentity("m", "float16", 16, ("l0",), 4)
     reason, plan = gate().check_hello(hello(identity=other))
     assert plan is None and "differs" in reason and "float16" in reason
 

@@ -11,11 +11,12 @@ import pytest
 from kvpush.connector import auth, channel, wire
 from kvpush.connector.consumer import Consumer, ConsumerConfig
 from kvpush.connector.producer import Producer, ProducerConfig
+from kvpush.connector.regions import HeadLayout, LayoutIdentity, Region
 
 KEY, OTHER_KEY = b"k" * 32, b"x" * 32
-IDENTITY = wire.LayoutIdentity("m", "bfloat16", 16, ("l0",), 1)
-REGIONS = (wire.Region(1 << 20, 4096, 4096, 64),)
-HEADS = (wire.HeadLayout.whole(4096),)
+IDENTITY = LayoutIdentity("m", "bfloat16", 16, ("l0",), 1)
+REGIONS = (Region(1 << 20, 4096, 4096, 64),)
+HEADS = (HeadLayout.whole(4096),)
 
 
 class Engine:

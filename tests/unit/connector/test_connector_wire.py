@@ -6,13 +6,14 @@ import json
 import pytest
 
 from kvpush.connector import wire
+from kvpush.connector.regions import HeadLayout, LayoutIdentity, Region
 
-IDENTITY = wire.LayoutIdentity("m", "bfloat16", 128, ("l0", "l1"), 2)
-REGIONS = (wire.Region(4096, 65536, 65536, 10), wire.Region(1 << 30, 65536, 65536, 10))
-HEADS = tuple(wire.HeadLayout.whole(r.block_len) for r in REGIONS)
+IDENTITY = LayoutIdentity("m", "bfloat16", 128, ("l0", "l1"), 2)
+REGIONS = (Region(4096, 65536, 65536, 10), Region(1 << 30, 65536, 65536, 10))
+HEADS = tuple(HeadLayout.whole(r.block_len) for r in REGIONS)
 MESSAGES = [
     wire.Hello("D.e", 0, 1, "agent", b"\x00\xffmeta", IDENTITY, REGIONS, HEADS),
-    wire.Hello("D.e", 1, 2, "agent", b"meta", IDENTITY, REGIONS, (wire.HeadLayout(2, 16384, (0, 32768)),) * 2, device_id=3),
+    wire.Hello("D.e", 1, 2, "agent", b"meta", IDENTITY, REGIONS, (HeadLayout(2, 16384, (0, 32768)),) * 2, device_id=3),
     wire.Welcome("P.e"), wire.Refuse("P.e", "no"),
     wire.Register("t1", (5, 3, 9), 1, 300), wire.Cancel("t1"), wire.Accepted("t1"),
     wire.Done("t1", 4096), wire.Fail("t1", "boom"), wire.Streaming("t1"), wire.Landed("t1", (0, 3)),
@@ -75,7 +76,7 @@ def test_malformed_hello_is_wire_error(mutate):
 
 
 def test_identity_mismatch_names_both_values():
-    other = wire.LayoutIdentity("m2", "float16", 16, ("l0", "l2"), 2)
+    other = LayoutIdentity("m2", "float16", 16, ("l0", "l2"), 2)
     diffs = " ".join(IDENTITY.mismatches(other))
     assert "model: 'm' vs 'm2'" in diffs and "'bfloat16' vs 'float16'" in diffs and "128 vs 16" in diffs
     assert "l1" in diffs and "l2" in diffs

@@ -1,0 +1,131 @@
+"""How a vLLM instance of the topology is started: its command line, its environment and the KV
+transfer config that loads the connector the topology names (plan.py wraps them in the instance's
+ProcessPlan)."""
+from __future__ import annotations
+
+import json
+
+from .placement import bind_address, on_cores, secret_path
+from .topology import InstanceSpec, Role, Topology, core_list_text, parse_core_list
+
+VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+KVPUSH_CONNECTOR_CLASS = "KVPushConnector"
+KVPUSH_CONNECTOR_MODULE = "kvpush.connector"
+# vLLM's NIXL connectors with a sleeping progress thread and no re-pinning (see the module): on a
+# CPU host those two cost a core each; on GPU hosts vLLM's stock classes run unchanged.
+VLLM_NIXL_CPU_MODULE = "kvpush.connector.vllm_nixl"
+
+# Environment every vLLM process gets, whatever the topology says.
+BASE_VLLM_ENV = {
+    "PYTHONUNBUFFERED": "1",
+    "NIXL_LOG_LEVEL": "WARN",  # NIXL's Python logger writes INFO to stdout otherwise
+    "VLLM_LOGGING_LEVEL": "INFO",
+}
+
+
+def engine_id(topo: Topology, spec: InstanceSpec) -> str:
+    """Stable engine identity: the connector's allowlists name peers by it."""
+    return f"{topo.name}.{spec.name}"
+
+
+def kv_transfer_config(topo: Topology, role: Role, spec: InstanceSpec) -> dict | None:
+    kind = topo.connector.type
+    if kind == "colocated":
+        return None
+    host = topo.hosts[spec.host]
+    buffer_device = "cpu" if topo.platform == "cpu" else "cuda"
+    if kind == "kvpush":
+        peers = topo.decode if role == "prefill" else topo.prefill
+        extra = {
+            "backend": topo.connector.backend,
+            "side_channel_host": bind_address(host),
+            "side_channel_port": spec.side_channel_port,
+            "allowed_engines": sorted(engine_id(topo, p) for p in peers),
+            # where each peer's side channel is: decode dials these and nothing a request names
+            "peer_side_channels": {engine_id(topo, p): f"{bind_address(topo.hosts[p.host])}:{p.side_channel_port}"
+                                   for p in sorted(peers, key=lambda p: p.name)},
+            "transfer_timeout_s": topo.connector.transfer_timeout_s,
+            "secret_file": secret_path(topo, host, "deployment-secret"),  # a path on that host (~ expanded there)
+            **topo.connector.extra_config,
+        }
+        return {
+            "kv_connector": KVPUSH_CONNECTOR_CLASS,
+            "kv_connector_module_path": KVPUSH_CONNECTOR_MODULE,
+            "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+            "kv_buffer_device": buffer_device,
+            "engine_id": engine_id(topo, spec),
+            "kv_connector_extra_config": extra,
+        }
+    config = {
+        "kv_connector": "NixlPushConnector" if kind == "nixl-push" else "NixlConnector",
+        "kv_role": "kv_both",
+        "kv_buffer_device": buffer_device,
+        "engine_id": engine_id(topo, spec),
+        "kv_connector_extra_config": {"backends": [topo.connector.backend], **topo.connector.extra_config},
+    }
+    if topo.platform == "cpu" and not topo.connector.stock_vllm:
+        config["kv_connector_module_path"] = VLLM_NIXL_CPU_MODULE
+    return config
+
+
+def vllm_argv(topo: Topology, spec: InstanceSpec, kv_config: dict | None) -> list[str]:
+    """The instance's command line: vLLM's OpenAI server with the model, its ports and parallelism,
+    the KV transfer config, and on a CPU host with cores of its own, the whole of it on them."""
+    host = topo.hosts[spec.host]
+    model = topo.model
+    argv = [
+        host.interpreter, "-m", VLLM_SERVER_MODULE,
+        "--model", model.path,
+        "--served-model-name", model.name,
+        "--host", bind_address(host),
+        "--port", str(spec.http_port),
+        "--dtype", model.dtype,
+    ]
+    if model.max_model_len:
+        argv += ["--max-model-len", str(model.max_model_len)]
+    if model.block_size:
+        argv += ["--block-size", str(model.block_size)]
+    if model.enforce_eager:
+        argv.append("--enforce-eager")
+    if spec.tensor_parallel_size > 1:
+        argv += ["--tensor-parallel-size", str(spec.tensor_parallel_size)]
+        if topo.platform == "cpu":  # one worker process per rank; vLLM's CPU build has no ray
+            argv += ["--distributed-executor-backend", "mp"]
+    if spec.data_parallel_size > 1:
+        argv += ["--data-parallel-size", str(spec.data_parallel_size)]
+    if kv_config is not None:
+        argv += ["--kv-transfer-config", json.dumps(kv_config, separators=(",", ":"), sort_keys=True)]
+    argv += model.extra_args + spec.extra_args
+    if topo.platform == "cpu" and spec.cpu_cores is not None:
+        # The whole instance on its cores, not only vLLM's OpenMP threads: otherwise its API server
+        # and engine loop float onto the other instance's core. Measured: a decode engine stepping
+        # every ms while it waits for pushed KV took half of prefill's core (benchmarks/NOTES.md).
+        argv = on_cores(core_list_text(parse_core_list(spec.cpu_cores)), argv)
+    return argv
+
+
+def vllm_env(topo: Topology, spec: InstanceSpec, kv_config: dict | None) -> dict[str, str]:
+    """What the instance's environment gets on top of its host's: the base, the topology's `env`,
+    the side channel, CPU or GPU placement, then the instance's own `env`."""
+    host = topo.hosts[spec.host]
+    env = dict(BASE_VLLM_ENV)
+    env.update(topo.env)
+    if kv_config is not None:
+        env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = bind_address(host)
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(spec.side_channel_port)
+    if topo.platform == "cpu":
+        if spec.tensor_parallel_size == 1:
+            # One worker: run it inside the engine process (vLLM's "uni" executor) instead of a
+            # worker process behind a shared-memory queue whose reader yield-spins. Measured on
+            # the 2-core host: a decode waiting for pushed KV used 0.98 of its core with the worker
+            # process (engine 0.84, spinning) and 0.15 without; TPOT fell from 12-13 ms to 9-10 ms
+            # in both push and pull (benchmarks/NOTES.md). The topology's `env` may set it to "1".
+            env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        if spec.cpu_cores is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = spec.cpu_cores
+        if spec.kv_cache_gib is not None:
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(spec.kv_cache_gib)
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in spec.devices)
+    env.update(spec.env)
+    return env
