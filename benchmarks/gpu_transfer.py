@@ -47,14 +47,9 @@ import gpu_bench_common as common  # noqa: E402  (makes kvpush's connector impor
 from gpu_bench_common import (contiguous_ids, describe_environment, fragmented_ids, kvl, np, pass_fail,  # noqa: E402
                               torch)
 from gpu_transfer_sides import (ENGINE_MODES, PRODUCER_MODES, RAW_VARIANTS, ProducerPush, RawNixl,  # noqa: E402
-                                Receiver, engine_write)
+                                RECEIVER_ENGINE, Receiver, engine_write)
 from kvpush.connector import coalesce as coalesce_mod, layout as layout_mod, transfer as transfer_mod  # noqa: E402
 
-# gpu_wait_for_save.py reaches these through this module (gt.Receiver, gt.layer_names, gt._pf, ...).
-from gpu_bench_common import layer_names  # noqa: E402,F401
-from gpu_transfer_sides import RECEIVER_ENGINE, WRITER_ENGINE  # noqa: E402,F401
-
-_pf = pass_fail
 
 
 # ---- block ids ------------------------------------------------------------------------------------

@@ -48,8 +48,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gpu_transfer as gt  # noqa: E402  (imports kvpush's connector from this checkout if needed)
-from gpu_transfer import RECEIVER_ENGINE, WRITER_ENGINE, kvl, torch  # noqa: E402
+from gpu_bench_common import describe_environment, kvl, layer_names, torch  # noqa: E402  (makes kvpush's connector importable from this checkout)
+from gpu_transfer_sides import RECEIVER_ENGINE, WRITER_ENGINE, Receiver  # noqa: E402
 from gpu_wait_for_save_model import StandInModel, blocks_needed, plan_of, requests_of, workloads  # noqa: E402
 from gpu_wait_for_save_report import print_summary, summarize  # noqa: E402
 from gpu_wait_for_save_steps import GPU_ONLY_MODES, Context, run  # noqa: E402
@@ -68,7 +68,7 @@ def make_worker(args, cache: kvl.KVCache, num_blocks: int) -> PushWorker:
                         model="bench-model", tp_size=1, block_size=args.block_size, kv_heads=args.kv_heads, progress_delay_us=None,
                         huge_pages=False, kv_cache_layout=args.layout.upper())
     worker = PushWorker(settings, num_blocks, tp_rank=0)
-    worker.register_kv_caches(dict(zip(gt.layer_names(args.layers), cache.layers)))
+    worker.register_kv_caches(dict(zip(layer_names(args.layers), cache.layers)))
     return worker
 
 
@@ -118,7 +118,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     on_gpu = args.device.startswith("cuda")
-    gt.describe_environment(args.device)
+    describe_environment(args.device)
     if on_gpu:
         torch.cuda.set_device(torch.device(args.device).index or 0)
         torch.cuda.set_stream(torch.cuda.Stream())  # vLLM runs the forward on a stream of its own
@@ -135,7 +135,7 @@ def main(argv=None) -> int:
               f"{w.request_tokens}-token request pushed every {w.push_every} steps; {w.warmup_steps} + "
               f"{w.timed_steps} steps per run", flush=True)
     records: list[dict] = []
-    receiver = gt.Receiver(args.device)
+    receiver = Receiver(args.device)
     worker = None
     try:
         cache = kvl.allocate(args.layout, shape, args.device)

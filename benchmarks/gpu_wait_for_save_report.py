@@ -2,7 +2,7 @@
 ratio to the same workload without pushes in the same run, and the issue's targets."""
 from __future__ import annotations
 
-from gpu_transfer import _pf
+from gpu_bench_common import pass_fail
 
 TARGET_SAVE_P99_MS = 0.1
 TARGET_STEPS_RATIO = 0.98
@@ -85,12 +85,12 @@ def print_summary(summary: list[dict], on_gpu: bool) -> None:
             continue
         print(f"-- targets, {r['workload']} (connector = the connector's save path):")
         print(f"   wait_for_save on a push step p99 {r['save_push_p99_ms']:.3f} ms (target <= {TARGET_SAVE_P99_MS} ms): "
-              f"{_pf(r['save_push_p99_ms'] <= TARGET_SAVE_P99_MS)}")
+              f"{pass_fail(r['save_push_p99_ms'] <= TARGET_SAVE_P99_MS)}")
         print(f"   of which on the compute thread's CPU p50/p99 {r['save_push_cpu_p50_ms']:.3f}/"
               f"{r['save_push_cpu_p99_ms']:.3f} ms (the rest off the CPU: waiting for the GIL or the OS); stream taken p99 "
               f"{r['stream_take_p99_ms']:.3f} ms")
         print(f"   steps/s with pushes {r['steps_ratio_vs_none']:.3f}x without (target >= {TARGET_STEPS_RATIO}): "
-              f"{_pf(r['steps_ratio_vs_none'] >= TARGET_STEPS_RATIO)}")
+              f"{pass_fail(r['steps_ratio_vs_none'] >= TARGET_STEPS_RATIO)}")
         if r["marks_recorded"]:
             print(f"   marks recorded by the compute thread before the next forward (bind): "
                   f"{r['marks_on_compute_thread']} of {r['marks_recorded']} (connector stats: "

@@ -9,8 +9,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import gpu_transfer as gt
-from gpu_transfer import RECEIVER_ENGINE, kvl, torch
+from gpu_bench_common import kvl, torch
+from gpu_transfer_sides import RECEIVER_ENGINE, Receiver
 from gpu_wait_for_save_model import StandInModel, Workload
 
 from kvpush.connector.metadata import PushMetadata, SendSpec
@@ -76,7 +76,7 @@ class CpuStepEvent:
 class Context:
     args: argparse.Namespace
     worker: PushWorker
-    receiver: gt.Receiver
+    receiver: Receiver
     cache: kvl.KVCache
     records: list = field(default_factory=list)  # the Producer's SendRecords, as the worker collects them
     mark_records: list = field(default_factory=list)  # (seconds, on the compute thread) per event record
