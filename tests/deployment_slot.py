@@ -3,7 +3,9 @@ test that breaks it (kills or stops a process, cancels its job).
 
 `shared()` starts the deployment at its first use and returns the running one after that; `take()`
 gives it to one test and empties the slot, so the next test gets a fresh one; the taker stops it
-(`stop`). Tests run in file order, so when the destructive tests come last they take the
+(`stop`). A test that breaks the deployment and repairs it (a fault, then `up`) may share it too:
+if it fails before the repair is proven it calls `discard()`, and the next test gets a fresh one.
+Tests run in file order, so when the destructive tests come last they take the
 deployment the others used and nothing is started twice, yet every test passes when run alone.
 A start that failed fails the tests after it at once instead of starting again.
 """
@@ -47,6 +49,13 @@ class DeploymentSlot(Generic[T]):
 
     def stop(self, deployment: T) -> None:
         self._stop(deployment)
+
+    def discard(self) -> None:
+        """Stop the shared deployment now (a test left it in an unknown state); the next `shared()`
+        starts a fresh one."""
+        if self._current is not None:
+            current, self._current, self._results = self._current, None, {}
+            self._stop(current)
 
     def close(self) -> None:
         """Stop the shared deployment, if one is up (at the end of the module)."""

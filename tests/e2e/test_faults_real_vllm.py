@@ -1,13 +1,17 @@
 """Faults under load on real vLLM 1P1D on CPU (the local-cpu shape, on ports of its own), through
 `kvpush up`, `status` and `down`: SIGKILL of prefill, of decode, of the router, and SIGSTOP/SIGCONT
-of prefill, each on its own deployment.
+of prefill, and SIGKILL of a prefill whose supervisor restarts it. The four faults that `up` repairs
+share one deployment: each test brings it up (a no-op while the previous test left it healthy),
+breaks it, repairs it and proves it healthy with the same answers as before; a test that fails
+before that proof stops it, so the next test starts a fresh one. The restart-policy fault has a
+deployment of its own (another topology).
 
 Per fault: 32 clients send requests of 1,500 prompt tokens and 48 output tokens back to back; the
 fault hits a few seconds into that load, and the load goes on through recovery. Every request must
 end (answer or clear error) within 30 s of the fault or of its own start; `status` must exit 1 and
 say what happened; `up` right after, under the load, must bring the victim back without touching
 the others (same PIDs), every request after it must be answered, and greedy answers (float32) must
-equal those before. Afterwards no process of the deployment is left and no port is held.
+equal those before. After `down` no process of a deployment is left and no port is held.
 
 With KVPUSH_FAULT_RESULTS=FILE each test appends its numbers to FILE as one JSON line
 (docs/faults.md is made from them). Heavy: run under `flock /tmp/kvpush-heavy.lock`.
@@ -23,12 +27,14 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
 from kvpush.deploy.lifecycle import LifecycleOptions, down, up
-from kvpush.deploy.plan import build_plan
-from kvpush.deploy.topology import parse_topology
+from kvpush.deploy.plan import Plan, build_plan
+from kvpush.deploy.topology import Topology, parse_topology
+from deployment_slot import DeploymentSlot
 from fault_helpers import cli_status, hang_instance, kill_until_shown_dead, port_free, status_rows, wait_healthy
 from fault_load import LOAD_BEFORE_FAULT_S, PROMPT_TOKENS, Load, completion_request
 from lifecycle_helpers import kill_leftovers, processes_under
@@ -39,15 +45,17 @@ STOPPED_FOR_S = 8.0  # SIGSTOP to SIGCONT
 ENDS_WITHIN_S = 30.0
 UP_WITHIN_S = 120.0
 PROBES = full_length_prompts(4, PROMPT_TOKENS, seed=7)  # answered before the fault and after `up`
-# name -> (victim, signal, port base): each fault its own deployment and ports.
+# name -> (victim, signal, deployment): the faults `up` repairs share one deployment.
 FAULTS = {
-    "kill-prefill": ("prefill-0", signal.SIGKILL, 18700),
-    "kill-decode": ("decode-0", signal.SIGKILL, 18720),
-    "kill-router": ("router", signal.SIGKILL, 18740),
-    "stop-prefill": ("prefill-0", signal.SIGSTOP, 18760),
+    "kill-prefill": ("prefill-0", signal.SIGKILL, "repaired-by-up"),
+    "kill-decode": ("decode-0", signal.SIGKILL, "repaired-by-up"),
+    "kill-router": ("router", signal.SIGKILL, "repaired-by-up"),
+    "stop-prefill": ("prefill-0", signal.SIGSTOP, "repaired-by-up"),
     # prefill with `restart: on-failure`: its supervisor brings it back, nobody runs `up`
-    "kill-prefill-restart-policy": ("prefill-0", signal.SIGKILL, 18780),
+    "kill-prefill-restart-policy": ("prefill-0", signal.SIGKILL, "restart-policy"),
 }
+PORT_BASE = {"repaired-by-up": 18700, "restart-policy": 18780}
+OPTIONS = LifecycleOptions(provision=False, ready_timeout_s=400, stop_timeout_s=15)
 RESTART_POLICY = "{policy: on-failure, max_restarts: 3, window_s: 600}"
 TOPOLOGY = """
 name: {name}
@@ -87,6 +95,54 @@ def complete(url: str, prompt: list[int], timeout_s: float = 90.0) -> Outcome:
         return Outcome(start, time.monotonic(), exc.code, exc.read().decode(errors="replace")[:300])
     except (OSError, ValueError) as exc:  # refused, reset, timed out, a cut-off body
         return Outcome(start, time.monotonic(), None, f"{type(exc).__name__}: {exc}")
+
+
+@dataclass(frozen=True)
+class Deployment:
+    topology: Topology
+    plan: Plan
+    workdir: Path
+
+    @property
+    def name(self) -> str:
+        return self.topology.name
+
+
+def _deployment(kind: str, model_dir: Path, workdir: Path) -> Deployment:
+    base = PORT_BASE[kind]
+    topo = parse_topology(TOPOLOGY.format(name=f"faults-{kind}", model=model_dir, workdir=workdir, base=base, side=base + 5,
+                                          decode_port=base + 1, decode_side=base + 6, router_port=base + 2,
+                                          restart=RESTART_POLICY if kind == "restart-policy" else "never"))
+    return Deployment(topo, build_plan(topo), workdir)
+
+
+def _stop(deployment: Deployment) -> None:
+    """`down`, then nothing of the deployment may be left: no process, no port held."""
+    ports = [p for proc in deployment.plan.processes() for p in [proc.http_port, *proc.side_channel_ports]]
+    stopped = down(deployment.name, OPTIONS)
+    left = processes_under(str(deployment.workdir))
+    kill_leftovers(str(deployment.workdir))
+    assert stopped.complete, stopped
+    assert left == [], f"processes of the deployment left: {[p.info['cmdline'][:4] for p in left]}"
+    assert [p for p in ports if not port_free(p)] == []
+
+
+@pytest.fixture(scope="module")
+def slots(model_dir, tmp_path_factory):
+    """A DeploymentSlot per kind of deployment, with a state directory of the module's own."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("KVPUSH_STATE_DIR", str(tmp_path_factory.mktemp("state")))
+
+        def slot(kind: str) -> DeploymentSlot:
+            workdir = tmp_path_factory.mktemp(kind)
+            return DeploymentSlot(f"the {kind} deployment", lambda: _deployment(kind, model_dir, workdir), _stop)
+
+        made = {kind: slot(kind) for kind in PORT_BASE}
+        try:
+            yield made
+        finally:
+            for s in made.values():
+                s.close()
 
 
 def _record(numbers: dict) -> None:
@@ -135,25 +191,26 @@ def _answered_again_at(outcomes: list[Outcome]) -> float | None:
 
 
 @pytest.mark.parametrize("fault", list(FAULTS))
-def test_fault_under_load(fault, model_dir, tmp_path, state_dir):
-    victim, sig, base = FAULTS[fault]
-    supervised = fault.endswith("restart-policy")
-    name = f"faults-{fault}"
-    topo = parse_topology(TOPOLOGY.format(name=name, model=model_dir, workdir=tmp_path, base=base, side=base + 5,
-                                          decode_port=base + 1, decode_side=base + 6, router_port=base + 2,
-                                          restart=RESTART_POLICY if supervised else "never"))
-    plan = build_plan(topo)
-    ports = [p for proc in plan.processes() for p in [proc.http_port, *proc.side_channel_ports]]
-    options = LifecycleOptions(provision=False, ready_timeout_s=400, stop_timeout_s=15)
+def test_fault_under_load(fault, slots):
+    victim, sig, kind = FAULTS[fault]
+    supervised = kind == "restart-policy"
+    for other, slot in slots.items():
+        if other != kind:
+            slot.close()  # one deployment up at a time: two would share the two cores
+    slot = slots[kind]
+    deployment = slot.shared()
+    topo, plan, name, options = deployment.topology, deployment.plan, deployment.name, OPTIONS
     numbers: dict = {"test": f"tests/e2e/test_faults_real_vllm.py::test_fault_under_load[{fault}]", "fault": fault}
     load = None
+    proven = False
     try:
-        up(topo, options)
+        up(topo, options)  # starts it, or nothing to do: the previous test left it healthy
         before = [complete(plan.router_url, p) for p in PROBES]
         assert all(o.status == 200 for o in before), before
         pids_before = {n: (r.supervisor_pid, r.pid) for n, r in status_rows(name).items()}
 
-        load = Load(plan.router_url, seed=base, send=complete, backs_off=lambda o: o.status != 200)
+        load = Load(plan.router_url, seed=100 + list(FAULTS).index(fault), send=complete,  # fresh prompts per fault
+                    backs_off=lambda o: o.status != 200)
         time.sleep(LOAD_BEFORE_FAULT_S)
         fault_at, shown = _fault(name, victim, sig, pids_before[victim][1], supervised, numbers)
         said = "ended (killed by SIGKILL)" if supervised else "hung" if sig == signal.SIGSTOP else "died at"
@@ -205,13 +262,10 @@ def test_fault_under_load(fault, model_dir, tmp_path, state_dir):
             assert rows[victim].supervisor_pid == pids_before[victim][0] and rows[victim].restarts == 1
         after = [complete(plan.router_url, p) for p in PROBES]
         assert [o.text for o in after] == [o.text for o in before]
+        proven = True
     finally:
         if load is not None:
             load.stop(ENDS_WITHIN_S + 30)
-        stopped = down(name, options)
-    assert stopped.complete, stopped
-    left = processes_under(str(tmp_path))
-    kill_leftovers(str(tmp_path))
-    assert left == [], f"processes of the deployment left: {[p.info['cmdline'][:4] for p in left]}"
-    assert [p for p in ports if not port_free(p)] == []
+        if not proven:
+            slot.discard()  # in an unknown state: the next test starts a fresh one
     _record(numbers)
