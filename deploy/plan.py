@@ -15,6 +15,7 @@ from kvpush.router.config import RouterConfig, Timeouts, Upstream
 from kvpush.router.instances import InstanceList
 
 from . import slurm_render
+from .engine_tracing import tracing_argv, tracing_env
 from .host_address import HEALTH_PATH, HostAddress, base_url, http_url
 from .supervise import supervisor_argv
 from .topology import (ROUTER_PROCESS_NAME, HostSpec, InstanceSpec, RestartSpec, Role, Topology, core_list_text,
@@ -258,6 +259,7 @@ def _vllm_process(topo: Topology, role: Role, spec: InstanceSpec) -> ProcessPlan
     kv_config = kv_transfer_config(topo, role, spec)
     if kv_config is not None:
         argv += ["--kv-transfer-config", json.dumps(kv_config, separators=(",", ":"), sort_keys=True)]
+    argv += tracing_argv(topo)
     argv += model.extra_args + spec.extra_args
 
     env = dict(BASE_VLLM_ENV)
@@ -279,6 +281,7 @@ def _vllm_process(topo: Topology, role: Role, spec: InstanceSpec) -> ProcessPlan
             env["VLLM_CPU_KVCACHE_SPACE"] = str(spec.kv_cache_gib)
     else:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in spec.devices)
+    env.update(tracing_env(topo, role, spec))
     env.update(spec.env)
 
     if topo.platform == "cpu" and spec.cpu_cores is not None:

@@ -32,9 +32,12 @@ def new_transfer_id(client_request_id: str | None = None) -> str:
     narrow alphabet is what every connector's wire takes in an id (vLLM's NIXL connectors separate
     ids by ',' and ':' and strip a trailing '-<8 hex>' of their own)."""
     random_part = uuid.uuid4().hex
-    if not client_request_id:
-        return random_part
-    return f"{_NOT_IN_TRANSFER_IDS.sub('_', client_request_id[:MAX_CLIENT_ID_IN_TRANSFER_ID])}-{random_part}"
+    return f"{client_id_in_transfer_id(client_request_id)}-{random_part}" if client_request_id else random_part
+
+
+def client_id_in_transfer_id(client_request_id: str) -> str:
+    """What of the client's X-Request-Id a transfer id carries."""
+    return _NOT_IN_TRANSFER_IDS.sub("_", client_request_id[:MAX_CLIENT_ID_IN_TRANSFER_ID])
 
 
 # Fields that ask for more than one sequence, or for more tokens than one, from a request: a leg
