@@ -77,17 +77,22 @@ def test_short_real_bench_measures_every_mode_and_tears_down(tmp_path, state_dir
         assert (tmp_path / "bench" / name).stat().st_size > 10_000
 
 
+# kvpush's decode may start as soon as prefill's step (which WRITEs the KV) ends; prefill's API server notes
+# its first token when it handles that step's output, which a busy server may do a little late
+FIRST_TOKEN_SKEW_MS = 2.0
+
+
 def assert_engine_handoff(mode: str, point, bench_dir, requests: int) -> None:
     """Both engines' spans of every request arrived and joined, and their intervals are plausible: decode's
-    first token after prefill's (the KV it needs comes from there), and after prefill began computing by at
-    least prefill's own time in prefill."""
+    first token after prefill's (the KV it needs comes from there), and after prefill began computing by
+    prefill's own time in prefill."""
     h = point.engine_handoff
     if mode == "colocated":
         assert h is None and point.spans_file is None
         return
     assert (h.requests, h.joined) == (requests, requests), f"{mode}: {h.joined} of {h.requests} requests joined"
     for sample in read_kept(bench_dir / point.spans_file).samples:
-        assert sample.answer_to_first_ms >= 0, f"{mode}: decode's first token before prefill's: {sample}"
+        assert sample.answer_to_first_ms >= -FIRST_TOKEN_SKEW_MS, f"{mode}: decode's first token before prefill's: {sample}"
         assert sample.compute_to_first_ms == pytest.approx(sample.answer_to_first_ms + sample.prefill_ms, abs=1e-3)
         assert 0 < sample.prefill_ms < sample.compute_to_first_ms < 60_000
     assert 0 <= h.answer_to_first["p50"] <= h.compute_to_first["p50"]
