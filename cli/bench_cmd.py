@@ -16,7 +16,7 @@ from rich.text import Text
 
 from kvpush.deploy.bench.modes import DEFAULT_BASELINE, DEFAULT_MODES as BENCH_DEFAULT_MODES, MODES, parse_modes, parse_rates
 from kvpush.deploy.bench.recompute import recompute
-from kvpush.deploy.bench import tails_table
+from kvpush.deploy.bench import handoff_table, tails_table
 from kvpush.deploy.bench.tails import CONFIDENCE, DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS, Slo
 from kvpush.deploy.bench.results import ModeRun, figure, paired_ratios, point_at, rates_of, ratio
 from kvpush.deploy.bench.options import BenchEvents, BenchOptions
@@ -69,10 +69,13 @@ class _ProgressEvents(BenchEvents):
         c = point.client
         gap = point.router.handoff_gap_p50_ms
         where = f" round {point.round + 1}/{self.rounds}" if self.rounds > 1 else ""
+        engine = point.engine_handoff
+        engine_text = (f", P start -> D first p50 {_ms(engine.compute_to_first['p50'])} ({engine.joined}/{engine.requests} joined)"
+                       if engine is not None else "")
         self.progress.console.print(
             f"  {mode:<10} {point.rate:>5g} req/s{where}: TTFT p50 {_ms(c.latency['ttft'].p50)} p90 {_ms(c.latency['ttft'].p90)}, "
-            f"TPOT p50 {_ms(c.latency['tpot'].p50)}, handoff p50 {_ms(gap)}, prefill engine {_ms(point.prefill_engine_ms)}/req, "
-            f"failed {c.failed}", highlight=False)
+            f"TPOT p50 {_ms(c.latency['tpot'].p50)}, handoff p50 {_ms(gap)}{engine_text}, "
+            f"prefill engine {_ms(point.prefill_engine_ms)}/req, failed {c.failed}", highlight=False)
         self.progress.advance(self.task)
 
     def mode_failed(self, mode: str, error: str) -> None:
@@ -178,6 +181,21 @@ def print_tails(table: tails_table.TailsTable, baseline: str, platform: str) -> 
          f"goodput: Wilson interval of the good fraction); '?': too few requests to bound that side")
 
 
+def print_handoff(table: handoff_table.HandoffTable, platform: str) -> None:
+    """The engines' handoff per rate (only where the bench took their spans)."""
+    if not table:
+        return
+    console = _table_console()
+    for rate in handoff_table.rates_in(table):
+        t = Table(title=handoff_table.caption(rate), title_justify="left")
+        for col in handoff_table.COLUMNS:
+            t.add_column(col, justify="left" if col == "mode" else "right")
+        for row in handoff_table.rows(table, rate, platform):
+            t.add_row(*row)
+        console.print(t)
+    note(handoff_table.DEFINITION)
+
+
 SPINNING_IDLE_CORES = 0.5  # an instance using this much CPU with no request in flight loads its host's other work
 
 
@@ -196,7 +214,12 @@ def spinning_lines(runs: list[ModeRun], rounds: int) -> list[str]:
 
 def render(report: BenchReport) -> None:
     tables = _table_console()
-    print_tails(tails_table.tails_of(report.runs), report.options.baseline, report.configuration.get("topology", {}).get("platform", "cpu"))
+    platform = report.configuration.get("topology", {}).get("platform", "cpu")
+    print_tails(tails_table.tails_of(report.runs), report.options.baseline, platform)
+    print_handoff(handoff_table.handoff_of(report.runs), platform)
+    engine = report.configuration.get("engine_timings") or {}
+    if engine and not engine.get("taken"):
+        note(f"engine handoff not measured: {engine.get('why_not')}")
     for rate in rates_of(report.runs):
         tables.print(rate_table(report.runs, rate, report.options.baseline))
     if report.options.rounds > 1:
@@ -219,7 +242,7 @@ def render(report: BenchReport) -> None:
     if model.get("description"):
         note(f"model: {model['description']}")
     note("times in ms; handoff = prefill leg's answer to decode's first token, at the router "
-         "(estimated from the router's histogram buckets)")
+         "(estimated from the router's histogram buckets; not the same interval in every mode: see the engine handoff)")
     if report.finished_at is not None:
         note(f"whole bench: {(report.finished_at - report.started_at) / 60:.1f} min")
     for path in report.files:
@@ -255,13 +278,18 @@ def register(app: typer.Typer) -> None:
         slo_tpot_ms: Optional[float] = typer.Option(None, "--slo-tpot-ms", help=f"... and whose TPOT is at most this (default "
                                                     f"{DEFAULT_SLO_TPOT_MS:g} ms: 10 tokens/s or faster)."),
         recompute_dir: Optional[Path] = typer.Option(None, "--recompute", help="Deploy nothing: recompute the goodput and tail tables "
-                                                     "of a finished bench from the raw per-request files in this --out directory "
+                                                     "(and the engine handoff) of a finished bench from the raw per-request "
+                                                     "files and spans in this --out directory "
                                                      "(at other SLOs or another --baseline if given)."),
+        engine_timings: bool = typer.Option(True, "--engine-timings/--no-engine-timings",
+                                            help="Have every vLLM instance send its per-request OpenTelemetry spans to "
+                                                 "the bench (loopback), for the handoff diagnostic from the engines' own "
+                                                 "timestamps, the same for every mode (needs every instance on this machine)."),
         markdown: bool = typer.Option(False, "--markdown", help="With --recompute: print the tables as Markdown."),
         json_output: bool = typer.Option(False, "--json", help="Print the whole result document as JSON instead of tables."),
     ) -> None:
         """Compare connector modes under load with `vllm bench serve` through the router: TTFT, TPOT, ITL, E2E,
-        handoff gap, KV-transfer evidence; goodput at a TTFT/TPOT SLO and tails with 95% confidence intervals;
+        handoff gap (at the router, and from both engines' own per-request timestamps), KV-transfer evidence; goodput at a TTFT/TPOT SLO and tails with 95% confidence intervals;
         writes bench.json, the raw per-request results and PNG plots."""
         if recompute_dir is not None:
             _recompute(recompute_dir, slo_ttft_ms, slo_tpot_ms, baseline if baseline != DEFAULT_BASELINE else None,
@@ -276,6 +304,7 @@ def register(app: typer.Typer) -> None:
             rounds=rounds, seed=seed, tokenizer=tokenizer, client_timeout_s=client_timeout,
             slo=Slo(DEFAULT_SLO_TTFT_MS if slo_ttft_ms is None else slo_ttft_ms,
                     DEFAULT_SLO_TPOT_MS if slo_tpot_ms is None else slo_tpot_ms),
+            engine_timings=engine_timings,
             lifecycle=LifecycleOptions(ssh=ssh_options(accept_new_host_keys, known_hosts, connect_timeout), ready_timeout_s=ready_timeout),
         )
         options.validate()
@@ -301,10 +330,16 @@ def _recompute(bench_dir: Path, slo_ttft_ms: float | None, slo_tpot_ms: float | 
         slo = Slo(DEFAULT_SLO_TTFT_MS if slo_ttft_ms is None else slo_ttft_ms,
                   DEFAULT_SLO_TPOT_MS if slo_tpot_ms is None else slo_tpot_ms)
     done = recompute(bench_dir, slo, baseline)
+    handoff = done.handoff or {}
     if json_output:
         print_json({"baseline": done.baseline, "slo": dataclasses.asdict(done.slo),
-                    "tails": {m: {f"{r:g}": dataclasses.asdict(t) for r, t in by_rate.items()} for m, by_rate in done.tails.items()}})
+                    "tails": {m: {f"{r:g}": dataclasses.asdict(t) for r, t in by_rate.items()} for m, by_rate in done.tails.items()},
+                    "engine_handoff": {m: {f"{r:g}": dataclasses.asdict(h) for r, h in by_rate.items()}
+                                       for m, by_rate in handoff.items()}})
     elif markdown:
         out.print(tails_table.markdown(done.tails, done.baseline, done.platform), markup=False, highlight=False)
+        if handoff:
+            out.print(handoff_table.markdown(handoff, done.platform), markup=False, highlight=False)
     else:
         print_tails(done.tails, done.baseline, done.platform)
+        print_handoff(handoff, done.platform)

@@ -152,7 +152,7 @@ def _vllm_process(topo: Topology, role: Role, spec: InstanceSpec) -> ProcessPlan
         role=role,
         host=spec.host,
         argv=vllm_argv(topo, spec, kv_config),
-        env=vllm_env(topo, spec, kv_config),
+        env=vllm_env(topo, role, spec, kv_config),
         cwd=workdir,
         log_path=f"{workdir}/logs/{spec.name}.log",
         http_port=spec.http_port,

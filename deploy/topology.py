@@ -18,13 +18,13 @@ from .topology_checks import Problems, check_cross_fields, check_key_files, know
 from .topology_defaults import side_channel_ports, apply_defaults
 from .topology_schema import (NAME_PATTERN, ROUTER_PROCESS_NAME, Backend, ConnectorSpec, ConnectorType, HostSpec,
                               InstanceSpec, ModelSpec, RestartSpec, Role, RouterSpec, SlurmSpec, TinyModelSpec, Topology,
-                              TopologyError)
+                              TopologyError, TracingSpec)
 from .topology_values import core_list_text, parse_core_list, rank_core_lists
 from .yaml_source import SourceDocument, YamlSyntaxError, load_yaml_file, parse_yaml
 
 __all__ = [
     "NAME_PATTERN", "ROUTER_PROCESS_NAME", "Backend", "ConnectorSpec", "ConnectorType", "HostSpec", "InstanceSpec",
-    "ModelSpec", "RestartSpec", "Role", "RouterSpec", "SlurmSpec", "TinyModelSpec", "Topology", "TopologyError",
+    "ModelSpec", "RestartSpec", "Role", "RouterSpec", "SlurmSpec", "TinyModelSpec", "Topology", "TopologyError", "TracingSpec",
     "check_key_files", "core_list_text", "known_kv_heads", "load_topology", "parse_core_list", "parse_topology",
     "rank_core_lists", "resolve_topology", "side_channel_ports", "topology_from_document",
 ]

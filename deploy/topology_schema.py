@@ -233,6 +233,24 @@ class SlurmSpec(_Model):
     start_timeout_s: float = Field(600.0, gt=0, description="how long `up` waits for a submitted job to start")
 
 
+def _otlp_endpoint(value: str) -> str:
+    if not re.fullmatch(r"https?://[^\s/?#]+(/[^\s?#]*)?", value):
+        raise ValueError("is not an http:// or https:// URL without spaces, query or fragment; give e.g. "
+                         "http://127.0.0.1:4318/v1/traces")
+    return value
+
+
+class TracingSpec(_Model):
+    """vLLM's own OpenTelemetry spans, one per request, sent by every instance (`--otlp-traces-endpoint`).
+    Each instance names itself by its service name and the kvpush.deployment and kvpush.role resource
+    attributes (deploy/engine_tracing.py). `kvpush bench` sets this itself where it measures."""
+
+    otlp_endpoint: Annotated[str, AfterValidator(_otlp_endpoint)] = Field(
+        description="where the spans go, e.g. http://collector:4318/v1/traces (http/protobuf) or http://collector:4317 (grpc)")
+    protocol: Literal["http/protobuf", "grpc"] = "http/protobuf"
+    export_delay_ms: IntNotBool = Field(5000, ge=1, le=600_000, description="the SDK exports finished spans this often")
+
+
 class Topology(_Model):
     name: str = "kvpush"
     platform: Platform = "cpu"
@@ -244,6 +262,7 @@ class Topology(_Model):
     prefill: list[InstanceSpec] = Field(default_factory=list)
     decode: list[InstanceSpec] = Field(default_factory=list)
     router: RouterSpec = Field(default_factory=RouterSpec)
+    tracing: TracingSpec | None = None
     env: EnvMap = Field(default_factory=dict)
 
     @field_validator("name")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+from .engine_tracing import tracing_argv, tracing_env
 from .placement import bind_address, on_cores, secret_path
 from .topology import InstanceSpec, Role, Topology, core_list_text, parse_core_list
 
@@ -95,6 +96,7 @@ def vllm_argv(topo: Topology, spec: InstanceSpec, kv_config: dict | None) -> lis
         argv += ["--data-parallel-size", str(spec.data_parallel_size)]
     if kv_config is not None:
         argv += ["--kv-transfer-config", json.dumps(kv_config, separators=(",", ":"), sort_keys=True)]
+    argv += tracing_argv(topo)
     argv += model.extra_args + spec.extra_args
     if topo.platform == "cpu" and spec.cpu_cores is not None:
         # The whole instance on its cores, not only vLLM's OpenMP threads: otherwise its API server
@@ -104,9 +106,10 @@ def vllm_argv(topo: Topology, spec: InstanceSpec, kv_config: dict | None) -> lis
     return argv
 
 
-def vllm_env(topo: Topology, spec: InstanceSpec, kv_config: dict | None) -> dict[str, str]:
+def vllm_env(topo: Topology, role: Role, spec: InstanceSpec, kv_config: dict | None) -> dict[str, str]:
     """What the instance's environment gets on top of its host's: the base, the topology's `env`,
-    the side channel, CPU or GPU placement, then the instance's own `env`."""
+    the side channel, CPU or GPU placement, the engine's tracing (if asked for), then the instance's own
+    `env`."""
     host = topo.hosts[spec.host]
     env = dict(BASE_VLLM_ENV)
     env.update(topo.env)
@@ -127,5 +130,6 @@ def vllm_env(topo: Topology, spec: InstanceSpec, kv_config: dict | None) -> dict
             env["VLLM_CPU_KVCACHE_SPACE"] = str(spec.kv_cache_gib)
     else:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in spec.devices)
+    env.update(tracing_env(topo, role, spec))
     env.update(spec.env)
     return env

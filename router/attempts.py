@@ -58,13 +58,13 @@ class Attempts:
                 self.metrics.fallbacks.inc()
             elif why_local is not None:
                 self.metrics.decode_computed_prompts.labels(why_local).inc()
-            # colocated keeps the client's request id; a disaggregated instance gets a fresh one
-            request_id = client_request_id if why_local is None else new_transfer_id()
+            # colocated keeps the client's request id; a disaggregated instance gets a dispatch's own
+            request_id = client_request_id if why_local is None else new_transfer_id(client_request_id)
             leg, resp = self.legs.send(self.decode, decode, endpoint, part.data(), self.legs.headers(request_id),
                                        self.config.timeouts.decode_s)
             return await self.legs.decode_head(leg, resp, stream)
         assert prefill is not None
-        transfer_id = new_transfer_id()
+        transfer_id = new_transfer_id(client_request_id)
         self.prefill.transfer_started(prefill)  # until decode's head: a draining prefill is stopped only after
         try:
             if way == SAMPLES:
@@ -79,7 +79,8 @@ class Attempts:
                 self.prefill.transfer_ended(prefill)
                 prefill = None
                 leg, resp = self.legs.send(self.decode, decode, endpoint, part.data(),
-                                           self.legs.headers(new_transfer_id()), self.config.timeouts.decode_s)
+                                           self.legs.headers(new_transfer_id(client_request_id)),
+                                           self.config.timeouts.decode_s)
                 return await self.legs.decode_head(leg, resp, stream)
             return await self._transfer(endpoint, chat, stream, part.body, prefill, decode, transfer_id)
         finally:

@@ -6,6 +6,7 @@ connector's contract (kvpush.common.kv_params).
 from __future__ import annotations
 
 import copy
+import re
 import uuid
 from dataclasses import dataclass
 
@@ -17,9 +18,26 @@ KV_PARAMS = "kv_transfer_params"
 CONCURRENT_PROTOCOLS = ("kvpush", "nixl-push")
 
 
-def new_transfer_id() -> str:
-    """One per dispatch: a retry gets a new one so a late transfer of the failed try can't match."""
-    return uuid.uuid4().hex
+_NOT_IN_TRANSFER_IDS = re.compile(r"[^A-Za-z0-9._-]")
+MAX_CLIENT_ID_IN_TRANSFER_ID = 128
+
+
+def new_transfer_id(client_request_id: str | None = None) -> str:
+    """One per dispatch: a retry gets a new one so a late transfer of the failed try can't match.
+
+    Both legs carry it as their X-Request-Id, so vLLM's request ids, logs and traces on both
+    instances name the same dispatch. It starts with the client's X-Request-Id, if one was sent (at
+    most 128 characters of it, any outside [A-Za-z0-9._-] replaced by '_'), so they also name the
+    client's request; random hex comes last and keeps each dispatch unique and unguessable. The
+    narrow alphabet is what every connector's wire takes in an id (vLLM's NIXL connectors separate
+    ids by ',' and ':' and strip a trailing '-<8 hex>' of their own)."""
+    random_part = uuid.uuid4().hex
+    return f"{client_id_in_transfer_id(client_request_id)}-{random_part}" if client_request_id else random_part
+
+
+def client_id_in_transfer_id(client_request_id: str) -> str:
+    """What of the client's X-Request-Id a transfer id carries."""
+    return _NOT_IN_TRANSFER_IDS.sub("_", client_request_id[:MAX_CLIENT_ID_IN_TRANSFER_ID])
 
 
 # Fields that ask for more than one sequence, or for more tokens than one, from a request: a leg

@@ -34,6 +34,8 @@ class LoadSpec:
     seed: int  # a different seed per mode and rate: fresh prompts, no prefix-cache hits on decode
     result_dir: str
     result_filename: str
+    # each request's X-Request-Id is this prefix and its index (in the order of the result file's lists)
+    request_id_prefix: str = ""
 
     @property
     def result_path(self) -> Path:
@@ -67,6 +69,7 @@ def bench_serve_argv(load: LoadSpec, command: list[str] | None = None) -> list[s
         "--save-detailed",  # per-request latencies: a --rounds bench pools them over rounds
         "--result-dir", load.result_dir,
         "--result-filename", load.result_filename,
+        *(["--request-id-prefix", load.request_id_prefix] if load.request_id_prefix else []),
     ]
 
 

@@ -30,6 +30,7 @@ from ..topology import Topology
 from .idle_cpu import idle_cores
 from .options import BenchEvents, BenchOptions
 from .results import ModeRun
+from .span_receiver import SpanReceiver
 
 ROTATION_TIMEOUT_S = 30.0
 WARMUP_REQUESTS = 2  # one per instance of a 1P1D / 2-server deployment, through the router
@@ -65,6 +66,7 @@ class Deployed:
     tokenizer: str
     runners: dict[str, Runner]
     keys: AccessKeys = AccessKeys()
+    spans: SpanReceiver | None = None  # where its instances send their request spans, if they do
 
 
 def deploy_mode(topo: Topology, options: BenchOptions, events: BenchEvents, run: ModeRun, stack: ExitStack,

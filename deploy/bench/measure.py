@@ -10,9 +10,11 @@ from ..runners import Runner
 from ..secrets import AccessKeys
 from .client import BenchClient, LoadSpec
 from .deployment import Deployed, Endpoint, timed
+from .engine_timings import collect
+from .handoff import summarize
 from .options import BenchEvents, BenchOptions, seed_for
 from .raw import RAW_DIR, keep, read_text, relative
-from .results import RatePoint, parse_client_result, parse_request_samples
+from .results import RatePoint, completed_request_ids, parse_client_result, parse_request_samples
 from .scrape import instance_figures, router_figures
 
 
@@ -36,7 +38,7 @@ def measure_rate(d: Deployed, options: BenchOptions, events: BenchEvents, client
     raw_dir = options.out_dir / RAW_DIR
     load = LoadSpec(base_url=d.base_url, served_model=d.topo.model.name, tokenizer=d.tokenizer, rate=rate,
                     num_prompts=options.num_prompts, input_len=options.input_len, output_len=options.output_len,
-                    seed=seed, result_dir=str(raw_dir), result_filename=f"{name}.json")
+                    seed=seed, result_dir=str(raw_dir), result_filename=f"{name}.json", request_id_prefix=f"{name}-")
     before = scrape(d.runners, d.endpoints, d.keys)
     events.rate_started(d.run.mode, rate, options.num_prompts / rate)
     with timed(d.run, f"rate {rate:g}" + (f" round {round_index + 1}" if options.rounds > 1 else "")):
@@ -47,12 +49,19 @@ def measure_rate(d: Deployed, options: BenchOptions, events: BenchEvents, client
     keep(metrics_path)
     path = keep(path)
     text = read_text(path)
+    handoff, spans_file = None, None
+    if d.spans is not None and d.topo.connector.type != "colocated":
+        spans_path = raw_dir / f"{name}-spans.json.gz"
+        with timed(d.run, f"spans {rate:g}" + (f" round {round_index + 1}" if options.rounds > 1 else "")):
+            joined = collect(d.spans, load.request_id_prefix, completed_request_ids(text, load.request_id_prefix, str(path)),
+                             spans_path)
+        handoff, spans_file = summarize(joined), relative(spans_path, options.out_dir)
     point = RatePoint(
         mode=d.run.mode, rate=rate, seed=seed, client=parse_client_result(text, str(path)),
         router=router_figures(before[d.router.name], after[d.router.name]),
         instances=[instance_figures(e.name, e.role, before[e.name], after[e.name]) for e in d.endpoints if e.role != "router"],
         round=round_index, tails=parse_request_samples(text, str(path)).tails(options.slo),
-        raw_file=relative(path, options.out_dir),
+        raw_file=relative(path, options.out_dir), engine_handoff=handoff, spans_file=spans_file,
     )
     events.rate_done(d.run.mode, point)
     return point, path

@@ -7,7 +7,7 @@ import math
 from pathlib import PurePosixPath
 
 from kvpush.common.errors import UsageError
-from ..topology import ConnectorType, Topology, TinyModelSpec, side_channel_ports
+from ..topology import ConnectorType, Topology, TinyModelSpec, TracingSpec, side_channel_ports
 
 # A bench mode is a connector type, or a `-stock` control: vLLM's connector exactly as vLLM ships it
 # (connector.stock_vllm), beside the variant kvpush tunes for shared CPU cores.
@@ -26,6 +26,7 @@ KV_HEAVY_SPEC = TinyModelSpec(seed=0, layers=8, hidden_size=256, heads=8, kv_hea
                               max_position_embeddings=8192)
 KV_HEAVY_MAX_MODEL_LEN = 4096
 KV_HEAVY_MODEL_DIR = "tiny-llama-kv-heavy"
+SPAN_EXPORT_DELAY_MS = 200  # how often each instance sends its finished requests' spans while benched
 KV_DTYPE_BYTES = 2  # bf16
 MODE_PORT_STRIDE = 100  # ports per mode when every mode's deployment is up at once
 ROUNDS_NEED_PORT_BASE = ("--rounds keeps every mode's deployment up at once, so each needs ports of its own: "
@@ -120,10 +121,10 @@ def ports_of(topo: Topology) -> list[int]:
 
 
 def bench_topology(topo: Topology, mode: str, *, kv_heavy: bool = False, port_base: int | None = None,
-                   mode_index: int | None = None) -> Topology:
+                   mode_index: int | None = None, traces_endpoint: str | None = None) -> Topology:
     """The topology the bench deploys for one mode: connector.type = mode, a deployment name of its own
-    (so a running deployment of the same file is never restarted), optionally the KV-heavy model and
-    other ports. The input is not modified.
+    (so a running deployment of the same file is never restarted), optionally the KV-heavy model, other
+    ports, and every instance's request spans sent to `traces_endpoint`. The input is not modified.
 
     `mode_index` is for benches that keep every mode's deployment up at once (`--rounds`): each mode
     then gets a name of its own and the port range port_base + mode_index * MODE_PORT_STRIDE."""
@@ -136,6 +137,9 @@ def bench_topology(topo: Topology, mode: str, *, kv_heavy: bool = False, port_ba
     out = out.model_copy(update={"name": name, "connector": out.connector.model_copy(update={"type": kind, "stock_vllm": stock})})
     if kv_heavy:
         out = kv_heavy_model(out)
+    if traces_endpoint is not None:
+        out = out.model_copy(update={"tracing": TracingSpec(otlp_endpoint=traces_endpoint,
+                                                            export_delay_ms=SPAN_EXPORT_DELAY_MS)})
     if mode_index is not None:
         if port_base is None:
             raise UsageError(ROUNDS_NEED_PORT_BASE)
@@ -150,5 +154,7 @@ def bench_topology(topo: Topology, mode: str, *, kv_heavy: bool = False, port_ba
 
 
 def topology_hash(topo: Topology) -> str:
-    """Stable across runs and field order; changes whenever anything deployed changes."""
-    return hashlib.sha256(json.dumps(topo.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:16]
+    """Stable across runs and field order; changes whenever anything deployed changes (where the
+    instances' spans go is the measurement's, and its port differs from run to run)."""
+    dumped = topo.model_dump(mode="json", exclude={"tracing"})
+    return hashlib.sha256(json.dumps(dumped, sort_keys=True).encode()).hexdigest()[:16]

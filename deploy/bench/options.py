@@ -32,6 +32,8 @@ class BenchOptions:
     tokenizer: str | None = None
     client_timeout_s: float = 900.0
     slo: Slo = Slo()  # goodput counts the requests meeting both
+    engine_timings: bool = True  # every instance sends its per-request spans, for the handoff diagnostic
+    traces_endpoint: str | None = None  # where they go: the bench's receiver, set while it runs
     lifecycle: LifecycleOptions = field(default_factory=LifecycleOptions)
 
     def validate(self) -> None:
@@ -73,4 +75,5 @@ def seed_for(base: int, rate_index: int, round_index: int = 0) -> int:
 def mode_topology(topo: Topology, options: BenchOptions, mode: str) -> Topology:
     """What the bench deploys for `mode`: with --rounds every mode has a name and ports of its own."""
     index = options.modes.index(mode) if options.rounds > 1 else None
-    return bench_topology(topo, mode, kv_heavy=options.kv_heavy, port_base=options.port_base, mode_index=index)
+    return bench_topology(topo, mode, kv_heavy=options.kv_heavy, port_base=options.port_base, mode_index=index,
+                          traces_endpoint=options.traces_endpoint)

@@ -12,6 +12,9 @@ from pathlib import Path
 
 from kvpush.common.errors import UsageError
 
+from .engine_timings import read_kept
+from .handoff import HandoffSamples, pooled, summarize
+from .handoff_table import HandoffTable
 from .raw import read_text
 from .report import RESULT_FILE
 from .results import RequestSamples, parse_request_samples, pooled_samples
@@ -26,6 +29,7 @@ class Recomputed:
     slo: Slo
     tails: TailsTable
     platform: str = "cpu"
+    handoff: HandoffTable | None = None  # the engines' handoff, where the bench kept their spans
 
 
 def recompute(bench_dir: Path, slo: Slo | None = None, baseline: str | None = None) -> Recomputed:
@@ -44,9 +48,11 @@ def recompute(bench_dir: Path, slo: Slo | None = None, baseline: str | None = No
         raise UsageError(slo.problem())
     baseline = baseline or options.get("baseline", "")
     table: TailsTable = {}
+    handoff: HandoffTable = {}
     for run in doc.get("runs", []):
         points = run.get("round_points") or run.get("points") or []
         by_rate: dict[float, list[RequestSamples]] = {}
+        spans_by_rate: dict[float, list[HandoffSamples]] = {}
         for point in points:
             name = point.get("raw_file")
             if not name:
@@ -56,6 +62,13 @@ def recompute(bench_dir: Path, slo: Slo | None = None, baseline: str | None = No
             if not raw.is_file():
                 raise UsageError(f"{raw}: missing; bench.json names it for {run['mode']} at {point['rate']:g} req/s")
             by_rate.setdefault(float(point["rate"]), []).append(parse_request_samples(read_text(raw), str(raw)))
+            if point.get("spans_file"):
+                spans = bench_dir / point["spans_file"]
+                if not spans.is_file():
+                    raise UsageError(f"{spans}: missing; bench.json names it for {run['mode']} at {point['rate']:g} req/s")
+                spans_by_rate.setdefault(float(point["rate"]), []).append(read_kept(spans))
         table[run["mode"]] = {rate: pooled_samples(samples).tails(slo) for rate, samples in sorted(by_rate.items())}
+        if spans_by_rate:
+            handoff[run["mode"]] = {rate: summarize(pooled(parts)) for rate, parts in sorted(spans_by_rate.items())}
     platform = (doc.get("configuration", {}).get("topology") or {}).get("platform", "cpu")
-    return Recomputed([r["mode"] for r in doc.get("runs", [])], baseline, slo, table, platform)
+    return Recomputed([r["mode"] for r in doc.get("runs", [])], baseline, slo, table, platform, handoff or None)

@@ -7,6 +7,7 @@ import statistics
 from dataclasses import asdict, dataclass, field, replace
 
 from kvpush.common.errors import KvpushError
+from .handoff import HandoffSamples, HandoffSummary, pooled as pooled_handoff, summarize as summarize_handoff
 from .scrape import InstanceFigures, RouterFigures, ms_per_request
 from .tails import Slo, Tails, percentile, summarize
 
@@ -98,7 +99,8 @@ def pooled_samples(samples: list[RequestSamples]) -> RequestSamples:
                           sent=sum(s.sent for s in samples), duration_s=sum(s.duration_s for s in samples))
 
 
-def parse_request_samples(text: str, source: str = "<result>") -> RequestSamples:
+def _per_request(text: str, source: str) -> tuple[dict, dict[str, list]]:
+    """A `--save-detailed` result file's document and its per-request lists (checked for equal length)."""
     try:
         data = json.loads(text)
     except ValueError as exc:
@@ -111,9 +113,26 @@ def parse_request_samples(text: str, source: str = "<result>") -> RequestSamples
     if bad:
         raise KvpushError(f"{source}: per-request figures of unequal length ({', '.join(bad)} vs {count} ttfts); "
                           f"the file is damaged")
+    return data, {"ttfts": data["ttfts"], **columns}
+
+
+def _succeeded(columns: dict[str, list], i: int) -> bool:
+    return not columns["errors"][i] and bool(columns["output_lens"][i])  # failed: vLLM records 0 tokens and an error
+
+
+def completed_request_ids(text: str, prefix: str, source: str = "<result>") -> list[str]:
+    """The X-Request-Ids of the requests that succeeded: `vllm bench serve` numbers its requests from 0
+    after the prefix, and lists them in that order."""
+    _, columns = _per_request(text, source)
+    return [f"{prefix}{i}" for i in range(len(columns["ttfts"])) if _succeeded(columns, i)]
+
+
+def parse_request_samples(text: str, source: str = "<result>") -> RequestSamples:
+    data, columns = _per_request(text, source)
+    count = len(columns["ttfts"])
     ttft, tpot, itl, e2el = [], [], [], []
     for i in range(count):
-        if columns["errors"][i] or not columns["output_lens"][i]:  # failed: vLLM records 0 tokens and an error
+        if not _succeeded(columns, i):
             continue
         first, whole, tokens = data["ttfts"][i], columns["latencies"][i], columns["output_lens"][i]
         ttft.append(first * 1000)
@@ -142,6 +161,8 @@ class RatePoint:
     round: int = 0  # which round of a `--rounds` bench; the pooled point has -1
     tails: Tails | None = None  # percentiles with confidence intervals, goodput (from the per-request results)
     raw_file: str | None = None  # the client's per-request results, relative to the bench's directory
+    engine_handoff: HandoffSummary | None = None  # from both engines' spans (handoff.py); None: not measured
+    spans_file: str | None = None  # the spans it came from, relative to the bench's directory
 
     @property
     def prompt_tokens_external(self) -> float:
@@ -170,9 +191,11 @@ class RatePoint:
         return ms_per_request(sum(i.engine_prefill_s for i in prefill), sum(i.engine_requests for i in prefill))
 
 
-def pool_points(points: list[RatePoint], samples: list[RequestSamples], slo: Slo = Slo()) -> RatePoint:
+def pool_points(points: list[RatePoint], samples: list[RequestSamples], slo: Slo = Slo(),
+                handoffs: list[HandoffSamples] | None = None) -> RatePoint:
     """One mode at one rate over several rounds: latency percentiles of all requests together, counts
-    and throughput summed, handoff percentiles (router histograms, per round) as their median over rounds."""
+    and throughput summed, handoff percentiles (router histograms, per round) as their median over rounds,
+    the engines' handoff (`handoffs`, one per round that measured it) over all requests together."""
     first = points[0]
     c = [p.client for p in points]
     duration = sum(x.duration_s for x in c)
@@ -217,7 +240,8 @@ def pool_points(points: list[RatePoint], samples: list[RequestSamples], slo: Slo
                                  engine_queued=sum(x.engine_queued for x in same),
                                  engine_queue_s=sum(x.engine_queue_s for x in same)))
     return RatePoint(mode=first.mode, rate=first.rate, seed=first.seed, client=client, router=router,
-                     instances=instances, round=-1, tails=pooled.tails(slo))
+                     instances=instances, round=-1, tails=pooled.tails(slo),
+                     engine_handoff=summarize_handoff(pooled_handoff(handoffs)) if handoffs else None)
 
 
 @dataclass

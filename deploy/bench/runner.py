@@ -7,6 +7,7 @@ come in a BenchSteps, so the orchestration is tested with fakes of them.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -19,12 +20,15 @@ from ..secrets import client_api_key
 from ..topology import Topology
 from .client import BenchClient
 from .deployment import Deployed, client_cores, deploy_mode, no_interrupts, save_logs, timed
+from .engine_timings import engine_timings_note, engine_timings_unavailable, read_kept
+from .handoff import HandoffSamples
 from .measure import measure_rate
 from .modes import topology_hash
 from .options import BenchEvents, BenchOptions, mode_topology
 from .report import BenchReport, configuration, write_outputs
 from .raw import read_text
 from .results import ModeRun, RequestSamples, parse_request_samples, pool_points
+from .span_receiver import SpanReceiver
 
 
 @dataclass(frozen=True)
@@ -34,12 +38,14 @@ class BenchSteps:
     down: Callable[[str, LifecycleOptions], DownResult] = down
     save_logs: Callable[[Topology, BenchOptions, str], None] = save_logs
     client: Callable[..., BenchClient] = BenchClient  # (log_path, cpu_cores=...) -> started, run, closed
+    spans: Callable[[], SpanReceiver] = lambda: SpanReceiver().start()  # started; closed by the bench
 
 
 def _run_mode(topo: Topology, options: BenchOptions, events: BenchEvents, run: ModeRun, client: BenchClient,
-              steps: BenchSteps, doctor: bool) -> None:
+              steps: BenchSteps, doctor: bool, spans: SpanReceiver | None) -> None:
     with ExitStack() as stack:
         deployed = steps.deploy(topo, options, events, run, stack, doctor)
+        deployed.spans = spans
         for index in range(len(options.rates)):
             point, _ = steps.measure(deployed, options, events, client, index)
             run.points.append(point)
@@ -61,7 +67,7 @@ def _tear_down(mode_topo: Topology, options: BenchOptions, events: BenchEvents, 
 
 
 def _run_rounds(topo: Topology, options: BenchOptions, events: BenchEvents, report: BenchReport, client: BenchClient,
-                steps: BenchSteps) -> None:
+                steps: BenchSteps, spans: SpanReceiver | None) -> None:
     """Every mode's deployment up at once, then `rounds` passes over the rates, each pass running every
     mode in turn (the order rotating by one per round) on prompts of its own. Modes measured minutes
     apart instead of a whole mode's run apart: drift of the machine hits them alike. A mode that
@@ -70,6 +76,7 @@ def _run_rounds(topo: Topology, options: BenchOptions, events: BenchEvents, repo
     running: list[ModeRun] = []  # started and not yet stopped
     failures: list[str] = []
     samples: dict[tuple[str, float], list[RequestSamples]] = {}
+    handoffs: dict[tuple[str, float], list[HandoffSamples]] = {}
 
     def stop(runs: list[ModeRun]) -> None:
         with no_interrupts():  # every deployment up must come down, even on a second Ctrl-C
@@ -96,6 +103,7 @@ def _run_rounds(topo: Topology, options: BenchOptions, events: BenchEvents, repo
                 try:
                     # Doctor for every mode: the deployments add up on the same hosts (ports, memory).
                     deployed.append(steps.deploy(topos[mode], options, events, run, stack, True))
+                    deployed[-1].spans = spans
                 except KvpushError as exc:
                     failed(run, str(exc))
             for round_index in range(options.rounds):
@@ -113,13 +121,17 @@ def _run_rounds(topo: Topology, options: BenchOptions, events: BenchEvents, repo
                             continue
                         d.run.round_points.append(point)
                         samples.setdefault((d.run.mode, rate), []).append(got)
+                        if point.spans_file is not None:
+                            handoffs.setdefault((d.run.mode, rate), []).append(
+                                read_kept(options.out_dir / point.spans_file))
     finally:
         stop(list(running))
         for run in report.runs:
             for rate in options.rates:
                 points = [p for p in run.round_points if p.rate == rate]
                 if points:
-                    run.points.append(pool_points(points, samples[(run.mode, rate)], options.slo))
+                    run.points.append(pool_points(points, samples[(run.mode, rate)], options.slo,
+                                                  handoffs.get((run.mode, rate))))
     if failures:
         raise KvpushError("; ".join(failures))
 
@@ -129,12 +141,24 @@ def run_bench(topo: Topology, options: BenchOptions, events: BenchEvents = Bench
     options.validate()
     client_api_key(topo)  # an unset router key is bad input before any deployment starts, not a failure per mode
     options.out_dir.mkdir(parents=True, exist_ok=True)
+    spans = steps.spans() if options.engine_timings and engine_timings_unavailable(topo) is None else None
+    try:
+        return _bench(topo, options if spans is None else dataclasses.replace(options, traces_endpoint=spans.endpoint),
+                      events, steps, spans)
+    finally:
+        if spans is not None:
+            spans.close()
+
+
+def _bench(topo: Topology, options: BenchOptions, events: BenchEvents, steps: BenchSteps,
+           spans: SpanReceiver | None) -> BenchReport:
     report = BenchReport(options, configuration(topo, options))
+    report.configuration["engine_timings"] = engine_timings_note(topo, options)
     client = steps.client(options.out_dir / "logs" / "client.log", cpu_cores=client_cores(topo))
     try:
         client.start()  # vLLM's import overlaps the first deployment's start
         if options.rounds > 1:
-            _run_rounds(topo, options, events, report, client, steps)
+            _run_rounds(topo, options, events, report, client, steps, spans)
         else:
             hosts_checked = False
             for mode in options.modes:
@@ -142,7 +166,7 @@ def run_bench(topo: Topology, options: BenchOptions, events: BenchEvents = Bench
                 run = ModeRun(mode, topology_hash(mode_topo))
                 report.runs.append(run)
                 try:
-                    _run_mode(mode_topo, options, events, run, client, steps, doctor=not hosts_checked)
+                    _run_mode(mode_topo, options, events, run, client, steps, not hosts_checked, spans)
                 except KvpushError as exc:
                     run.error = str(exc)
                     events.mode_failed(mode, run.error)

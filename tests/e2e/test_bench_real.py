@@ -3,6 +3,8 @@
 Heavy (two ~3 GB vLLM servers per mode, started twice): run under `flock /tmp/kvpush-heavy.lock`.
 Push against pull by default; KVPUSH_BENCH_E2E_MODES picks others (e.g. `kvpush,nixl-push,nixl-pull,colocated`).
 Servers run eager (no torch.compile warm-up): the bench, not the model's speed, is under test.
+Every mode's instances send vLLM's per-request spans to the bench, which joins each request's two into
+the engine handoff (asserted for kvpush, nixl-pull and both stock modes).
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import os
 
 import pytest
 
+from kvpush.deploy.bench.engine_timings import read_kept
 from kvpush.deploy.bench.modes import bench_topology
 from kvpush.deploy.bench.options import BenchOptions
 from kvpush.deploy.bench.recompute import recompute
@@ -59,14 +62,40 @@ def test_short_real_bench_measures_every_mode_and_tears_down(tmp_path, state_dir
                 assert p.decode_prompt_tokens_local <= 4 * 2
                 assert p.router.handoff_observations == 4 and p.router.handoff_gap_p50_ms is not None
                 assert p.failed_transfers == 0
+            assert_engine_handoff(run.mode, p, tmp_path / "bench", 4)
 
     document = json.loads((tmp_path / "bench" / "bench.json").read_text())
     assert document["configuration"]["versions"]["vllm"].startswith("vllm")
     assert document["configuration"]["machine"]["cores"] >= 1
     assert set(document["configuration"]["topology_hashes"]) == set(MODES)
     assert document["ratios_vs_baseline"][options.baseline]["1"]["ttft_p50"] == pytest.approx(1.0)
+    assert document["configuration"]["engine_timings"]["taken"] is True
+    recomputed = recompute(tmp_path / "bench").handoff or {}
+    assert {m: recomputed[m] for m in recomputed} == {r.mode: {p.rate: p.engine_handoff for p in r.points}
+                                                      for r in report.runs if r.mode != "colocated"}
     for name in ("ttft.png", "tpot.png"):
         assert (tmp_path / "bench" / name).stat().st_size > 10_000
+
+
+# kvpush's decode may start as soon as prefill's step (which WRITEs the KV) ends; prefill's API server notes
+# its first token when it handles that step's output, which a busy server may do a little late
+FIRST_TOKEN_SKEW_MS = 2.0
+
+
+def assert_engine_handoff(mode: str, point, bench_dir, requests: int) -> None:
+    """Both engines' spans of every request arrived and joined, and their intervals are plausible: decode's
+    first token after prefill's (the KV it needs comes from there), and after prefill began computing by
+    prefill's own time in prefill."""
+    h = point.engine_handoff
+    if mode == "colocated":
+        assert h is None and point.spans_file is None
+        return
+    assert (h.requests, h.joined) == (requests, requests), f"{mode}: {h.joined} of {h.requests} requests joined"
+    for sample in read_kept(bench_dir / point.spans_file).samples:
+        assert sample.answer_to_first_ms >= -FIRST_TOKEN_SKEW_MS, f"{mode}: decode's first token before prefill's: {sample}"
+        assert sample.compute_to_first_ms == pytest.approx(sample.answer_to_first_ms + sample.prefill_ms, abs=1e-3)
+        assert 0 < sample.prefill_ms < sample.compute_to_first_ms < 60_000
+    assert 0 <= h.answer_to_first["p50"] <= h.compute_to_first["p50"]
 
 
 ROUNDS_PORT_BASE = 15600  # this test's ranges: 15600-15604 (kvpush), 15700-15701 (colocated)
@@ -91,6 +120,9 @@ def test_rounds_keep_both_deployments_up_and_pool_their_requests(tmp_path, state
         assert sum(i.prompt_tokens_cached for i in pooled.instances) == 0  # each round's prompts are new
         if run.mode == "kvpush":
             assert pooled.prompt_tokens_external >= 2 * 3 * 100
+            assert (pooled.engine_handoff.requests, pooled.engine_handoff.joined) == (6, 6)  # both rounds' requests
+        else:
+            assert pooled.engine_handoff is None
     assert all(port_free(ROUNDS_PORT_BASE + i) for i in range(5)) and port_free(ROUNDS_PORT_BASE + 100)
     document = json.loads((tmp_path / "bench" / "bench.json").read_text())
     assert len(document["paired_ratios_vs_baseline"]["kvpush"]["2"]["ttft_p50"]) == 2
@@ -127,6 +159,8 @@ def test_stock_nixl_modes_serve_with_vllms_own_connectors(tmp_path, state_dir):
         [pooled] = run.points
         assert pooled.client.completed == 6 and pooled.client.failed == 0
         assert pooled.prompt_tokens_external >= 6 * 200 and pooled.failed_transfers == 0
+        for point in run.round_points:  # stock vLLM too: both legs of each request named alike, both spans joined
+            assert_engine_handoff(run.mode, point, tmp_path / "bench", 3)
         log = (tmp_path / "bench" / "logs" / f"{run.mode}-decode-0.log").read_text(errors="replace")
         # vLLM's own classes from its registry (pull's registered name resolves to NixlPullConnector), no module path
         expected = "NixlPushConnector" if run.mode == "nixl-push-stock" else "NixlPullConnector"

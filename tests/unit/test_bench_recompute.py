@@ -1,5 +1,6 @@
-"""kvpush.deploy.bench.raw, .recompute and .tails_table: a bench's raw per-request files are kept (gzip
-when large) and `kvpush bench --recompute DIR` rebuilds the goodput and tail tables from them alone."""
+"""kvpush.deploy.bench.raw, .recompute, .tails_table and .handoff_table: a bench's raw per-request files are
+kept (gzip when large) and `kvpush bench --recompute DIR` rebuilds the goodput and tail tables, and the engine
+handoff from the kept spans, from them alone."""
 from __future__ import annotations
 
 import gzip
@@ -11,6 +12,8 @@ import pytest
 
 from kvpush.common.errors import UsageError
 from kvpush.deploy.bench import raw
+from kvpush.deploy.bench.handoff import spans_document
+from kvpush.deploy.bench.handoff_table import markdown as handoff_markdown
 from kvpush.deploy.bench.recompute import recompute
 from kvpush.deploy.bench.results import parse_request_samples, pooled_samples
 from kvpush.deploy.bench.tails import Slo
@@ -112,3 +115,37 @@ def test_the_cli_recomputes_without_a_topology_or_deployment(bench_dir):
     missing = subprocess.run([sys.executable, "-m", "kvpush.cli.main", "bench", "--recompute", str(bench_dir / "x")],
                              capture_output=True, text=True, timeout=60)
     assert missing.returncode == 2 and "bench.json: not found" in missing.stderr
+
+
+def _keep_spans(bench_dir, name: str, decode_ttfts_s: list[float]) -> str:
+    """A kept spans file: request i joined, its decode's first token decode_ttfts_s[i] after both legs arrived,
+    prefill's 10 ms after (5 of them computing)."""
+    records = []
+    for i, decode_ttft in enumerate(decode_ttfts_s):
+        vllm_id = f"cmpl-r-{i}-{'c' * 32}-0"
+        for role, ttft, prefill in (("prefill", 0.010, 0.005), ("decode", decode_ttft, 0.0)):
+            records.append({"deployment": "d", "instance": f"{role}-0", "role": role, "start_unix_nano": 10**18,
+                            "attributes": {"gen_ai.request.id": vllm_id, "gen_ai.latency.time_to_first_token": ttft,
+                                           "gen_ai.latency.time_in_queue": 0.0,
+                                           "gen_ai.latency.time_in_model_prefill": prefill}})
+    document = spans_document("r-", [f"r-{i}" for i in range(len(decode_ttfts_s) + 1)], records)  # one never joined
+    (bench_dir / "raw" / name).write_bytes(gzip.compress(json.dumps(document).encode()))
+    return f"raw/{name}"
+
+
+def test_recompute_pools_the_engine_handoff_from_the_kept_spans(bench_dir):
+    doc = json.loads((bench_dir / "bench.json").read_text())
+    for k, point in enumerate(doc["runs"][0]["round_points"]):  # kvpush kept spans in both rounds
+        point["spans_file"] = _keep_spans(bench_dir, f"kvpush-rate1-round{k + 1}-spans.json.gz", [0.02, 0.03][: k + 1])
+    (bench_dir / "bench.json").write_text(json.dumps(doc))
+    done = recompute(bench_dir)
+    assert list(done.handoff) == ["kvpush"]  # nixl-pull's points name no spans
+    pooled = done.handoff["kvpush"][1.0]
+    assert (pooled.requests, pooled.joined) == (2 + 3, 3)
+    assert pooled.answer_to_first["p50"] == pytest.approx(10.0, abs=1e-3)  # 10, 10 and 20 ms
+    assert pooled.compute_to_first["p50"] == pytest.approx(15.0, abs=1e-3)
+    text = handoff_markdown(done.handoff)
+    assert "**1 req/s: engine handoff, ms**" in text and "| kvpush | 3/5 | 10.0 |" in text
+    (bench_dir / doc["runs"][0]["round_points"][1]["spans_file"]).unlink()
+    with pytest.raises(UsageError, match="kvpush-rate1-round2-spans.json.gz: missing"):
+        recompute(bench_dir)

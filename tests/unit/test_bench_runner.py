@@ -4,12 +4,15 @@ fakes passed in BenchSteps; tests/e2e/test_bench_real.py runs the real thing."""
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 
 import pytest
 
 from kvpush.common.errors import KvpushError, UsageError
 from kvpush.deploy.bench.deployment import Deployed, timed
+from kvpush.deploy.bench.handoff import spans_document
+from kvpush.deploy.bench.modes import bench_topology, topology_hash
 from kvpush.deploy.bench.options import BenchOptions, seed_for
 from kvpush.deploy.bench.results import ClientResult, RatePoint, Stats
 from kvpush.deploy.bench.runner import BenchSteps, run_bench
@@ -47,6 +50,18 @@ class _NoClient:
         _NoClient.closed += 1
 
 
+class _NoSpans:
+    """Stands in for the bench's span receiver (span_receiver.py has tests of its own)."""
+
+    endpoint = "http://127.0.0.1:9/v1/traces"
+
+    def __init__(self):
+        self.closed = 0
+
+    def close(self):
+        self.closed += 1
+
+
 class _Steps:
     """Deploys and measures without processes, recording every step in `calls`: every measured
     point's TTFT is 100 ms x its round + 1. Each fake can be replaced per test."""
@@ -55,9 +70,12 @@ class _Steps:
         self.calls: list[tuple] = []
         self.tmp_path = tmp_path
         self.failing_deploys: set[str] = set()  # connector types whose `up` fails
+        self.traced_to: list[str | None] = []  # per `up`: where its instances send their spans
+        self.receivers: list[_NoSpans] = []
 
     def deploy(self, mode_topo, options, events, run, stack, doctor):
         self.calls.append(("up", mode_topo.name, mode_topo.connector.type, doctor))
+        self.traced_to.append(mode_topo.tracing.otlp_endpoint if mode_topo.tracing else None)
         with timed(run, "up"):
             if mode_topo.connector.type in self.failing_deploys:
                 raise KvpushError("prefill-0 exited before it became ready")
@@ -71,8 +89,18 @@ class _Steps:
         client_result = ClientResult(options.rates[rate_index], 2, 0, 2.0, 1.0, 3.0, 22.0, 16, 6, 2,
                                      {m: stats for m in ("ttft", "tpot", "itl", "e2el")})
         router = RouterFigures(5.0, 9.0, 6.0, 2, 0.0, 0.0, {"success": 2.0})
+        spans_file = None
+        if d.spans is not None and d.run.mode != "colocated":  # one request joined, one not
+            spans_file = f"{d.run.mode}-{rate_index}-{round_index}-spans.json.gz"
+            document = spans_document("r-", ["r-0", "r-1"], [
+                {"deployment": "d", "instance": f"{role}-0", "role": role, "start_unix_nano": 10**18,
+                 "attributes": {"gen_ai.request.id": f"cmpl-r-0-{'ab' * 16}-0", "gen_ai.latency.time_to_first_token": ttft,
+                                "gen_ai.latency.time_in_queue": 0.0, "gen_ai.latency.time_in_model_prefill": 0.0}}
+                for role, ttft in (("prefill", 0.01), ("decode", 0.01 * (round_index + 2)))])
+            with gzip.open(options.out_dir / spans_file, "wt") as f:
+                json.dump(document, f)
         point = RatePoint(d.run.mode, options.rates[rate_index], seed_for(options.seed, rate_index, round_index),
-                          client_result, router, [], round=round_index)
+                          client_result, router, [], round=round_index, spans_file=spans_file)
         path = self.tmp_path / f"{d.run.mode}-{rate_index}-{round_index}.json"
         path.write_text(json.dumps({"completed": 2, "ttfts": [ttft / 1000] * 2, "latencies": [0.5, 0.5], "output_lens": [3, 3],
                                     "itls": [[0.01, 0.01]] * 2, "errors": ["", ""]}))
@@ -84,7 +112,12 @@ class _Steps:
 
     def bench_steps(self, **replaced) -> BenchSteps:
         return BenchSteps(**{"deploy": self.deploy, "measure": self.measure, "down": self.down,
-                             "save_logs": lambda topo, options, mode: None, "client": _NoClient, **replaced})
+                             "save_logs": lambda topo, options, mode: None, "client": _NoClient,
+                             "spans": self.receiver, **replaced})
+
+    def receiver(self) -> _NoSpans:
+        self.receivers.append(_NoSpans())
+        return self.receivers[-1]
 
 
 @pytest.fixture
@@ -266,3 +299,33 @@ def test_one_deployment_that_does_not_stop_does_not_keep_the_others_up(topo, tmp
         run_bench(topo, _rounds_options(tmp_path, ["kvpush", "nixl-pull"], rounds=2), steps=fakes.bench_steps(down=down))
     assert [c[1] for c in fakes.calls if c[0] == "down"] == ["local-cpu-bench-kvpush", "local-cpu-bench-nixl-pull"]
     assert json.loads((tmp_path / "bench.json").read_text())["runs"][1]["points"]  # results still written
+
+
+def test_every_modes_instances_send_their_spans_to_one_receiver_closed_with_the_bench(topo, tmp_path, fakes):
+    run_bench(topo, _options(tmp_path, ["kvpush", "colocated"]), steps=fakes.bench_steps())
+    [receiver] = fakes.receivers
+    assert fakes.traced_to == [receiver.endpoint] * 2 and receiver.closed == 1
+    document = json.loads((tmp_path / "bench.json").read_text())
+    assert document["configuration"]["engine_timings"]["taken"] is True
+    # where the spans go is the measurement's, not the deployment's: the hashes of a run without them
+    assert document["configuration"]["topology_hashes"]["kvpush"] == topology_hash(bench_topology(topo, "kvpush"))
+
+
+def test_no_spans_when_asked_not_to_or_when_an_instance_runs_elsewhere(topo, tmp_path, fakes):
+    run_bench(topo, dataclasses.replace(_options(tmp_path, ["kvpush"]), engine_timings=False), steps=fakes.bench_steps())
+    assert json.loads((tmp_path / "bench.json").read_text())["configuration"]["engine_timings"] == {
+        "taken": False, "why_not": "--no-engine-timings"}
+    remote = topo.model_copy(update={"hosts": {"local": dataclasses.replace(topo.hosts["local"], address="10.0.0.9")}})
+    run_bench(remote, _options(tmp_path, ["kvpush"]), steps=fakes.bench_steps())
+    why_not = json.loads((tmp_path / "bench.json").read_text())["configuration"]["engine_timings"]["why_not"]
+    assert "instances on local" in why_not and "wall clock" in why_not
+    assert fakes.receivers == [] and fakes.traced_to == [None, None]
+
+
+def test_rounds_pool_the_engine_handoff_of_every_round(topo, tmp_path, fakes):
+    report = run_bench(topo, _rounds_options(tmp_path, ["kvpush", "colocated"], rounds=2), steps=fakes.bench_steps())
+    kvpush, colocated = report.runs
+    pooled = kvpush.points[0].engine_handoff
+    assert (pooled.requests, pooled.joined) == (4, 2)  # two rounds of two requests, one joined in each
+    assert pooled.answer_to_first["p50"] == pytest.approx(15.0, abs=1e-3)  # 10 ms and 20 ms
+    assert all(p.engine_handoff is None for p in colocated.points)

@@ -263,3 +263,29 @@ def test_every_process_starts_under_its_supervisor_with_its_restart_policy():
     assert "--restart" not in prefill.supervisor and prefill.supervisor[-1] == "--"
     assert plan.process("router").status_path == "~/.kvpush/t/run/router.json"
     assert decode.digest() != plan_for().process("decode-0").digest()  # a new policy is a changed launch
+
+
+def test_tracing_sends_each_instances_request_spans_named_by_instance_deployment_and_role():
+    plain = plan_for()
+    assert all("--otlp-traces-endpoint" not in p.argv and not any(k.startswith("OTEL_") for k in p.env)
+               for p in plain.processes())  # off unless the topology asks
+    topo = parse_topology(TWO_HOSTS % "nixl-pull" + "tracing: {otlp_endpoint: 'http://127.0.0.1:4318/v1/traces', "
+                                                     "export_delay_ms: 200}\n")
+    plan = build_plan(topo)
+    for name, role in (("prefill-0", "prefill"), ("decode-0", "decode")):
+        proc = plan.process(name)
+        flag = proc.argv.index("--otlp-traces-endpoint")
+        assert proc.argv[flag + 1] == "http://127.0.0.1:4318/v1/traces"
+        assert proc.env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] == "http/protobuf"
+        assert proc.env["OTEL_BSP_SCHEDULE_DELAY"] == "200"
+        assert proc.env["OTEL_SERVICE_NAME"] == name
+        assert proc.env["OTEL_RESOURCE_ATTRIBUTES"] == f"kvpush.deployment=t,kvpush.role={role}"
+    assert "--otlp-traces-endpoint" not in plan.process("router").argv
+
+
+@pytest.mark.parametrize("endpoint", ["127.0.0.1:4318", "http://a b/v1/traces", "http://host/x?y=1", "file:///tmp/x"])
+def test_tracing_endpoint_must_be_a_plain_http_url(endpoint):
+    from kvpush.deploy.topology import TopologyError
+
+    with pytest.raises(TopologyError, match="tracing.otlp_endpoint"):
+        parse_topology(TWO_HOSTS % "kvpush" + f"tracing: {{otlp_endpoint: '{endpoint}'}}\n")

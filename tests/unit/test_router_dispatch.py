@@ -45,6 +45,20 @@ def test_each_protocol_answers_streaming_and_not(protocol, path, body):
     run(scenario())
 
 
+@pytest.mark.parametrize("protocol", ["kvpush", "nixl-push", "nixl-pull"])
+def test_both_legs_carry_one_request_id_that_starts_with_the_clients(protocol):
+    """The instances' request ids (their logs, their traces) join a request's two legs and name the client's id."""
+    async def scenario():
+        async with deployment(protocol) as dep:
+            status, _ = await dep.post("/v1/completions", COMPLETION, {"X-Request-Id": "bench-run1-7"})
+            assert status == 200
+            [p], [d] = dep.prefill[0].received, dep.decode[0].received
+            assert p.headers["x-request-id"] == d.headers["x-request-id"]
+            assert p.headers["x-request-id"].startswith("bench-run1-7-")
+
+    run(scenario())
+
+
 def test_streaming_passes_upstream_bytes_through_unchanged():
     async def scenario():
         async with deployment("colocated") as dep:

@@ -1,6 +1,8 @@
 """Leg bodies per protocol: the exact fields each connector reads."""
 from __future__ import annotations
 
+import re
+
 from kvpush.common.kv_params import PushParams
 from kvpush.router.config import Upstream
 from kvpush.router.protocols import concurrent_legs, new_transfer_id, pull_decode_leg, pull_prefill_leg
@@ -60,3 +62,12 @@ def test_nixl_pull_decode_leg_carries_prefill_answer():
 
 def test_transfer_ids_are_unique_per_dispatch():
     assert len({new_transfer_id() for _ in range(1000)}) == 1000
+
+
+def test_a_transfer_id_starts_with_the_clients_request_id_in_the_alphabet_every_wire_takes():
+    ids = {new_transfer_id("bench-1a2b-7") for _ in range(100)}
+    assert len(ids) == 100 and all(re.fullmatch(r"bench-1a2b-7-[0-9a-f]{32}", i) for i in ids)
+    # vLLM's NIXL connectors split request ids on ',' and ':'; kvpush's wire takes [A-Za-z0-9._:-]
+    assert re.fullmatch(r"a_b_c_d_e_-[0-9a-f]{32}", new_transfer_id("a,b:c/d e\\"))
+    assert new_transfer_id("x" * 256).startswith("x" * 128 + "-") and len(new_transfer_id("x" * 256)) == 128 + 33
+    assert re.fullmatch(r"[0-9a-f]{32}", new_transfer_id(None)) and re.fullmatch(r"[0-9a-f]{32}", new_transfer_id(""))
