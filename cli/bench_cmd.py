@@ -258,6 +258,11 @@ def register(app: typer.Typer) -> None:
                                   "as kvpush tunes them for shared CPU cores (on GPU both are stock)."),
         rates: str = typer.Option(DEFAULT_RATES, "--rates", help="Request rates (req/s, Poisson), comma-separated."),
         input_len: int = typer.Option(DEFAULT_INPUT_LEN, "--input-len", help="Prompt tokens per request."),
+        prefix_len: int = typer.Option(0, "--prefix-len", help="Tokens every prompt of a rate starts with (the same "
+                                       "ones), before its own --input-len: after the first request both instances' "
+                                       "prefix caches hold them, and only the rest of the KV moves."),
+        input_len_spread: float = typer.Option(0.0, "--input-len-spread", help="Mixed prompt lengths: each prompt's own "
+                                               "tokens are --input-len x [1 - S, 1 + S], uniform (0 <= S < 1)."),
         output_len: int = typer.Option(DEFAULT_OUTPUT_LEN, "--output-len", help="Output tokens per request (EOS ignored)."),
         num_prompts: int = typer.Option(DEFAULT_NUM_PROMPTS, "--num-prompts", help="Requests per rate."),
         out_dir: Path = typer.Option(Path("kvpush-bench"), "--out", help="Directory for bench.json, PNG plots, raw results and logs."),
@@ -300,7 +305,7 @@ def register(app: typer.Typer) -> None:
         note(f"topology: {source}")
         options = BenchOptions(
             modes=parse_modes(modes), rates=parse_rates(rates), input_len=input_len, output_len=output_len,
-            num_prompts=num_prompts, out_dir=out_dir, kv_heavy=kv_heavy, baseline=baseline, port_base=port_base,
+            prefix_len=prefix_len, input_len_spread=input_len_spread, num_prompts=num_prompts, out_dir=out_dir, kv_heavy=kv_heavy, baseline=baseline, port_base=port_base,
             rounds=rounds, seed=seed, tokenizer=tokenizer, client_timeout_s=client_timeout,
             slo=Slo(DEFAULT_SLO_TTFT_MS if slo_ttft_ms is None else slo_ttft_ms,
                     DEFAULT_SLO_TPOT_MS if slo_tpot_ms is None else slo_tpot_ms),

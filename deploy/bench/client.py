@@ -29,13 +29,15 @@ class LoadSpec:
     tokenizer: str  # a local directory with the model's tokenizer
     rate: float  # requests per second, Poisson arrivals
     num_prompts: int
-    input_len: int
+    input_len: int  # each prompt's own tokens, after the shared prefix
     output_len: int
     seed: int  # a different seed per mode and rate: fresh prompts, no prefix-cache hits on decode
     result_dir: str
     result_filename: str
     # each request's X-Request-Id is this prefix and its index (in the order of the result file's lists)
     request_id_prefix: str = ""
+    prefix_len: int = 0  # tokens every prompt of the level starts with (the same ones)
+    input_len_spread: float = 0.0  # own tokens spread uniformly over input_len x [1 - spread, 1 + spread]
 
     @property
     def result_path(self) -> Path:
@@ -55,8 +57,9 @@ def bench_serve_argv(load: LoadSpec, command: list[str] | None = None) -> list[s
         "--dataset-name", "random",
         "--random-input-len", str(load.input_len),
         "--random-output-len", str(load.output_len),
-        "--random-range-ratio", "0.0",
-        "--random-prefix-len", "0",  # no shared prefix: every prompt is new to decode
+        # only the prompt's length varies: every request produces output_len tokens
+        "--random-range-ratio", json.dumps({"input": load.input_len_spread, "output": 0.0}) if load.input_len_spread else "0.0",
+        "--random-prefix-len", str(load.prefix_len),  # 0: every prompt is new to decode
         "--num-prompts", str(load.num_prompts),
         "--request-rate", f"{load.rate:g}",
         "--seed", str(load.seed),

@@ -38,7 +38,8 @@ def measure_rate(d: Deployed, options: BenchOptions, events: BenchEvents, client
     raw_dir = options.out_dir / RAW_DIR
     load = LoadSpec(base_url=d.base_url, served_model=d.topo.model.name, tokenizer=d.tokenizer, rate=rate,
                     num_prompts=options.num_prompts, input_len=options.input_len, output_len=options.output_len,
-                    seed=seed, result_dir=str(raw_dir), result_filename=f"{name}.json", request_id_prefix=f"{name}-")
+                    seed=seed, result_dir=str(raw_dir), result_filename=f"{name}.json", request_id_prefix=f"{name}-",
+                    prefix_len=options.prefix_len, input_len_spread=options.input_len_spread)
     before = scrape(d.runners, d.endpoints, d.keys)
     events.rate_started(d.run.mode, rate, options.num_prompts / rate)
     with timed(d.run, f"rate {rate:g}" + (f" round {round_index + 1}" if options.rounds > 1 else "")):

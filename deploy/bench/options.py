@@ -25,6 +25,10 @@ class BenchOptions:
     num_prompts: int
     out_dir: Path
     kv_heavy: bool = False
+    # tokens every prompt of a load level starts with (the same ones), before its own input_len: from
+    # the second request on, prefill's and decode's prefix caches hold them and only the rest moves
+    prefix_len: int = 0
+    input_len_spread: float = 0.0  # each prompt's own part is input_len x [1 - spread, 1 + spread], uniform
     baseline: str = DEFAULT_BASELINE
     port_base: int | None = None
     rounds: int = 1  # > 1: every mode up at once, the rates run `rounds` times with the modes interleaved
@@ -40,6 +44,10 @@ class BenchOptions:
         for name in ("input_len", "output_len", "num_prompts"):
             if getattr(self, name) < 1:
                 raise UsageError(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(self, name)})")
+        if self.prefix_len < 0:
+            raise UsageError(f"--prefix-len must be 0 or more (got {self.prefix_len})")
+        if not 0.0 <= self.input_len_spread < 1.0:
+            raise UsageError(f"--input-len-spread must be in [0, 1) (got {self.input_len_spread:g})")
         if not 1 <= self.rounds <= MAX_ROUNDS:
             raise UsageError(f"--rounds must be between 1 and {MAX_ROUNDS} (got {self.rounds})")
         if self.rounds > 1 and self.port_base is None:

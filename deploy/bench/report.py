@@ -38,7 +38,8 @@ class BenchReport:
             "wall_s": None if self.finished_at is None else self.finished_at - self.started_at,
             "interrupted": self.interrupted,
             "options": {"modes": o.modes, "rates": o.rates, "input_len": o.input_len, "output_len": o.output_len,
-                        "num_prompts": o.num_prompts, "kv_heavy": o.kv_heavy, "baseline": o.baseline, "seed": o.seed,
+                        "num_prompts": o.num_prompts, "kv_heavy": o.kv_heavy,
+                        "prefix_len": o.prefix_len, "input_len_spread": o.input_len_spread, "baseline": o.baseline, "seed": o.seed,
                         "port_base": o.port_base, "rounds": o.rounds,
                         "slo": {"ttft_ms": o.slo.ttft_ms, "tpot_ms": o.slo.tpot_ms}, "confidence": CONFIDENCE},
             "configuration": self.configuration,
@@ -75,7 +76,7 @@ def configuration(topo: Topology, options: BenchOptions) -> dict:
     }
     per_token = config["model"]["kv_bytes_per_token"]
     if per_token:
-        config["model"]["kv_bytes_per_prompt"] = per_token * options.input_len
+        config["model"]["kv_bytes_per_prompt"] = per_token * (options.prefix_len + options.input_len)
     return config
 
 
@@ -84,7 +85,10 @@ def write_outputs(report: BenchReport) -> None:
     if hasattr(os, "getloadavg"):
         report.configuration.setdefault("machine", {})["load_average_at_end"] = list(os.getloadavg())
     model = report.configuration.get("model", {})
-    subtitle = (f"{model.get('served_name')}, {report.options.input_len} in / {report.options.output_len} out tokens, "
+    o = report.options
+    prompt = (f"{o.prefix_len} shared + " if o.prefix_len else "") + f"{o.input_len}" + \
+        (f" (±{o.input_len_spread:.0%})" if o.input_len_spread else "")
+    subtitle = (f"{model.get('served_name')}, {prompt} in / {report.options.output_len} out tokens, "
                 f"{report.options.num_prompts} prompts per rate"
                 + (f" x {report.options.rounds} rounds" if report.options.rounds > 1 else ""))
     path = out / RESULT_FILE

@@ -42,6 +42,13 @@ def test_argv_drives_the_router_with_fresh_random_prompts(tmp_path):
     assert "--ready-check-timeout-sec" not in argv
 
 
+def test_a_shared_prefix_and_mixed_lengths_shape_only_the_prompts(tmp_path):
+    argv = bench_serve_argv(_load(tmp_path, prefix_len=2048, input_len_spread=0.5))
+    assert _option(argv, "--random-prefix-len") == "2048"
+    assert json.loads(_option(argv, "--random-range-ratio")) == {"input": 0.5, "output": 0.0}  # outputs stay output_len
+    assert _option(bench_serve_argv(_load(tmp_path)), "--random-range-ratio") == "0.0"
+
+
 # A stand-in worker: ready line, then per job writes the result file named by the argv (or not),
 # prints into the job's log and answers the exit status the job's seed asks for.
 FAKE_WORKER = r'''

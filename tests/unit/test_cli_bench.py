@@ -25,6 +25,8 @@ from test_bench_results import recorded_point  # noqa: F401  (fixture from recor
     (["--modes", "colocated"], "--baseline nixl-pull is not among --modes colocated"),
     (["--slo-ttft-ms", "0"], "--slo-ttft-ms must be a positive number of milliseconds (got 0)"),
     (["--slo-tpot-ms", "-5"], "--slo-tpot-ms must be a positive number of milliseconds (got -5)"),
+    (["--prefix-len", "-1"], "--prefix-len must be 0 or more (got -1)"),
+    (["--input-len-spread", "1"], "--input-len-spread must be in [0, 1) (got 1)"),
     (["--rounds", "3"], "--rounds keeps every mode's deployment up at once, so each needs ports of its own: give --port-base"),
 ])
 def test_bad_options_are_one_line_usage_errors(tmp_path, args, message):
@@ -50,10 +52,25 @@ def test_bench_takes_the_same_ssh_options_as_up(monkeypatch, tmp_path):
     assert (ssh.known_hosts, ssh.connect_timeout_s, ssh.auth_timeout_s, ssh.accept_new_host_keys) == ("/tmp/kh", 3.0, 3.0, True)
 
 
+def test_prompt_shape_options_reach_the_bench(monkeypatch, tmp_path):
+    seen = []
+
+    def recording_bench(topo, options, events):
+        seen.append((options.input_len, options.prefix_len, options.input_len_spread))
+        raise KvpushError("stop here")
+
+    monkeypatch.setattr(bench_cmd, "run_bench", recording_bench)
+    result = CliRunner().invoke(app, ["bench", "--input-len", "512", "--prefix-len", "2048", "--input-len-spread", "0.5",
+                                      "--out", str(tmp_path / "out")])
+    assert str(result.exception) == "stop here"
+    assert seen == [(512, 2048, 0.5)]
+
+
 def test_help_documents_the_command():
     result = kvpush("bench", "--help")
     assert result.returncode == 0
-    for option in ("--modes", "--rates", "--input-len", "--output-len", "--num-prompts", "--out", "--kv-heavy", "--json"):
+    for option in ("--modes", "--rates", "--input-len", "--output-len", "--num-prompts", "--out", "--kv-heavy", "--json",
+                   "--prefix-len", "--input-len-spread"):
         assert option in result.stdout
 
 
