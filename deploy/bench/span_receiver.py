@@ -49,7 +49,9 @@ class SpanReceiver:
         self.dropped = 0  # spans beyond MAX_KEPT_SPANS
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self._server = _Server((host, port), _handler_for(self), self._slots)
-        self._thread = threading.Thread(target=self._server.serve_forever, name="otlp-receiver", daemon=True)
+        # shutdown() waits for one poll of the loop: stopping the receiver takes at most 50 ms
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
+                                        name="otlp-receiver", daemon=True)
 
     @property
     def endpoint(self) -> str:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvpush.connector.consumer import Consumer, ConsumerConfig
 from kvpush.connector.layout import TensorView, kv_regions
 from kvpush.connector.metadata import SendSpec
 from kvpush.connector.producer import Producer, ProducerConfig
@@ -55,6 +56,25 @@ def layer_major_buffer(num_blocks: int, layers: int, block_shape: tuple[int, ...
 
 def identity(arr: np.ndarray, model: str = "test-model", layers: int = 0) -> LayoutIdentity:
     return LayoutIdentity(model, "uint8", 16, tuple(f"layer{i}" for i in range(max(layers, 1))), 1)
+
+
+class DecodeSide:
+    """A decode side in the test's own process: a zeroed KV buffer registered with NIXL, and a Consumer
+    that accepts pushes from `prefill` (with the deployment's key when given)."""
+
+    def __init__(self, engine_id: str, prefill: str, num_blocks: int, block_shape: tuple[int, ...],
+                 key: bytes | None = None):
+        self.engine_id = engine_id
+        self.arr = kv_buffer(num_blocks, block_shape, None)
+        regions = kv_regions([view_of(self.arr)], num_blocks)
+        self.engine = NixlEngine(engine_id, regions)
+        config = ConsumerConfig(engine_id, 0, identity(self.arr), frozenset({prefill}), timeout_s=5.0,
+                                **({"side_channel_key": key} if key is not None else {}))
+        self.consumer = Consumer(config, self.engine.name, self.engine.metadata, tuple(regions))
+
+    def close(self) -> None:
+        self.consumer.close()
+        self.engine.close()
 
 
 class PeerProcess:

@@ -14,32 +14,19 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from peer_proc import PeerProcess, identity, kv_buffer, view_of, wait_outcomes  # noqa: E402
-
-from kvpush.connector.consumer import Consumer, ConsumerConfig
-from kvpush.connector.layout import kv_regions
-from kvpush.connector.transfer import NixlEngine
+from peer_proc import DecodeSide, PeerProcess, kv_buffer, wait_outcomes  # noqa: E402
 
 NUM_BLOCKS, BLOCK_SHAPE, SEED = 64, (2, 16, 64), 11
 os.environ.update({"UCX_MODULES": "^ib", "UCX_MEM_EVENTS": "no", "NIXL_LOG_LEVEL": "WARN"})
 
 
-class Decode:
-    def __init__(self, engine_id: str):
-        self.arr = kv_buffer(NUM_BLOCKS, BLOCK_SHAPE, None)
-        regions = kv_regions([view_of(self.arr)], NUM_BLOCKS)
-        self.engine = NixlEngine(engine_id, regions)
-        self.consumer = Consumer(ConsumerConfig(engine_id, 0, identity(self.arr), frozenset({"P.save"}), timeout_s=5.0),
-                                 self.engine.name, self.engine.metadata, tuple(regions))
-
-    def close(self) -> None:
-        self.consumer.close()
-        self.engine.close()
+def decode_side(engine_id: str) -> DecodeSide:
+    return DecodeSide(engine_id, "P.save", NUM_BLOCKS, BLOCK_SHAPE)
 
 
 @pytest.fixture(scope="module")
 def decode():
-    side = Decode("D.save")
+    side = decode_side("D.save")
     yield side
     side.close()
 
@@ -85,7 +72,7 @@ def test_a_step_is_written_only_after_its_forward_pass_and_every_request_lands_b
 
 
 def test_a_decode_gone_while_the_forward_runs_is_never_written_and_the_blocks_are_freed(decode, prefill):
-    gone = Decode("D.gone")
+    gone = decode_side("D.gone")
     try:
         gone.consumer.expect("d-p3", "s3", "P.save", "127.0.0.1", prefill.port, [5, 6], 0, 32)
         time.sleep(0.2)

@@ -17,13 +17,10 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from peer_proc import PeerProcess, identity, kv_buffer, view_of, wait_outcomes  # noqa: E402
+from peer_proc import DecodeSide, PeerProcess, identity, kv_buffer, wait_outcomes  # noqa: E402
 
 from kvpush.connector import auth, wire
-from kvpush.connector.consumer import Consumer, ConsumerConfig
-from kvpush.connector.layout import kv_regions
 from kvpush.connector.regions import HeadLayout
-from kvpush.connector.transfer import NixlEngine
 
 NUM_BLOCKS, BLOCK_SHAPE, SEED = 64, (2, 16, 64), 11
 KEY = bytes(range(32))
@@ -31,15 +28,9 @@ HELD_CONNECTIONS = 320  # past the cap of 256 strangers per listener
 os.environ.update({"UCX_MODULES": "^ib", "UCX_MEM_EVENTS": "no", "NIXL_LOG_LEVEL": "WARN"})
 
 
-class Decode:
+class Decode(DecodeSide):
     def __init__(self, engine_id: str):
-        self.arr = kv_buffer(NUM_BLOCKS, BLOCK_SHAPE, None)
-        regions = kv_regions([view_of(self.arr)], NUM_BLOCKS)
-        self.engine = NixlEngine(engine_id, regions)
-        self.consumer = Consumer(ConsumerConfig(engine_id, 0, identity(self.arr), frozenset({"P.h"}), timeout_s=5.0,
-                                                side_channel_key=KEY),
-                                 self.engine.name, self.engine.metadata, tuple(regions))
-        self.engine_id = engine_id
+        super().__init__(engine_id, "P.h", NUM_BLOCKS, BLOCK_SHAPE, key=KEY)
         self.count = 0
 
     def push(self, peer: PeerProcess, rng) -> float:
@@ -57,10 +48,6 @@ class Decode:
         assert outcome.ok, outcome.reason
         assert np.array_equal(self.arr[dst], kv_buffer(NUM_BLOCKS, BLOCK_SHAPE, SEED)[src])
         return took
-
-    def close(self) -> None:
-        self.consumer.close()
-        self.engine.close()
 
 
 def connect(port: int) -> socket.socket | None:
