@@ -17,11 +17,12 @@ from kvpush.common.errors import UsageError
 
 from .host_address import HostAddress
 from . import topology_values as values
-from .topology_values import EnvMap, ExtraArgs, IntNotBool, PathText, PlainName, not_blank, parse_core_list
+from .topology_values import EnvMap, ExtraArgs, IntNotBool, NumberNotBool, PathText, PlainName, not_blank, parse_core_list
 
 NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 ROUTER_PROCESS_NAME = "router"  # the plan's and state's name for the router process
 DAY_S = 86_400.0  # upper bound of every timeout
+MIN_KV_CACHE_GIB = 1 / 64  # 16 MiB: below this a CPU instance has too few blocks for one long prompt
 ConnectorType = Literal["kvpush", "nixl-push", "nixl-pull", "colocated"]
 Backend = Literal["UCX", "LIBFABRIC"]
 Platform = Literal["cpu", "cuda"]
@@ -170,7 +171,8 @@ class InstanceSpec(_Model):
                                                               "list per TP rank, '|'-separated, e.g. '0|1'")
     share_cores: bool = Field(False, description="platform cpu: this instance may share cores with other instances "
                                                  "that say so too, and its ranks with each other (a small machine)")
-    kv_cache_gib: IntNotBool | None = Field(None, ge=1, le=1 << 16, description="VLLM_CPU_KVCACHE_SPACE (platform cpu)")
+    kv_cache_gib: NumberNotBool | None = Field(None, ge=MIN_KV_CACHE_GIB, le=1 << 16, description=(
+        "platform cpu: each rank's KV cache in GiB, fractions allowed (e.g. 0.25); vLLM's --kv-cache-memory-bytes"))
     tensor_parallel_size: IntNotBool = Field(1, ge=1, le=64)
     data_parallel_size: IntNotBool = Field(1, ge=1, le=256)
     http_port: IntNotBool | None = Field(None, ge=1, le=65535)

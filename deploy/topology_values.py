@@ -208,6 +208,7 @@ def not_blank(fix: str) -> AfterValidator:
 
 
 IntNotBool = Annotated[int, BeforeValidator(_not_bool)]
+NumberNotBool = Annotated[float, BeforeValidator(_not_bool)]
 PathText = Annotated[str, AfterValidator(path)]
 PlainName = Annotated[str, AfterValidator(plain_name)]
 EnvMap = Annotated[dict[str, str], BeforeValidator(env_strings), AfterValidator(env_map)]

@@ -69,6 +69,12 @@ def kv_transfer_config(topo: Topology, role: Role, spec: InstanceSpec) -> dict |
     return config
 
 
+def kv_cache_bytes(gib: float) -> int:
+    """A rank's KV cache size in bytes, whole MiB (vLLM's CPU flag of whole GiB, VLLM_CPU_KVCACHE_SPACE,
+    cannot say 0.25)."""
+    return round(gib * 1024) * 1024 * 1024
+
+
 def vllm_argv(topo: Topology, spec: InstanceSpec, kv_config: dict | None) -> list[str]:
     """The instance's command line: vLLM's OpenAI server with the model, its ports and parallelism,
     the KV transfer config, and on a CPU host with cores of its own, the whole of it on them."""
@@ -94,6 +100,8 @@ def vllm_argv(topo: Topology, spec: InstanceSpec, kv_config: dict | None) -> lis
             argv += ["--distributed-executor-backend", "mp"]
     if spec.data_parallel_size > 1:
         argv += ["--data-parallel-size", str(spec.data_parallel_size)]
+    if topo.platform == "cpu" and spec.kv_cache_gib is not None:
+        argv += ["--kv-cache-memory-bytes", str(kv_cache_bytes(spec.kv_cache_gib))]
     if kv_config is not None:
         argv += ["--kv-transfer-config", json.dumps(kv_config, separators=(",", ":"), sort_keys=True)]
     argv += tracing_argv(topo)
@@ -126,8 +134,6 @@ def vllm_env(topo: Topology, role: Role, spec: InstanceSpec, kv_config: dict | N
             env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if spec.cpu_cores is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = spec.cpu_cores
-        if spec.kv_cache_gib is not None:
-            env["VLLM_CPU_KVCACHE_SPACE"] = str(spec.kv_cache_gib)
     else:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in spec.devices)
     env.update(tracing_env(topo, role, spec))

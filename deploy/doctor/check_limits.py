@@ -75,7 +75,7 @@ def check_disk(ctx: DoctorContext) -> list[CheckResult]:
     return ctx.each_host("disk", ctx.probed_hosts(), decide)
 
 
-def memory_needed_gib(ctx: DoctorContext, host: str) -> tuple[int, list[str]]:
+def memory_needed_gib(ctx: DoctorContext, host: str) -> tuple[float, list[str]]:
     """What the instances on `host` that are to start need; those already running hold theirs
     (it is no longer in MemAvailable), so counting them again would refuse to revive one of them."""
     total, parts = 0, []
@@ -103,11 +103,11 @@ def check_memory(ctx: DoctorContext) -> list[CheckResult]:
         needed, parts = memory_needed_gib(ctx, facts.host)
         ev = Evidence(section.command, tuple(section.stdout.strip().splitlines()) + tuple(f"needs {p}" for p in parts), section.exit_code)
         if needed > available:
-            return fail("memory", facts.host, f"needs ~{needed} GiB, {available:.1f} GiB available",
+            return fail("memory", facts.host, f"needs ~{needed:g} GiB, {available:.1f} GiB available",
                         "lower kv_cache_gib, move an instance to another host, or free memory", ev)
         if needed > 0.9 * available:
-            return warn("memory", facts.host, f"needs ~{needed} GiB of {available:.1f} GiB available (tight)", "lower kv_cache_gib or free memory", ev)
-        return ok("memory", facts.host, f"needs ~{needed} GiB, {available:.1f} GiB available", ev)
+            return warn("memory", facts.host, f"needs ~{needed:g} GiB of {available:.1f} GiB available (tight)", "lower kv_cache_gib or free memory", ev)
+        return ok("memory", facts.host, f"needs ~{needed:g} GiB, {available:.1f} GiB available", ev)
 
     return ctx.each_host("memory", ctx.vllm_hosts(), decide)
 

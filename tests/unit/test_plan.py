@@ -59,7 +59,9 @@ def test_vllm_argv_and_env_for_kvpush():
     assert config["engine_id"] == "t.prefill-0"
     assert config["kv_connector_extra_config"]["allowed_engines"] == ["t.decode-0"]
     assert prefill.env["VLLM_CPU_OMP_THREADS_BIND"] == "0"
-    assert prefill.env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert argv[argv.index("--kv-cache-memory-bytes") + 1] == str(1 << 30)
+    assert "VLLM_CPU_KVCACHE_SPACE" not in prefill.env  # whole GiB only; the flag takes any size
+    assert "--kv-cache-memory-bytes" not in plan.process("decode-0").argv  # no kv_cache_gib: vLLM's default
     assert prefill.env["GLOBAL"] == "1"
     assert prefill.env["NIXL_LOG_LEVEL"] == "WARN"
     assert prefill.log_path == "~/.kvpush/t/logs/prefill-0.log"
@@ -289,3 +291,9 @@ def test_tracing_endpoint_must_be_a_plain_http_url(endpoint):
 
     with pytest.raises(TopologyError, match="tracing.otlp_endpoint"):
         parse_topology(TWO_HOSTS % "kvpush" + f"tracing: {{otlp_endpoint: '{endpoint}'}}\n")
+
+
+def test_a_fraction_of_a_gib_of_kv_cache_is_given_to_vllm_in_bytes():
+    plan = build_plan(parse_topology(TWO_HOSTS.replace("kv_cache_gib: 1", "kv_cache_gib: 0.25") % "kvpush"))
+    argv = plan.process("prefill-0").argv
+    assert argv[argv.index("--kv-cache-memory-bytes") + 1] == str(256 * 1024 * 1024)

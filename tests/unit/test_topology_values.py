@@ -80,6 +80,9 @@ def test_paths_refuse_control_characters_and_absurd_lengths(value):
 
 @pytest.mark.parametrize("text,field", [
     ("prefill: [{kv_cache_gib: 1.0e+26}]\ndecode: [{}]", "prefill[0].kv_cache_gib"),
+    ("prefill: [{kv_cache_gib: 0.001}]\ndecode: [{}]", "prefill[0].kv_cache_gib"),
+    ("prefill: [{kv_cache_gib: true}]\ndecode: [{}]", "prefill[0].kv_cache_gib"),
+    ("prefill: [{kv_cache_gib: .nan}]\ndecode: [{}]", "prefill[0].kv_cache_gib"),
     ("connector: {transfer_timeout_s: .inf}\nprefill: [{}]\ndecode: [{}]", "connector.transfer_timeout_s"),
     ("router: {decode_timeout_s: .nan}\nprefill: [{}]\ndecode: [{}]", "router.decode_timeout_s"),
     ("prefill: [{tensor_parallel_size: 100000}]\ndecode: [{}]", "prefill[0].tensor_parallel_size"),
