@@ -1,10 +1,12 @@
-"""`kvpush bench` for real: the local CPU deployment (real vLLM, router), two modes, two rates, few prompts.
+"""`kvpush bench` for real: the local CPU deployment (real vLLM, router), few prompts.
 
-Heavy (two ~3 GB vLLM servers per mode, started twice): run under `flock /tmp/kvpush-heavy.lock`.
-Push against pull by default; KVPUSH_BENCH_E2E_MODES picks others (e.g. `kvpush,nixl-push,nixl-pull,colocated`).
+Heavy (two ~3 GB vLLM servers per mode): run under `flock /tmp/kvpush-heavy.lock`.
+The short bench runs kvpush beside the stock controls (vLLM's NIXL connectors exactly as vLLM ships
+them), one mode at a time; KVPUSH_BENCH_E2E_MODES picks others (e.g. `kvpush,nixl-push,nixl-pull,colocated`).
+The rounds test keeps two modes' deployments up and pools their rounds.
 Servers run eager (no torch.compile warm-up): the bench, not the model's speed, is under test.
 Every mode's instances send vLLM's per-request spans to the bench, which joins each request's two into
-the engine handoff (asserted for kvpush, nixl-pull and both stock modes).
+the engine handoff (asserted for every disaggregated mode).
 """
 from __future__ import annotations
 
@@ -25,21 +27,30 @@ from kvpush.templates import DEFAULT_TEMPLATE, template_text
 from fault_helpers import port_free
 
 PORT_BASE = 15100  # this test's range: 15100-15104
-MODES = os.environ.get("KVPUSH_BENCH_E2E_MODES", "kvpush,nixl-pull").split(",")
+# kvpush beside vLLM's own connectors as vLLM ships them (the stock controls); KVPUSH_BENCH_E2E_MODES picks others
+MODES = os.environ.get("KVPUSH_BENCH_E2E_MODES", "kvpush,nixl-pull-stock,nixl-push-stock").split(",")
+STOCK_CONNECTORS = {"nixl-pull-stock": "NixlPullConnector", "nixl-push-stock": "NixlPushConnector"}
 
+
+
+def local_template():
+    """The shipped local topology, eager, with a quarter GiB of KV cache per instance (a smaller cache
+    starts sooner: it is collapsed into huge pages at start-up)."""
+    topo = parse_topology(template_text(DEFAULT_TEMPLATE))
+    small = {role: [spec.model_copy(update={"kv_cache_gib": 0.25}) for spec in getattr(topo, role)] for role in ("prefill", "decode")}
+    return topo.model_copy(update={"model": topo.model.model_copy(update={"enforce_eager": True}), **small})
 
 
 def test_short_real_bench_measures_every_mode_and_tears_down(tmp_path, state_dir):
-    topo = parse_topology(template_text(DEFAULT_TEMPLATE))
-    topo = topo.model_copy(update={"model": topo.model.model_copy(update={"enforce_eager": True})})
+    topo = local_template()
     options = BenchOptions(modes=MODES, rates=[1.0, 2.0], input_len=256, output_len=8, num_prompts=4,
                            out_dir=tmp_path / "bench", port_base=PORT_BASE, client_timeout_s=300,
-                           baseline="nixl-pull" if "nixl-pull" in MODES else MODES[0],
+                           baseline=next((m for m in ("nixl-pull", "nixl-pull-stock") if m in MODES), MODES[0]),
                            lifecycle=LifecycleOptions(ready_timeout_s=400, stop_timeout_s=15))
     report = run_bench(topo, options)
 
     # Torn down: no state left, every port free again.
-    assert load_state(bench_topology(topo, MODES[0]).name) is None
+    assert load_state(bench_topology(topo, MODES[0]).name) is None  # one mode at a time: one deployment name
     assert all(port_free(PORT_BASE + i) for i in range(5))
 
     assert [r.mode for r in report.runs] == MODES
@@ -63,6 +74,8 @@ def test_short_real_bench_measures_every_mode_and_tears_down(tmp_path, state_dir
                 assert p.router.handoff_observations == 4 and p.router.handoff_gap_p50_ms is not None
                 assert p.failed_transfers == 0
             assert_engine_handoff(run.mode, p, tmp_path / "bench", 4)
+        if run.mode in STOCK_CONNECTORS:
+            assert_stock_connector(run.mode, tmp_path / "bench")
 
     document = json.loads((tmp_path / "bench" / "bench.json").read_text())
     assert document["configuration"]["versions"]["vllm"].startswith("vllm")
@@ -102,8 +115,7 @@ ROUNDS_PORT_BASE = 15600  # this test's ranges: 15600-15604 (kvpush), 15700-1570
 
 
 def test_rounds_keep_both_deployments_up_and_pool_their_requests(tmp_path, state_dir):
-    topo = parse_topology(template_text(DEFAULT_TEMPLATE))
-    topo = topo.model_copy(update={"model": topo.model.model_copy(update={"enforce_eager": True})})
+    topo = local_template()
     modes = ["kvpush", "colocated"]
     options = BenchOptions(modes=modes, rates=[2.0], input_len=128, output_len=4, num_prompts=3, rounds=2,
                            out_dir=tmp_path / "bench", port_base=ROUNDS_PORT_BASE, client_timeout_s=300, baseline="colocated",
@@ -140,30 +152,9 @@ def test_rounds_keep_both_deployments_up_and_pool_their_requests(tmp_path, state
     assert (tmp_path / "bench" / "goodput.png").stat().st_size > 10_000
 
 
-STOCK_PORT_BASE = 15800  # this test's ranges: 15800-15804 (nixl-pull-stock), 15900-15904 (nixl-push-stock)
-
-
-def test_stock_nixl_modes_serve_with_vllms_own_connectors(tmp_path, state_dir):
-    """The controls run vLLM's connector classes as vLLM ships them (no kvpush module in their config)
-    and move the prompts' KV for real."""
-    topo = parse_topology(template_text(DEFAULT_TEMPLATE))
-    topo = topo.model_copy(update={"model": topo.model.model_copy(update={"enforce_eager": True})})
-    modes = ["nixl-pull-stock", "nixl-push-stock"]
-    options = BenchOptions(modes=modes, rates=[2.0], input_len=256, output_len=4, num_prompts=3, rounds=2,
-                           out_dir=tmp_path / "bench", port_base=STOCK_PORT_BASE, client_timeout_s=300,
-                           baseline="nixl-pull-stock", lifecycle=LifecycleOptions(ready_timeout_s=400, stop_timeout_s=15))
-    report = run_bench(topo, options)
-    for index, run in enumerate(report.runs):
-        assert run.error is None, f"{run.mode}: {run.error}"
-        assert load_state(bench_topology(topo, run.mode, port_base=STOCK_PORT_BASE, mode_index=index).name) is None
-        [pooled] = run.points
-        assert pooled.client.completed == 6 and pooled.client.failed == 0
-        assert pooled.prompt_tokens_external >= 6 * 200 and pooled.failed_transfers == 0
-        for point in run.round_points:  # stock vLLM too: both legs of each request named alike, both spans joined
-            assert_engine_handoff(run.mode, point, tmp_path / "bench", 3)
-        log = (tmp_path / "bench" / "logs" / f"{run.mode}-decode-0.log").read_text(errors="replace")
-        # vLLM's own classes from its registry (pull's registered name resolves to NixlPullConnector), no module path
-        expected = "NixlPushConnector" if run.mode == "nixl-push-stock" else "NixlPullConnector"
-        assert f"Creating v1 connector with name: {expected} " in log
-        assert "kv_connector_module_path=None" in log and "kvpush.connector.vllm_nixl" not in log
-    assert all(port_free(STOCK_PORT_BASE + i) for i in range(5)) and all(port_free(STOCK_PORT_BASE + 100 + i) for i in range(5))
+def assert_stock_connector(mode: str, bench_dir) -> None:
+    """A control ran vLLM's connector class as vLLM ships it: from vLLM's registry (pull's registered name
+    resolves to NixlPullConnector), no module path, nothing of kvpush's in its configuration."""
+    log = (bench_dir / "logs" / f"{mode}-decode-0.log").read_text(errors="replace")
+    assert f"Creating v1 connector with name: {STOCK_CONNECTORS[mode]} " in log
+    assert "kv_connector_module_path=None" in log and "kvpush.connector.vllm_nixl" not in log
