@@ -49,11 +49,11 @@ connector: {{type: kvpush, backend: UCX}}
 hosts:
   local: {{address: 127.0.0.1, workdir: {workdir}}}
 prefill:
-  - {{cpu_cores: "0", share_cores: true, kv_cache_gib: 1, http_port: {b0}, side_channel_port: {b10}}}
-  - {{cpu_cores: "1", share_cores: true, kv_cache_gib: 1, http_port: {b1}, side_channel_port: {b11}}}
+  - {{cpu_cores: "0", share_cores: true, kv_cache_gib: 0.25, http_port: {b0}, side_channel_port: {b10}}}
+  - {{cpu_cores: "1", share_cores: true, kv_cache_gib: 0.25, http_port: {b1}, side_channel_port: {b11}}}
 decode:
-  - {{cpu_cores: "0", share_cores: true, kv_cache_gib: 1, http_port: {b2}, side_channel_port: {b12}}}
-  - {{cpu_cores: "1", share_cores: true, kv_cache_gib: 1, http_port: {b3}, side_channel_port: {b13}}}
+  - {{cpu_cores: "0", share_cores: true, kv_cache_gib: 0.25, http_port: {b2}, side_channel_port: {b12}}}
+  - {{cpu_cores: "1", share_cores: true, kv_cache_gib: 0.25, http_port: {b3}, side_channel_port: {b13}}}
 router: {{port: {b4}, cpu_cores: "0-1", policy: least-loaded}}
 env: {{UCX_MODULES: "^ib", UCX_MEM_EVENTS: "no"}}
 """

@@ -65,8 +65,8 @@ model: {{path: {model}, served_name: tiny, max_model_len: 2048, enforce_eager: t
 connector: {{type: kvpush, backend: UCX}}
 hosts:
   local: {{address: 127.0.0.1, workdir: {workdir}}}
-prefill: [{{cpu_cores: "0", kv_cache_gib: 1, http_port: {base}, side_channel_port: {side}, restart: {restart}}}]
-decode: [{{cpu_cores: "1", kv_cache_gib: 1, http_port: {decode_port}, side_channel_port: {decode_side}}}]
+prefill: [{{cpu_cores: "0", kv_cache_gib: 0.25, http_port: {base}, side_channel_port: {side}, restart: {restart}}}]
+decode: [{{cpu_cores: "1", kv_cache_gib: 0.25, http_port: {decode_port}, side_channel_port: {decode_side}}}]
 router: {{port: {router_port}, cpu_cores: "1"}}
 env: {{UCX_MODULES: "^ib", UCX_MEM_EVENTS: "no"}}
 """

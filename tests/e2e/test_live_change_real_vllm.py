@@ -38,13 +38,13 @@ model: {{path: {model}, served_name: tiny, max_model_len: 2048, enforce_eager: t
 connector: {{type: kvpush, backend: UCX}}
 hosts:
   local: {{address: 127.0.0.1, workdir: {workdir}}}
-prefill: [{{cpu_cores: "0", kv_cache_gib: 1, http_port: {b0}, side_channel_port: {b5}}}]
+prefill: [{{cpu_cores: "0", kv_cache_gib: 0.25, http_port: {b0}, side_channel_port: {b5}}}]
 decode:
-  - {{cpu_cores: "1", share_cores: true, kv_cache_gib: 1, http_port: {b1}, side_channel_port: {b6}}}
+  - {{cpu_cores: "1", share_cores: true, kv_cache_gib: 0.25, http_port: {b1}, side_channel_port: {b6}}}
 {extra}router: {{port: {b2}, cpu_cores: "1"}}
 env: {{UCX_MODULES: "^ib", UCX_MEM_EVENTS: "no"}}
 """
-SECOND_DECODE = '  - {{name: decode-1, cpu_cores: "1", share_cores: true, kv_cache_gib: 1, http_port: {b3}, side_channel_port: {b8}}}\n'
+SECOND_DECODE = '  - {{name: decode-1, cpu_cores: "1", share_cores: true, kv_cache_gib: 0.25, http_port: {b3}, side_channel_port: {b8}}}\n'
 
 
 @dataclass

@@ -43,12 +43,12 @@ connector: {{type: {protocol}, backend: UCX}}
 hosts:
   local: {{address: 127.0.0.1, workdir: {workdir}}}
 prefill: {prefill}
-decode: [{{cpu_cores: "1", kv_cache_gib: 1, http_port: {decode_http}, side_channel_port: {decode_side},
+decode: [{{cpu_cores: "1", kv_cache_gib: 0.25, http_port: {decode_http}, side_channel_port: {decode_side},
           extra_args: ["--enable-prefix-caching"]}}]
 router: {{port: {router}}}
 env: {{UCX_MODULES: "^ib", UCX_MEM_EVENTS: "no"}}
 """
-PREFILL = '[{{cpu_cores: "0", kv_cache_gib: 1, http_port: {prefill_http}, side_channel_port: {prefill_side}}}]'
+PREFILL = '[{{cpu_cores: "0", kv_cache_gib: 0.25, http_port: {prefill_http}, side_channel_port: {prefill_side}}}]'
 MAX_TOKENS = 12
 BLOCK_TOKENS = 128  # vLLM's CPU KV block
 # Decode caches prefixes (several samples of one prompt share one transfer through that cache),

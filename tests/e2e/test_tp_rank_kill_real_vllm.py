@@ -34,9 +34,9 @@ model: {{path: {model}, served_name: tiny, max_model_len: 2048, enforce_eager: t
 connector: {{type: kvpush, backend: UCX, transfer_timeout_s: 20, extra_config: {{late_write_hold_s: 3}}}}
 hosts:
   local: {{address: 127.0.0.1, workdir: {workdir}}}
-prefill: [{{tensor_parallel_size: 2, cpu_cores: "0|1", share_cores: true, kv_cache_gib: 1, http_port: 19300,
+prefill: [{{tensor_parallel_size: 2, cpu_cores: "0|1", share_cores: true, kv_cache_gib: 0.25, http_port: 19300,
            side_channel_port: 19310}}]
-decode: [{{tensor_parallel_size: 2, cpu_cores: "0|1", share_cores: true, kv_cache_gib: 1, http_port: 19301,
+decode: [{{tensor_parallel_size: 2, cpu_cores: "0|1", share_cores: true, kv_cache_gib: 0.25, http_port: 19301,
           side_channel_port: 19320, extra_args: ["--no-enable-prefix-caching"]}}]
 router: {{port: 19309}}
 env: {{UCX_MODULES: "^ib", UCX_MEM_EVENTS: "no"}}

@@ -33,18 +33,19 @@ TOPOLOGY = """
 name: tp-e2e
 platform: cpu
 model: {{path: {model}, served_name: tiny, max_model_len: 2048, enforce_eager: true, dtype: float32}}
-# 8 vLLM processes on 2 cores: a prefill's side channel can go a few seconds without answering a ping
-connector: {{type: kvpush, backend: UCX, transfer_timeout_s: 20, extra_config: {{peer_silence_s: 10}}}}
+# 8 vLLM processes on 2 busy cores: a prefill process can go many seconds without running, so its side
+# channel leaves pings unanswered that long (this module is about the KV's path; failures are elsewhere)
+connector: {{type: kvpush, backend: UCX, transfer_timeout_s: 120, extra_config: {{peer_silence_s: 60}}}}
 hosts:
   local: {{address: 127.0.0.1, workdir: {workdir}}}
 prefill:
-  - {{name: p2, tensor_parallel_size: 2, cpu_cores: "0|1", share_cores: true, kv_cache_gib: 1,
+  - {{name: p2, tensor_parallel_size: 2, cpu_cores: "0|1", share_cores: true, kv_cache_gib: 0.25,
      http_port: {p2_http}, side_channel_port: {p2_side}}}
-  - {{name: p1, cpu_cores: "0", share_cores: true, kv_cache_gib: 1, http_port: {p1_http}, side_channel_port: {p1_side}}}
+  - {{name: p1, cpu_cores: "0", share_cores: true, kv_cache_gib: 0.25, http_port: {p1_http}, side_channel_port: {p1_side}}}
 decode:
-  - {{name: d2, tensor_parallel_size: 2, cpu_cores: "0|1", share_cores: true, kv_cache_gib: 1,
+  - {{name: d2, tensor_parallel_size: 2, cpu_cores: "0|1", share_cores: true, kv_cache_gib: 0.25,
      http_port: {d2_http}, side_channel_port: {d2_side}, extra_args: ["--no-enable-prefix-caching"]}}
-  - {{name: d1, cpu_cores: "1", share_cores: true, kv_cache_gib: 1, http_port: {d1_http}, side_channel_port: {d1_side},
+  - {{name: d1, cpu_cores: "1", share_cores: true, kv_cache_gib: 0.25, http_port: {d1_http}, side_channel_port: {d1_side},
      extra_args: ["--no-enable-prefix-caching"]}}
 router: {{port: 19009, health_timeout_s: 60}}  # 4 instances (8 processes) on 2 busy cores: /health can take seconds
 env: {{UCX_MODULES: "^ib", UCX_MEM_EVENTS: "no"}}

@@ -45,6 +45,8 @@ def _topology_file(tmp: Path, model: Path) -> Path:
     for name in ("n1", "n2"):
         doc["hosts"][name].update({"python": sys.executable, "workdir": str(tmp / name)})
     doc["model"].update({"path": str(model), "enforce_eager": True})
+    for role in ("prefill", "decode"):
+        doc[role][0]["kv_cache_gib"] = 0.25  # a small cache starts sooner (its huge pages are collapsed at start)
     (doc["prefill"][0]["http_port"], doc["prefill"][0]["side_channel_port"]) = PORTS["prefill"]
     (doc["decode"][0]["http_port"], doc["decode"][0]["side_channel_port"]) = PORTS["decode"]
     doc["router"]["port"] = PORTS["router"]

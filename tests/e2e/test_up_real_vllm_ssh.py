@@ -78,8 +78,8 @@ def test_1p1d_over_ssh_matches_a_single_server_and_moves_kv(e2e_hosts, tmp_path,
     topo = topology_for(
         sshd_cluster, "e2e", sys.executable, tmp_path, prefill=[0], decode=[1], router=0, port_base=19100,
         model_path=str(model),
-        instance_env={"prefill-0": {"VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_KVCACHE_SPACE": "1"},
-                      "decode-0": {"VLLM_CPU_OMP_THREADS_BIND": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}},
+        instance_env={"prefill-0": {"VLLM_CPU_OMP_THREADS_BIND": "0"}, "decode-0": {"VLLM_CPU_OMP_THREADS_BIND": "1"}},
+        instance_extra={"prefill-0": {"kv_cache_gib": 0.25}, "decode-0": {"kv_cache_gib": 0.25}},
         extra={"model": {**SERVER_SETTINGS, "tiny": {"seed": 0}},
                "env": {"UCX_MODULES": "^ib", "UCX_MEM_EVENTS": "no"},
                "router": {"workers": 2}},  # a supervisor and two router processes on one port

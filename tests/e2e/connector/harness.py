@@ -36,8 +36,8 @@ model: {{path: {model}, served_name: tiny, max_model_len: 2048, enforce_eager: t
 connector: {{type: kvpush, backend: UCX, transfer_timeout_s: 5, extra_config: {{late_write_hold_s: {hold_s}}}}}
 hosts:
   local: {{address: 127.0.0.1, workdir: {workdir}}}
-prefill: [{{cpu_cores: "0", kv_cache_gib: 1, http_port: {prefill_http}, side_channel_port: {prefill_side}}}]
-decode: [{{cpu_cores: "1", kv_cache_gib: 1, http_port: {decode_http}, side_channel_port: {decode_side}}}]
+prefill: [{{cpu_cores: "0", kv_cache_gib: 0.25, http_port: {prefill_http}, side_channel_port: {prefill_side}}}]
+decode: [{{cpu_cores: "1", kv_cache_gib: 0.25, http_port: {decode_http}, side_channel_port: {decode_side}}}]
 router: {{port: {router}}}
 env: {{UCX_MODULES: "^ib", UCX_MEM_EVENTS: "no", VLLM_LOGGING_LEVEL: "DEBUG"}}
 """
