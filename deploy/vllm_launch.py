@@ -70,8 +70,8 @@ def kv_transfer_config(topo: Topology, role: Role, spec: InstanceSpec) -> dict |
 
 
 def kv_cache_bytes(gib: float) -> int:
-    """A rank's KV cache size in bytes, whole MiB (vLLM's CPU flag of whole GiB, VLLM_CPU_KVCACHE_SPACE,
-    cannot say 0.25)."""
+    """A rank's KV cache size in bytes, in whole MiB: a flag rather than VLLM_CPU_KVCACHE_SPACE, which
+    takes whole GiB only."""
     return round(gib * 1024) * 1024 * 1024
 
 
