@@ -141,7 +141,7 @@ def check_answers(deployment: Deployment, pair: tuple[str, str], prompts: list[l
     assert metric_sum(router.metrics(), "kvpush_router_fallbacks_total") == 0, logs()
     tokens = sum(len(prompt) for prompt in prompts)
     # vLLM may recompute each prompt's last token on decode; every other prompt token came by transfer
-    assert tokens - len(prompts) <= moved <= tokens, (pair, moved, tokens, logs())
+    assert tokens - len(prompts) <= moved <= tokens, f"P {p} -> D {d}: {moved:g} of {tokens} prompt tokens came by transfer\n{logs()}"
 
 
 @pytest.mark.timeout(900)
