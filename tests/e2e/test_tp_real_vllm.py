@@ -33,9 +33,7 @@ TOPOLOGY = """
 name: tp-e2e
 platform: cpu
 model: {{path: {model}, served_name: tiny, max_model_len: 2048, enforce_eager: true, dtype: float32}}
-# 8 vLLM processes on 2 busy cores: a prefill process can go many seconds without running, so its side
-# channel leaves pings unanswered that long (this module is about the KV's path; failures are elsewhere)
-connector: {{type: kvpush, backend: UCX, transfer_timeout_s: 120, extra_config: {{peer_silence_s: 60}}}}
+connector: {{type: kvpush, backend: UCX, transfer_timeout_s: 20}}
 hosts:
   local: {{address: 127.0.0.1, workdir: {workdir}}}
 prefill:
