@@ -57,6 +57,9 @@ class PushWorker:
         # without an outcome yet. An ended one is reported again at the outcome (vLLM frees it then).
         self._landing: dict[str, bool] = {}
         self._failed_early: dict[str, tuple[int, ...]] = {}  # req id -> blocks: streamed WRITE failed
+        # req id -> blocks: a streamed WRITE given up on while P may still write into them; reported
+        # every step until vLLM hands the request back (see `_streamed_failure`)
+        self._failed_late: dict[str, tuple[int, ...]] = {}
         self._cancelled: set[str] = set()  # transfers whose request ended while vLLM waited for them
         self._evict: set[int] = set()  # blocks vLLM cached for a streamed WRITE that then failed
         self._echo: set[str] = set()  # ended requests to report received again (vLLM frees them)
@@ -141,6 +144,7 @@ class PushWorker:
         self._loading_now = set(meta.loading)
         for req_id, tid in meta.releases:
             self._failed_early.pop(req_id, None)
+            self._failed_late.pop(req_id, None)
             if tid in self._landing:
                 self._landing[tid] = True
             elif tid in self._late:
@@ -236,7 +240,7 @@ class PushWorker:
                         if not o.ok:  # vLLM may have cached them as loaded; freed now, not recomputed
                             self._evict.update(o.pending.block_ids)
                     elif not o.ok:
-                        self._streamed_failure(o.pending)
+                        self._streamed_failure(o.pending, late)
                     continue
                 # a request still waiting is failed by vLLM on the load errors, which keeps its blocks
                 # until it is reported received: that waits for the hold too
@@ -273,11 +277,18 @@ class PushWorker:
             del self._late[tid]
         return due
 
-    def _streamed_failure(self, pending: Pending) -> None:
+    def _streamed_failure(self, pending: Pending, late: bool) -> None:
         """vLLM took this request's blocks for loaded (and may have cached them) when the WRITE
         began. Report them for the step that first computes the request, and at once for any
-        running request that found them in the prefix cache; drop them from that cache."""
+        running request that found them in the prefix cache; drop them from that cache.
+
+        If P may still write into them (`late`), they are reported in every step until vLLM ends
+        the request: vLLM fails a request only for blocks it had computed before the step, and in
+        its first step that excludes the prompt's last block, which P writes whole, past the
+        prompt, over the slots this request fills with what it generates."""
         self._failed_early[pending.req_id] = pending.block_ids
+        if late:
+            self._failed_late[pending.req_id] = pending.block_ids
         self._load_errors.update(pending.block_ids)
         self._evict.update(pending.block_ids)
 
@@ -289,6 +300,8 @@ class PushWorker:
         errors, self._load_errors = self._load_errors, set()
         for req_id in self._loading_now & self._failed_early.keys():
             errors.update(self._failed_early.pop(req_id))
+        for blocks in self._failed_late.values():
+            errors.update(blocks)
         return errors
 
     def take_stats(self) -> PushStats | None:

@@ -421,6 +421,33 @@ def test_a_streamed_request_failed_while_running_is_held_when_vllm_hands_it_back
     assert w.get_finished(set()) == (None, {"r"})
 
 
+def test_a_streamed_request_given_up_on_while_running_is_reported_every_step_until_vllm_ends_it(clock):
+    """vLLM fails a request only for blocks computed before the step: in the request's first step
+    (the one that computed its prompt's last token itself) the last block is not among them, so a
+    single report would leave it running while P's late WRITE lands in the slots it generates into."""
+    w = streaming_decode()
+    w.settings.late_write_hold_s = HOLD_S
+    w.bind(PushMetadata(loading=["r"]))
+    w.consumer.outcomes.append(late_failure())
+    assert w.get_finished(set()) == (None, None) and w.load_errors() == {3, 4}
+    for _ in range(3):  # vLLM did not act on it: still running
+        w.bind(PushMetadata())
+        assert w.load_errors() == {3, 4}
+    w.bind(PushMetadata(releases=[("r", "t")]))  # vLLM failed it and left its blocks to us
+    assert w.load_errors() == set()
+    clock.advance(HOLD_S)
+    assert w.get_finished(set()) == (None, {"r"})
+
+
+def test_a_streamed_failure_that_cannot_land_later_is_reported_only_where_vllm_looks():
+    w = streaming_decode()
+    w.bind(PushMetadata(loading=["r"]))
+    w.consumer.outcomes.append(Outcome(Pending("t", "r", "P", (3, 4), 0.0), False, "P said FAIL"))
+    assert w.get_finished(set()) == (None, None) and w.load_errors() == {3, 4}
+    w.bind(PushMetadata())
+    assert w.load_errors() == set()
+
+
 def test_a_request_that_ended_while_its_kv_was_awaited_is_held_after_a_late_failure(clock):
     w = worker(False, late_write_hold_s=HOLD_S)
     w.bind(PushMetadata(recvs=[RecvSpec("r", "t", "P", "h", 5, 1, (3, 4), 0, 200)]))
