@@ -34,7 +34,8 @@ from .state import Match, Offer, ProducerState, Registration, Rejection, counts_
 from .transfer import NixlEngine, Peer
 
 log = logging.getLogger(__name__)
-POLL_S = 0.0002  # completion polling period, only while WRITEs are in flight
+POLL_S = 0.0002  # completion polling period, only while WRITEs are in flight ...
+MAX_POLL_S = 0.001  # ... easing off to this on a CPU host as they stay in flight (see `_poll_interval`)
 # Counters that are outcomes, not dropped or refused input (those are exported by `take_counts`)
 _OUTCOME_COUNTERS = frozenset({"sent", "failed"})
 
@@ -133,15 +134,20 @@ class Producer:
                     here.append(result)
                 else:
                     self._settle(result)
+        # Streamed only into a decode instance of one rank: the ranks of a larger one meet in an
+        # all-reduce in every layer, where a rank waiting for another's layers spins, on a CPU
+        # host on a core this prefill may share, keeping the prefill that must write those layers
+        # off it; unstreamed, decode's ranks compute only once the whole WRITE is there.
+        write = self._pushes.stream if self.config.stream_writes and peer_tp_size == 1 else self._pushes.drive
         for match in here:
             key = match.offer.transfer_id
             try:
-                (self._pushes.stream if self.config.stream_writes else self._pushes.drive)(match)
+                write(match)
             except Exception as exc:  # a bug here must cost this push, not the engine's compute thread
                 log.exception("kvpush: WRITE %s failed unexpectedly", key)
                 with self._lock:
                     self._pushes.finish(match, self._peers.conns.get(match.offer.peer_engine), now, time.monotonic(), False,
-                                 f"prefill error during the WRITE: {exc!r}")
+                                        f"prefill error during the WRITE: {exc!r}")
             finally:
                 with self._lock:
                     self._writing.discard(key)
@@ -232,9 +238,19 @@ class Producer:
     def timeout(self) -> float | None:
         with self._lock:
             if self._pushes.inflight:
-                return POLL_S
+                return self._poll_interval()
             deadline = self._state.next_deadline()
         return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+    def _poll_interval(self) -> float:
+        """Lock held. On a CPU host a WRITE in flight for long waits on its decode process (the
+        first WRITE to a rank ends only once that process has run), which may need this very core;
+        polling that never pauses would hold it, so the period grows with the youngest WRITE's age.
+        The GPU's copy engines need no core."""
+        if not self.config.drive_writes:
+            return POLL_S
+        age = time.monotonic() - max(item.posted for item in self._pushes.inflight)
+        return min(MAX_POLL_S, max(POLL_S, age / 8))
 
     def on_tick(self) -> None:
         with self._lock:

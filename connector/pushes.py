@@ -20,7 +20,7 @@ from . import wire
 from .channel import Connection
 from .fanin import base_name, rank_of
 from .state import Match, Registration
-from .streamed_write import stream_parts
+from .streamed_write import stream_parts, wait_while_copying
 from .transfer import NixlEngine, Peer, TransferError, Write
 
 if TYPE_CHECKING:
@@ -193,9 +193,7 @@ class Pushes:
         item = self.post(match)
         if item is None:
             return
-        deadline = time.monotonic() + SYNC_DRIVE_S
-        while item.state(self.engine) == "PROC" and time.monotonic() < deadline:
-            pass
+        wait_while_copying(self.engine, item.writes, time.monotonic() + SYNC_DRIVE_S)
         with self._lock:
             self.inflight.append(item)
             self.poll()

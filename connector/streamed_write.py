@@ -4,7 +4,8 @@ request and compute each layer as soon as it is there.
 
 A part still copying after STREAM_DRIVE_S is not waited for: it and the parts after it are posted
 and handed back still copying, for the producer's reactor to poll to their end; decode then
-learns of them from DONE or FAIL only. Uses the NIXL engine and the connection; no producer state.
+learns of them from DONE or FAIL only. Polls spin only briefly (`wait_while_copying`). Uses the
+NIXL engine and the connection; no producer state.
 """
 from __future__ import annotations
 
@@ -16,6 +17,12 @@ from .channel import Connection
 from .transfer import NixlEngine, TransferError, Write
 
 STREAM_DRIVE_S = 1.0  # at most this long the compute thread drives one part; decode already computes on it
+# The first WRITE to a decode rank completes only once that process has run (UCX finishes
+# connecting then: tests/integration/connector/test_transfer_nixl.py), so a poll that keeps
+# failing sleeps between tries instead of spinning on a core decode may need.
+SPIN_S = 0.0002  # polls back to back this long, which covers a WRITE that completes at once
+FIRST_SLEEP_S = 0.00005
+MAX_SLEEP_S = 0.001
 
 
 @dataclass
@@ -28,6 +35,20 @@ class StreamOutcome:
     @property
     def copying_bytes(self) -> int:
         return sum(w.num_bytes for w in self.copying)
+
+
+def wait_while_copying(engine: NixlEngine, writes: list[Write], deadline: float) -> list[str]:
+    """The writes' states once none is still copying, or at `deadline` (monotonic)."""
+    started = time.monotonic()
+    pause = FIRST_SLEEP_S
+    while True:
+        states = [engine.state(w) for w in writes]
+        now = time.monotonic()
+        if "PROC" not in states or now >= deadline:
+            return states
+        if now - started >= SPIN_S:
+            time.sleep(min(pause, deadline - now))
+            pause = min(2 * pause, MAX_SLEEP_S)
 
 
 def stream_parts(engine: NixlEngine, conn: Connection, engine_id: str, transfer_id: str,
@@ -48,10 +69,7 @@ def stream_parts(engine: NixlEngine, conn: Connection, engine_id: str, transfer_
             _release(engine, later)
             outcome.error = str(exc)
             return outcome
-        deadline = time.monotonic() + STREAM_DRIVE_S
-        state = engine.state(write)
-        while state == "PROC" and time.monotonic() < deadline:
-            state = engine.state(write)
+        [state] = wait_while_copying(engine, [write], time.monotonic() + STREAM_DRIVE_S)
         if state == "PROC":
             _go_on_in_flight(engine, conn, engine_id, write, later, outcome)
             return outcome

@@ -506,3 +506,36 @@ def test_a_push_withdrawn_before_decode_registered_is_failed_when_it_registers(s
     register(producer, conn, "t21", [5])
     [fail] = [m for m in conn.sent if isinstance(m, wire.Fail)]
     assert fail.transfer_id == "t21" and not engine.prepared and not engine.posted
+
+
+def test_one_prefill_rank_streams_into_a_one_rank_decode_only():
+    """P TP1 holds both KV heads; decode TP2's ranks take one each. Each gets the whole WRITE and
+    DONE, never STREAMING: its ranks would wait for each other's layers in a spinning all-reduce."""
+    identity = LayoutIdentity("m", "bfloat16", 16, ("l0", "l1"), 2)
+    engine = FakeEngine()
+    producer = Producer(ProducerConfig("P", identity, frozenset({"D"}), "127.0.0.1", 0, stream_writes=True,
+                                       sharding=HeadSharding(2, 1), head_layouts=(HeadLayout(2, 2048, (0,)),)), engine)
+    try:
+        conns = [FakeConn(), FakeConn()]
+        for rank, conn in enumerate(conns):
+            producer.on_message(conn, wire.Hello("D", rank, 2, f"agent-D{rank}", b"meta", identity,
+                                                 (Region(1 << 20, 2048, 2048, 64),), (HeadLayout.whole(2048),)))
+            assert isinstance(conn.sent[-1], wire.Welcome), conn.sent[-1]
+            register(producer, conn, "t20", [5, 6])
+        producer.offer("t20", "r20", [1, 2], "D", peer_tp_size=2)
+        assert len(engine.posted) == 2 and all(isinstance(w, Write) for _, _, w in engine.prepared)  # whole WRITEs
+        assert [type(m).__name__ for c in conns for m in c.sent[1:]] == ["Done", "Done"]
+    finally:
+        producer.close()
+
+
+@pytest.mark.parametrize("drive_writes", [True, False])
+def test_writes_in_flight_long_are_polled_less_often_on_a_cpu_host_only(setup, drive_writes):
+    from kvpush.connector.producer import MAX_POLL_S, POLL_S
+    producer, _, _ = setup(drive_writes=drive_writes)
+    now = time.monotonic()
+    producer._pushes.inflight = [SimpleNamespace(posted=now - 5.0)]
+    assert producer.timeout() == (MAX_POLL_S if drive_writes else POLL_S)
+    producer._pushes.inflight.append(SimpleNamespace(posted=now + 1.0))  # a WRITE just posted sets the pace
+    assert producer.timeout() == POLL_S
+    producer._pushes.inflight = []

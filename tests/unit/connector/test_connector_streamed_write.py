@@ -1,11 +1,14 @@
 """A streamed push part by part against a scripted engine: what decode is told, what is handed
-back still copying, and that every part not handed back is released."""
+back still copying, that every part not handed back is released, and that a WRITE still copying
+is polled with sleeps, not spun on."""
 from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from kvpush.connector import streamed_write, wire
-from kvpush.connector.streamed_write import stream_parts
+from kvpush.connector.streamed_write import stream_parts, wait_while_copying
 from kvpush.connector.transfer import TransferError
 
 
@@ -77,3 +80,43 @@ def test_a_refused_post_fails_the_push_and_releases_the_later_parts():
     outcome = stream_parts(engine, conn, "D#0", "t1", parts())
     assert outcome.error == "post of layer1 refused"
     assert engine.posted == ["layer0"] and engine.released == ["layer0", "layer2"]
+
+
+class CountingEngine(Engine):
+    """Copying until the n-th poll; each poll takes `poll_s` of the fake clock."""
+
+    def __init__(self, clock, done_at_poll, poll_s=0.0001):
+        super().__init__({})
+        self.clock, self.polls, self.done_at, self.poll_s = clock, 0, done_at_poll, poll_s
+
+    def state(self, write):
+        self.polls += 1
+        self.clock[0] += self.poll_s
+        return "DONE" if self.polls >= self.done_at else "PROC"
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    now, sleeps = [0.0], []
+    monkeypatch.setattr(streamed_write.time, "monotonic", lambda: now[0])
+
+    def sleep(s):
+        sleeps.append(s)
+        now[0] += s
+    monkeypatch.setattr(streamed_write.time, "sleep", sleep)
+    return now, sleeps
+
+
+def test_a_write_that_keeps_copying_is_polled_back_to_back_briefly_then_with_growing_sleeps(clock):
+    now, sleeps = clock
+    engine = CountingEngine(now, done_at_poll=40)
+    assert wait_while_copying(engine, [SimpleNamespace(name="w")], deadline=10.0) == ["DONE"]
+    polls_before_a_sleep = engine.polls - len(sleeps)  # the last poll found it done
+    assert 1 < polls_before_a_sleep <= 1 + streamed_write.SPIN_S / engine.poll_s
+    assert sleeps == sorted(sleeps) and sleeps[0] == streamed_write.FIRST_SLEEP_S and sleeps[-1] == streamed_write.MAX_SLEEP_S
+
+
+def test_polling_stops_at_the_deadline_with_the_write_still_copying(clock):
+    now, sleeps = clock
+    assert wait_while_copying(CountingEngine(now, done_at_poll=10**9), [SimpleNamespace(name="w")], deadline=0.5) == ["PROC"]
+    assert now[0] >= 0.5 and max(sleeps) == streamed_write.MAX_SLEEP_S
