@@ -24,6 +24,7 @@ from kvpush.deploy.lifecycle import LifecycleOptions
 from kvpush.deploy.state import load_state
 from kvpush.deploy.topology import parse_topology
 from kvpush.templates import DEFAULT_TEMPLATE, template_text
+from e2e_instances import KV_CACHE_GIB
 from fault_helpers import port_free
 
 PORT_BASE = 15100  # this test's range: 15100-15104
@@ -34,10 +35,9 @@ STOCK_CONNECTORS = {"nixl-pull-stock": "NixlPullConnector", "nixl-push-stock": "
 
 
 def local_template():
-    """The shipped local topology, eager, with a quarter GiB of KV cache per instance (a smaller cache
-    starts sooner: it is collapsed into huge pages at start-up)."""
+    """The shipped local topology, eager, with the e2e instances' small KV cache."""
     topo = parse_topology(template_text(DEFAULT_TEMPLATE))
-    small = {role: [spec.model_copy(update={"kv_cache_gib": 0.25}) for spec in getattr(topo, role)] for role in ("prefill", "decode")}
+    small = {role: [spec.model_copy(update={"kv_cache_gib": KV_CACHE_GIB}) for spec in getattr(topo, role)] for role in ("prefill", "decode")}
     return topo.model_copy(update={"model": topo.model.model_copy(update={"enforce_eager": True}), **small})
 
 

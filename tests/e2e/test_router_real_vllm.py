@@ -27,6 +27,7 @@ from kvpush.deploy.plan import build_plan
 from kvpush.deploy.topology import parse_topology
 from kvpush.common.vllm_metrics import PROMPT_TOKENS_BY_SOURCE, metric_sum
 from deployment_slot import DeploymentSlot
+from e2e_instances import KV_CACHE_GIB
 from openai_conformance import MATRIX, run_case
 from random_prompts import full_length_prompts, random_prompts
 from plan_secrets import write_secret_files
@@ -43,12 +44,12 @@ connector: {{type: {protocol}, backend: UCX}}
 hosts:
   local: {{address: 127.0.0.1, workdir: {workdir}}}
 prefill: {prefill}
-decode: [{{cpu_cores: "1", kv_cache_gib: 0.25, http_port: {decode_http}, side_channel_port: {decode_side},
+decode: [{{cpu_cores: "1", kv_cache_gib: {kv_cache_gib}, http_port: {decode_http}, side_channel_port: {decode_side},
           extra_args: ["--enable-prefix-caching"]}}]
 router: {{port: {router}}}
 env: {{UCX_MODULES: "^ib", UCX_MEM_EVENTS: "no"}}
 """
-PREFILL = '[{{cpu_cores: "0", kv_cache_gib: 0.25, http_port: {prefill_http}, side_channel_port: {prefill_side}}}]'
+PREFILL = '[{{cpu_cores: "0", kv_cache_gib: {kv_cache_gib}, http_port: {prefill_http}, side_channel_port: {prefill_side}}}]'
 MAX_TOKENS = 12
 BLOCK_TOKENS = 128  # vLLM's CPU KV block
 # Decode caches prefixes (several samples of one prompt share one transfer through that cache),
@@ -92,8 +93,9 @@ def answer_text(status: int, raw: str, stream: bool) -> str:
 
 
 def make_plan(protocol: str, model: Path, workdir: Path):
-    prefill = "[]" if protocol == "colocated" else PREFILL.format(**PORTS)
-    topo = parse_topology(TOPOLOGY.format(protocol=protocol, model=model, workdir=workdir, prefill=prefill, **PORTS))
+    prefill = "[]" if protocol == "colocated" else PREFILL.format(kv_cache_gib=KV_CACHE_GIB, **PORTS)
+    topo = parse_topology(TOPOLOGY.format(protocol=protocol, model=model, workdir=workdir, prefill=prefill,
+                                          kv_cache_gib=KV_CACHE_GIB, **PORTS))
     plan = build_plan(topo)
     write_secret_files(plan)  # kvpush's connector authenticates its side channel with the deployment's key
     return plan

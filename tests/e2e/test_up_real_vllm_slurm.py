@@ -28,6 +28,7 @@ from kvpush.deploy.tiny_model import make_tiny_model
 from kvpush.deploy.topology import TinyModelSpec
 from kvpush.templates import template_text
 from deployment_slot import DeploymentSlot
+from e2e_instances import KV_CACHE_GIB
 from lifecycle_helpers import kill_leftovers, processes_under, run_cli
 from random_prompts import full_length_prompts, random_prompts
 from server_process import ServerProcess
@@ -46,7 +47,7 @@ def _topology_file(tmp: Path, model: Path) -> Path:
         doc["hosts"][name].update({"python": sys.executable, "workdir": str(tmp / name)})
     doc["model"].update({"path": str(model), "enforce_eager": True})
     for role in ("prefill", "decode"):
-        doc[role][0]["kv_cache_gib"] = 0.25  # a small cache starts sooner (its huge pages are collapsed at start)
+        doc[role][0]["kv_cache_gib"] = KV_CACHE_GIB
     (doc["prefill"][0]["http_port"], doc["prefill"][0]["side_channel_port"]) = PORTS["prefill"]
     (doc["decode"][0]["http_port"], doc["decode"][0]["side_channel_port"]) = PORTS["decode"]
     doc["router"]["port"] = PORTS["router"]

@@ -19,6 +19,7 @@ from kvpush.deploy.state import load_state
 from kvpush.deploy.tiny_model import make_tiny_model
 from kvpush.deploy.topology import TinyModelSpec
 from kvpush.common.vllm_metrics import external_kv_tokens
+from e2e_instances import KV_CACHE_GIB
 from lifecycle_helpers import RecordingEvents, kill_leftovers, options, processes_under
 from sshd_hosts import SshdCluster, topology_for
 
@@ -79,7 +80,7 @@ def test_1p1d_over_ssh_matches_a_single_server_and_moves_kv(e2e_hosts, tmp_path,
         sshd_cluster, "e2e", sys.executable, tmp_path, prefill=[0], decode=[1], router=0, port_base=19100,
         model_path=str(model),
         instance_env={"prefill-0": {"VLLM_CPU_OMP_THREADS_BIND": "0"}, "decode-0": {"VLLM_CPU_OMP_THREADS_BIND": "1"}},
-        instance_extra={"prefill-0": {"kv_cache_gib": 0.25}, "decode-0": {"kv_cache_gib": 0.25}},
+        instance_extra={"prefill-0": {"kv_cache_gib": KV_CACHE_GIB}, "decode-0": {"kv_cache_gib": KV_CACHE_GIB}},
         extra={"model": {**SERVER_SETTINGS, "tiny": {"seed": 0}},
                "env": {"UCX_MODULES": "^ib", "UCX_MEM_EVENTS": "no"},
                "router": {"workers": 2}},  # a supervisor and two router processes on one port

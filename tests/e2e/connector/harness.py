@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvpush.deploy.plan import ProcessPlan, build_plan
+from e2e_instances import KV_CACHE_GIB
 from plan_secrets import write_secret_files
 from server_process import ServerProcess
 from kvpush.deploy.tiny_model import make_tiny_model
@@ -36,15 +37,16 @@ model: {{path: {model}, served_name: tiny, max_model_len: 2048, enforce_eager: t
 connector: {{type: kvpush, backend: UCX, transfer_timeout_s: 5, extra_config: {{late_write_hold_s: {hold_s}}}}}
 hosts:
   local: {{address: 127.0.0.1, workdir: {workdir}}}
-prefill: [{{cpu_cores: "0", kv_cache_gib: 0.25, http_port: {prefill_http}, side_channel_port: {prefill_side}}}]
-decode: [{{cpu_cores: "1", kv_cache_gib: 0.25, http_port: {decode_http}, side_channel_port: {decode_side}}}]
+prefill: [{{cpu_cores: "0", kv_cache_gib: {kv_cache_gib}, http_port: {prefill_http}, side_channel_port: {prefill_side}}}]
+decode: [{{cpu_cores: "1", kv_cache_gib: {kv_cache_gib}, http_port: {decode_http}, side_channel_port: {decode_side}}}]
 router: {{port: {router}}}
 env: {{UCX_MODULES: "^ib", UCX_MEM_EVENTS: "no", VLLM_LOGGING_LEVEL: "DEBUG"}}
 """
 
 
 def deployment_plan(model_dir: Path, workdir: Path):
-    topo = parse_topology(TOPOLOGY.format(model=model_dir, workdir=workdir, hold_s=LATE_WRITE_HOLD_S, **PORTS))
+    topo = parse_topology(TOPOLOGY.format(model=model_dir, workdir=workdir, hold_s=LATE_WRITE_HOLD_S,
+                                          kv_cache_gib=KV_CACHE_GIB, **PORTS))
     plan = build_plan(topo)
     write_secret_files(plan)  # the connector authenticates its side channel with the deployment's key
     return topo, plan
