@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvpush.deploy.plan import ProcessPlan, build_plan
+from kvpush.deploy.plan import build_plan
 from e2e_instances import KV_CACHE_GIB
 from plan_secrets import write_secret_files
 from server_process import ServerProcess
@@ -24,8 +24,7 @@ from kvpush.deploy.tiny_model import make_tiny_model
 from kvpush.deploy.topology import TinyModelSpec, parse_topology
 
 LATE_WRITE_HOLD_S = 4  # short, so a test can watch held blocks come back
-PORTS = {"prefill_http": 17100, "decode_http": 17101, "reference_http": 17102,
-         "prefill_side": 17200, "decode_side": 17210, "router": 17000}
+PORTS = {"prefill_http": 17100, "decode_http": 17101, "prefill_side": 17200, "decode_side": 17210, "router": 17000}
 
 # float32, not the templates' bf16: the random-weight model's logits are near ties, and bf16's
 # rounding flips some greedy picks with decode's batch shape; in float32 every answer can be
@@ -55,15 +54,6 @@ def deployment_plan(model_dir: Path, workdir: Path):
 def ensure_model(model_dir: Path) -> Path:
     make_tiny_model(model_dir, TinyModelSpec(seed=0))
     return model_dir
-
-
-def reference_of(decode: ProcessPlan) -> tuple[list[str], dict[str, str]]:
-    """A plain server with the decode server's exact settings, minus the KV connector."""
-    argv = list(decode.argv)
-    i = argv.index("--kv-transfer-config")
-    del argv[i:i + 2]
-    argv[argv.index("--port") + 1] = str(PORTS["reference_http"])
-    return argv, dict(decode.env)
 
 
 def Server(name: str, argv: list[str], env: dict[str, str], port: int, log_dir: Path) -> ServerProcess:
