@@ -107,7 +107,8 @@ def assert_engine_handoff(mode: str, point, bench_dir, requests: int) -> None:
     for sample in read_kept(bench_dir / point.spans_file).samples:
         assert sample.answer_to_first_ms >= -FIRST_TOKEN_SKEW_MS, f"{mode}: decode's first token before prefill's: {sample}"
         assert sample.compute_to_first_ms == pytest.approx(sample.answer_to_first_ms + sample.prefill_ms, abs=1e-3)
-        assert 0 < sample.prefill_ms < sample.compute_to_first_ms < 60_000
+        # compute_to_first may then fall short of prefill_ms by that skew too (the two lines above bound it)
+        assert 0 < sample.prefill_ms and sample.compute_to_first_ms < 60_000
     assert 0 <= h.answer_to_first["p50"] <= h.compute_to_first["p50"]
 
 
