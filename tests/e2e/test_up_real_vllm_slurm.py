@@ -1,11 +1,11 @@
 """Real vLLM 1P1D on CPU as Slurm job steps: the slurm-cpu template on a real two-node local cluster.
 
 One deployment, brought up with `kvpush up` (which submits the job), is shared by the tests that
-leave it as they found it: answers through the router with KV moved by transfer, streaming, status
-and logs per step. The tests that break it (a killed prefill step relaunched alone, `scancel` of
-the job from outside) each take a deployment for themselves (`own_deployment`,
-tests/deployment_slot.py). Then one more `up`
-inside an allocation the test makes with salloc. Heavy: run under `flock /tmp/kvpush-heavy.lock`.
+leave it as they found it (answers through the router with KV moved by transfer, streaming, status
+and logs per step) or repair it and prove it works again (a killed prefill step relaunched alone;
+if it fails before that proof, the deployment is stopped and the next test starts a fresh one). The
+test that ends it (`scancel` of the job from outside) takes it for itself (`own_deployment`,
+tests/deployment_slot.py). Then one more `up` inside an allocation the test makes with salloc. Heavy: run under `flock /tmp/kvpush-heavy.lock`.
 """
 from __future__ import annotations
 
@@ -197,8 +197,16 @@ def test_status_shows_each_step_and_logs_tail_them(deployment, slurm_cluster, ca
     assert any("Application startup complete" in ln or "/health" in ln for ln in by_process["decode-0"])
 
 
-def test_a_killed_prefill_step_is_reported_and_up_relaunches_only_it(own_deployment, model, capsys):
-    deployment = own_deployment
+def test_a_killed_prefill_step_is_reported_and_up_relaunches_only_it(slot, model, capsys):
+    deployment = slot.shared()
+    try:
+        _kill_prefill_step_and_relaunch_it(deployment, model, capsys)
+    except BaseException:
+        slot.discard()  # in an unknown state: the next test starts a fresh one
+        raise
+
+
+def _kill_prefill_step_and_relaunch_it(deployment: Path, model: Path, capsys) -> None:
     state = load_state(NAME)
     prefill = next(p for p in processes_under(str(model)) if Path(p.cmdline()[0]).name.startswith("python")
                    and "kv_producer" in " ".join(p.cmdline()))  # the server itself, not its step's shell or srun
