@@ -91,6 +91,8 @@ class ReferenceServer:
                 self._server.kill()
                 raise
             self._healthy = True
+        elif not self._server.alive():  # a request of an earlier test ended it: that is a finding, not a reason to restart
+            pytest.fail(f"the reference server has exited ({self._server.proc.returncode}):\n{self._server.tail()}")
         return self._server.url
 
     def stop(self) -> None:
