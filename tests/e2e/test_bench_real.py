@@ -24,6 +24,7 @@ from kvpush.deploy.lifecycle import LifecycleOptions
 from kvpush.deploy.state import load_state
 from kvpush.deploy.topology import parse_topology
 from kvpush.templates import DEFAULT_TEMPLATE, template_text
+from e2e_instances import KV_CACHE_GIB
 from fault_helpers import port_free
 
 PORT_BASE = 15100  # this test's range: 15100-15104
@@ -34,10 +35,9 @@ STOCK_CONNECTORS = {"nixl-pull-stock": "NixlPullConnector", "nixl-push-stock": "
 
 
 def local_template():
-    """The shipped local topology, eager, with a quarter GiB of KV cache per instance (a smaller cache
-    starts sooner: it is collapsed into huge pages at start-up)."""
+    """The shipped local topology, eager, with the e2e instances' small KV cache."""
     topo = parse_topology(template_text(DEFAULT_TEMPLATE))
-    small = {role: [spec.model_copy(update={"kv_cache_gib": 0.25}) for spec in getattr(topo, role)] for role in ("prefill", "decode")}
+    small = {role: [spec.model_copy(update={"kv_cache_gib": KV_CACHE_GIB}) for spec in getattr(topo, role)] for role in ("prefill", "decode")}
     return topo.model_copy(update={"model": topo.model.model_copy(update={"enforce_eager": True}), **small})
 
 
@@ -107,7 +107,8 @@ def assert_engine_handoff(mode: str, point, bench_dir, requests: int) -> None:
     for sample in read_kept(bench_dir / point.spans_file).samples:
         assert sample.answer_to_first_ms >= -FIRST_TOKEN_SKEW_MS, f"{mode}: decode's first token before prefill's: {sample}"
         assert sample.compute_to_first_ms == pytest.approx(sample.answer_to_first_ms + sample.prefill_ms, abs=1e-3)
-        assert 0 < sample.prefill_ms < sample.compute_to_first_ms < 60_000
+        # compute_to_first may then fall short of prefill_ms by that skew too (the two lines above bound it)
+        assert 0 < sample.prefill_ms and sample.compute_to_first_ms < 60_000
     assert 0 <= h.answer_to_first["p50"] <= h.compute_to_first["p50"]
 
 

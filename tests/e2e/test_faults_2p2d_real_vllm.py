@@ -27,6 +27,7 @@ from kvpush.deploy.lifecycle import LifecycleOptions, down, up
 from kvpush.deploy.plan import build_plan
 from kvpush.deploy.topology import parse_topology
 from fault_helpers import cli_status, hang_instance, kill_until_shown_dead, port_free, status_rows, wait_healthy
+from e2e_instances import KV_CACHE_GIB
 from fault_load import LOAD_BEFORE_FAULT_S, PROMPT_TOKENS, Load, completion_request
 from lifecycle_helpers import kill_leftovers, processes_under
 from random_prompts import full_length_prompts
@@ -49,11 +50,11 @@ connector: {{type: kvpush, backend: UCX}}
 hosts:
   local: {{address: 127.0.0.1, workdir: {workdir}}}
 prefill:
-  - {{cpu_cores: "0", share_cores: true, kv_cache_gib: 0.25, http_port: {b0}, side_channel_port: {b10}}}
-  - {{cpu_cores: "1", share_cores: true, kv_cache_gib: 0.25, http_port: {b1}, side_channel_port: {b11}}}
+  - {{cpu_cores: "0", share_cores: true, kv_cache_gib: {kv_cache_gib}, http_port: {b0}, side_channel_port: {b10}}}
+  - {{cpu_cores: "1", share_cores: true, kv_cache_gib: {kv_cache_gib}, http_port: {b1}, side_channel_port: {b11}}}
 decode:
-  - {{cpu_cores: "0", share_cores: true, kv_cache_gib: 0.25, http_port: {b2}, side_channel_port: {b12}}}
-  - {{cpu_cores: "1", share_cores: true, kv_cache_gib: 0.25, http_port: {b3}, side_channel_port: {b13}}}
+  - {{cpu_cores: "0", share_cores: true, kv_cache_gib: {kv_cache_gib}, http_port: {b2}, side_channel_port: {b12}}}
+  - {{cpu_cores: "1", share_cores: true, kv_cache_gib: {kv_cache_gib}, http_port: {b3}, side_channel_port: {b13}}}
 router: {{port: {b4}, cpu_cores: "0-1", policy: least-loaded}}
 env: {{UCX_MODULES: "^ib", UCX_MEM_EVENTS: "no"}}
 """
@@ -145,7 +146,7 @@ def _table(results: list[dict]) -> str:
 
 def test_losing_one_prefill_then_one_decode_under_load_fails_no_request_not_yet_streaming(model_dir, tmp_path, state_dir):
     ports = {f"b{i}": BASE + i for i in range(20)}
-    topo = parse_topology(TOPOLOGY.format(name=NAME, model=model_dir, workdir=tmp_path, **ports))
+    topo = parse_topology(TOPOLOGY.format(name=NAME, model=model_dir, workdir=tmp_path, kv_cache_gib=KV_CACHE_GIB, **ports))
     plan = build_plan(topo)
     used = [p for proc in plan.processes() for p in [proc.http_port, *proc.side_channel_ports]]
     options = LifecycleOptions(provision=False, ready_timeout_s=600, stop_timeout_s=15)

@@ -35,6 +35,7 @@ from kvpush.deploy.lifecycle import LifecycleOptions, down, up
 from kvpush.deploy.plan import Plan, build_plan
 from kvpush.deploy.topology import Topology, parse_topology
 from deployment_slot import DeploymentSlot
+from e2e_instances import KV_CACHE_GIB
 from fault_helpers import cli_status, hang_instance, kill_until_shown_dead, port_free, status_rows, wait_healthy
 from fault_load import LOAD_BEFORE_FAULT_S, PROMPT_TOKENS, Load, completion_request
 from lifecycle_helpers import kill_leftovers, processes_under
@@ -65,8 +66,8 @@ model: {{path: {model}, served_name: tiny, max_model_len: 2048, enforce_eager: t
 connector: {{type: kvpush, backend: UCX}}
 hosts:
   local: {{address: 127.0.0.1, workdir: {workdir}}}
-prefill: [{{cpu_cores: "0", kv_cache_gib: 0.25, http_port: {base}, side_channel_port: {side}, restart: {restart}}}]
-decode: [{{cpu_cores: "1", kv_cache_gib: 0.25, http_port: {decode_port}, side_channel_port: {decode_side}}}]
+prefill: [{{cpu_cores: "0", kv_cache_gib: {kv_cache_gib}, http_port: {base}, side_channel_port: {side}, restart: {restart}}}]
+decode: [{{cpu_cores: "1", kv_cache_gib: {kv_cache_gib}, http_port: {decode_port}, side_channel_port: {decode_side}}}]
 router: {{port: {router_port}, cpu_cores: "1"}}
 env: {{UCX_MODULES: "^ib", UCX_MEM_EVENTS: "no"}}
 """
@@ -112,7 +113,7 @@ def _deployment(kind: str, model_dir: Path, workdir: Path) -> Deployment:
     base = PORT_BASE[kind]
     topo = parse_topology(TOPOLOGY.format(name=f"faults-{kind}", model=model_dir, workdir=workdir, base=base, side=base + 5,
                                           decode_port=base + 1, decode_side=base + 6, router_port=base + 2,
-                                          restart=RESTART_POLICY if kind == "restart-policy" else "never"))
+                                          restart=RESTART_POLICY if kind == "restart-policy" else "never", kv_cache_gib=KV_CACHE_GIB))
     return Deployment(topo, build_plan(topo), workdir)
 
 

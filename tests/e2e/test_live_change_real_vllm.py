@@ -27,6 +27,7 @@ from kvpush.deploy.topology import parse_topology
 from lifecycle_helpers import RecordingEvents, kill_leftovers, processes_under
 from random_prompts import VOCAB
 from fault_helpers import port_free, status_rows
+from e2e_instances import KV_CACHE_GIB
 
 PROMPT_TOKENS, MAX_TOKENS, EVERY_S = 400, 24, 0.5
 STEADY_S = 12.0  # load before the first change, between the changes and after the last
@@ -38,13 +39,13 @@ model: {{path: {model}, served_name: tiny, max_model_len: 2048, enforce_eager: t
 connector: {{type: kvpush, backend: UCX}}
 hosts:
   local: {{address: 127.0.0.1, workdir: {workdir}}}
-prefill: [{{cpu_cores: "0", kv_cache_gib: 0.25, http_port: {b0}, side_channel_port: {b5}}}]
+prefill: [{{cpu_cores: "0", kv_cache_gib: {kv_cache_gib}, http_port: {b0}, side_channel_port: {b5}}}]
 decode:
-  - {{cpu_cores: "1", share_cores: true, kv_cache_gib: 0.25, http_port: {b1}, side_channel_port: {b6}}}
+  - {{cpu_cores: "1", share_cores: true, kv_cache_gib: {kv_cache_gib}, http_port: {b1}, side_channel_port: {b6}}}
 {extra}router: {{port: {b2}, cpu_cores: "1"}}
 env: {{UCX_MODULES: "^ib", UCX_MEM_EVENTS: "no"}}
 """
-SECOND_DECODE = '  - {{name: decode-1, cpu_cores: "1", share_cores: true, kv_cache_gib: 0.25, http_port: {b3}, side_channel_port: {b8}}}\n'
+SECOND_DECODE = '  - {{name: decode-1, cpu_cores: "1", share_cores: true, kv_cache_gib: {kv_cache_gib}, http_port: {b3}, side_channel_port: {b8}}}\n'
 
 
 @dataclass
@@ -117,7 +118,7 @@ def ttft(outcomes: list[Outcome], start: float, end: float) -> dict:
 
 
 def test_adding_then_removing_a_decode_under_steady_load_fails_no_request(model_dir, tmp_path, state_dir):
-    ports = {f"b{i}": BASE + i for i in range(10)}
+    ports = {**{f"b{i}": BASE + i for i in range(10)}, "kv_cache_gib": KV_CACHE_GIB}
     one = parse_topology(TOPOLOGY.format(model=model_dir, workdir=tmp_path, extra="", **ports))
     two = parse_topology(TOPOLOGY.format(model=model_dir, workdir=tmp_path, extra=SECOND_DECODE.format(**ports), **ports))
     plan = build_plan(two)

@@ -5,10 +5,10 @@ Per protocol (kvpush, nixl-pull, nixl-push: 1P1D; colocated: one instance) one d
 shared by the tests that leave it as they found it: instances started with the argv/env of
 `build_plan` (prefill on core 0, decode on core 1), the router as
 `python -m kvpush.router --config <the plan's router.json>`. A test that kills an instance takes
-the deployment for itself (tests/deployment_slot.py): stopped after it, seen by no other test. A
-plain vLLM server with decode's settings gives the reference answers: greedy texts for random
-prompts, and the outcome of every request of the OpenAI conformance matrix
-(tests/openai_conformance.py). Heavy: run under `flock /tmp/kvpush-heavy.lock`.
+the deployment for itself (tests/deployment_slot.py): stopped after it, seen by no other test. The
+session's plain vLLM server (tests/reference_server.py: decode's model and settings, no connector)
+gives the reference answers: greedy texts for random prompts, and the outcome of every request of
+the OpenAI conformance matrix (tests/openai_conformance.py). Heavy: run under `flock /tmp/kvpush-heavy.lock`.
 """
 from __future__ import annotations
 
@@ -27,12 +27,13 @@ from kvpush.deploy.plan import build_plan
 from kvpush.deploy.topology import parse_topology
 from kvpush.common.vllm_metrics import PROMPT_TOKENS_BY_SOURCE, metric_sum
 from deployment_slot import DeploymentSlot
+from e2e_instances import KV_CACHE_GIB
 from openai_conformance import MATRIX, run_case
 from random_prompts import full_length_prompts, random_prompts
 from plan_secrets import write_secret_files
 from server_process import ServerProcess
 
-PORTS = {"prefill_http": 18300, "decode_http": 18301, "reference_http": 18302, "router": 18310,
+PORTS = {"prefill_http": 18300, "decode_http": 18301, "router": 18310,
          "prefill_side": 18400, "decode_side": 18410}
 TOPOLOGY = """
 name: router-e2e
@@ -43,12 +44,12 @@ connector: {{type: {protocol}, backend: UCX}}
 hosts:
   local: {{address: 127.0.0.1, workdir: {workdir}}}
 prefill: {prefill}
-decode: [{{cpu_cores: "1", kv_cache_gib: 0.25, http_port: {decode_http}, side_channel_port: {decode_side},
+decode: [{{cpu_cores: "1", kv_cache_gib: {kv_cache_gib}, http_port: {decode_http}, side_channel_port: {decode_side},
           extra_args: ["--enable-prefix-caching"]}}]
 router: {{port: {router}}}
 env: {{UCX_MODULES: "^ib", UCX_MEM_EVENTS: "no"}}
 """
-PREFILL = '[{{cpu_cores: "0", kv_cache_gib: 0.25, http_port: {prefill_http}, side_channel_port: {prefill_side}}}]'
+PREFILL = '[{{cpu_cores: "0", kv_cache_gib: {kv_cache_gib}, http_port: {prefill_http}, side_channel_port: {prefill_side}}}]'
 MAX_TOKENS = 12
 BLOCK_TOKENS = 128  # vLLM's CPU KV block
 # Decode caches prefixes (several samples of one prompt share one transfer through that cache),
@@ -92,8 +93,9 @@ def answer_text(status: int, raw: str, stream: bool) -> str:
 
 
 def make_plan(protocol: str, model: Path, workdir: Path):
-    prefill = "[]" if protocol == "colocated" else PREFILL.format(**PORTS)
-    topo = parse_topology(TOPOLOGY.format(protocol=protocol, model=model, workdir=workdir, prefill=prefill, **PORTS))
+    prefill = "[]" if protocol == "colocated" else PREFILL.format(kv_cache_gib=KV_CACHE_GIB, **PORTS)
+    topo = parse_topology(TOPOLOGY.format(protocol=protocol, model=model, workdir=workdir, prefill=prefill,
+                                          kv_cache_gib=KV_CACHE_GIB, **PORTS))
     plan = build_plan(topo)
     write_secret_files(plan)  # kvpush's connector authenticates its side channel with the deployment's key
     return plan
@@ -106,23 +108,13 @@ class Reference:
 
 
 @pytest.fixture(scope="module")
-def reference(model_dir, tmp_path_factory) -> Reference:
-    """What one plain server with the decode server's settings, minus the connector, answers."""
-    workdir = tmp_path_factory.mktemp("reference")
-    decode = make_plan("nixl-pull", model_dir, workdir).process("decode-0")
-    argv = list(decode.argv)
-    i = argv.index("--kv-transfer-config")
-    del argv[i:i + 2]
-    argv[argv.index("--port") + 1] = str(PORTS["reference_http"])
-    env = {k: v for k, v in decode.env.items() if not k.startswith("VLLM_NIXL")}
-    server = ServerProcess("reference", argv, env, f"http://127.0.0.1:{PORTS['reference_http']}", workdir)
-    try:
-        server.wait_healthy()
-        answers = {stream: [answer_text(*complete(server.url, p, stream=False), stream=False) for p in prompts]
-                   for stream, prompts in PROMPTS.items()}
-        return Reference(answers, [run_case(server.url, case) for case in MATRIX])
-    finally:
-        server.kill()
+def reference(model_dir, reference_server, tmp_path_factory) -> Reference:
+    """What the plain server answers; its settings are checked to be decode's, minus the connector."""
+    decode = make_plan("nixl-pull", model_dir, tmp_path_factory.mktemp("reference")).process("decode-0")
+    url = reference_server.url_for(decode)
+    answers = {stream: [answer_text(*complete(url, p, stream=False), stream=False) for p in prompts]
+               for stream, prompts in PROMPTS.items()}
+    return Reference(answers, [run_case(url, case) for case in MATRIX])
 
 
 class Deployment:

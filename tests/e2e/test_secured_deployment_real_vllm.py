@@ -23,6 +23,7 @@ from kvpush.deploy.secrets import AccessKeys, local_secret_path
 from kvpush.deploy.state import load_state
 from kvpush.deploy.tiny_model import make_tiny_model
 from kvpush.deploy.topology import TinyModelSpec
+from e2e_instances import KV_CACHE_GIB
 from lifecycle_helpers import RecordingEvents, kill_leftovers, options, processes_under
 from sshd_hosts import SshdCluster, topology_for
 
@@ -58,7 +59,7 @@ def test_keys_guard_a_real_deployment_end_to_end(e2e_hosts, tmp_path, state_dir,
         e2e_hosts, "secured", sys.executable, tmp_path, prefill=[0], decode=[1], router=0, port_base=PORT_BASE,
         connector="kvpush", model_path=str(model),
         instance_env={"prefill-0": {"VLLM_CPU_OMP_THREADS_BIND": "0"}, "decode-0": {"VLLM_CPU_OMP_THREADS_BIND": "1"}},
-        instance_extra={"prefill-0": {"kv_cache_gib": 0.25}, "decode-0": {"kv_cache_gib": 0.25}},
+        instance_extra={"prefill-0": {"kv_cache_gib": KV_CACHE_GIB}, "decode-0": {"kv_cache_gib": KV_CACHE_GIB}},
         extra={"model": {"max_model_len": 2048, "enforce_eager": True, "tiny": {"seed": 0}},
                "env": {"UCX_MODULES": "^ib", "UCX_MEM_EVENTS": "no"},
                "router": {"api_key_env": KEY_VARIABLE}},

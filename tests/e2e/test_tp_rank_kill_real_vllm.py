@@ -24,6 +24,7 @@ from kvpush.deploy.plan import build_plan, router_config
 from kvpush.deploy.tiny_model import make_tiny_model
 from kvpush.deploy.topology import TinyModelSpec, parse_topology
 from plan_secrets import write_secret_files
+from e2e_instances import KV_CACHE_GIB
 from random_prompts import full_length_prompts
 from server_process import ServerProcess
 
@@ -34,9 +35,9 @@ model: {{path: {model}, served_name: tiny, max_model_len: 2048, enforce_eager: t
 connector: {{type: kvpush, backend: UCX, transfer_timeout_s: 20, extra_config: {{late_write_hold_s: 3}}}}
 hosts:
   local: {{address: 127.0.0.1, workdir: {workdir}}}
-prefill: [{{tensor_parallel_size: 2, cpu_cores: "0|1", share_cores: true, kv_cache_gib: 0.25, http_port: 19300,
+prefill: [{{tensor_parallel_size: 2, cpu_cores: "0|1", share_cores: true, kv_cache_gib: {kv_cache_gib}, http_port: 19300,
            side_channel_port: 19310}}]
-decode: [{{tensor_parallel_size: 2, cpu_cores: "0|1", share_cores: true, kv_cache_gib: 0.25, http_port: 19301,
+decode: [{{tensor_parallel_size: 2, cpu_cores: "0|1", share_cores: true, kv_cache_gib: {kv_cache_gib}, http_port: 19301,
           side_channel_port: 19320, extra_args: ["--no-enable-prefix-caching"]}}]
 router: {{port: 19309}}
 env: {{UCX_MODULES: "^ib", UCX_MEM_EVENTS: "no"}}
@@ -72,7 +73,7 @@ def rank_worker(server: ServerProcess, rank: int) -> int:
 @pytest.mark.timeout(900)
 def test_killing_one_prefill_rank_mid_push_ends_every_request_and_frees_every_block(tmp_path):
     make_tiny_model(tmp_path / "tiny", TinyModelSpec(seed=0))
-    topo = parse_topology(TOPOLOGY.format(model=tmp_path / "tiny", workdir=tmp_path))
+    topo = parse_topology(TOPOLOGY.format(model=tmp_path / "tiny", workdir=tmp_path, kv_cache_gib=KV_CACHE_GIB))
     plan = build_plan(topo)
     write_secret_files(plan)
     servers: dict[str, ServerProcess] = {}

@@ -1,11 +1,11 @@
 """Real vLLM 1P1D on CPU as Slurm job steps: the slurm-cpu template on a real two-node local cluster.
 
 One deployment, brought up with `kvpush up` (which submits the job), is shared by the tests that
-leave it as they found it: answers through the router with KV moved by transfer, streaming, status
-and logs per step. The tests that break it (a killed prefill step relaunched alone, `scancel` of
-the job from outside) each take a deployment for themselves (`own_deployment`,
-tests/deployment_slot.py). Then one more `up`
-inside an allocation the test makes with salloc. Heavy: run under `flock /tmp/kvpush-heavy.lock`.
+leave it as they found it (answers through the router with KV moved by transfer, streaming, status
+and logs per step) or repair it and prove it works again (a killed prefill step relaunched alone;
+if it fails before that proof, the deployment is stopped and the next test starts a fresh one). The
+test that ends it (`scancel` of the job from outside) takes it for itself (`own_deployment`,
+tests/deployment_slot.py). Then one more `up` inside an allocation the test makes with salloc. Heavy: run under `flock /tmp/kvpush-heavy.lock`.
 """
 from __future__ import annotations
 
@@ -22,18 +22,19 @@ import yaml
 
 from kvpush.cli.main import run as cli_run
 from kvpush.common.vllm_metrics import external_kv_tokens
+from kvpush.deploy.plan import build_plan
 from kvpush.deploy.runners.slurm_cli import SlurmClient
 from kvpush.deploy.state import load_state
 from kvpush.deploy.tiny_model import make_tiny_model
-from kvpush.deploy.topology import TinyModelSpec
+from kvpush.deploy.topology import TinyModelSpec, load_topology
 from kvpush.templates import template_text
 from deployment_slot import DeploymentSlot
+from e2e_instances import KV_CACHE_GIB
 from lifecycle_helpers import kill_leftovers, processes_under, run_cli
 from random_prompts import full_length_prompts, random_prompts
-from server_process import ServerProcess
 
 NAME = "slurm-cpu"
-PORTS = {"prefill": (26210, 26220), "decode": (26230, 26240), "router": 26250, "reference": 26260}
+PORTS = {"prefill": (26210, 26220), "decode": (26230, 26240), "router": 26250}
 PROMPTS = random_prompts(16, 700, seed=26)[8:]  # 255 to 700 tokens, held out: no other request used them
 MAX_TOKENS = 12
 
@@ -46,7 +47,7 @@ def _topology_file(tmp: Path, model: Path) -> Path:
         doc["hosts"][name].update({"python": sys.executable, "workdir": str(tmp / name)})
     doc["model"].update({"path": str(model), "enforce_eager": True})
     for role in ("prefill", "decode"):
-        doc[role][0]["kv_cache_gib"] = 0.25  # a small cache starts sooner (its huge pages are collapsed at start)
+        doc[role][0]["kv_cache_gib"] = KV_CACHE_GIB
     (doc["prefill"][0]["http_port"], doc["prefill"][0]["side_channel_port"]) = PORTS["prefill"]
     (doc["decode"][0]["http_port"], doc["decode"][0]["side_channel_port"]) = PORTS["decode"]
     doc["router"]["port"] = PORTS["router"]
@@ -161,7 +162,7 @@ def own_deployment(slot):
         slot.stop(path)
 
 
-def test_held_out_prompts_are_answered_through_the_router_with_kv_moved_and_streamed(deployment, model, tmp_path):
+def test_held_out_prompts_are_answered_through_the_router_with_kv_moved_and_streamed(deployment, reference_server):
     router, decode = f"http://127.0.0.52:{PORTS['router']}", f"http://127.0.0.52:{PORTS['decode'][0]}"
     before = _external_kv(decode)
     answers = [_post(router, p) for p in PROMPTS]
@@ -172,28 +173,8 @@ def test_held_out_prompts_are_answered_through_the_router_with_kv_moved_and_stre
     streamed = [_post(router, p, stream=True) for p in PROMPTS[:3]]
     assert streamed == answers[:3]
 
-    reference = _reference_answers(deployment, model, tmp_path)
-    assert answers == reference
-
-
-def _reference_answers(path: Path, model: Path, tmp: Path) -> list[str]:
-    """The same prompts on one plain vLLM server with decode's settings (outside Slurm, no connector)."""
-    from kvpush.deploy.plan import build_plan
-    from kvpush.deploy.topology import load_topology
-
-    decode = build_plan(load_topology(path)).process("decode-0")
-    argv = list(decode.argv)
-    i = argv.index("--kv-transfer-config")
-    del argv[i:i + 2]
-    argv[argv.index("--host") + 1] = "127.0.0.1"
-    argv[argv.index("--port") + 1] = str(PORTS["reference"])
-    env = {k: v for k, v in decode.env.items() if not k.startswith("VLLM_NIXL")}
-    server = ServerProcess("reference", argv, env, f"http://127.0.0.1:{PORTS['reference']}", tmp)
-    try:
-        server.wait_healthy()
-        return [_post(server.url, p) for p in PROMPTS]
-    finally:
-        server.kill()
+    reference = reference_server.url_for(build_plan(load_topology(deployment)).process("decode-0"))
+    assert answers == [_post(reference, p) for p in PROMPTS]
 
 
 def test_status_shows_each_step_and_logs_tail_them(deployment, slurm_cluster, capsys):
@@ -216,8 +197,16 @@ def test_status_shows_each_step_and_logs_tail_them(deployment, slurm_cluster, ca
     assert any("Application startup complete" in ln or "/health" in ln for ln in by_process["decode-0"])
 
 
-def test_a_killed_prefill_step_is_reported_and_up_relaunches_only_it(own_deployment, model, capsys):
-    deployment = own_deployment
+def test_a_killed_prefill_step_is_reported_and_up_relaunches_only_it(slot, model, capsys):
+    deployment = slot.shared()
+    try:
+        _kill_prefill_step_and_relaunch_it(deployment, model, capsys)
+    except BaseException:
+        slot.discard()  # in an unknown state: the next test starts a fresh one
+        raise
+
+
+def _kill_prefill_step_and_relaunch_it(deployment: Path, model: Path, capsys) -> None:
     state = load_state(NAME)
     prefill = next(p for p in processes_under(str(model)) if Path(p.cmdline()[0]).name.startswith("python")
                    and "kv_producer" in " ".join(p.cmdline()))  # the server itself, not its step's shell or srun

@@ -1,24 +1,25 @@
 """Real vLLM 1P1D on CPU across two SSH hosts, through the kvpush router, with the nixl-pull connector.
 
-Heavy (two ~3 GB vLLM servers, then one reference server): run under `flock /tmp/kvpush-heavy.lock`.
+Heavy (two vLLM servers, and the session's reference server): run under `flock /tmp/kvpush-heavy.lock`.
 """
 from __future__ import annotations
 
 import json
 import os
 import sys
-import time
 
 import psutil
 import pytest
 
 from kvpush.deploy.lifecycle import down, up
+from kvpush.deploy.plan import build_plan
 from kvpush.deploy.observe import deployment_status, require_state
 from kvpush.deploy.runners import LocalRunner
 from kvpush.deploy.state import load_state
 from kvpush.deploy.tiny_model import make_tiny_model
 from kvpush.deploy.topology import TinyModelSpec
 from kvpush.common.vllm_metrics import external_kv_tokens
+from e2e_instances import KV_CACHE_GIB
 from lifecycle_helpers import RecordingEvents, kill_leftovers, options, processes_under
 from sshd_hosts import SshdCluster, topology_for
 
@@ -28,7 +29,8 @@ PROMPTS = [
     "python function return class import yield async await raise error retry timeout host port " * 10,
 ]
 MAX_TOKENS = 12
-SERVER_SETTINGS = {"max_model_len": 2048, "enforce_eager": True}  # identical for P/D and the reference
+# As the session's reference server (tests/reference_server.py) serves: in float32 greedy answers can be compared exactly.
+SERVER_SETTINGS = {"max_model_len": 2048, "enforce_eager": True, "dtype": "float32"}
 
 
 @pytest.fixture(scope="module")
@@ -46,32 +48,7 @@ def _complete(runner, base_url: str, prompt: str) -> str:
     return json.loads(response.body)["choices"][0]["text"]
 
 
-def _reference_answers(model: str, tmp_path) -> list[str]:
-    """The same prompts on one plain vLLM server with the same model settings."""
-    runner, port = LocalRunner(), 19190
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name", "tiny",
-            "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "2048", "--enforce-eager"]
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "1", "PYTHONUNBUFFERED": "1"}
-    started = runner.start_detached(argv, env, str(tmp_path), str(tmp_path / "reference.log"))
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert runner.inspect([started.pid])[started.pid].state == "alive", runner.tail(str(tmp_path / "reference.log"))
-            try:
-                if runner.http("GET", f"http://127.0.0.1:{port}/health", timeout=2).status == 200:
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "reference vLLM not ready in 300 s"
-            time.sleep(1)
-        return [_complete(runner, f"http://127.0.0.1:{port}", p) for p in PROMPTS]
-    finally:
-        runner.signal_groups([started.pgid], "TERM")
-        time.sleep(3)
-        runner.signal_groups([started.pgid], "KILL")
-
-
-def test_1p1d_over_ssh_matches_a_single_server_and_moves_kv(e2e_hosts, tmp_path, state_dir):
+def test_1p1d_over_ssh_matches_a_single_server_and_moves_kv(e2e_hosts, reference_server, tmp_path, state_dir):
     sshd_cluster = e2e_hosts
     model = tmp_path / "tiny-model"
     make_tiny_model(model, TinyModelSpec(seed=0))  # both "hosts" share this filesystem: make it once
@@ -79,7 +56,7 @@ def test_1p1d_over_ssh_matches_a_single_server_and_moves_kv(e2e_hosts, tmp_path,
         sshd_cluster, "e2e", sys.executable, tmp_path, prefill=[0], decode=[1], router=0, port_base=19100,
         model_path=str(model),
         instance_env={"prefill-0": {"VLLM_CPU_OMP_THREADS_BIND": "0"}, "decode-0": {"VLLM_CPU_OMP_THREADS_BIND": "1"}},
-        instance_extra={"prefill-0": {"kv_cache_gib": 0.25}, "decode-0": {"kv_cache_gib": 0.25}},
+        instance_extra={"prefill-0": {"kv_cache_gib": KV_CACHE_GIB}, "decode-0": {"kv_cache_gib": KV_CACHE_GIB}},
         extra={"model": {**SERVER_SETTINGS, "tiny": {"seed": 0}},
                "env": {"UCX_MODULES": "^ib", "UCX_MEM_EVENTS": "no"},
                "router": {"workers": 2}},  # a supervisor and two router processes on one port
@@ -122,4 +99,5 @@ def test_1p1d_over_ssh_matches_a_single_server_and_moves_kv(e2e_hosts, tmp_path,
     assert left == [], "vLLM processes left behind after down"
     assert not [w for w in router_workers if w.is_running() and w.status() != psutil.STATUS_ZOMBIE], "router workers left behind"
 
-    assert pd_answers == _reference_answers(str(model), tmp_path)
+    reference = reference_server.url_for(build_plan(topo).process("decode-0"))
+    assert pd_answers == [_complete(LocalRunner(), reference, p) for p in PROMPTS]

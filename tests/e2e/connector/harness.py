@@ -16,15 +16,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvpush.deploy.plan import ProcessPlan, build_plan
+from kvpush.deploy.plan import build_plan
+from e2e_instances import KV_CACHE_GIB
 from plan_secrets import write_secret_files
 from server_process import ServerProcess
 from kvpush.deploy.tiny_model import make_tiny_model
 from kvpush.deploy.topology import TinyModelSpec, parse_topology
 
 LATE_WRITE_HOLD_S = 4  # short, so a test can watch held blocks come back
-PORTS = {"prefill_http": 17100, "decode_http": 17101, "reference_http": 17102,
-         "prefill_side": 17200, "decode_side": 17210, "router": 17000}
+PORTS = {"prefill_http": 17100, "decode_http": 17101, "prefill_side": 17200, "decode_side": 17210, "router": 17000}
 
 # float32, not the templates' bf16: the random-weight model's logits are near ties, and bf16's
 # rounding flips some greedy picks with decode's batch shape; in float32 every answer can be
@@ -36,15 +36,16 @@ model: {{path: {model}, served_name: tiny, max_model_len: 2048, enforce_eager: t
 connector: {{type: kvpush, backend: UCX, transfer_timeout_s: 5, extra_config: {{late_write_hold_s: {hold_s}}}}}
 hosts:
   local: {{address: 127.0.0.1, workdir: {workdir}}}
-prefill: [{{cpu_cores: "0", kv_cache_gib: 0.25, http_port: {prefill_http}, side_channel_port: {prefill_side}}}]
-decode: [{{cpu_cores: "1", kv_cache_gib: 0.25, http_port: {decode_http}, side_channel_port: {decode_side}}}]
+prefill: [{{cpu_cores: "0", kv_cache_gib: {kv_cache_gib}, http_port: {prefill_http}, side_channel_port: {prefill_side}}}]
+decode: [{{cpu_cores: "1", kv_cache_gib: {kv_cache_gib}, http_port: {decode_http}, side_channel_port: {decode_side}}}]
 router: {{port: {router}}}
 env: {{UCX_MODULES: "^ib", UCX_MEM_EVENTS: "no", VLLM_LOGGING_LEVEL: "DEBUG"}}
 """
 
 
 def deployment_plan(model_dir: Path, workdir: Path):
-    topo = parse_topology(TOPOLOGY.format(model=model_dir, workdir=workdir, hold_s=LATE_WRITE_HOLD_S, **PORTS))
+    topo = parse_topology(TOPOLOGY.format(model=model_dir, workdir=workdir, hold_s=LATE_WRITE_HOLD_S,
+                                          kv_cache_gib=KV_CACHE_GIB, **PORTS))
     plan = build_plan(topo)
     write_secret_files(plan)  # the connector authenticates its side channel with the deployment's key
     return topo, plan
@@ -53,15 +54,6 @@ def deployment_plan(model_dir: Path, workdir: Path):
 def ensure_model(model_dir: Path) -> Path:
     make_tiny_model(model_dir, TinyModelSpec(seed=0))
     return model_dir
-
-
-def reference_of(decode: ProcessPlan) -> tuple[list[str], dict[str, str]]:
-    """A plain server with the decode server's exact settings, minus the KV connector."""
-    argv = list(decode.argv)
-    i = argv.index("--kv-transfer-config")
-    del argv[i:i + 2]
-    argv[argv.index("--port") + 1] = str(PORTS["reference_http"])
-    return argv, dict(decode.env)
 
 
 def Server(name: str, argv: list[str], env: dict[str, str], port: int, log_dir: Path) -> ServerProcess:

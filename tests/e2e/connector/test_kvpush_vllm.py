@@ -1,5 +1,6 @@
-"""kvpush's connector in real vLLM (CPU, tiny local model): one prefill, one decode, and a plain
-reference server with the decode's exact settings. Legs are sent as the router contract says.
+"""kvpush's connector in real vLLM (CPU, tiny local model): one prefill, one decode, and the
+session's plain reference server (tests/reference_server.py: decode's model and settings, no
+connector). Legs are sent as the router contract says.
 The tests that leave prefill and decode as they found them share one pair (`cluster`); the test
 that kills prefill takes the pair for itself (`own_cluster`), and a test after it would get a
 fresh one. The 54 sequential requests are sent once per pair (`sequential_run`) and asserted on
@@ -23,8 +24,8 @@ from kvpush.deploy.runners.local import LocalRunner
 
 sys.path.insert(0, str(Path(__file__).parent))
 from harness import (  # noqa: E402
-    LATE_WRITE_HOLD_S, PORTS, Server, completion_body, deployment_plan, ensure_model, grep_log, kv_usage, post, push_request,
-    reference_of, wait_until_queued_on_prefill,
+    LATE_WRITE_HOLD_S, Server, completion_body, deployment_plan, ensure_model, grep_log, kv_usage, post, push_request,
+    wait_until_queued_on_prefill,
 )
 from deployment_slot import DeploymentSlot  # noqa: E402
 from random_prompts import full_length_prompts, random_prompts  # noqa: E402
@@ -66,31 +67,28 @@ class Pairs:
 
 
 @pytest.fixture(scope="module")
-def pairs():
-    """Starts the reference beside the first pair (their loading overlaps), takes its answers and
-    stops it before the P/D tests: that frees memory and a core."""
+def pairs(reference_server):
+    """Starts the session's reference server (if it is not up yet) beside the first pair, so their
+    loading overlaps, and takes the reference's answers to the prompts."""
     WORK.mkdir(parents=True, exist_ok=True)
     model = ensure_model(WORK / "model")
     topo, plan = deployment_plan(model, WORK / "deploy")
-    ref_argv, ref_env = reference_of(plan.process("decode-0"))
-    reference = Server("reference", ref_argv, ref_env, PORTS["reference_http"], WORK)
+    reference_server.start()
     pair: dict[str, Server] = {}
     try:
         pair = start_pair(plan)
-        reference.wait_healthy(timeout_s=600)
+        reference = reference_server.url_for(plan.process("decode-0"))
         prompts = {"sequential": random_prompts(54, 900, seed=1), "concurrent": random_prompts(32, 900, seed=2)}
         expected = {}
         with ThreadPoolExecutor(4) as pool:
             for name, batch in prompts.items():
-                got = list(pool.map(lambda pr: post(reference.url, completion_body(pr, MAX_TOKENS)), batch))
+                got = list(pool.map(lambda pr: post(reference, completion_body(pr, MAX_TOKENS)), batch))
                 assert all(status == 200 for status, _ in got), got
                 expected[name] = [body["choices"][0]["text"] for _, body in got]
     except BaseException:
         for s in pair.values():
             s.kill()
         raise
-    finally:
-        reference.kill()
     slot = DeploymentSlot("prefill/decode", lambda: start_pair(plan), stop_pair, current=pair)
     try:
         yield Pairs(slot, plan, prompts, expected)
