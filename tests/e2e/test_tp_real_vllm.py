@@ -22,6 +22,7 @@ from kvpush.common.vllm_metrics import PROMPT_TOKENS_BY_SOURCE, metric_sum
 from kvpush.deploy.plan import build_plan, router_config
 from kvpush.deploy.tiny_model import make_tiny_model
 from kvpush.deploy.topology import TinyModelSpec, parse_topology
+from e2e_instances import KV_CACHE_GIB
 from plan_secrets import write_secret_files
 from random_prompts import full_length_prompts, random_prompts
 from server_process import ServerProcess
@@ -37,13 +38,13 @@ connector: {{type: kvpush, backend: UCX, transfer_timeout_s: 20}}
 hosts:
   local: {{address: 127.0.0.1, workdir: {workdir}}}
 prefill:
-  - {{name: p2, tensor_parallel_size: 2, cpu_cores: "0|1", share_cores: true, kv_cache_gib: 0.25,
+  - {{name: p2, tensor_parallel_size: 2, cpu_cores: "0|1", share_cores: true, kv_cache_gib: {kv_cache_gib},
      http_port: {p2_http}, side_channel_port: {p2_side}}}
-  - {{name: p1, cpu_cores: "0", share_cores: true, kv_cache_gib: 0.25, http_port: {p1_http}, side_channel_port: {p1_side}}}
+  - {{name: p1, cpu_cores: "0", share_cores: true, kv_cache_gib: {kv_cache_gib}, http_port: {p1_http}, side_channel_port: {p1_side}}}
 decode:
-  - {{name: d2, tensor_parallel_size: 2, cpu_cores: "0|1", share_cores: true, kv_cache_gib: 0.25,
+  - {{name: d2, tensor_parallel_size: 2, cpu_cores: "0|1", share_cores: true, kv_cache_gib: {kv_cache_gib},
      http_port: {d2_http}, side_channel_port: {d2_side}, extra_args: ["--no-enable-prefix-caching"]}}
-  - {{name: d1, cpu_cores: "1", share_cores: true, kv_cache_gib: 0.25, http_port: {d1_http}, side_channel_port: {d1_side},
+  - {{name: d1, cpu_cores: "1", share_cores: true, kv_cache_gib: {kv_cache_gib}, http_port: {d1_http}, side_channel_port: {d1_side},
      extra_args: ["--no-enable-prefix-caching"]}}
 router: {{port: 19009, health_timeout_s: 60}}  # 4 instances (8 processes) on 2 busy cores: /health can take seconds
 env: {{UCX_MODULES: "^ib", UCX_MEM_EVENTS: "no"}}
@@ -86,7 +87,7 @@ class Deployment:
 def deployment(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("tp")
     make_tiny_model(workdir / "tiny", TinyModelSpec(seed=0))
-    topo = parse_topology(TOPOLOGY.format(model=workdir / "tiny", workdir=workdir, **PORTS))
+    topo = parse_topology(TOPOLOGY.format(model=workdir / "tiny", workdir=workdir, kv_cache_gib=KV_CACHE_GIB, **PORTS))
     plan = build_plan(topo)
     write_secret_files(plan)
     started: dict[str, ServerProcess] = {}
