@@ -1,8 +1,7 @@
 """Which decode ranks prefill lets in: a connection must prove the deployment's key (auth.py)
 before its HELLO is read at all, and the HELLO must then name an allowed engine whose KV layout
 pairs with this rank's. What comes out is the NIXL peer and the segments to write, handed to
-the producer once NIXL's connection to it is up (`NixlEngine.probe`); every refusal is counted
-and logged at most once per WARN_EVERY_S per kind.
+the producer; every refusal is counted and logged at most once per WARN_EVERY_S per kind.
 
 Runs on the producer's reactor thread; touches no producer state.
 """
@@ -11,7 +10,6 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 from typing import Callable
 
 from . import auth, wire
@@ -19,16 +17,13 @@ from .channel import Connection
 from .coalesce import CoalesceError, Plan, slice_segments
 from .regions import HeadLayout
 from .sharding import HeadSharding, ShardingError, pieces_for_prefill
-from .transfer import NixlEngine, Peer, TransferError, Write
+from .transfer import NixlEngine, Peer, TransferError
 
 log = logging.getLogger(__name__)
 WARN_EVERY_S = 10.0  # refusals of one kind are logged at most this often (all are counted)
-PROBE_WAIT_S = 5.0  # a decode rank whose NIXL connection is not up by then is welcomed all the same
-MAX_HELD_MESSAGES = 1024  # what a decode rank may send before its WELCOME (it need not wait for it)
 
 # (the connection, the decode rank's HELLO, its NIXL peer, the pairing of regions)
 Admit = Callable[[Connection, wire.Hello, Peer, Plan], None]
-Deliver = Callable[[Connection, wire.Message], None]
 
 
 class ThrottledWarnings:
@@ -44,32 +39,17 @@ class ThrottledWarnings:
             log.warning(message + " (further ones within %g s are only counted)", *args, WARN_EVERY_S)
 
 
-@dataclass
-class _Connecting:
-    """A decode rank let in, welcomed once its probe READ (the NIXL connection) is through."""
-
-    conn: Connection
-    hello: wire.Hello
-    peer: Peer
-    plan: Plan
-    probe: Write
-    deadline: float
-    held: list[wire.Message] = field(default_factory=list)  # sent before the WELCOME: delivered after it
-
-
 class Admission:
     """The producer's handshake: HELLO -> CHALLENGE -> AUTH -> WELCOME (or REFUSE)."""
 
     def __init__(self, config, engine: NixlEngine, counters: Counter, warnings: ThrottledWarnings,
-                 close: Callable[[Connection, str], None], admit: Admit, deliver: Deliver):
+                 close: Callable[[Connection, str], None], admit: Admit):
         self.config = config  # a ProducerConfig
         self.engine = engine
         self.counters = counters
         self.warnings = warnings
         self._close = close
         self._admit = admit
-        self._deliver = deliver
-        self._connecting: list[_Connecting] = []
 
     def on_hello(self, conn: Connection, hello: wire.Hello) -> None:
         """A decode rank says who it is: prove the key to it and ask it to prove the key too."""
@@ -118,58 +98,7 @@ class Admission:
         if reason is not None:
             self._refuse(conn, hello, reason)
             return
-        try:
-            probe = self.engine.probe(peer)
-        except TransferError as exc:
-            self.warnings.warn("probe", "kvpush: %s; welcoming decode engine %s rank %d without it", exc,
-                               hello.engine_id, hello.tp_rank)
-            probe = None
-        if probe is None:
-            self._admit(conn, hello, peer, plan)
-        else:
-            self._connecting.append(_Connecting(conn, hello, peer, plan, probe, time.monotonic() + PROBE_WAIT_S))
-
-    @property
-    def connecting(self) -> bool:
-        """Some decode rank waits for its WELCOME until its NIXL connection is up (poll them)."""
-        return bool(self._connecting)
-
-    def hold(self, conn: Connection, msg: wire.Message) -> bool:
-        """Keep a message from a decode rank being connected (its REGISTERs follow its HELLO at
-        once) until it is welcomed; False if the connection is not one being connected."""
-        for c in self._connecting:
-            if c.conn is conn:
-                if len(c.held) < MAX_HELD_MESSAGES:
-                    c.held.append(msg)
-                else:
-                    self.counters["held_overflow"] += 1
-                return True
-        return False
-
-    def poll(self, now: float) -> None:
-        """Welcome the decode ranks whose probe ended (or ran out of time); drop those that left."""
-        waiting = []
-        for c in self._connecting:
-            state = self.engine.state(c.probe)
-            if state == "PROC" and now < c.deadline and not c.conn.closed:
-                waiting.append(c)
-                continue
-            self.engine.release(c.probe)
-            if c.conn.closed:
-                continue
-            if state != "DONE":
-                self.warnings.warn("probe", "kvpush: NIXL connection to decode engine %s rank %d not up after %g s (%s); "
-                                   "welcoming it all the same: its first WRITE may wait", c.hello.engine_id,
-                                   c.hello.tp_rank, PROBE_WAIT_S, "failed" if state == "ERR" else "still connecting")
-            self._admit(c.conn, c.hello, c.peer, c.plan)
-            for msg in c.held:
-                self._deliver(c.conn, msg)
-        self._connecting = waiting
-
-    def release_all(self) -> None:
-        for c in self._connecting:
-            self.engine.release(c.probe)
-        self._connecting = []
+        self._admit(conn, hello, peer, plan)
 
     def _refuse(self, conn: Connection, hello: wire.Hello, reason: str, counter: str = "refused_handshake") -> None:
         self.counters[counter] += 1

@@ -79,8 +79,7 @@ class Producer:
         self._reactor = Reactor(f"kvpush-p-{config.engine_id}", self, max_connections=config.max_connections,
                                 auth_deadline_s=config.auth_deadline_s if config.side_channel_key else None)
         self._pushes = Pushes(config, engine, self._lock, self._peers, self.counters, self._reactor.wake)
-        self._admission = Admission(config, engine, self.counters, self._warnings, self._reactor.close, self._admit,
-                                    self.on_message)
+        self._admission = Admission(config, engine, self.counters, self._warnings, self._reactor.close, self._admit)
         self.port = self._reactor.listen(config.host, config.port)
         self._reactor.start()
 
@@ -211,7 +210,6 @@ class Producer:
 
     def close(self) -> None:
         self._reactor.stop()
-        self._admission.release_all()
         with self._lock:
             self._pushes.release_all_prepared()
 
@@ -238,8 +236,6 @@ class Producer:
 
     # ---- reactor thread --------------------------------------------------------------------------
     def timeout(self) -> float | None:
-        if self._admission.connecting:
-            return MAX_POLL_S
         with self._lock:
             if self._pushes.inflight:
                 return self._poll_interval()
@@ -257,7 +253,6 @@ class Producer:
         return min(MAX_POLL_S, max(POLL_S, age / 8))
 
     def on_tick(self) -> None:
-        self._admission.poll(time.monotonic())
         with self._lock:
             self._pushes.poll()
             offers, regs = self._state.expire(time.monotonic())
@@ -291,8 +286,7 @@ class Producer:
             self._admission.on_auth(conn, msg)
             return
         if conn.engine_id is None:
-            if not self._admission.hold(conn, msg):  # a decode rank being connected: after its WELCOME
-                self.counters["before_handshake"] += 1
+            self.counters["before_handshake"] += 1
             return
         if isinstance(msg, wire.Ping):  # answered here, never behind the compute thread's lock
             conn.send(wire.Pong())

@@ -34,7 +34,6 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL's Python logger prints I
 # times a second (0.022 cores per idle instance), 50 ms 20 times (0.001). GPU keeps the value
 # its transfers were measured with (benchmarks/NOTES.md).
 PROGRESS_DELAY_US = {"DRAM": 50_000, "VRAM": 100}  # by NIXL memory type
-PROBE_BYTES = 64
 _create_lock = threading.Lock()
 
 
@@ -131,10 +130,6 @@ class NixlEngine:
             progress_delay_us = PROGRESS_DELAY_US[mem_type]
         self._agent = _create_agent(name, backend, progress_delay_us, thread_cores)
         spans = [(base, size, device_id, "") for base, size in region_spans(self.regions)]
-        # DRAM: a few bytes of our own for `probe` to read a peer's memory into
-        self._probe_buffer = np.zeros(PROBE_BYTES, dtype=np.uint8) if mem_type == "DRAM" else None
-        if self._probe_buffer is not None:
-            spans.append((self._probe_buffer.ctypes.data, PROBE_BYTES, device_id, ""))
         try:
             self._registered = self._agent.register_memory(spans, mem_type)
         except Exception as exc:
@@ -164,30 +159,6 @@ class NixlEngine:
             peer = Peer(name, tuple(regions), device_id, plan)
             self._peers[name] = peer
             return peer
-
-    def probe(self, peer: Peer) -> Write | None:
-        """Start a READ of a few bytes of the peer's first region into a buffer of our own (its
-        memory is left as it was), or None where there is nothing to gain (GPU memory).
-
-        UCX finishes connecting to a peer only once the peer's process has run (see
-        tests/integration/connector/test_transfer_nixl.py); until then the first operation waits,
-        and NIXL's progress thread spins. Done at the handshake, while the decode rank waits for
-        our answer, that wait is over before a request's first WRITE, which on CPU would otherwise
-        hold a core the decode rank may need to finish it."""
-        if self._probe_buffer is None:
-            return None
-        size = min(PROBE_BYTES, peer.regions[0].block_len)
-        local = np.array([[self._probe_buffer.ctypes.data, size, self.device_id]], dtype=np.uint64)
-        remote = np.array([[peer.regions[0].base, size, peer.device_id]], dtype=np.uint64)
-        with self._lock:
-            try:
-                handle = self._agent.initialize_xfer("READ", self._agent.get_xfer_descs(local, self.mem_type),
-                                                     self._agent.get_xfer_descs(remote, self.mem_type), peer.agent_name, b"")
-            except Exception as exc:
-                raise TransferError(f"probe READ from {peer.agent_name} could not be made: {exc}") from exc
-        write = Write(handle, size, 1)
-        self.post(write, peer.agent_name)
-        return write
 
     def remove_peer(self, agent_name: str) -> None:
         with self._lock:

@@ -41,19 +41,10 @@ class FakeEngine:
         self._posted_at: dict[int, float] = {}
         self.regions = REGIONS
         self.device_id = 0
-        self.probe_state: str | None = None
-        self.probes: list[Write] = []
 
     def add_peer(self, metadata, regions, device_id=0, segments=None):
         self.peers.append((metadata, tuple(regions), device_id))
         return SimpleNamespace(regions=tuple(regions))
-
-    def probe(self, peer):
-        """None (welcomed at once) unless a test set `probe_state`: then a READ in that state."""
-        if self.probe_state is None:
-            return None
-        self.probes.append(Write(object(), 64, 1))
-        return self.probes[-1]
 
     def prepare_write(self, peer, src, dst, notif=b""):
         write = Write(object(), 4096 * len(src), 1 + len(src) // 4)
@@ -67,8 +58,6 @@ class FakeEngine:
 
     def state(self, write):
         self.state_calls += 1
-        if write in self.probes:
-            return self.probe_state
         if write is self.failing:
             return "ERR"
         if self.writes_held.is_set():
@@ -550,66 +539,3 @@ def test_writes_in_flight_long_are_polled_less_often_on_a_cpu_host_only(setup, d
     producer._pushes.inflight.append(SimpleNamespace(posted=now + 1.0))  # a WRITE just posted sets the pace
     assert producer.timeout() == POLL_S
     producer._pushes.inflight = []
-
-
-def wait_until(cond, timeout_s=5.0):
-    deadline = time.monotonic() + timeout_s
-    while not cond() and time.monotonic() < deadline:
-        time.sleep(0.005)
-    return cond()
-
-
-def test_a_decode_rank_is_welcomed_only_once_its_nixl_connection_is_up(setup):
-    producer, engine, conn = setup()
-    engine.probe_state = "PROC"
-    conn2 = FakeConn()
-    producer._reactor.call_soon(lambda: producer.on_message(
-        conn2, wire.Hello("D2", 0, 1, "agent-D2", b"meta", IDENTITY, REGIONS, HEADS)))
-    assert wait_until(lambda: engine.state_calls > 3)  # the reactor has polled the probe a few times
-    assert conn2.sent == []  # connecting: no WELCOME yet, so no registration can come
-    engine.probe_state = "DONE"
-    assert wait_until(lambda: conn2.sent and isinstance(conn2.sent[-1], wire.Welcome))
-    assert engine.probes[0] in engine.released
-
-
-@pytest.mark.parametrize("outcome", ["ERR", "PROC"])
-def test_a_probe_that_fails_or_runs_out_of_time_still_lets_the_decode_rank_in(setup, monkeypatch, outcome):
-    monkeypatch.setattr("kvpush.connector.admission.PROBE_WAIT_S", 0.0 if outcome == "PROC" else 60.0)
-    producer, engine, _ = setup()
-    engine.probe_state = outcome
-    conn2 = FakeConn()
-    producer._reactor.call_soon(lambda: producer.on_message(
-        conn2, wire.Hello("D2", 0, 1, "agent-D2", b"meta", IDENTITY, REGIONS, HEADS)))
-    assert wait_until(lambda: conn2.sent and isinstance(conn2.sent[-1], wire.Welcome))
-    assert engine.probes[0] in engine.released
-
-
-def test_a_decode_rank_that_leaves_while_connecting_is_not_welcomed(setup):
-    producer, engine, _ = setup()
-    engine.probe_state = "PROC"
-    conn2 = FakeConn()
-    producer._reactor.call_soon(lambda: producer.on_message(
-        conn2, wire.Hello("D2", 0, 1, "agent-D2", b"meta", IDENTITY, REGIONS, HEADS)))
-    assert wait_until(lambda: len(engine.probes) == 1)
-    conn2.closed = True
-    assert wait_until(lambda: engine.probes[0] in engine.released)
-    assert conn2.sent == [] and producer.peer("D2") is None
-
-
-def test_a_registration_sent_right_behind_the_hello_is_served_once_the_rank_is_welcomed(setup):
-    """Decode sends REGISTER without waiting for WELCOME; while its connection is being probed
-    the registration waits, and it is matched after the WELCOME, not dropped."""
-    producer, engine, _ = setup()
-    engine.probe_state = "PROC"
-    conn2 = FakeConn()
-
-    def hello_then_register():
-        producer.on_message(conn2, wire.Hello("D2", 0, 1, "agent-D2", b"meta", IDENTITY, REGIONS, HEADS))
-        register(producer, conn2, "t30", [5])
-    producer._reactor.call_soon(hello_then_register)
-    assert wait_until(lambda: engine.state_calls > 3)
-    assert conn2.sent == [] and producer.take_counts() == {}  # held, not dropped as before the handshake
-    engine.probe_state = "DONE"
-    assert wait_until(lambda: conn2.sent and isinstance(conn2.sent[-1], wire.Welcome))
-    producer.offer("t30", "r30", [1], "D2")
-    assert wait_record(producer).ok and isinstance(conn2.sent[-1], wire.Done)

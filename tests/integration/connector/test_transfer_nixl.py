@@ -79,26 +79,3 @@ def test_the_first_write_into_a_process_completes_only_once_it_runs_later_ones_w
         assert to_parent.get(timeout=10) == src[:4].tobytes()
     finally:
         engine.close()
-
-
-def test_a_probe_at_the_handshake_leaves_no_write_waiting_on_the_process_and_its_memory_untouched(decode):
-    proc, metadata, base, to_parent, from_parent = decode
-    src = np.random.default_rng(8).integers(0, 256, size=(BLOCKS, BLOCK), dtype=np.uint8)
-    engine = NixlEngine("prefill", [Region(src.ctypes.data, BLOCK, BLOCK, BLOCKS)])
-    try:
-        peer = engine.add_peer(metadata, [Region(base, BLOCK, BLOCK, BLOCKS)])
-        probe = engine.probe(peer)
-        assert wait_done(engine, probe) == "DONE"  # decode is running: the connection comes up
-        engine.release(probe)
-
-        os.kill(proc.pid, signal.SIGSTOP)
-        first = engine.write_coalesced(peer, [2, 3], [2, 3])
-        assert wait_done(engine, first) == "DONE"  # the first WRITE no longer needs decode to run
-        engine.release(first)
-        os.kill(proc.pid, signal.SIGCONT)
-        from_parent.put("written")
-        seen = to_parent.get(timeout=10)  # decode's blocks 0 and 1: the probe only read block 0
-        assert seen[:2 * BLOCK] == bytes(2 * BLOCK)
-        assert seen[2 * BLOCK:] == src[2:4].tobytes()
-    finally:
-        engine.close()

@@ -23,7 +23,7 @@ def gate(tp_rank=0, tp_size=1):
                             sharding=HeadSharding(4, tp_size),
                             head_layouts=(HeadLayout(heads_here, HEAD_BYTES, (0,)),))
     engine = SimpleNamespace(regions=(region,), device_id=0)
-    return Admission(config, engine, Counter(), ThrottledWarnings(), lambda conn, why: None, lambda *a: None, lambda *a: None)
+    return Admission(config, engine, Counter(), ThrottledWarnings(), lambda conn, why: None, lambda *a: None)
 
 
 def hello(engine="D", rank=0, tp_size=1, identity=IDENTITY):

@@ -29,9 +29,6 @@ class Engine:
         self.peers.append(metadata)
         return SimpleNamespace(regions=tuple(regions))
 
-    def probe(self, peer):
-        return None  # GPU memory, or a connection up at once: welcomed right away
-
     def release(self, write):
         pass
 
