@@ -134,11 +134,12 @@ class Producer:
                     here.append(result)
                 else:
                     self._settle(result)
-        # Streamed only into a decode instance of one rank: the ranks of a larger one meet in an
-        # all-reduce in every layer, where a rank waiting for another's layers spins, on a CPU
-        # host on a core this prefill may share, keeping the prefill that must write those layers
-        # off it; unstreamed, decode's ranks compute only once the whole WRITE is there.
-        write = self._pushes.stream if self.config.stream_writes and peer_tp_size == 1 else self._pushes.drive
+        # Streamed only where this rank writes into one decode rank. Writing into several, it
+        # would stream into one after the other; decode's ranks meet in an all-reduce in every
+        # layer, where the first spins waiting for one whose layers this rank has not reached,
+        # on a CPU host on a core this rank may share, keeping this rank off it. Unstreamed,
+        # decode's ranks compute only once every WRITE is there.
+        write = self._pushes.stream if self.config.stream_writes and len(targets) == 1 else self._pushes.drive
         for match in here:
             key = match.offer.transfer_id
             try:

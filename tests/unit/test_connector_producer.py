@@ -508,9 +508,10 @@ def test_a_push_withdrawn_before_decode_registered_is_failed_when_it_registers(s
     assert fail.transfer_id == "t21" and not engine.prepared and not engine.posted
 
 
-def test_one_prefill_rank_streams_into_a_one_rank_decode_only():
+def test_a_prefill_rank_writing_into_several_decode_ranks_does_not_stream():
     """P TP1 holds both KV heads; decode TP2's ranks take one each. Each gets the whole WRITE and
-    DONE, never STREAMING: its ranks would wait for each other's layers in a spinning all-reduce."""
+    DONE, never STREAMING: streamed one after the other, decode's ranks would wait for each
+    other's layers in a spinning all-reduce."""
     identity = LayoutIdentity("m", "bfloat16", 16, ("l0", "l1"), 2)
     engine = FakeEngine()
     producer = Producer(ProducerConfig("P", identity, frozenset({"D"}), "127.0.0.1", 0, stream_writes=True,
@@ -525,6 +526,23 @@ def test_one_prefill_rank_streams_into_a_one_rank_decode_only():
         producer.offer("t20", "r20", [1, 2], "D", peer_tp_size=2)
         assert len(engine.posted) == 2 and all(isinstance(w, Write) for _, _, w in engine.prepared)  # whole WRITEs
         assert [type(m).__name__ for c in conns for m in c.sent[1:]] == ["Done", "Done"]
+    finally:
+        producer.close()
+
+
+def test_a_prefill_rank_writing_into_one_decode_rank_of_a_tp_instance_streams():
+    """P TP2 rank 0 and decode TP2 rank 0 hold KV head 0 of 2: one decode rank, streamed into."""
+    identity = LayoutIdentity("m", "bfloat16", 16, ("l0", "l1"), 2)
+    engine = FakeEngine()
+    producer = Producer(ProducerConfig("P", identity, frozenset({"D"}), "127.0.0.1", 0, stream_writes=True,
+                                       tp_rank=0, sharding=HeadSharding(2, 2)), engine)
+    try:
+        conn = FakeConn()
+        producer.on_message(conn, wire.Hello("D", 0, 2, "agent-D0", b"meta", identity, REGIONS, HEADS))
+        assert isinstance(conn.sent[-1], wire.Welcome), conn.sent[-1]
+        register(producer, conn, "t21", [5, 6])
+        producer.offer("t21", "r21", [1, 2], "D", peer_tp_size=2)
+        assert [type(m).__name__ for m in conn.sent[1:]] == ["Streaming", "Landed", "Landed", "Done"]
     finally:
         producer.close()
 
