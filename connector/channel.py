@@ -12,11 +12,13 @@ connection by a deadline.
 from __future__ import annotations
 
 import logging
+import os
 import select
 import selectors
 import socket
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable, Protocol
 
 from . import wire
@@ -127,6 +129,12 @@ class Connection:
             return None if self._stalled_since is None else self._stalled_since + SEND_STALL_S
 
 
+@dataclass(frozen=True)
+class _Exit:
+    fd: int
+    on_exit: Callable[[], None]
+
+
 class Reactor:
     def __init__(self, name: str, handler: Handler, max_connections: int = MAX_CONNECTIONS,
                  auth_deadline_s: float | None = AUTH_DEADLINE_S):
@@ -193,6 +201,11 @@ class Reactor:
             self._calls.append(fn)
         self.wake()
 
+    def watch_exit(self, pidfd: int, on_exit: Callable[[], None]) -> None:
+        """Run `on_exit` on the reactor thread once the process behind this pidfd has ended (the
+        reactor owns the fd from now on)."""
+        self.call_soon(lambda: self._sel.register(pidfd, selectors.EVENT_READ, _Exit(pidfd, on_exit)))
+
     def watch(self, conn: Connection) -> None:
         """A connection has bytes to write (any thread): the reactor writes them as the peer reads."""
         self.wake()
@@ -245,7 +258,10 @@ class Reactor:
         for key in list(self._sel.get_map().values()):
             if isinstance(key.data, Connection):
                 key.data.closed = True
-            key.fileobj.close()
+            if isinstance(key.data, _Exit):
+                os.close(key.data.fd)
+            else:
+                key.fileobj.close()
 
     def _next_timeout(self) -> float | None:
         deadlines = []
@@ -314,6 +330,11 @@ class Reactor:
             return
         if key.data == "listen":
             self._accept(key.fileobj)
+            return
+        if isinstance(key.data, _Exit):
+            self._sel.unregister(key.fileobj)
+            os.close(key.data.fd)
+            key.data.on_exit()
             return
         conn: Connection = key.data
         if mask & selectors.EVENT_WRITE:

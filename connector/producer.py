@@ -21,6 +21,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Callable
 
 from . import wire
 from .admission import Admission, ThrottledWarnings
@@ -76,6 +77,7 @@ class Producer:
         self._counted: Counter = Counter()  # what take_counts already handed out
         self._warnings = ThrottledWarnings()
         self.counters: Counter = Counter()
+        self._lost = ""  # why this instance can prefill nothing more (a sibling rank ended), "" while whole
         self._reactor = Reactor(f"kvpush-p-{config.engine_id}", self, max_connections=config.max_connections,
                                 auth_deadline_s=config.auth_deadline_s if config.side_channel_key else None)
         self._pushes = Pushes(config, engine, self._lock, self._peers, self.counters, self._reactor.wake)
@@ -116,6 +118,9 @@ class Producer:
         now = time.monotonic()
         here: list[Match] = []
         with self._lock:
+            if self._lost:
+                self.withdraw(transfer_id, req_id, self._lost, peer_tp_size)
+                return
             targets = self._targets(peer_tp_size)
             if peer_engine not in self.config.allowed_engines or not targets:
                 if targets:
@@ -194,6 +199,35 @@ class Producer:
                     self._send_fail(reg.peer_engine, transfer_id, reason)
                 self._pushes.release_prepared(key)
             self._pushes.free_now(req_id)
+
+    def watch_siblings(self, handles: dict[int, str], gone: list[str],
+                       on_lost: Callable[[], None] = lambda: None) -> None:
+        """The other ranks of this instance (pidfd -> name, siblings.py): once one ends, this
+        rank's forward passes stop in their next collective, so nothing here will be offered.
+        `on_lost` then runs on the side channel's thread, after decode has been told."""
+        def lost(name: str) -> None:
+            if self.lose_instance(f"its rank process {name} ended"):
+                on_lost()
+
+        for fd, name in handles.items():
+            self._reactor.watch_exit(fd, lambda name=name: lost(name))
+        if gone:
+            self._reactor.call_soon(lambda: lost(gone[0]))
+
+    def lose_instance(self, why: str) -> bool:
+        """Fail every registration decode holds here now, and every later one on arrival: this
+        rank's siblings are gone, and its own process may live on for seconds until vLLM ends it.
+        False if that was done before."""
+        with self._lock:
+            if self._lost:
+                return False
+            self._lost = f"prefill {self.config.engine_id} can no longer prefill: {why}"
+            waiting = list(self._state.registrations.values())
+            for reg in waiting:
+                self._state.abort(reg.transfer_id, self._lost, time.monotonic())
+                self._send_fail(reg.peer_engine, base_name(reg.transfer_id), self._lost)
+        log.warning("kvpush: %s; failed the %d transfer(s) decode was waiting for here", self._lost, len(waiting))
+        return True
 
     def take_freed(self) -> list[str]:
         with self._lock:
@@ -302,10 +336,11 @@ class Producer:
                 if bad:
                     self.counters["bad_registration"] += 1
                     log.warning("kvpush: refused registration %s from %s: %s", msg.transfer_id, peer_key, bad)
+                if bad or self._lost:
                     offer = self._state.cancel(key, peer_key, now)
                     if offer is not None:
                         self._pushes.push_ended(offer.req_id)
-                    conn.send(wire.Fail(msg.transfer_id, bad))
+                    conn.send(wire.Fail(msg.transfer_id, bad or self._lost))
                     return
                 result = self._state.register(Registration(key, peer_key, msg.block_ids, msg.first_block, now))
                 if result is None and key in self._state.accepted:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from typing import Any
 
@@ -28,6 +29,7 @@ from .metadata import PushMetadata
 from .producer import Producer, ProducerConfig
 from .save_order import SaveQueue
 from .settings import Settings, side_channel_key
+from .siblings import exit_handles, sibling_ranks, yield_cores
 from .sharding import HeadSharding
 from .state import Outcome, Pending
 from .stats import PushStats
@@ -122,6 +124,7 @@ class PushWorker:
                 raise RuntimeError(f"kvpush: prefill {s.engine_id} cannot listen on {s.side_channel_host}:{port} for its "
                                    f"side channel ({exc}); stop the process holding that port or change side_channel_port") from None
             log.info("kvpush: prefill %s side channel on %s:%d", s.engine_id, s.side_channel_host, port)
+            self._watch_siblings()
         else:
             self.consumer = Consumer(ConsumerConfig(s.engine_id, self.tp_rank, identity, s.allowed_engines,
                                                     s.transfer_timeout_s, peer_silence_s=s.peer_silence_s,
@@ -129,6 +132,23 @@ class PushWorker:
                                                     head_layouts=head_layouts, side_channel_key=key,
                                                     peers=s.peer_side_channels),
                                      name, self.engine.metadata, tuple(regions), device_id)
+
+    def _watch_siblings(self) -> None:
+        """P: hear at once when another rank of this instance ends (siblings.py)."""
+        assert self.producer is not None
+        handles, gone = exit_handles(sibling_ranks())
+        self.producer.watch_siblings(handles, gone, on_lost=self._yield_cores)
+        found, others = len(handles) + len(gone), self.settings.tp_size - 1
+        if found < others:
+            log.warning("kvpush: prefill rank %d found %d of this instance's %d other rank process(es) on this host; "
+                        "decode hears of a rank lost elsewhere only when vLLM ends this one", self.tp_rank, found, others)
+        elif found:
+            log.info("kvpush: prefill rank %d watches its %d sibling rank process(es)", self.tp_rank, found)
+
+    def _yield_cores(self) -> None:
+        """P, its instance lost a rank (side channel's thread, which keeps answering decode)."""
+        moved = yield_cores(keep_thread=threading.get_native_id())
+        log.info("kvpush: prefill rank %d put %d thread(s) under SCHED_IDLE until vLLM ends this process", self.tp_rank, moved)
 
     # ---- before the forward pass (mostly D) ------------------------------------------------------
     def bind(self, meta: PushMetadata) -> None:

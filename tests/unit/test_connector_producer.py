@@ -557,3 +557,39 @@ def test_writes_in_flight_long_are_polled_less_often_on_a_cpu_host_only(setup, d
     producer._pushes.inflight.append(SimpleNamespace(posted=now + 1.0))  # a WRITE just posted sets the pace
     assert producer.timeout() == POLL_S
     producer._pushes.inflight = []
+
+
+def test_a_lost_sibling_rank_fails_every_waiting_registration_and_every_later_one_on_arrival(setup):
+    producer, engine, conn = setup()
+    register(producer, conn, "t30", [5])
+    register(producer, conn, "t31", [6])
+    producer.lose_instance("its rank process VLLM::Worker_TP1 (pid 7) ended")
+    fails = [m for m in conn.sent if isinstance(m, wire.Fail)]
+    assert sorted(f.transfer_id for f in fails) == ["t30", "t31"]
+    assert all("can no longer prefill: its rank process VLLM::Worker_TP1 (pid 7) ended" in f.reason for f in fails)
+    register(producer, conn, "t32", [7])
+    assert isinstance(conn.sent[-1], wire.Fail) and conn.sent[-1].transfer_id == "t32"
+    assert producer.take_counts().get("bad_registration", 0) == 0  # decode did nothing wrong
+    producer.lose_instance("a second sibling ended")  # told once
+    assert len([m for m in conn.sent if isinstance(m, wire.Fail)]) == 3
+
+
+def test_after_a_lost_sibling_an_offer_writes_nothing_and_frees_its_blocks(setup):
+    producer, engine, conn = setup()
+    producer.lose_instance("its rank process VLLM::Worker_TP1 (pid 7) ended")
+    register(producer, conn, "t33", [5])
+    producer.offer("t33", "r33", [1], "D")
+    producer.offer("t34", "r34", [2], "D")  # decode has not registered: failed when it does
+    assert producer.take_freed() == ["r33", "r34"] and not engine.posted
+    register(producer, conn, "t34", [6])
+    assert [m.transfer_id for m in conn.sent if isinstance(m, wire.Fail)] == ["t33", "t34"]
+
+
+def test_a_sibling_already_gone_when_watched_loses_the_instance_at_once(setup):
+    producer, engine, conn = setup()
+    register(producer, conn, "t35", [5])
+    lost = threading.Event()
+    producer.watch_siblings({}, ["VLLM::Worker_TP1 (pid 7)"], on_lost=lost.set)
+    assert lost.wait(HANG_S)  # on the side channel thread, after decode was told
+    [fail] = [m for m in conn.sent if isinstance(m, wire.Fail)]
+    assert fail.transfer_id == "t35" and "VLLM::Worker_TP1 (pid 7) ended" in fail.reason
