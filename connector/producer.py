@@ -32,11 +32,12 @@ from .pushes import Peers, Pushes, SendRecord
 from .regions import HeadLayout, LayoutIdentity
 from .sharding import HeadSharding, ShardingError, targets_of
 from .state import Match, Offer, ProducerState, Registration, Rejection, counts_since
+from .streamed_write import MAX_SLEEP_S
 from .transfer import NixlEngine, Peer
 
 log = logging.getLogger(__name__)
-POLL_S = 0.0002  # completion polling period, only while WRITEs are in flight ...
-MAX_POLL_S = 0.001  # ... easing off to this on a CPU host as they stay in flight (see `_poll_interval`)
+POLL_S = 0.0002  # completion polling period, only while WRITEs are in flight, easing off on a
+# CPU host to the compute thread's longest sleep between polls as they stay there (`_poll_interval`)
 # Counters that are outcomes, not dropped or refused input (those are exported by `take_counts`)
 _OUTCOME_COUNTERS = frozenset({"sent", "failed"})
 
@@ -285,7 +286,7 @@ class Producer:
         if not self.config.drive_writes:
             return POLL_S
         age = time.monotonic() - max(item.posted for item in self._pushes.inflight)
-        return min(MAX_POLL_S, max(POLL_S, age / 8))
+        return min(MAX_SLEEP_S, max(POLL_S, age / 8))
 
     def on_tick(self) -> None:
         with self._lock:

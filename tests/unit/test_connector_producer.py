@@ -549,11 +549,12 @@ def test_a_prefill_rank_writing_into_one_decode_rank_of_a_tp_instance_streams():
 
 @pytest.mark.parametrize("drive_writes", [True, False])
 def test_writes_in_flight_long_are_polled_less_often_on_a_cpu_host_only(setup, drive_writes):
-    from kvpush.connector.producer import MAX_POLL_S, POLL_S
+    from kvpush.connector.producer import POLL_S
+    from kvpush.connector.streamed_write import MAX_SLEEP_S
     producer, _, _ = setup(drive_writes=drive_writes)
     now = time.monotonic()
     producer._pushes.inflight = [SimpleNamespace(posted=now - 5.0)]
-    assert producer.timeout() == (MAX_POLL_S if drive_writes else POLL_S)
+    assert producer.timeout() == (MAX_SLEEP_S if drive_writes else POLL_S)
     producer._pushes.inflight.append(SimpleNamespace(posted=now + 1.0))  # a WRITE just posted sets the pace
     assert producer.timeout() == POLL_S
     producer._pushes.inflight = []
