@@ -5,7 +5,8 @@ dies, the others wait in their next collective, where a signal does not reach th
 kills them: on CPU that was 9-10 s later (its 5 s grace period, then SIGTERM, 4 s, SIGKILL).
 Meanwhile their side channels, served by a thread of their own, still answer decode's pings, so
 decode would go on waiting for KV that cannot come. A prefill rank that hears a sibling end
-fails what decode waits for at once (producer.py).
+fails what decode waits for at once (producer.py): like vLLM's multiprocessing executor, which
+shuts an instance down when any of its ranks dies, it takes the instance for lost.
 
 vLLM's multiprocessing executor starts every rank of an instance from the engine core process
 and titles them `<VLLM_PROCESS_NAME_PREFIX>::Worker...`; siblings are the other processes with
@@ -50,13 +51,16 @@ def _parent_of(stat: str) -> int:
 
 
 def exit_handles(pids: dict[int, str]) -> tuple[dict[int, str], list[str]]:
-    """(fd -> title, titles already gone): a pidfd per process, readable once it has ended."""
+    """(fd -> title, titles already gone): a pidfd per process, readable once it has ended. A
+    process the kernel gives no pidfd for (before Linux 5.3) is left out."""
     handles, gone = {}, []
     for pid, title in pids.items():
         try:
             handles[os.pidfd_open(pid)] = f"{title} (pid {pid})"
         except ProcessLookupError:
             gone.append(f"{title} (pid {pid})")
+        except OSError:
+            continue
     return handles, gone
 
 

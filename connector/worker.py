@@ -140,8 +140,9 @@ class PushWorker:
         self.producer.watch_siblings(handles, gone, on_lost=self._yield_cores)
         found, others = len(handles) + len(gone), self.settings.tp_size - 1
         if found < others:
-            log.warning("kvpush: prefill rank %d found %d of this instance's %d other rank process(es) on this host; "
-                        "decode hears of a rank lost elsewhere only when vLLM ends this one", self.tp_rank, found, others)
+            log.warning("kvpush: prefill rank %d watches %d of this instance's %d other rank process(es) (the others "
+                        "run on another host, or this kernel has no pidfds); decode hears of losing one of those only "
+                        "when vLLM ends this rank", self.tp_rank, found, others)
         elif found:
             log.info("kvpush: prefill rank %d watches its %d sibling rank process(es)", self.tp_rank, found)
 

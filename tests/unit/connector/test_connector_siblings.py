@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpush.connector.siblings import sibling_ranks, worker_title_prefix
+from kvpush.connector.siblings import exit_handles, sibling_ranks, worker_title_prefix
 
 pytestmark = pytest.mark.unit
 
@@ -40,3 +40,11 @@ def test_the_title_prefix_follows_vllms_setting(monkeypatch):
     assert worker_title_prefix() == "MINE::Worker"
     monkeypatch.delenv("VLLM_PROCESS_NAME_PREFIX")
     assert worker_title_prefix() == "VLLM::Worker"
+
+
+def test_a_kernel_without_pidfds_leaves_a_sibling_unwatched_and_one_already_gone_is_named(monkeypatch):
+    def pidfd_open(pid):
+        raise ProcessLookupError() if pid == 7 else OSError(38, "Function not implemented")
+
+    monkeypatch.setattr("os.pidfd_open", pidfd_open)
+    assert exit_handles({7: "VLLM::Worker_TP1", 8: "VLLM::Worker_TP2"}) == ({}, ["VLLM::Worker_TP1 (pid 7)"])
