@@ -79,6 +79,7 @@ class Producer:
         self._warnings = ThrottledWarnings()
         self.counters: Counter = Counter()
         self._lost = ""  # why this instance can prefill nothing more (a sibling rank ended), "" while whole
+        self._after_loss: Callable[[], None] | None = None  # to run once the pushes under way have ended
         self._reactor = Reactor(f"kvpush-p-{config.engine_id}", self, max_connections=config.max_connections,
                                 auth_deadline_s=config.auth_deadline_s if config.side_channel_key else None)
         self._pushes = Pushes(config, engine, self._lock, self._peers, self.counters, self._reactor.wake)
@@ -205,10 +206,13 @@ class Producer:
                        on_lost: Callable[[], None] = lambda: None) -> None:
         """The other ranks of this instance (pidfd -> name, siblings.py): once one ends, this
         rank's forward passes stop in their next collective, so nothing here will be offered.
-        `on_lost` then runs on the side channel's thread, after decode has been told."""
+        `on_lost` then runs on the side channel's thread, after decode has been told and once no
+        push this rank had already matched is still being written."""
         def lost(name: str) -> None:
             if self.lose_instance(f"its rank process {name} ended"):
-                on_lost()
+                with self._lock:
+                    self._after_loss = on_lost
+                self._run_after_loss()
 
         for fd, name in handles.items():
             self._reactor.watch_exit(fd, lambda name=name: lost(name))
@@ -227,8 +231,17 @@ class Producer:
             for reg in waiting:
                 self._state.abort(reg.transfer_id, self._lost, time.monotonic())
                 self._send_fail(reg.peer_engine, base_name(reg.transfer_id), self._lost)
-        log.warning("kvpush: %s; failed the %d transfer(s) decode was waiting for here", self._lost, len(waiting))
+        (log.warning if waiting else log.info)("kvpush: %s; failed the %d transfer(s) decode was waiting for here",
+                                               self._lost, len(waiting))
         return True
+
+    def _run_after_loss(self) -> None:
+        """Reactor thread."""
+        with self._lock:
+            if self._after_loss is None or self._writing or self._pushes.inflight:
+                return
+            run, self._after_loss = self._after_loss, None
+        run()
 
     def take_freed(self) -> list[str]:
         with self._lock:
@@ -300,6 +313,7 @@ class Producer:
             for r in regs:
                 tid = base_name(r.transfer_id)
                 self._send_fail(r.peer_engine, tid, f"prefill {self.config.engine_id} had no request for transfer {tid} within {self.config.timeout_s:g} s")
+        self._run_after_loss()
 
     def on_malformed(self, conn: Connection, error: str) -> None:
         self.counters["malformed"] += 1

@@ -43,6 +43,7 @@ class Settings:
     idle_wait_ms: float = CPU_IDLE_WAIT_MS
     # P on CPU: write layer by layer, so that D's forward pass computes each layer as it lands
     stream_writes: bool = True
+    local_ranks: int = 1  # rank processes of this instance on this host (its TP ranks over its nodes)
     huge_pages: bool = True  # CPU: collapse the KV cache into 2 MiB pages before registering it (hugepages.py)
     kv_cache_layout: str | None = None  # as vLLM resolved it (e.g. BLHNC), None before vLLM 0.32
     # D: a P that accepted a transfer (it holds the request) but sent nothing this long fails it;
@@ -92,6 +93,7 @@ class Settings:
             buffer_device="cpu" if on_cpu else str(kv.kv_buffer_device),
             model=str(vllm_config.model_config.model),
             tp_size=int(parallel.tensor_parallel_size),
+            local_ranks=int(getattr(parallel, "local_world_size", parallel.tensor_parallel_size)),
             kv_heads=int(vllm_config.model_config.get_total_num_kv_heads()),
             block_size=int(vllm_config.cache_config.block_size),
             progress_delay_us=(None if extra.get("progress_delay_us") is None

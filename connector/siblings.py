@@ -52,7 +52,7 @@ def _parent_of(stat: str) -> int:
 
 def exit_handles(pids: dict[int, str]) -> tuple[dict[int, str], list[str]]:
     """(fd -> title, titles already gone): a pidfd per process, readable once it has ended. A
-    process the kernel gives no pidfd for (before Linux 5.3) is left out."""
+    process no pidfd can be opened for (before Linux 5.3, or out of descriptors) is left out."""
     handles, gone = {}, []
     for pid, title in pids.items():
         try:

@@ -134,17 +134,26 @@ class PushWorker:
                                      name, self.engine.metadata, tuple(regions), device_id)
 
     def _watch_siblings(self) -> None:
-        """P: hear at once when another rank of this instance ends (siblings.py)."""
+        """P: hear at once when another rank of this instance ends (siblings.py). Only where what
+        looks like its ranks on this host are exactly as many as run here: a stranger taken for a
+        rank would, by ending, stop a healthy instance."""
         assert self.producer is not None
-        handles, gone = exit_handles(sibling_ranks())
+        others = self.settings.local_ranks - 1
+        if others <= 0:
+            return
+        siblings = sibling_ranks()
+        if len(siblings) != others:
+            log.warning("kvpush: prefill rank %d found %d process(es) titled as this instance's ranks on this host where "
+                        "%d run, so it watches none (another executor, setproctitle missing, or /proc mounted with "
+                        "hidepid); decode hears of a lost rank only once vLLM ends this one", self.tp_rank, len(siblings), others)
+            return
+        handles, gone = exit_handles(siblings)
         self.producer.watch_siblings(handles, gone, on_lost=self._yield_cores)
-        found, others = len(handles) + len(gone), self.settings.tp_size - 1
-        if found < others:
-            log.warning("kvpush: prefill rank %d watches %d of this instance's %d other rank process(es) (the others "
-                        "run on another host, or this kernel has no pidfds); decode hears of losing one of those only "
-                        "when vLLM ends this rank", self.tp_rank, found, others)
-        elif found:
-            log.info("kvpush: prefill rank %d watches its %d sibling rank process(es)", self.tp_rank, found)
+        if len(handles) + len(gone) < others:
+            log.warning("kvpush: prefill rank %d watches %d of its %d sibling rank process(es): no pidfd could be opened for the "
+                        "others (a kernel before Linux 5.3, or out of file descriptors)", self.tp_rank, len(handles) + len(gone), others)
+        else:
+            log.info("kvpush: prefill rank %d watches its %d sibling rank process(es)", self.tp_rank, others)
 
     def _yield_cores(self) -> None:
         """P, its instance lost a rank (side channel's thread, which keeps answering decode)."""

@@ -594,3 +594,17 @@ def test_a_sibling_already_gone_when_watched_loses_the_instance_at_once(setup):
     assert lost.wait(HANG_S)  # on the side channel thread, after decode was told
     [fail] = [m for m in conn.sent if isinstance(m, wire.Fail)]
     assert fail.transfer_id == "t35" and "VLLM::Worker_TP1 (pid 7) ended" in fail.reason
+
+
+def test_after_a_lost_sibling_on_lost_waits_for_the_push_already_being_written(setup):
+    producer, engine, conn = setup(drive_writes=False)
+    engine.writes_held.set()
+    register(producer, conn, "t36", [5])
+    producer.offer("t36", "r36", [1], "D")  # matched: its WRITE is in flight
+    lost = threading.Event()
+    producer.watch_siblings({}, ["VLLM::Worker_TP1 (pid 7)"], on_lost=lost.set)
+    time.sleep(0.05)  # the side channel thread has ticked meanwhile (it polls the WRITE in flight)
+    assert not lost.is_set() and not [m for m in conn.sent if isinstance(m, wire.Fail)]
+    engine.writes_held.clear()
+    assert lost.wait(HANG_S)
+    assert isinstance(conn.sent[-1], wire.Done)  # a push already matched still ends as it would have

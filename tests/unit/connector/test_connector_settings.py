@@ -112,3 +112,11 @@ def test_resolved_kv_cache_layout_is_read_from_the_kv_cache_config_or_cache_conf
     cfg.cache_config.kv_cache_layout = "LBHNC"
     assert Settings.from_vllm(cfg).kv_cache_layout == "LBHNC"
     assert Settings.from_vllm(cfg, SimpleNamespace(kv_cache_layout="BLHNC", kv_cache_groups=[])).kv_cache_layout == "BLHNC"
+
+
+
+def test_local_ranks_are_vllms_ranks_on_this_host():
+    config = vllm_config("kv_producer")
+    assert Settings.from_vllm(config).local_ranks == 1  # its TP size, where vLLM says nothing more
+    config.parallel_config.local_world_size = 4  # vLLM's count where an instance spans nodes
+    assert Settings.from_vllm(config).local_ranks == 4

@@ -469,3 +469,17 @@ def test_a_failure_prefill_reported_itself_or_a_zero_hold_frees_at_once():
         assert w.get_finished(set()) == (None, {"r"})
         w.bind(PushMetadata(releases=[("r", "t")]))
         assert w.get_finished(set()) == (None, {"r"})
+
+
+@pytest.mark.parametrize("found, watched", [({7: "VLLM::Worker_TP1"}, True),
+                                            ({7: "VLLM::Worker_TP1", 8: "VLLM::Worker_TP1"}, False),  # a stranger too
+                                            ({}, False)])
+def test_prefill_watches_its_siblings_only_when_exactly_its_other_local_ranks_are_found(monkeypatch, found, watched):
+    w = worker(True)
+    w.settings.local_ranks = 2
+    calls = []
+    w.producer.watch_siblings = lambda handles, gone, on_lost: calls.append((handles, gone))
+    monkeypatch.setattr("kvpush.connector.worker.sibling_ranks", lambda: found)
+    monkeypatch.setattr("kvpush.connector.worker.exit_handles", lambda pids: ({}, [f"{t} (pid {p})" for p, t in pids.items()]))
+    w._watch_siblings()
+    assert calls == ([({}, ["VLLM::Worker_TP1 (pid 7)"])] if watched else [])
