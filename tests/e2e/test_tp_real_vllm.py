@@ -116,6 +116,12 @@ def deployment(tmp_path_factory):
             while metric_sum(router.metrics(), "kvpush_router_instance_in_rotation") != 2:
                 assert time.monotonic() < deadline, f"{router.name} never had both instances in rotation"
                 time.sleep(0.2)
+        for router in routers.values():
+            # as `kvpush up` does: one request per pair connects every prefill rank to the decode
+            # ranks it writes into. A rank's first WRITE completes only once the decode process has
+            # run, which 8 pinned processes on 2 cores can delay past decode's patience; the router
+            # then has decode compute the prompt, which the tests below count as a failure.
+            text_of(router.url, full_length_prompts(1, 300, seed=99)[0])
         yield dep
     finally:
         for server in [*routers.values(), *started.values()]:
@@ -128,6 +134,7 @@ def check_answers(deployment: Deployment, pair: tuple[str, str], prompts: list[l
     expected = [text_of(decode, prompt) for prompt in prompts]  # decode by itself: no connector, no cache
     before = deployment.external_kv_tokens(d)
     router = deployment.routers[pair]
+    fallbacks_before = metric_sum(router.metrics(), "kvpush_router_fallbacks_total")
 
     def logs() -> str:  # what the instances and the router said, for a failed request
         return "\n".join(f"--- {server.name}\n{server.tail(30)}" for server in (deployment.instances[p], deployment.instances[d], router))
@@ -137,7 +144,7 @@ def check_answers(deployment: Deployment, pair: tuple[str, str], prompts: list[l
     moved = deployment.external_kv_tokens(d) - before
     wrong = [(len(prompts[i]), got[i], expected[i]) for i in range(len(prompts)) if got[i] != expected[i]]
     assert not wrong, f"P {p} -> D {d}: (prompt tokens, through the router, decode alone) differ: {wrong}"
-    assert metric_sum(router.metrics(), "kvpush_router_fallbacks_total") == 0, logs()
+    assert metric_sum(router.metrics(), "kvpush_router_fallbacks_total") == fallbacks_before, logs()
     tokens = sum(len(prompt) for prompt in prompts)
     # vLLM may recompute each prompt's last token on decode; every other prompt token came by transfer
     assert tokens - len(prompts) <= moved <= tokens, f"P {p} -> D {d}: {moved:g} of {tokens} prompt tokens came by transfer\n{logs()}"
