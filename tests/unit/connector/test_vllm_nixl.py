@@ -6,8 +6,18 @@ import os
 
 import pytest
 
-from kvpush.connector import vllm_nixl  # vLLM is a hard dependency: a renamed class fails here, loudly
 from kvpush.connector.transfer import progress_thread_delay
+
+
+@pytest.fixture(scope="module")
+def vllm_nixl():
+    """The module, imported when a test here first runs rather than when tests are collected: it
+    imports vLLM (14 of the unit lane's 22 s of collection on a 2-core machine), which only these
+    tests need, so a run that selects others (`-k`) does not wait for it. vLLM stays a hard
+    dependency: a renamed class fails these tests, loudly."""
+    from kvpush.connector import vllm_nixl
+
+    return vllm_nixl
 
 
 def test_agents_made_inside_get_the_delay_and_the_binding_is_restored_after():
@@ -22,14 +32,14 @@ def test_agents_made_inside_get_the_delay_and_the_binding_is_restored_after():
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to move a thread")
-def test_a_thread_moved_inside_is_put_back():
+def test_a_thread_moved_inside_is_put_back(vllm_nixl):
     before = os.sched_getaffinity(0)
     with vllm_nixl._keep_thread_affinity():
         os.sched_setaffinity(0, {max(before)})  # what vLLM's NIXL worker does on CPU
     assert os.sched_getaffinity(0) == before
 
 
-def test_the_stock_class_names_vllm_keys_behaviour_on():
+def test_the_stock_class_names_vllm_keys_behaviour_on(vllm_nixl):
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPullConnector, NixlPushConnector
 
     assert vllm_nixl.NixlConnector.__name__ == "NixlConnector" and issubclass(vllm_nixl.NixlConnector, NixlPullConnector)
