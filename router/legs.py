@@ -65,7 +65,16 @@ class Leg:
         self.inst.waiting.add(resp)
 
     def answered(self) -> None:
-        """The instance answered (what the client may see first): it no longer waits on its rotation."""
+        """The instance answered (what the client may see first): it no longer waits on its rotation.
+        Raises LeftRotation if the instance left rotation before that, also where the answer's head
+        or first token had already arrived: the attempt then fails and is retried elsewhere before
+        the client has seen any of it, instead of failing later on the rest of the answer."""
+        resp = self._waiting_for
+        self._stop_waiting()
+        if resp is not None and isinstance(resp.error, LeftRotation):
+            raise resp.error
+
+    def _stop_waiting(self) -> None:
         if self._waiting_for is not None:
             self.inst.waiting.discard(self._waiting_for)
             self._waiting_for = None
@@ -86,7 +95,7 @@ class Leg:
         if self._ended:
             return
         self._ended = True
-        self.answered()
+        self._stop_waiting()
         self.pool.leg_ended(self.inst)
         if cancelled:
             return

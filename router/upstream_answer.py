@@ -43,6 +43,12 @@ class UpstreamResponse(AnswerParser):
     def header(self, name: str, default: str = "") -> str:
         return self.headers.get(name, default)
 
+    @property
+    def error(self) -> BaseException | None:
+        """What ended the answer before it was whole (fail(), a timeout, the connection), if anything
+        did; bytes received before it may still be unread."""
+        return self._error
+
     async def _wait(self) -> None:
         self._waiter = self._loop.create_future()
         try:
