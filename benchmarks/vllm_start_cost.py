@@ -64,16 +64,18 @@ def first_line_seconds(log_text: str, started_wall: float) -> dict[str, float]:
     return seen
 
 
-def tree_cpu_seconds(pid: int) -> float:
-    total = 0.0
+def tree_cpu(pid: int) -> tuple[float, int]:
+    """(CPU seconds used, number of processes) of the process and all its descendants."""
     root = psutil.Process(pid)
-    for proc in [root, *root.children(recursive=True)]:
+    tree = [root, *root.children(recursive=True)]
+    total = 0.0
+    for proc in tree:
         try:
             times = proc.cpu_times()
             total += times.user + times.system
         except psutil.Error:
             continue
-    return total
+    return total, len(tree)
 
 
 def start_once(argv: list[str], env: dict[str, str], log_path: Path) -> dict:
@@ -90,8 +92,7 @@ def start_once(argv: list[str], env: dict[str, str], log_path: Path) -> dict:
             except OSError:
                 time.sleep(0.1)
         healthy_s = time.monotonic() - started
-        cpu_s = tree_cpu_seconds(proc.pid)
-        processes = 1 + len(psutil.Process(proc.pid).children(recursive=True))
+        cpu_s, processes = tree_cpu(proc.pid)
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(60)
