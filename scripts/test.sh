@@ -4,15 +4,22 @@
 #
 #   scripts/test.sh                  all three lanes
 #   scripts/test.sh -x -k router     all three lanes, extra arguments passed to each
-#   scripts/test.sh -m unit          one pytest run with exactly these arguments (the quick loop);
+#   scripts/test.sh -m unit          one pytest run with these arguments (the quick loop);
 #   scripts/test.sh tests/unit/x.py  likewise whenever a marker (-m) or a path under tests/ is given
 #
+# Unit tests run on one worker per core (up to 4, pytest-xdist): they are independent and each is mostly
+# one busy core, so the lane takes about half the time on 2 cores. Those that import vLLM are one
+# xdist_group ("imports_vllm"), so one worker pays for that import.
+# Integration and e2e tests share fixed loopback addresses, ports and the machine's cores: one at a time.
 # Per-test timeouts are set per lane in tests/conftest.py.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 "$root/scripts/setup.sh"
 cd "$root"
 export PYTHONUNBUFFERED=1
+# The suite imports kvpush in hundreds of processes (xdist workers, routers, CLIs, vLLM servers); with
+# bytecode not written, each of them compiles it again (~6 s of a unit worker's collection).
+unset PYTHONDONTWRITEBYTECODE
 
 run_pytest() {  # run_pytest LABEL ARGS...: pytest's status, with "collected nothing" counted as a failure
   local label=$1 rc
@@ -28,15 +35,25 @@ run_pytest() {  # run_pytest LABEL ARGS...: pytest's status, with "collected not
   return "$rc"
 }
 
-selects_itself=0
+workers=$(nproc)
+[ "$workers" -gt 4 ] && workers=4
+unit_parallel=(-n "$workers" --dist loadgroup)
+
+selects_itself=0 selects_unit=0 previous=
 for arg in "$@"; do
   case "$arg" in
     -m|-m*|tests|tests/*|./tests/*) selects_itself=1 ;;
   esac
+  { [ "$arg" = "-munit" ] || { [ "$previous" = "-m" ] && [ "$arg" = unit ]; }; } && selects_unit=1
+  previous=$arg
 done
 
 if [ "$selects_itself" -eq 1 ]; then
-  run_pytest "pytest $*" "$@"
+  if [ "$selects_unit" -eq 1 ]; then
+    run_pytest "pytest $*" "${unit_parallel[@]}" "$@"
+  else
+    run_pytest "pytest $*" "$@"
+  fi
   exit $?
 fi
 
@@ -44,8 +61,10 @@ lanes_run=0
 for lane in unit integration e2e; do
   echo "test.sh: lane $lane" >&2
   started=$SECONDS
+  lane_options=()
+  [ "$lane" = unit ] && lane_options=("${unit_parallel[@]}")
   set +e
-  "$root/.venv/bin/python" -m pytest "tests/$lane" "$@"
+  "$root/.venv/bin/python" -m pytest "tests/$lane" "${lane_options[@]}" "$@"
   rc=$?
   set -e
   if [ "$rc" -eq 5 ] && [ "$#" -gt 0 ]; then

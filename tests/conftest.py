@@ -17,6 +17,15 @@ sys.path.insert(0, str(TESTS_DIR))  # test helper modules (sshd_hosts, standin_s
 LANE_TIMEOUT_S = {"unit": 60, "integration": 300, "e2e": 900}
 
 
+def pytest_ignore_collect(collection_path, config):
+    """With `-m LANE` only that lane's directory can match (the marker comes from the directory), so
+    the others are not imported at all: their modules import torch, vLLM and the OpenAI client."""
+    lane = (config.option.markexpr or "").strip()
+    if lane not in LANE_TIMEOUT_S or collection_path.parent != TESTS_DIR:
+        return None
+    return True if collection_path.name in LANE_TIMEOUT_S and collection_path.name != lane else None
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         layer = Path(str(item.fspath)).relative_to(TESTS_DIR).parts[0]
