@@ -7,10 +7,9 @@
 #   scripts/test.sh -m unit          one pytest run with these arguments (the quick loop);
 #   scripts/test.sh tests/unit/x.py  likewise whenever a marker (-m) or a path under tests/ is given
 #
-# Unit tests run on one worker per core (up to 4, pytest-xdist): they are independent and each is mostly
-# one busy core, so the lane takes about half the time on 2 cores. Those that import vLLM are one
-# xdist_group ("imports_vllm"), so one worker pays for that import.
-# Integration and e2e tests share fixed loopback addresses, ports and the machine's cores: one at a time.
+# Unit and integration tests run on one pytest-xdist worker per core (up to 4), a whole module to a
+# worker, so a module's processes start once; modules take ports of their own (tests/conftest.py gives
+# each worker its own sshd addresses). E2e tests each fill the cores with vLLM servers: one at a time.
 # Per-test timeouts are set per lane in tests/conftest.py.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -37,20 +36,22 @@ run_pytest() {  # run_pytest LABEL ARGS...: pytest's status, with "collected not
 
 workers=$(nproc)
 [ "$workers" -gt 4 ] && workers=4
-unit_parallel=(-n "$workers" --dist loadgroup)
+in_parallel=(-n "$workers" --dist loadfile)
 
-selects_itself=0 selects_unit=0 previous=
+selects_itself=0 selects_parallel_lane=0 previous=
 for arg in "$@"; do
   case "$arg" in
     -m|-m*|tests|tests/*|./tests/*) selects_itself=1 ;;
   esac
-  { [ "$arg" = "-munit" ] || { [ "$previous" = "-m" ] && [ "$arg" = unit ]; }; } && selects_unit=1
+  case "$previous $arg" in
+    "-m unit"|"-m integration"|*" -munit"|*" -mintegration") selects_parallel_lane=1 ;;
+  esac
   previous=$arg
 done
 
 if [ "$selects_itself" -eq 1 ]; then
-  if [ "$selects_unit" -eq 1 ]; then
-    run_pytest "pytest $*" "${unit_parallel[@]}" "$@"
+  if [ "$selects_parallel_lane" -eq 1 ]; then
+    run_pytest "pytest $*" "${in_parallel[@]}" "$@"
   else
     run_pytest "pytest $*" "$@"
   fi
@@ -62,7 +63,7 @@ for lane in unit integration e2e; do
   echo "test.sh: lane $lane" >&2
   started=$SECONDS
   lane_options=()
-  [ "$lane" = unit ] && lane_options=("${unit_parallel[@]}")
+  [ "$lane" != e2e ] && lane_options=("${in_parallel[@]}")
   set +e
   "$root/.venv/bin/python" -m pytest "tests/$lane" "${lane_options[@]}" "$@"
   rc=$?

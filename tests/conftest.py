@@ -36,8 +36,11 @@ def pytest_collection_modifyitems(config, items):
 
 
 # -- real sshd hosts (tests/sshd_hosts.py) ---------------------------------------------------------
-# The first loopback address is a parameter so engineers running suites side by side don't collide.
-SSHD_FIRST_ADDRESS = os.environ.get("KVPUSH_TEST_SSHD_FIRST", "127.0.0.2")
+# The first loopback address is a parameter so engineers running suites side by side don't collide;
+# each pytest-xdist worker (gw0, gw1, ...) takes its own ten addresses, so modules on different workers
+# run their clusters side by side (127.0.0.2-4, 127.0.0.12-14, ...).
+_WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+SSHD_FIRST_ADDRESS = os.environ.get("KVPUSH_TEST_SSHD_FIRST", f"127.0.0.{2 + 10 * _WORKER}")
 SSHD_PORT = int(os.environ.get("KVPUSH_TEST_SSHD_PORT", "2222"))
 
 

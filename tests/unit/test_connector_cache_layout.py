@@ -41,7 +41,6 @@ def test_gpu_asks_for_the_block_outermost_layout_and_cpu_or_mla_for_none():
     assert required_layout("", use_mla=False) is None
 
 
-@pytest.mark.xdist_group("imports_vllm")  # one worker imports vLLM for all such tests (scripts/test.sh)
 def test_the_preferred_layout_is_one_vllm_knows():
     from vllm.v1.kv_cache_layout import KVCacheLayout
 

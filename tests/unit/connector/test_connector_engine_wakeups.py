@@ -25,7 +25,6 @@ def test_a_reader_on_a_cpu_host_sleeps_without_spinning_first():
     assert seen == [(0, 50), (1.0, 50)]  # a writer's setting is not a reader's to change
 
 
-@pytest.mark.xdist_group("imports_vllm")  # one worker imports vLLM for all such tests (scripts/test.sh)
 def test_vllms_queues_recheck_often_and_spin_only_off_cpu():
     from vllm.distributed.device_communicators import shm_broadcast
 

@@ -8,7 +8,6 @@ import pytest
 
 from kvpush.connector.transfer import progress_thread_delay
 
-pytestmark = pytest.mark.xdist_group("imports_vllm")  # one worker imports vLLM for all such tests (scripts/test.sh)
 
 @pytest.fixture(scope="module")
 def vllm_nixl():
