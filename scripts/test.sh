@@ -17,7 +17,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 export PYTHONUNBUFFERED=1
 # The suite imports kvpush in hundreds of processes (xdist workers, routers, CLIs, vLLM servers); with
-# bytecode not written, each of them compiles it again (~6 s of a unit worker's collection).
+# bytecode not written, each of them compiles again every kvpush module it imports.
 unset PYTHONDONTWRITEBYTECODE
 
 run_pytest() {  # run_pytest LABEL ARGS...: pytest's status, with "collected nothing" counted as a failure

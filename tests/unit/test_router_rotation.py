@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from dataclasses import dataclass
 
 import pytest
 from router_harness import MODEL, deployment, eventually, upstream
@@ -229,10 +230,16 @@ def test_the_instances_served_are_in_the_metrics_by_digest():
 # --- xPyD under load ---------------------------------------------------------------------------
 
 
-async def _streamed_load(dep, clients: int, until: asyncio.Event) -> list[tuple[bool, bool]]:
-    """`clients` clients sending streamed completions back to back until `until` is set; for each
-    request: (answered whole, whether a token had reached the client before it failed)."""
-    outcomes: list[tuple[bool, bool]] = []
+@dataclass(frozen=True)
+class StreamOutcome:
+    answered: bool  # whole, without an error event
+    streamed: bool  # a token reached the client before it failed
+    failure: str  # status and the start of the body, where not answered
+
+
+async def _streamed_load(dep, clients: int, until: asyncio.Event) -> list[StreamOutcome]:
+    """`clients` clients sending streamed completions back to back until `until` is set."""
+    outcomes: list[StreamOutcome] = []
 
     async def client() -> None:
         while not until.is_set():
@@ -240,7 +247,7 @@ async def _streamed_load(dep, clients: int, until: asyncio.Event) -> list[tuple[
             data = [e for e in raw.decode().split("\n\n") if e.startswith("data: {")]
             error = status != 200 or any('"error"' in e for e in data)
             streamed = any('"error"' not in e for e in data)
-            outcomes.append((not error, error and streamed))
+            outcomes.append(StreamOutcome(not error, error and streamed, f"{status}: {raw[:300]!r}" if error else ""))
 
     await asyncio.gather(*(client() for _ in range(clients)))
     return outcomes
@@ -268,8 +275,8 @@ def test_with_two_prefills_and_two_decodes_losing_one_of_each_under_load_fails_n
             until.set()
             outcomes = await load
             assert not dep.router.prefill.instances[0].in_rotation and not dep.router.decode.instances[0].in_rotation
-            answered = sum(ok for ok, _ in outcomes)
-            failed_before_streaming = [o for o in outcomes if not o[0] and not o[1]]
+            answered = sum(o.answered for o in outcomes)
+            failed_before_streaming = [o.failure for o in outcomes if not o.answered and not o.streamed]
             assert answered >= 32 and failed_before_streaming == []
             for victim in (dep.prefill[0], dep.decode[0]):
                 victim.behavior.stopped = False
