@@ -305,7 +305,7 @@ class Producer:
         with self._lock:
             self._pushes.poll()
             offers, regs = self._state.expire(time.monotonic())
-            self._pushes.release_stale_prepared(self._state.registrations)
+            self._pushes.release_stale_prepared(self._state.registrations, self._writing)
             for o in offers:
                 log.warning("kvpush: decode engine %s never registered transfer %s (request %s) within %g s; freeing its blocks",
                             o.peer_engine, o.transfer_id, o.req_id, self.config.timeout_s)

@@ -128,9 +128,11 @@ class Pushes:
         if prepared is not None:
             self.engine.release(prepared.write)
 
-    def release_stale_prepared(self, registrations: dict) -> None:
-        """WRITEs made ahead whose registration went away (cancelled, expired, peer gone)."""
-        for tid in [t for t in self._prepared if t not in registrations]:
+    def release_stale_prepared(self, registrations: dict, being_written: set[str]) -> None:
+        """WRITEs made ahead whose registration went away (cancelled, expired, peer gone). A
+        matched push's registration is gone too, but until the compute thread posts its WRITE
+        (`being_written`) the one made ahead is still to be used."""
+        for tid in [t for t in self._prepared if t not in registrations and t not in being_written]:
             self.release_prepared(tid)
 
     def release_all_prepared(self) -> None:

@@ -151,6 +151,26 @@ def test_write_made_ahead_is_the_one_posted_at_prefill_end(setup):
     assert any(isinstance(m, wire.Done) and m.transfer_id == "t1" for m in conn.sent)
 
 
+def test_side_channel_tick_between_match_and_post_keeps_the_write_made_ahead(setup, monkeypatch):
+    # The match takes the registration away; the reactor's tick may run before the compute
+    # thread posts, and must not take that push's WRITE for a stale one.
+    producer, engine, conn = setup()
+    register(producer, conn, "t1", [7, 8])
+    assert producer.prepare("t1", [1, 2], "D")
+    [(_, _, made)] = engine.prepared
+    drive = producer._pushes.drive
+
+    def tick_then_drive(match):
+        producer.on_tick()
+        drive(match)
+
+    monkeypatch.setattr(producer._pushes, "drive", tick_then_drive)
+    producer.offer("t1", "r1", [1, 2], "D")
+    record = wait_record(producer)
+    assert record.ok and record.prepared_ahead
+    assert engine.posted == [made] and len(engine.prepared) == 1
+
+
 def test_without_registration_nothing_is_made_ahead_and_offer_makes_it(setup):
     producer, engine, conn = setup()
     assert not producer.prepare("t2", [1, 2], "D")
