@@ -27,7 +27,7 @@ from kvpush.deploy.lifecycle import Events, LifecycleOptions
 from kvpush.deploy.topology import check_key_files, resolve_topology
 
 from .console import err, note, out, print_json, styled
-from .options import ACCEPT, CONNECT_TIMEOUT, FILE_ARG, KNOWN_HOSTS, ssh_options
+from .options import ACCEPT, CONNECT_TIMEOUT, FILE_ARG, FILE_OPTION, KNOWN_HOSTS, ssh_options, topology_file
 
 DEFAULT_MODES = ",".join(BENCH_DEFAULT_MODES)
 DEFAULT_RATES = "0.5,1,2,4"
@@ -253,6 +253,7 @@ def register(app: typer.Typer) -> None:
     @app.command("bench")
     def bench_command(
         file: Optional[Path] = FILE_ARG,
+        file_option: Optional[Path] = FILE_OPTION,
         modes: str = typer.Option(DEFAULT_MODES, "--modes", help=f"Modes to compare, comma-separated, from {','.join(MODES)}; "
                                   "the -stock modes run vLLM's NIXL connectors exactly as vLLM ships them, the plain ones "
                                   "as kvpush tunes them for shared CPU cores (on GPU both are stock)."),
@@ -296,6 +297,7 @@ def register(app: typer.Typer) -> None:
         """Compare connector modes under load with `vllm bench serve` through the router: TTFT, TPOT, ITL, E2E,
         handoff gap (at the router, and from both engines' own per-request timestamps), KV-transfer evidence; goodput at a TTFT/TPOT SLO and tails with 95% confidence intervals;
         writes bench.json, the raw per-request results and PNG plots."""
+        file = topology_file(file, file_option)
         if recompute_dir is not None:
             _recompute(recompute_dir, slo_ttft_ms, slo_tpot_ms, baseline if baseline != DEFAULT_BASELINE else None,
                        markdown, json_output)

@@ -19,7 +19,7 @@ from kvpush.deploy.state import HostRecord, load_state
 from kvpush.deploy.topology import check_key_files, resolve_topology
 
 from .console import note, out, print_json, styled
-from .options import ACCEPT, CONNECT_TIMEOUT, FILE_ARG, KNOWN_HOSTS, ssh_options
+from .options import ACCEPT, CONNECT_TIMEOUT, FILE_ARG, FILE_OPTION, KNOWN_HOSTS, ssh_options, topology_file
 
 STYLE = {Status.OK: "green", Status.WARN: "yellow", Status.FAIL: "bold red", Status.SKIP: "dim"}
 
@@ -68,6 +68,7 @@ def register(app: typer.Typer) -> None:
     @app.command("doctor")
     def doctor_command(
         file: Optional[Path] = FILE_ARG,
+        file_option: Optional[Path] = FILE_OPTION,
         json_output: bool = typer.Option(False, "--json", help="Print the results as one JSON document."),
         only: Optional[str] = typer.Option(None, "--only", help=f"Run only these checks (comma-separated): {', '.join(CHECK_NAMES)}."),
         skip: Optional[str] = typer.Option(None, "--skip", help="Skip these checks (comma-separated)."),
@@ -79,6 +80,7 @@ def register(app: typer.Typer) -> None:
         verbose: bool = typer.Option(False, "--verbose", "-v", help="Show the evidence of passing checks too."),
     ) -> None:
         """Check every host of the topology before launching: software, model, GPUs, fabric, NIXL, limits, ports."""
+        file = topology_file(file, file_option)
         topo, source = resolve_topology(file)
         check_key_files(topo)
         options = DoctorOptions(only=_names(only), skip=_names(skip), transfer=transfer, timeout_s=timeout)

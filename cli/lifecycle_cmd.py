@@ -20,7 +20,7 @@ from kvpush.deploy.secrets import observed_keys
 from kvpush.deploy.topology import NAME_PATTERN, check_key_files, resolve_topology
 
 from .console import err, note, out, print_json, styled
-from .options import ACCEPT, CONNECT_TIMEOUT, DEPLOYMENT, FILE_ARG, FILE_OPTION, KNOWN_HOSTS, ssh_options
+from .options import ACCEPT, CONNECT_TIMEOUT, DEPLOYMENT, FILE_ARG, FILE_OPTION, KNOWN_HOSTS, ssh_options, topology_file
 
 
 
@@ -75,6 +75,7 @@ def register(app: typer.Typer) -> None:
     @app.command("up")
     def up_command(
         file: Optional[Path] = FILE_ARG,
+        file_option: Optional[Path] = FILE_OPTION,
         accept_new_host_keys: bool = ACCEPT,
         known_hosts: str = KNOWN_HOSTS,
         connect_timeout: float = CONNECT_TIMEOUT,
@@ -85,6 +86,7 @@ def register(app: typer.Typer) -> None:
                                            "every process that reads them restarts (docs/security.md)."),
     ) -> None:
         """Start the deployment (only what changed), wait until ready, and prove KV moves through the router."""
+        file = topology_file(file, file_option)
         topo, source = resolve_topology(file)
         check_key_files(topo)
         note(f"topology: {source}")
@@ -109,6 +111,7 @@ def register(app: typer.Typer) -> None:
     @app.command("down")
     def down_command(
         file: Optional[Path] = FILE_ARG,
+        file_option: Optional[Path] = FILE_OPTION,
         deployment: Optional[str] = DEPLOYMENT,
         known_hosts: str = KNOWN_HOSTS,
         connect_timeout: float = CONNECT_TIMEOUT,
@@ -120,6 +123,7 @@ def register(app: typer.Typer) -> None:
         the deployment's secret files from its hosts. The deployment secret kept on this machine
         (in the state directory, ~/.kvpush/state/<deployment>.secret) stays, so a later `up` gives the
         same keys again; --forget-secret deletes it too."""
+        file = topology_file(file, file_option)
         name = _deployment_name(file, deployment)
         options = LifecycleOptions(ssh=ssh_options(False, known_hosts, connect_timeout), stop_timeout_s=timeout)
         result = down(name, options, forget_secret=forget_secret)
@@ -149,6 +153,7 @@ def register(app: typer.Typer) -> None:
     @app.command("status")
     def status_command(
         file: Optional[Path] = FILE_ARG,
+        file_option: Optional[Path] = FILE_OPTION,
         deployment: Optional[str] = DEPLOYMENT,
         json_output: bool = typer.Option(False, "--json", help="Print one JSON document."),
         watch: bool = typer.Option(False, "--watch", "-w", help="Refresh in place every --interval seconds."),
@@ -158,6 +163,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """One row per process: running | hung | restarting | dead, health, load, KV-cache use, uptime, restarts;
         for each process that is not healthy, a line on what happened and what is left of it. Exit 1 if unhealthy."""
+        file = topology_file(file, file_option)
         name = _deployment_name(file, deployment)
         if interval <= 0:
             raise UsageError(f"--interval: must be more than 0 seconds (got {interval:g})")
@@ -217,12 +223,14 @@ def register(app: typer.Typer) -> None:
     @app.command("provision")
     def provision_command(
         file: Optional[Path] = FILE_ARG,
+        file_option: Optional[Path] = FILE_OPTION,
         with_vllm: bool = typer.Option(False, "--with-vllm", help="Also create each host's venv and install the pinned CPU vLLM stack."),
         accept_new_host_keys: bool = ACCEPT,
         known_hosts: str = KNOWN_HOSTS,
         connect_timeout: float = CONNECT_TIMEOUT,
     ) -> None:
         """Make every host's Python import kvpush at this source version (build, upload, install a wheel)."""
+        file = topology_file(file, file_option)
         from kvpush.deploy.provision import provision_all
 
         topo, source = resolve_topology(file)

@@ -1,12 +1,17 @@
 """The options several commands share, defined once so every command names them the same way.
 
-The topology file is the first positional argument wherever a command takes no other one; where
-a command's positional argument is something else (`logs PROCESS`, `request PROMPT`) it is
-`--file`. `-f` is left to `logs --follow`, as in `tail -f`.
+Every command that reads a topology takes it as `--file`, so a script can name it one way for all
+of them; a command whose positional argument is free (all but `logs PROCESS` and `request PROMPT`)
+takes it there too, as the shorter form. `-f` is left to `logs --follow`, as in `tail -f`.
 """
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Optional
+
 import typer
+
+from kvpush.common.errors import UsageError
 
 from kvpush.deploy.runners import SshOptions
 
@@ -18,6 +23,13 @@ ACCEPT = typer.Option(False, "--accept-new-host-keys", help="Record unknown SSH 
 KNOWN_HOSTS = typer.Option("~/.ssh/known_hosts", "--known-hosts", envvar="KVPUSH_KNOWN_HOSTS", help="known_hosts file to verify SSH hosts against.")
 CONNECT_TIMEOUT = typer.Option(10.0, "--connect-timeout", help="Seconds to connect and authenticate to each host.")
 DEPLOYMENT = typer.Option(None, "--deployment", "-d", help="Deployment name (default: the topology's name).")
+
+
+def topology_file(positional: Optional[Path], option: Optional[Path]) -> Optional[Path]:
+    """The topology file of a command that takes it either way; two different files are an error."""
+    if positional is not None and option is not None and positional != option:
+        raise UsageError(f"the topology is given twice ({positional} and --file {option}); give one of them")
+    return positional if positional is not None else option
 
 
 def ssh_options(accept_new: bool, known_hosts: str, connect_timeout: float) -> SshOptions:

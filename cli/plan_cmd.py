@@ -16,7 +16,7 @@ from kvpush.deploy.topology import TinyModelSpec, parse_topology, resolve_topolo
 from kvpush.templates import DEFAULT_TEMPLATE, template_names, template_summary, template_text
 
 from .console import heading, note, out, print_json, styled
-from .options import FILE_ARG
+from .options import FILE_ARG, FILE_OPTION, topology_file
 
 
 
@@ -27,7 +27,7 @@ def render_plan(plan: Plan) -> None:
         highlight=False,
     )
     for host in plan.hosts:
-        who = f"{host.user + '@' if host.user else ''}{host.address}" + ("" if host.is_local or host.slurm else f":{host.ssh_port}")
+        who = host.address if host.is_local or host.slurm else host.describe()
         how = f", slurm node {host.slurm['node'] or '(any of the allocation)'}" if host.slurm else ", local" if host.is_local else ", ssh"
         heading(f"host {host.name} ({who}{how})  workdir {host.workdir}")
         for f in host.files:
@@ -57,10 +57,12 @@ def register(app: typer.Typer) -> None:
     @app.command("plan")
     def plan_command(
         file: Optional[Path] = FILE_ARG,
+        file_option: Optional[Path] = FILE_OPTION,
         json_output: bool = typer.Option(False, "--json", help="Print the plan as one JSON document."),
         slurm_script: bool = typer.Option(False, "--slurm-script", help="Print a standalone sbatch script that runs the deployment (launcher: slurm)."),
     ) -> None:
         """Print the launch plan (per host: env, argv, ports, logs) without touching any host."""
+        file = topology_file(file, file_option)
         topo, source = resolve_topology(file)
         plan = redact_plan(build_plan(topo))
         if slurm_script:
