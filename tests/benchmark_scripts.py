@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -38,3 +39,10 @@ def run_benchmark(name: str, args: list[str], timeout_s: float) -> tuple[int, st
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     return proc.returncode, stdout
+
+
+def failure_excerpt(output: str, tail_chars: int = 2000) -> str:
+    """What a failed run said: every traceback it printed (the cause may be far above the end),
+    then the end of its output."""
+    tracebacks = re.findall(r"Traceback \(most recent call last\):\n(?:[ \t].*\n)*.*", output)
+    return "\n".join([*tracebacks, "--- end of the output:", output[-tail_chars:]])

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from benchmark_scripts import BENCHMARKS, run_benchmark
+from benchmark_scripts import BENCHMARKS, failure_excerpt, run_benchmark
 
 ROUNDS = 2
 
@@ -25,7 +25,7 @@ def bench_run(tmp_path_factory):
 
 def test_every_byte_on_every_decode_rank_is_verified(bench_run):
     rc, stdout, results = bench_run
-    assert rc == 0, stdout[-3000:]
+    assert rc == 0, failure_excerpt(stdout)
     assert "all bytes verified: True" in stdout and "WRONG BYTES" not in stdout
     records = results["records"]
     assert records

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from benchmark_scripts import run_benchmark
+from benchmark_scripts import failure_excerpt, run_benchmark
 
 MODES = ("producer", "producer-late", "per-block", "coalesced", "raw")
 
@@ -22,7 +22,7 @@ def bench_run(tmp_path_factory):
 
 def test_every_write_moved_the_right_bytes(bench_run):
     rc, stdout, records = bench_run
-    assert rc == 0, stdout[-3000:]
+    assert rc == 0, failure_excerpt(stdout)
     assert "all bytes verified: True" in stdout
     assert "WRONG BYTES" not in stdout
     assert records and all(r["verified"] and r["verified_bytes"] > 0 for r in records)

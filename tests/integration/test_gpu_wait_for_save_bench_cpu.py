@@ -4,38 +4,22 @@ real NIXL (UCX on DRAM), and every byte of every push is checked; the timings me
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-BENCH = REPO / "benchmarks" / "gpu_wait_for_save.py"
+from benchmark_scripts import failure_excerpt, run_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("wait-for-save") / "results.json"
-    env = dict(os.environ, UCX_MODULES="^ib", UCX_MEM_EVENTS="no", NIXL_LOG_LEVEL="WARN", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, str(BENCH), "--device", "cpu", "--rounds", "2", "--json", str(out)]
-    # own session: on a timeout the benchmark and its receiver process go down together
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env,
-                            start_new_session=True)
-    try:
-        stdout, _ = proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    return proc.returncode, stdout, json.loads(out.read_text()) if out.exists() else {}
+    rc, stdout = run_benchmark("gpu_wait_for_save", ["--device", "cpu", "--rounds", "2", "--json", str(out)], timeout_s=240)
+    return rc, stdout, json.loads(out.read_text()) if out.exists() else {}
 
 
 def test_every_push_of_every_mode_moved_the_right_bytes_and_was_reported_once(bench_run):
     rc, stdout, results = bench_run
-    assert rc == 0, stdout[-3000:]
+    assert rc == 0, failure_excerpt(stdout)
     assert "all bytes verified: True" in stdout and "WRONG" not in stdout
     pushed = [r for r in results["runs"] if r["mode"] != "none"]
     assert pushed and all(r["verified"] and r["outcomes_ok"] == r["pushes"] > 0 for r in pushed)
@@ -57,6 +41,5 @@ def test_each_workload_and_mode_is_measured_in_every_round(bench_run):
 
 
 def test_the_modes_that_record_cuda_events_are_refused_on_cpu():
-    proc = subprocess.run([sys.executable, str(BENCH), "--device", "cpu", "--modes", "none,record-on-compute"],
-                          capture_output=True, text=True, cwd=REPO, timeout=120)
-    assert proc.returncode == 2 and "record-on-compute" in proc.stderr and "--device cuda" in proc.stderr
+    rc, output = run_benchmark("gpu_wait_for_save", ["--device", "cpu", "--modes", "none,record-on-compute"], timeout_s=120)
+    assert rc == 2 and "record-on-compute" in output and "--device cuda" in output
