@@ -13,12 +13,14 @@ for arg in "$@"; do
 done
 "$root/scripts/setup.sh"
 kvpush=("$root/.venv/bin/kvpush")
+# Named, not left to the default: a ./kvpush.yaml of the user's would otherwise be brought up instead.
+topology="$root/templates/local-cpu.yaml"
 cd "$root"
 if [ "$keep" = 0 ]; then
-  trap '"${kvpush[@]}" down' EXIT
+  trap '"${kvpush[@]}" down "$topology"' EXIT
 fi
-"${kvpush[@]}" up
-"${kvpush[@]}" request "the cache block moves from prefill to decode"
+"${kvpush[@]}" up "$topology"
+"${kvpush[@]}" request --file "$topology" "the cache block moves from prefill to decode"
 if [ "$keep" = 1 ]; then
-  echo "left running; stop with: ${kvpush[*]} down"
+  echo "left running; stop with: ${kvpush[*]} down $topology"
 fi

