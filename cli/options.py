@@ -27,7 +27,7 @@ DEPLOYMENT = typer.Option(None, "--deployment", "-d", help="Deployment name (def
 
 def topology_file(positional: Optional[Path], option: Optional[Path]) -> Optional[Path]:
     """The topology file of a command that takes it either way; two different files are an error."""
-    if positional is not None and option is not None and positional != option:
+    if positional is not None and option is not None and positional.resolve() != option.resolve():
         raise UsageError(f"the topology is given twice ({positional} and --file {option}); give one of them")
     return positional if positional is not None else option
 

@@ -165,6 +165,8 @@ def test_every_topology_command_takes_the_file_as_file_option_too(tmp_path):
     by_option = kvpush("plan", "--file", str(tmp_path / "t.yaml"), "--json", cwd=tmp_path)
     assert by_option.returncode == 0, by_option.stderr
     assert json.loads(by_option.stdout)["deployment"] == "xpyd"
+    both = kvpush("plan", "t.yaml", "--file", str(tmp_path / "t.yaml"), "--json", cwd=tmp_path)
+    assert both.returncode == 0 and json.loads(both.stdout)["deployment"] == "xpyd"  # one file, named two ways
     for command in ("up", "down", "status", "provision", "doctor", "bench", "plan", "logs", "request"):
         assert "--file" in kvpush(command, "--help").stdout, command
 
