@@ -20,7 +20,7 @@ from kvpush.deploy.secrets import observed_keys
 from kvpush.deploy.topology import NAME_PATTERN, check_key_files, resolve_topology
 
 from .console import err, note, out, print_json, styled
-from .options import ACCEPT, CONNECT_TIMEOUT, DEPLOYMENT, FILE_ARG, FILE_OPTION, KNOWN_HOSTS, ssh_options, topology_file
+from .options import ACCEPT, CONNECT_TIMEOUT, DEPLOYMENT, FILE_ARG, FILE_OPTION, EXTRA_ARGUMENTS, KNOWN_HOSTS, one_argument, ssh_options, topology_file
 
 
 
@@ -60,7 +60,7 @@ class _ProgressEvents(Events):
 def _status_table(rows: list[ProcessStatus]) -> Table:
     table = Table("process", "role", "host", "pid", "process", "health", "running", "waiting", "KV cache", "uptime", "restarts")
 
-    def num(v: float | None) -> str:
+    def num(v: int | None) -> str:
         return "-" if v is None else f"{v:g}"
 
     for r in rows:
@@ -199,8 +199,9 @@ def register(app: typer.Typer) -> None:
         if not all(r.healthy for r in rows):
             raise typer.Exit(1)
 
-    @app.command("logs")
+    @app.command("logs", context_settings=EXTRA_ARGUMENTS)
     def logs_command(
+        ctx: typer.Context,
         selector: Optional[str] = typer.Argument(None, help="Process name or role (prefill, decode, router); default all."),
         file: Optional[Path] = FILE_OPTION,
         deployment: Optional[str] = DEPLOYMENT,
@@ -209,6 +210,7 @@ def register(app: typer.Typer) -> None:
         known_hosts: str = KNOWN_HOSTS,
     ) -> None:
         """Tail logs of one process, a role, or all, across hosts; each line prefixed by its process name."""
+        selector = one_argument("logs", "PROCESS", [selector, *ctx.args] if selector else [], file)
         name = _deployment_name(file, deployment)
         state = require_state(name)
         width = max(len(n) for n in state.processes)

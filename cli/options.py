@@ -6,6 +6,7 @@ takes it there too, as the shorter form. `-f` is left to `logs --follow`, as in 
 """
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import Optional
 
@@ -30,6 +31,26 @@ def topology_file(positional: Optional[Path], option: Optional[Path]) -> Optiona
     if positional is not None and option is not None and positional.resolve() != option.resolve():
         raise UsageError(f"the topology is given twice ({positional} and --file {option}); give one of them")
     return positional if positional is not None else option
+
+
+# For `logs` and `request`, whose one argument is not the topology: extra words reach one_argument,
+# which can say what was meant instead of click's "unexpected extra argument".
+EXTRA_ARGUMENTS = {"allow_extra_args": True}
+
+
+def one_argument(command: str, what: str, args: list[str] | None, file: Optional[Path]) -> str | None:
+    """The one positional argument of `logs` or `request`. Both take the topology as --file, so a
+    YAML file in that place is the likely mistake (`kvpush logs my.yaml decode`): it is named with
+    the command line that was meant, rather than read as a process name or sent as a prompt."""
+    args = args or []
+    if file is None and args and args[0].endswith((".yaml", ".yml")) and Path(args[0]).is_file():
+        rest = " ".join(shlex.quote(a) for a in args[1:]) or what
+        raise UsageError(f"{args[0]} is a topology file; {command} takes it as --file: "
+                         f"kvpush {command} --file {shlex.quote(args[0])} {rest}")
+    if len(args) > 1:
+        raise UsageError(f"{command} takes one {what}, got {len(args)} arguments ({' '.join(map(shlex.quote, args))}); "
+                         "quote it if it has spaces")
+    return args[0] if args else None
 
 
 def ssh_options(accept_new: bool, known_hosts: str, connect_timeout: float) -> SshOptions:

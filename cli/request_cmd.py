@@ -12,18 +12,20 @@ from kvpush.deploy.secrets import client_api_key
 from kvpush.deploy.topology import resolve_topology
 
 from .console import note, out, print_json, styled
-from .options import FILE_OPTION
+from .options import EXTRA_ARGUMENTS, FILE_OPTION, one_argument
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("request")
+    @app.command("request", context_settings=EXTRA_ARGUMENTS)
     def request_command(
-        prompt: str = typer.Argument(..., help="Prompt text."),
+        ctx: typer.Context,
+        prompt: str = typer.Argument(..., help="Prompt text (quoted)."),
         file: Optional[Path] = FILE_OPTION,
         max_tokens: int = typer.Option(32, "--max-tokens", "-n", help="Tokens to generate (greedy)."),
         json_output: bool = typer.Option(False, "--json", help="Print the result as JSON."),
     ) -> None:
         """Send one streamed, greedy completion through the router; print the answer and its TTFT."""
+        prompt = one_argument("request", "PROMPT", [prompt, *ctx.args], file)
         topo, source = resolve_topology(file)
         plan = build_plan(topo)
         router_url = plan.router_url_from_here()

@@ -1,6 +1,9 @@
 """Errors a user sees as one line. The CLI maps them to exit codes; nothing else prints them."""
 from __future__ import annotations
 
+import difflib
+from typing import Iterable
+
 
 class KvpushError(Exception):
     """An operation failed (exit code 1). str() is the one-line message."""
@@ -22,12 +25,13 @@ def field_path(loc: tuple) -> str:
     return out or "(top level)"
 
 
-def validation_message(err: dict) -> str:
+def validation_message(err: dict, known_fields: Iterable[str] = ()) -> str:
     """One pydantic error (an item of ValidationError.errors()) as the words after its field's
-    name: what is wrong, and the fix."""
+    name: what is wrong, and the fix; an unknown field gets the known one it was likely meant to be."""
     kind = err["type"]
     if kind in ("extra_forbidden", "unexpected_keyword_argument"):
-        return "is not a known field; check its spelling or remove it"
+        meant = difflib.get_close_matches(str(err["loc"][-1]), list(known_fields), n=1, cutoff=0.75) if err["loc"] else []
+        return f"is not a known field; did you mean '{meant[0]}'?" if meant else "is not a known field; check its spelling or remove it"
     if kind == "missing":
         return "is required; add it"
     if kind == "literal_error":
@@ -39,8 +43,14 @@ def validation_message(err: dict) -> str:
     return f"{msg} (got {err.get('input')!r})" if "input" in err and not isinstance(err.get("input"), (dict, list)) else msg
 
 
+def first_problem(errors: list[dict]) -> dict:
+    """The error to report of several: an unknown field first, since a misspelt key also makes the
+    field it was meant to be "missing", and the misspelling is what to fix."""
+    return next((e for e in errors if e["type"] in ("extra_forbidden", "unexpected_keyword_argument")), errors[0])
+
+
 def validation_problem(exc) -> str:
     """`field: what is wrong` for the first error of a pydantic ValidationError (no pydantic import here:
     the router loads this module on hosts where only the router runs)."""
-    first = exc.errors()[0]
+    first = first_problem(exc.errors())
     return f"{field_path(tuple(first['loc']))}: {validation_message(first)}"

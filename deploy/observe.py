@@ -29,8 +29,8 @@ class ProcessStatus:
     pid: int  # the process itself (under its supervisor), as `ps` shows it
     process: str  # running | hung | restarting | dead | zombie | unreachable
     health: str  # ok | HTTP <code> | no answer | -
-    running: float | None
-    waiting: float | None
+    running: int | None  # requests the engine runs now, and holds waiting (vLLM's gauges)
+    waiting: int | None
     kv_usage: float | None
     uptime_s: float | None
     restarts: int  # by `up` and by its supervisor together
@@ -76,7 +76,8 @@ def _host_status(runner: Runner, records: list[ProcessRecord], keys: AccessKeys)
                 if r.role != "router" and code == 200:
                     metrics_url = r.base_url + "/metrics"
                     load = vllm_load(runner.http("GET", metrics_url, timeout=HEALTH_BOUND_S, headers=headers).text())
-                    row.running, row.waiting, row.kv_usage = load.running, load.waiting, load.kv_usage
+                    row.running, row.waiting = (None if n is None else round(n) for n in (load.running, load.waiting))
+                    row.kv_usage = load.kv_usage
             except OSError as exc:
                 row.health = "no answer"
                 row.error = row.error or _not_answering(sup, r, exc, now)

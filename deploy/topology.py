@@ -12,13 +12,13 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from kvpush.common.errors import field_path, validation_message
+from kvpush.common.errors import field_path, first_problem, validation_message
 
 from .topology_checks import Problems, check_cross_fields, check_key_files, known_kv_heads
 from .topology_defaults import side_channel_ports, apply_defaults
 from .topology_schema import (NAME_PATTERN, ROUTER_PROCESS_NAME, Backend, ConnectorSpec, ConnectorType, HostSpec,
                               InstanceSpec, ModelSpec, RestartSpec, Role, RouterSpec, SlurmSpec, TinyModelSpec, Topology,
-                              TopologyError, TracingSpec)
+                              TopologyError, TracingSpec, topology_field_names)
 from .topology_values import core_list_text, parse_core_list, rank_core_lists
 from .yaml_source import SourceDocument, YamlSyntaxError, load_yaml_file, parse_yaml
 
@@ -50,9 +50,9 @@ def topology_from_document(doc: SourceDocument) -> Topology:
     try:
         topo = Topology.model_validate(doc.data)
     except ValidationError as exc:
-        err = exc.errors()[0]
+        err = first_problem(exc.errors())
         path = tuple(err["loc"])
-        raise TopologyError(f"{doc.where(path)}: {field_path(path)}: {validation_message(err)}") from None
+        raise TopologyError(f"{doc.where(path)}: {field_path(path)}: {validation_message(err, topology_field_names())}") from None
     problems = Problems(doc)
     apply_defaults(topo, problems.fail)
     check_cross_fields(topo, problems)

@@ -284,3 +284,13 @@ class Topology(_Model):
             if spec.name == name:
                 return spec
         raise KeyError(name)
+
+
+def topology_field_names() -> frozenset[str]:
+    """Every field name a topology file may use, at any level (for 'did you mean' on a misspelt one)."""
+    names: set[str] = set()
+    for spec in (Topology, ModelSpec, TinyModelSpec, ConnectorSpec, HostSpec, RestartSpec, InstanceSpec, RouterSpec,
+                 SlurmSpec, TracingSpec):
+        fields = getattr(spec, "model_fields", None) or spec.__pydantic_fields__
+        names.update(fields)
+    return frozenset(names)

@@ -10,6 +10,7 @@ from .placement import bind_address, on_cores, secret_path
 from .topology import InstanceSpec, Role, Topology, core_list_text, parse_core_list
 
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+QUIET_ENDPOINTS = "/health,/metrics"  # paths the instance's access log leaves out
 KVPUSH_CONNECTOR_CLASS = "KVPushConnector"
 KVPUSH_CONNECTOR_MODULE = "kvpush.connector"
 # vLLM's NIXL connectors with a sleeping progress thread and no re-pinning (see the module): on a
@@ -87,6 +88,9 @@ def vllm_argv(topo: Topology, spec: InstanceSpec, kv_config: dict | None) -> lis
         "--host", bind_address(host),
         "--port", str(spec.http_port),
         "--dtype", model.dtype,
+        # The router probes /health twice a second and bench and status scrape /metrics: left in,
+        # their lines would bury the requests in the instance's log.
+        "--disable-access-log-for-endpoints", QUIET_ENDPOINTS,
     ]
     if model.max_model_len:
         argv += ["--max-model-len", str(model.max_model_len)]

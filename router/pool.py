@@ -216,7 +216,7 @@ class Pool:
         inst.in_rotation = True
         inst.consecutive_failures = 0
         self.metrics.in_rotation.labels(inst.name, self.role).set(1)
-        log.warning("%s instance %s in rotation (/health answered 200)", self.role, inst.name)
+        log.info("%s instance %s in rotation (/health answered 200)", self.role, inst.name)
 
     def observe_start_time(self, inst: Instance, start_time: float | None) -> None:
         """A changed start time of the instance's server is a restart (by its supervisor, by `up`,

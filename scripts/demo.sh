@@ -21,6 +21,8 @@ if [ "$keep" = 0 ]; then
 fi
 "${kvpush[@]}" up "$topology"
 "${kvpush[@]}" request --file "$topology" "the cache block moves from prefill to decode"
+echo "(the tiny local model has random weights: its words are noise; the proof line of up counts the"
+echo " prompt tokens decode received by KV transfer)"
 if [ "$keep" = 1 ]; then
   echo "left running; stop with: ${kvpush[*]} down $topology"
 fi

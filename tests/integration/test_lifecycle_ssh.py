@@ -37,6 +37,7 @@ def test_up_status_down_across_three_hosts(deploy, sshd_cluster, tmp_path, capsy
     doc = json.loads(out)
     assert code == 0 and doc["healthy"] and [p["health"] for p in doc["processes"]] == ["ok", "ok", "ok"], doc
     assert doc["processes"][0]["kv_usage"] == 0.25
+    assert [(type(p["running"]), type(p["waiting"])) for p in doc["processes"][:2]] == [(int, int)] * 2  # counts, not 0.0
 
     code, out, _ = run_cli(["logs", "router", "--deployment", "t", "-n", "5", "--known-hosts", str(sshd_cluster.known_hosts)], capsys)
     assert code == 0 and "router" in out and "POST /v1/completions" in out

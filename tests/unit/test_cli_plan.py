@@ -159,21 +159,3 @@ def test_plan_names_each_ssh_host_as_it_is_reached_with_a_port_only_where_the_to
     path.write_text(path.read_text().replace("address: 10.0.0.11", "address: 10.0.0.11, ssh_port: 2222", 1))
     assert "== host p5en-a (ubuntu@10.0.0.11:2222, ssh)" in kvpush("plan", str(path)).stdout
 
-
-def test_every_topology_command_takes_the_file_as_file_option_too(tmp_path):
-    kvpush("init", str(tmp_path / "t.yaml"), "--template", "xpyd")
-    by_option = kvpush("plan", "--file", str(tmp_path / "t.yaml"), "--json", cwd=tmp_path)
-    assert by_option.returncode == 0, by_option.stderr
-    assert json.loads(by_option.stdout)["deployment"] == "xpyd"
-    both = kvpush("plan", "t.yaml", "--file", str(tmp_path / "t.yaml"), "--json", cwd=tmp_path)
-    assert both.returncode == 0 and json.loads(both.stdout)["deployment"] == "xpyd"  # one file, named two ways
-    for command in ("up", "down", "status", "provision", "doctor", "bench", "plan", "logs", "request"):
-        assert "--file" in kvpush(command, "--help").stdout, command
-
-
-def test_two_different_topology_files_are_one_line_exit_2(tmp_path):
-    kvpush("init", str(tmp_path / "a.yaml"), "--template", "xpyd")
-    result = kvpush("plan", str(tmp_path / "a.yaml"), "--file", str(tmp_path / "b.yaml"))
-    assert result.returncode == 2
-    assert result.stderr.strip() == (f"error: the topology is given twice ({tmp_path / 'a.yaml'} and --file "
-                                     f"{tmp_path / 'b.yaml'}); give one of them")
