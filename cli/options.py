@@ -38,11 +38,10 @@ def topology_file(positional: Optional[Path], option: Optional[Path]) -> Optiona
 EXTRA_ARGUMENTS = {"allow_extra_args": True}
 
 
-def one_argument(command: str, what: str, args: list[str] | None, file: Optional[Path]) -> str | None:
+def one_argument(command: str, what: str, args: list[str], file: Optional[Path]) -> str | None:
     """The one positional argument of `logs` or `request`. Both take the topology as --file, so a
     YAML file in that place is the likely mistake (`kvpush logs my.yaml decode`): it is named with
     the command line that was meant, rather than read as a process name or sent as a prompt."""
-    args = args or []
     if file is None and args and args[0].endswith((".yaml", ".yml")) and Path(args[0]).is_file():
         rest = " ".join(shlex.quote(a) for a in args[1:]) or what
         raise UsageError(f"{args[0]} is a topology file; {command} takes it as --file: "

@@ -25,11 +25,15 @@ def field_path(loc: tuple) -> str:
     return out or "(top level)"
 
 
+# pydantic's error types for a key the model does not have
+UNKNOWN_FIELD_ERRORS = ("extra_forbidden", "unexpected_keyword_argument")
+
+
 def validation_message(err: dict, known_fields: Iterable[str] = ()) -> str:
     """One pydantic error (an item of ValidationError.errors()) as the words after its field's
     name: what is wrong, and the fix; an unknown field gets the known one it was likely meant to be."""
     kind = err["type"]
-    if kind in ("extra_forbidden", "unexpected_keyword_argument"):
+    if kind in UNKNOWN_FIELD_ERRORS:
         meant = difflib.get_close_matches(str(err["loc"][-1]), list(known_fields), n=1, cutoff=0.75) if err["loc"] else []
         return f"is not a known field; did you mean '{meant[0]}'?" if meant else "is not a known field; check its spelling or remove it"
     if kind == "missing":
@@ -46,7 +50,7 @@ def validation_message(err: dict, known_fields: Iterable[str] = ()) -> str:
 def first_problem(errors: list[dict]) -> dict:
     """The error to report of several: an unknown field first, since a misspelt key also makes the
     field it was meant to be "missing", and the misspelling is what to fix."""
-    return next((e for e in errors if e["type"] in ("extra_forbidden", "unexpected_keyword_argument")), errors[0])
+    return next((e for e in errors if e["type"] in UNKNOWN_FIELD_ERRORS), errors[0])
 
 
 def validation_problem(exc) -> str:
