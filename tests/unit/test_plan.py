@@ -69,6 +69,8 @@ def test_vllm_argv_and_env_for_kvpush():
     decode_config = json.loads(decode.argv[decode.argv.index("--kv-transfer-config") + 1])
     assert decode_config["kv_role"] == "kv_consumer"
     assert decode.health_url == "http://127.0.0.3:8200/health"
+    for proc in (prefill, decode):  # the router's probes and the scrapes stay out of the instance's log
+        assert proc.argv[proc.argv.index("--disable-access-log-for-endpoints") + 1] == "/health,/metrics"
 
 
 @pytest.mark.parametrize("connector,name", [("nixl-push", "NixlPushConnector"), ("nixl-pull", "NixlConnector")])
