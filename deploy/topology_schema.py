@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 import sys
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 from pydantic.dataclasses import dataclass as pydantic_dataclass
@@ -287,10 +287,18 @@ class Topology(_Model):
 
 
 def topology_field_names() -> frozenset[str]:
-    """Every field name a topology file may use, at any level (for 'did you mean' on a misspelt one)."""
+    """Every field name a topology file may use, at any level (for 'did you mean' on a misspelt one),
+    found by walking the schema from Topology down, so a spec added later is included."""
     names: set[str] = set()
-    for spec in (Topology, ModelSpec, TinyModelSpec, ConnectorSpec, HostSpec, RestartSpec, InstanceSpec, RouterSpec,
-                 SlurmSpec, TracingSpec):
-        fields = getattr(spec, "model_fields", None) or spec.__pydantic_fields__
-        names.update(fields)
+    seen: set[type] = set()
+    pending: list[Any] = [Topology]
+    while pending:
+        annotation = pending.pop()
+        fields = getattr(annotation, "__pydantic_fields__", None) if isinstance(annotation, type) else None
+        if fields is None:
+            pending.extend(get_args(annotation))  # Optional[...], list[...], dict[str, ...], Annotated[...]
+        elif annotation not in seen:
+            seen.add(annotation)
+            names.update(fields)
+            pending.extend(f.annotation for f in fields.values())
     return frozenset(names)
