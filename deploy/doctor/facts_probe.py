@@ -4,8 +4,9 @@ Self-contained on purpose (standard library only, no kvpush import): the host ma
 or may have a different version. `python -c SOURCE REQUEST_JSON` prints one JSON document.
 
 It also does the port work, because a bind test and a temporary listener are the same socket:
-it binds every configured port (a failed bind = the port is taken), answers connections on them
-with a token, and meanwhile connects to the peer hosts' ports it must reach.
+it binds every configured port (a failed bind = the port is taken), answers the doctor's own
+connections on them (those that open with this run's nonce) with a token, and meanwhile connects to
+the peer hosts' ports it must reach.
 """
 import json
 import os
@@ -277,6 +278,30 @@ class PortWork:
                 result.update(ok=False, errno=exc.errno, error=exc.strerror or str(exc))
             self.bind_results.append(result)
 
+    def hello(self):
+        """What the doctor's own connects send first: strangers (a router still probing a dead
+        instance's port, say) connect to the temporary listeners too, and must not count."""
+        return f"KVPUSH-DOCTOR-HELLO {self.nonce}\n".encode()
+
+    def answer(self, conn, port, deadline):
+        """Send the token to a connection that says hello; count it as one of the expected peers."""
+        with conn:
+            try:
+                conn.settimeout(max(0.2, min(2.0, deadline - time.monotonic())))
+                said = b""
+                while not said.endswith(b"\n") and len(said) < 128:
+                    chunk = conn.recv(128 - len(said))
+                    if not chunk:
+                        break
+                    said += chunk
+                if said != self.hello():
+                    return
+                conn.sendall(f"KVPUSH-DOCTOR {self.nonce} {self.host} {port}\n".encode())
+            except OSError:
+                return
+        with self.lock:
+            self.incoming += 1
+
     def serve(self, deadline):
         import selectors
 
@@ -289,15 +314,9 @@ class PortWork:
                     conn, _addr = key.fileobj.accept()
                 except OSError:
                     continue
-                with conn:
-                    conn.setblocking(True)
-                    token = f"KVPUSH-DOCTOR {self.nonce} {self.host} {key.data['port']}\n"
-                    try:
-                        conn.sendall(token.encode())
-                    except OSError:
-                        pass
-                with self.lock:
-                    self.incoming += 1
+                conn.setblocking(True)
+                # One thread per connection: a silent stranger must not hold up the peers behind it.
+                threading.Thread(target=self.answer, args=(conn, key.data["port"], deadline), daemon=True).start()
         for sock, _ in self.sockets:
             sock.close()
 
@@ -311,6 +330,7 @@ class PortWork:
             try:
                 with socket.create_connection((spec["addr"], int(spec["port"])), timeout=max(0.2, min(2.0, left))) as conn:
                     conn.settimeout(max(0.2, min(2.0, deadline - time.monotonic())))
+                    conn.sendall(self.hello())
                     data = b""
                     while not data.endswith(b"\n") and len(data) < 512:
                         chunk = conn.recv(512)
