@@ -19,7 +19,7 @@ from . import slurm_render
 from .host_address import HEALTH_PATH, HostAddress, base_url, http_url
 from .placement import SecretKind, bind_address, deployment_dir, on_cores, secret_path
 from .supervise import supervisor_argv
-from .topology import ROUTER_PROCESS_NAME, HostSpec, InstanceSpec, RestartSpec, Role, Topology, side_channel_ports
+from .topology import ROUTER_PROCESS_NAME, HostSpec, InstanceSpec, RestartSpec, Role, Topology, listening_side_channel_ports
 from .vllm_launch import engine_id, kv_transfer_config, vllm_argv, vllm_env
 
 ProcessRole = Literal["prefill", "decode", "router"]
@@ -157,7 +157,7 @@ def _vllm_process(topo: Topology, role: Role, spec: InstanceSpec) -> ProcessPlan
         log_path=f"{workdir}/logs/{spec.name}.log",
         http_port=spec.http_port,
         health_url=http_url(bind_address(host), spec.http_port, HEALTH_PATH),
-        side_channel_ports=side_channel_ports(spec, topo.connector.type) if kv_config is not None else [],
+        side_channel_ports=listening_side_channel_ports(role, spec, topo.connector.type),
         env_file=secret_path(topo, host, "instance-env"),
         **_supervision(host, workdir, spec.name, spec.restart),
     )

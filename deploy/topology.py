@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from kvpush.common.errors import field_path, first_problem, validation_message
 
 from .topology_checks import Problems, check_cross_fields, check_key_files, known_kv_heads
-from .topology_defaults import side_channel_ports, apply_defaults
+from .topology_defaults import apply_defaults, listening_side_channel_ports, side_channel_ports
 from .topology_schema import (NAME_PATTERN, ROUTER_PROCESS_NAME, Backend, ConnectorSpec, ConnectorType, HostSpec,
                               InstanceSpec, ModelSpec, RestartSpec, Role, RouterSpec, SlurmSpec, TinyModelSpec, Topology,
                               TopologyError, TracingSpec, topology_field_names)
@@ -25,7 +25,7 @@ from .yaml_source import SourceDocument, YamlSyntaxError, load_yaml_file, parse_
 __all__ = [
     "NAME_PATTERN", "ROUTER_PROCESS_NAME", "Backend", "ConnectorSpec", "ConnectorType", "HostSpec", "InstanceSpec",
     "ModelSpec", "RestartSpec", "Role", "RouterSpec", "SlurmSpec", "TinyModelSpec", "Topology", "TopologyError", "TracingSpec",
-    "check_key_files", "core_list_text", "known_kv_heads", "load_topology", "parse_core_list", "parse_topology",
+    "check_key_files", "core_list_text", "known_kv_heads", "listening_side_channel_ports", "load_topology", "parse_core_list", "parse_topology",
     "rank_core_lists", "resolve_topology", "side_channel_ports", "topology_from_document",
 ]
 

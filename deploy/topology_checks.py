@@ -7,7 +7,7 @@ from pathlib import Path
 
 from kvpush.common.errors import field_path
 
-from .topology_defaults import side_channel_ports
+from .topology_defaults import listening_side_channel_ports
 from .topology_schema import NAME_PATTERN, ROUTER_PROCESS_NAME, InstanceSpec, Role, Topology, TopologyError
 from .topology_values import rank_core_lists
 from .yaml_source import SourceDocument
@@ -68,12 +68,11 @@ def check_cross_fields(topo: Topology, problems: Problems) -> None:
         if spec.host not in topo.hosts:
             problems.fail(base + ("host",), f"unknown host '{spec.host}'; define it under hosts: or use one of {', '.join(topo.hosts)}")
         claim_port(spec.host, spec.http_port, base + ("http_port",), f"{spec.name} HTTP")
-        if topo.connector.type != "colocated":
-            for rank, port in enumerate(side_channel_ports(spec, topo.connector.type)):
-                if port > 65535:
-                    problems.fail(base + ("side_channel_port",), f"rank {rank} would listen on port {port} > 65535; lower side_channel_port")
-                what = f"{spec.name} side channel" + (f" rank {rank}" if rank else "")
-                claim_port(spec.host, port, base + ("side_channel_port",), what)
+        for rank, port in enumerate(listening_side_channel_ports(role, spec, topo.connector.type)):
+            if port > 65535:
+                problems.fail(base + ("side_channel_port",), f"rank {rank} would listen on port {port} > 65535; lower side_channel_port")
+            what = f"{spec.name} side channel" + (f" rank {rank}" if rank else "")
+            claim_port(spec.host, port, base + ("side_channel_port",), what)
 
         ranks = spec.tensor_parallel_size * spec.data_parallel_size
         if topo.platform == "cuda":

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .topology_schema import ConnectorType, InstanceSpec, Topology
+from .topology_schema import ConnectorType, InstanceSpec, Role, Topology
 
 DEFAULT_PREFILL_HTTP_PORT = 8100
 DEFAULT_DECODE_HTTP_PORT = 8200
@@ -13,7 +13,7 @@ Fail = Callable[[tuple, str], None]  # (path of the field, what is wrong and the
 
 
 def side_channel_ports(spec: InstanceSpec, connector: ConnectorType = "kvpush") -> list[int]:
-    """Every port an instance's side channel listens on.
+    """The ports an instance's side channel is numbered over (what defaults leave room for).
 
     kvpush's connector listens on one port per tensor-parallel rank of each data-parallel rank
     (base + dp_rank * tp + tp_rank); vLLM's NIXL connectors on one per data-parallel rank, in the
@@ -22,6 +22,15 @@ def side_channel_ports(spec: InstanceSpec, connector: ConnectorType = "kvpush") 
     assert spec.side_channel_port is not None
     count = spec.data_parallel_size * (spec.tensor_parallel_size if connector == "kvpush" else 1)
     return [spec.side_channel_port + i for i in range(count)]
+
+
+def listening_side_channel_ports(role: Role, spec: InstanceSpec, connector: ConnectorType) -> list[int]:
+    """The side-channel ports an instance's processes bind: kvpush's decode binds none (it dials its
+    prefill peers; its side_channel_port only names it in the push's parameters), and colocated
+    instances have no side channel."""
+    if connector == "colocated" or (connector == "kvpush" and role == "decode"):
+        return []
+    return side_channel_ports(spec, connector)
 
 
 def apply_defaults(topo: Topology, fail: Fail) -> None:

@@ -7,7 +7,7 @@ import math
 from pathlib import PurePosixPath
 
 from kvpush.common.errors import UsageError
-from ..topology import ConnectorType, Topology, TinyModelSpec, TracingSpec, side_channel_ports
+from ..topology import ConnectorType, Topology, TinyModelSpec, TracingSpec, listening_side_channel_ports, side_channel_ports
 
 # A bench mode is a connector type, or a `-stock` control: vLLM's connector exactly as vLLM ships it
 # (connector.stock_vllm), beside the variant kvpush tunes for shared CPU cores.
@@ -114,9 +114,9 @@ def renumber_ports(topo: Topology, port_base: int) -> Topology:
 def ports_of(topo: Topology) -> list[int]:
     """Every port a deployment listens on: router, instances' HTTP, side channels."""
     ports = [topo.router.port]
-    for _, _, spec in topo.instances():
+    for role, _, spec in topo.instances():
         ports.append(spec.http_port)
-        ports.extend(side_channel_ports(spec, topo.connector.type))
+        ports.extend(listening_side_channel_ports(role, spec, topo.connector.type))
     return ports
 
 

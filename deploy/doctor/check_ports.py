@@ -122,5 +122,5 @@ def check_reachability(ctx: DoctorContext) -> list[CheckResult]:
 
 CHECKS = [
     Check("ports-free", "host", "every HTTP, side-channel and router port is free on its host", check_ports_free),
-    Check("reachability", "pair", "decode <-> prefill side channels and router -> instances connect", check_reachability),
+    Check("reachability", "pair", "decode -> prefill side channels (both ways for NIXL) and router -> instances connect", check_reachability),
 ]

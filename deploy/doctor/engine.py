@@ -140,21 +140,21 @@ class _NixlProbes:
 
 def _transfer_pair(ctx: DoctorContext, runners: Mapping[str, CommandRunner], options: DoctorOptions,
                    source: str, target: str) -> TransferOutcome | None:
-    decode = next(d for d in ctx.topo.decode if d.host == target)
-    port = decode.side_channel_port
-    target_facts = ctx.facts.get(target)
-    if source not in ctx.facts or target_facts is None:
+    prefill = next(p for p in ctx.topo.prefill if p.host == source)
+    port = prefill.side_channel_port  # decode dials prefill's side channel when serving; the probe does too
+    source_facts = ctx.facts.get(source)
+    if source_facts is None or target not in ctx.facts:
         return None
-    if not any(r["ok"] and r["port"] == port for r in target_facts.raw.get("bind", [])):
+    if not any(r["ok"] and r["port"] == port for r in source_facts.raw.get("bind", [])):
         return None  # the port is taken (ports-free says so) or was not probed
     nonce = secrets.token_hex(4)
     mem = "VRAM" if ctx.topo.platform == "cuda" else "DRAM"
     common = {"backend": ctx.topo.connector.backend, "nbytes": options.transfer_bytes, "seed": 1, "mem": mem,
               "nonce": nonce, "repeat": 3, "timeout": options.nixl_timeout_s + options.reach_window_s}
-    addr = bind_address(ctx.topo.hosts[target])
+    addr = bind_address(ctx.topo.hosts[source])
     requests = {
-        "target": (target, dict(common, role="target", bind=addr, port=port)),
-        "initiator": (source, dict(common, role="initiator", addr=addr, port=port)),
+        "target": (target, dict(common, role="target", addr=addr, port=port)),
+        "initiator": (source, dict(common, role="initiator", bind=addr, port=port)),
     }
 
     def job(role: str):
@@ -177,7 +177,7 @@ def _transfer_pair(ctx: DoctorContext, runners: Mapping[str, CommandRunner], opt
     return TransferOutcome(source, target, ok=bool(init.get("ok")) and targ.get("byte_exact") is not None,
                            byte_exact=targ.get("byte_exact"), nbytes=options.transfer_bytes, seconds=init.get("seconds"),
                            gbps=init.get("gbps"), error=error, evidence=lines,
-                           command=f"python transfer_probe.py: {mem} WRITE {source} -> {target}:{port} via {common['backend']}")
+                           command=f"python transfer_probe.py: {mem} WRITE {source} -> {target} (metadata to {source}:{port}) via {common['backend']}")
 
 
 def _probe_failure_row(failure: ProbeFailure) -> CheckResult:

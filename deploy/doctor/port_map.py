@@ -5,7 +5,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from kvpush.deploy.placement import bind_address
-from kvpush.deploy.topology import Topology, side_channel_ports
+from kvpush.deploy.topology import Topology, listening_side_channel_ports
 
 
 @dataclass(frozen=True)
@@ -30,23 +30,22 @@ class ReachTarget:
 def port_claims(topo: Topology, running: frozenset[str] = frozenset()) -> list[PortClaim]:
     """Every port a process binds, except those of processes already running (they hold them)."""
     claims: list[PortClaim] = []
-    disaggregated = topo.connector.type != "colocated"
-    for _, _, spec in topo.instances():
+    for role, _, spec in topo.instances():
         if spec.name in running:
             continue
         addr = bind_address(topo.hosts[spec.host])
         claims.append(PortClaim(spec.host, addr, spec.http_port, f"{spec.name} HTTP", spec.name))
-        if disaggregated:
-            for rank, port in enumerate(side_channel_ports(spec, topo.connector.type)):
-                suffix = f" rank {rank}" if rank else ""
-                claims.append(PortClaim(spec.host, addr, port, f"{spec.name} side channel{suffix}", spec.name))
+        for rank, port in enumerate(listening_side_channel_ports(role, spec, topo.connector.type)):
+            suffix = f" rank {rank}" if rank else ""
+            claims.append(PortClaim(spec.host, addr, port, f"{spec.name} side channel{suffix}", spec.name))
     if "router" not in running:
         claims.append(PortClaim(topo.router.host, topo.router.bind, topo.router.port, "router HTTP", "router"))
     return claims
 
 
 def reach_targets(topo: Topology) -> list[ReachTarget]:
-    """Decode hosts reach prefill side channels and back; the router host reaches every instance."""
+    """Decode hosts reach prefill side channels (and prefill hosts decode's, where decode listens);
+    the router host reaches every instance."""
     seen: set[tuple[str, str, int]] = set()
     targets: list[ReachTarget] = []
 
@@ -56,13 +55,13 @@ def reach_targets(topo: Topology) -> list[ReachTarget]:
             seen.add((source, addr, port))
             targets.append(ReachTarget(source, target_host, addr, port, label, why))
 
-    if topo.connector.type != "colocated":
-        for p in topo.prefill:
-            for d in topo.decode:
-                for rank, port in enumerate(side_channel_ports(p, topo.connector.type)):
-                    add(d.host, p.host, port, f"{p.name} side channel" + (f" rank {rank}" if rank else ""), "decode -> prefill side channel")
-                for rank, port in enumerate(side_channel_ports(d, topo.connector.type)):
-                    add(p.host, d.host, port, f"{d.name} side channel" + (f" rank {rank}" if rank else ""), "prefill -> decode side channel")
+    kind = topo.connector.type
+    for p in topo.prefill:
+        for d in topo.decode:
+            for rank, port in enumerate(listening_side_channel_ports("prefill", p, kind)):
+                add(d.host, p.host, port, f"{p.name} side channel" + (f" rank {rank}" if rank else ""), "decode -> prefill side channel")
+            for rank, port in enumerate(listening_side_channel_ports("decode", d, kind)):
+                add(p.host, d.host, port, f"{d.name} side channel" + (f" rank {rank}" if rank else ""), "prefill -> decode side channel")
     for _, _, spec in topo.instances():
         add(topo.router.host, spec.host, spec.http_port, f"{spec.name} HTTP", "router -> instance HTTP")
     return targets

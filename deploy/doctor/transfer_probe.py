@@ -1,10 +1,11 @@
 """One NIXL WRITE between two hosts, checked byte for byte: shipped as source, run on both ends.
 
 Self-contained (standard library, numpy, nixl; torch only for GPU memory). The target (decode
-side) registers a zeroed buffer and hands its NIXL metadata to the initiator over one TCP
-connection on a port doctor has proven free and reachable; the initiator (prefill side) WRITEs
-a known pattern into it `repeat` times with a notification each time; the target compares the
-bytes after the last notification. Each end prints one JSON line.
+side) registers a zeroed buffer and sends its NIXL metadata to the initiator (prefill side) over
+one TCP connection to prefill's side-channel port, the way decode reaches prefill when serving
+(doctor has proven that port free and reachable); the initiator WRITEs a known pattern into it
+`repeat` times with a notification each time; the target compares the bytes after the last
+notification. Each end prints one JSON line.
 
     python -c SOURCE '{"role": "target", ...}'   |   python -c SOURCE '{"role": "initiator", ...}'
 """
@@ -15,6 +16,8 @@ import json
 import socket
 import sys
 import time
+
+MAX_OFFER_BYTES = 4 << 20  # NIXL agent metadata is kilobytes; a peer may not make the probe read more
 
 
 def nixl_api():
@@ -66,16 +69,9 @@ def run_target(req):
     agent = make_agent(api, f"kvpush-doctor-target-{req['nonce']}", req["backend"])
     buffer, addr, dev = allocate(nbytes, mem)
     agent.register_memory([(addr, nbytes, dev, "")], mem_type=mem)
-    offer = {"metadata": base64.b64encode(agent.get_agent_metadata()).decode(), "addr": addr, "len": nbytes, "dev": dev}
-    server = socket.socket(socket.AF_INET6 if ":" in req["bind"] else socket.AF_INET)
-    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    server.bind((req["bind"], req["port"]))
-    server.listen(1)
-    server.settimeout(max(0.1, deadline - time.monotonic()))
-    conn, _ = server.accept()
-    with conn:
-        conn.sendall((json.dumps(offer) + "\n").encode())
-    server.close()
+    offer = {"nonce": req["nonce"], "metadata": base64.b64encode(agent.get_agent_metadata()).decode(),
+             "addr": addr, "len": nbytes, "dev": dev}
+    send_offer(req["addr"], req["port"], (json.dumps(offer) + "\n").encode(), deadline)
     last = f"kvpush-doctor-{req['nonce']}-{req['repeat'] - 1}".encode()
     while time.monotonic() < deadline:
         notes = [m for msgs in agent.get_new_notifs().values() for m in msgs]
@@ -93,22 +89,44 @@ def run_target(req):
             "error": None if diff.size == 0 else f"{diff.size} of {nbytes} bytes differ (first at offset {int(diff[0])})"}
 
 
-def fetch_offer(addr, port, deadline):
+def send_offer(addr, port, offer, deadline):
+    """Dial the initiator until it listens (both ends start at about the same time) and send the offer."""
     last_error = None
     while time.monotonic() < deadline:
         try:
             with socket.create_connection((addr, port), timeout=2.0) as conn:
+                conn.sendall(offer)
+            return
+        except OSError as exc:
+            last_error = exc
+            time.sleep(0.05)
+    raise RuntimeError(f"could not send metadata to {addr}:{port}: {last_error}")
+
+
+def receive_offer(bind, port, nonce, deadline):
+    """The first offer from this doctor run (its nonce) on the initiator's port; others are dropped."""
+    server = socket.socket(socket.AF_INET6 if ":" in bind else socket.AF_INET)
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    with server:
+        server.bind((bind, port))
+        server.listen(4)
+        while True:
+            server.settimeout(max(0.1, deadline - time.monotonic()))
+            conn, _ = server.accept()
+            with conn:
+                conn.settimeout(max(0.1, min(5.0, deadline - time.monotonic())))
                 data = b""
-                while not data.endswith(b"\n"):
+                while not data.endswith(b"\n") and len(data) < MAX_OFFER_BYTES:
                     chunk = conn.recv(1 << 16)
                     if not chunk:
                         break
                     data += chunk
-            return json.loads(data)
-        except (OSError, ValueError) as exc:
-            last_error = exc
-            time.sleep(0.05)
-    raise RuntimeError(f"no metadata from {addr}:{port}: {last_error}")
+            try:
+                offer = json.loads(data)
+            except ValueError:
+                continue
+            if isinstance(offer, dict) and offer.get("nonce") == nonce:
+                return offer
 
 
 def run_initiator(req):
@@ -117,7 +135,7 @@ def run_initiator(req):
     agent = make_agent(api, f"kvpush-doctor-initiator-{req['nonce']}", req["backend"])
     buffer, addr, dev = allocate(nbytes, mem, fill=pattern(nbytes, req["seed"]))
     agent.register_memory([(addr, nbytes, dev, "")], mem_type=mem)
-    offer = fetch_offer(req["addr"], req["port"], deadline)
+    offer = receive_offer(req["bind"], req["port"], req["nonce"], deadline)
     remote = agent.add_remote_agent(base64.b64decode(offer["metadata"]))
     local_descs = agent.get_xfer_descs([(addr, nbytes, dev)], mem)
     remote_descs = agent.get_xfer_descs([(offer["addr"], offer["len"], offer["dev"])], mem)

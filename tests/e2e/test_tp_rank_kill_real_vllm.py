@@ -96,7 +96,7 @@ def test_killing_one_prefill_rank_mid_push_ends_every_request_and_frees_every_bl
         assert status == 200, raw  # warm: both ranks connected and a transfer went through
 
         prompts = full_length_prompts(16, 1500, seed=2)
-        p_port, d_port = plan.process("prefill-0").side_channel_ports[0], plan.process("decode-0").side_channel_ports[0]
+        p_port, d_port = plan.process("prefill-0").side_channel_ports[0], topo.decode[0].side_channel_port
 
         def both_legs(prompt: list[int]) -> tuple[int, str, float]:
             tid = uuid.uuid4().hex

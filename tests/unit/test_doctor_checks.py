@@ -350,10 +350,19 @@ def test_model_fit_checks_every_tp_size_against_the_models_kv_heads():
 # -- ports ------------------------------------------------------------------------------------------
 
 
-def test_port_map_side_channels_both_ways_and_router_to_instances():
+def test_port_map_kvpush_decode_reaches_prefill_side_channel_and_listens_on_none_of_its_own():
     targets = {(t.source, t.target, t.port) for t in reach_targets(TWO_CPU_HOSTS)}
-    assert targets == {("b", "a", 5600), ("a", "b", 5700), ("a", "a", 8100), ("a", "b", 8200)}
+    assert targets == {("b", "a", 5600), ("a", "a", 8100), ("a", "b", 8200)}
     claims = {(c.host, c.port) for c in port_claims(TWO_CPU_HOSTS, frozenset({"router"}))}
+    assert claims == {("a", 8100), ("a", 5600), ("b", 8200)}
+
+
+def test_port_map_nixl_side_channels_both_ways():
+    nixl = TWO_CPU_HOSTS.model_copy(deep=True)
+    nixl.connector.type = "nixl-pull"
+    targets = {(t.source, t.target, t.port) for t in reach_targets(nixl)}
+    assert targets == {("b", "a", 5600), ("a", "b", 5700), ("a", "a", 8100), ("a", "b", 8200)}
+    claims = {(c.host, c.port) for c in port_claims(nixl, frozenset({"router"}))}
     assert claims == {("a", 8100), ("a", 5600), ("b", 8200), ("b", 5700)}
 
 
@@ -361,15 +370,14 @@ def test_ports_free_fails_naming_port_and_host_and_reachability_names_both_ends(
     a = facts("a", bind=[{"addr": "10.0.0.1", "port": 8100, "label": "prefill-0 HTTP", "ok": False, "errno": 98,
                           "error": "Address already in use"},
                          {"addr": "10.0.0.1", "port": 5600, "label": "prefill-0 side channel", "ok": True, "errno": None, "error": None}],
-              reach=[{"addr": "10.0.0.2", "port": 5700, "ok": False, "error": "Connection refused"},
-                     {"addr": "10.0.0.2", "port": 8200, "ok": True, "error": None}])
-    b = facts("b", bind=[{"addr": "10.0.0.2", "port": p, "label": "x", "ok": True, "errno": None, "error": None} for p in (8200, 5700)],
+              reach=[{"addr": "10.0.0.2", "port": 8200, "ok": False, "error": "Connection refused"}])
+    b = facts("b", bind=[{"addr": "10.0.0.2", "port": 8200, "label": "x", "ok": True, "errno": None, "error": None}],
               reach=[{"addr": "10.0.0.1", "port": 5600, "ok": True, "error": None}])
     ctx = context(TWO_CPU_HOSTS, {"a": a, "b": b})
     r = next(r for r in check_ports.check_ports_free(ctx) if r.subject == "a")
     assert r.status is Status.FAIL and "port 8100 on host a" in r.summary and "Address already in use" in r.summary
     pairs = {r.subject: r for r in check_ports.check_reachability(ctx)}
-    assert pairs["a -> b"].status is Status.FAIL and "port 5700" in pairs["a -> b"].summary
+    assert pairs["a -> b"].status is Status.FAIL and "port 8200" in pairs["a -> b"].summary
     assert pairs["b -> a"].status is Status.OK
     assert pairs["a -> a"].status is Status.SKIP  # 8100 taken on a: nothing of ours listened
 

@@ -151,7 +151,8 @@ def test_cpu_tensor_parallel_instance_binds_each_rank_to_its_cores(tmp_path):
     at = prefill.argv.index("--tensor-parallel-size")
     assert prefill.argv[at:at + 4] == ["--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"]
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in prefill.env  # the ranks are worker processes anyway
-    assert prefill.side_channel_ports == [5600, 5601] and plan.process("decode-0").side_channel_ports == [5602, 5603]
+    assert prefill.side_channel_ports == [5600, 5601]
+    assert plan.process("decode-0").side_channel_ports == []  # kvpush's decode dials prefill; it binds none
     config = router_config_of(plan, "local", tmp_path)
     assert [u.tp_size for u in config.prefill + config.decode] == [2, 2]
 

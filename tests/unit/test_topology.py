@@ -65,9 +65,11 @@ BAD_FILES = [
     ("side channel collides with http", MINIMAL.replace("  - {}\ndecode", "  - {side_channel_port: 8200}\ndecode"), 4, "prefill[0].side_channel_port", "decode-0 HTTP"),
     ("dp rank side channel collides", """platform: cuda
 model: {path: /m}
-prefill: [{devices: [0, 1], data_parallel_size: 2, side_channel_port: 6000}]
-decode: [{devices: [2, 3], data_parallel_size: 2, side_channel_port: 6001}]
-""", 4, "decode[0].side_channel_port", "rank"),
+prefill:
+  - {devices: [0, 1], data_parallel_size: 2, side_channel_port: 6000}
+  - {devices: [2, 3], data_parallel_size: 2, side_channel_port: 6001}
+decode: [{devices: [4]}]
+""", 5, "prefill[1].side_channel_port", "rank"),
     ("device given twice", """platform: cuda
 model: {path: /m}
 prefill: [{devices: [1]}]

@@ -102,7 +102,7 @@ def push_request(prefill_url: str, decode_url: str, plan, body: dict, pool: Thre
     tid = uuid.uuid4().hex
     p_body = {**body, "max_tokens": 1, "stream": False,
               "kv_transfer_params": {"kvpush_role": "producer", "transfer_id": tid, "peer_engine_id": d_engine,
-                                     "peer_host": "127.0.0.1", "peer_port": d.side_channel_ports[0]}}
+                                     "peer_host": "127.0.0.1", "peer_port": PORTS["decode_side"]}}
     d_body = {**body, "kv_transfer_params": {"kvpush_role": "consumer", "transfer_id": tid, "peer_engine_id": p_engine,
                                              "peer_host": "127.0.0.1", "peer_port": p.side_channel_ports[0],
                                              "peer_tp_size": 1}}
