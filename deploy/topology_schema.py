@@ -176,7 +176,9 @@ class InstanceSpec(_Model):
     tensor_parallel_size: IntNotBool = Field(1, ge=1, le=64)
     data_parallel_size: IntNotBool = Field(1, ge=1, le=256)
     http_port: IntNotBool | None = Field(None, ge=1, le=65535)
-    side_channel_port: IntNotBool | None = Field(None, ge=1, le=65535)
+    side_channel_port: IntNotBool | None = Field(None, ge=1, le=65535, description=(
+        "the first of the instance's side-channel ports (one per TP x DP rank for kvpush, per DP rank for NIXL); "
+        "kvpush's decode listens on none, its port only names it"))
     env: EnvMap = Field(default_factory=dict)
     extra_args: ExtraArgs = Field(default_factory=list)
     restart: RestartField = Field(default_factory=RestartSpec)
