@@ -60,6 +60,16 @@ def state_dir(tmp_path, monkeypatch):
     return path
 
 
+@pytest.fixture
+def free_port() -> int:
+    """A loopback port nothing listened on a moment ago (the kernel's pick)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 # -- the tiny local model (kvpush make-model) ------------------------------------------------------
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:

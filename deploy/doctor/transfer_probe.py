@@ -112,15 +112,21 @@ def receive_offer(bind, port, nonce, deadline):
         server.listen(4)
         while True:
             server.settimeout(max(0.1, deadline - time.monotonic()))
-            conn, _ = server.accept()
+            try:
+                conn, _ = server.accept()
+            except socket.timeout:
+                raise RuntimeError(f"no metadata from the target on {bind}:{port} in time") from None
+            data = b""
             with conn:
-                conn.settimeout(max(0.1, min(5.0, deadline - time.monotonic())))
-                data = b""
-                while not data.endswith(b"\n") and len(data) < MAX_OFFER_BYTES:
-                    chunk = conn.recv(1 << 16)
-                    if not chunk:
-                        break
-                    data += chunk
+                try:
+                    conn.settimeout(max(0.1, min(5.0, deadline - time.monotonic())))
+                    while not data.endswith(b"\n") and len(data) < MAX_OFFER_BYTES:
+                        chunk = conn.recv(1 << 16)
+                        if not chunk:
+                            break
+                        data += chunk
+                except OSError:
+                    continue
             try:
                 offer = json.loads(data)
             except ValueError:

@@ -7,12 +7,6 @@ import threading
 from kvpush.deploy.doctor.facts_probe import PortWork
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _listening(port: int, expect: int) -> tuple[PortWork, threading.Thread]:
     work = PortWork({"host": "b", "nonce": "n1", "reach_window_s": 5.0, "expect_incoming": expect,
                      "listen": [{"addr": "127.0.0.1", "port": port, "label": "decode-0 HTTP"}], "connect": []})
@@ -42,8 +36,8 @@ def _reach(port: int, nonce: str = "n1") -> dict:
     return work.reach_results[0]
 
 
-def test_a_stranger_connecting_first_neither_counts_nor_closes_the_listener_before_the_peer():
-    port = _free_port()
+def test_a_stranger_connecting_first_neither_counts_nor_closes_the_listener_before_the_peer(free_port):
+    port = free_port
     listener, thread = _listening(port, expect=1)
     assert _stranger_says(port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n") == b""
     reached = _reach(port)
@@ -53,8 +47,8 @@ def test_a_stranger_connecting_first_neither_counts_nor_closes_the_listener_befo
     assert listener.incoming == 1
 
 
-def test_a_peer_from_another_doctor_run_is_not_answered():
-    port = _free_port()
+def test_a_peer_from_another_doctor_run_is_not_answered(free_port):
+    port = free_port
     listener, thread = _listening(port, expect=1)
     other_run = _reach(port, nonce="n2")
     assert not other_run["ok"] and listener.incoming == 0
