@@ -2,15 +2,19 @@
 
 Commands (one JSON object per line): {"offer": [tid, req, [blocks], peer]}, {"accept": [tids]} (decode TP 1),
 {"abort": [tid, reason]}, {"prepare": [tid, [blocks], peer]} (prints {"prepared": bool}),
-{"freed": true} -> prints {"freed": [...], "records": [...]}. Prints {"port": P} once ready.
+{"freed": true} -> prints {"freed": [...], "records": [...]}, {"registered": tid} -> prints
+{"registered": bool} (whether decode's registration is here). Prints {"port": P} once ready.
 With {"save_queue": true} in its config (a GPU's path: the side-channel thread polls the WRITEs),
 {"save": [[tid, req, [blocks], peer], ...]} hands a step to a SaveQueue as wait_for_save does, its
 forward pass standing in as a gate that {"forward_done": true} opens (oldest first).
+With {"stop_before_post": N}, the process stops itself (SIGSTOP) just before its WRITE post number N
+(from 0), so a test can stall it mid-stream at a known layer whatever the machine's load.
 """
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -94,6 +98,16 @@ class PeerProcess:
         self.proc.stdin.write(json.dumps(cmd) + "\n")
         self.proc.stdin.flush()
 
+    def wait_registered(self, transfer_id: str, timeout_s: float = 20.0) -> None:
+        """Until decode's registration for the transfer is here (a bound for a loaded machine)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.send(registered=transfer_id)
+            if json.loads(self.proc.stdout.readline())["registered"]:
+                return
+            assert time.monotonic() < deadline, f"decode's registration of {transfer_id} never reached P"
+            time.sleep(0.01)
+
     def status(self) -> dict:
         self.send(freed=True)
         return json.loads(self.proc.stdout.readline())
@@ -126,6 +140,18 @@ class ForwardGate:
         self._done.set()
 
 
+def _stop_before_post(engine: NixlEngine, n: int) -> None:
+    post, posted = engine.post, [0]
+
+    def post_or_stop(*args, **kwargs):
+        if posted[0] == n:
+            os.kill(os.getpid(), signal.SIGSTOP)  # resumes here on SIGCONT
+        posted[0] += 1
+        return post(*args, **kwargs)
+
+    engine.post = post_or_stop
+
+
 def main() -> None:
     cfg = json.loads(sys.argv[1])
     layers = cfg.get("layers", 0)
@@ -136,6 +162,8 @@ def main() -> None:
         arr = kv_buffer(cfg["num_blocks"], tuple(cfg["block_shape"]), cfg["seed"])
         regions = kv_regions(layer_views(arr, layers), cfg["num_blocks"])
     engine = NixlEngine(cfg["engine_id"], regions)
+    if "stop_before_post" in cfg:
+        _stop_before_post(engine, cfg["stop_before_post"])
     producer = Producer(ProducerConfig(cfg["engine_id"], identity(arr, cfg.get("model", "test-model"), layers),
                                        frozenset(cfg["allowed"]), "127.0.0.1", cfg.get("port", 0),
                                        cfg.get("timeout_s", 5.0), stream_writes=cfg.get("stream_writes", False),
@@ -153,6 +181,8 @@ def main() -> None:
             producer.accept([(tid, 1) for tid in cmd["accept"]])
         elif "abort" in cmd:
             producer.abort(*cmd["abort"])
+        elif "registered" in cmd:
+            print(json.dumps({"registered": producer.has_registration(cmd["registered"])}), flush=True)
         elif "prepare" in cmd:
             print(json.dumps({"prepared": producer.prepare(*cmd["prepare"])}), flush=True)
         elif "save" in cmd:

@@ -155,8 +155,13 @@ def test_unmatched_registration_expires(decode_side, producer_proc):
     assert not outcome.ok and "within" in outcome.reason
 
 
+def _stat_fields(pid: int) -> list[str]:
+    """/proc/PID/stat's fields after the command name (the state is the first)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
 def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    fields = _stat_fields(pid)
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
@@ -269,7 +274,7 @@ def test_streamed_write_lands_layer_by_layer_and_d_hears_of_it_first():
     src, dst = [3, 4, 5, 40, 41], [20, 21, 22, 9, 10]
     try:
         consumer.expect("rq", "t-stream", "P.stream", "127.0.0.1", peer.port, dst, 0, 16 * len(dst))
-        time.sleep(0.2)  # registered before the prefill ends, as in push mode
+        peer.wait_registered("t-stream")  # registered before the prefill ends, as in push mode
         peer.send(offer=["t-stream", "pr", src, "D.stream"])
         consumer.wait_landed(["t-stream"], (LAYERS - 1,), timeout_s=5.0)
         [outcome] = wait_outcomes(consumer, 1)
@@ -331,24 +336,26 @@ def test_a_prefill_stalled_mid_stream_writes_no_further_layer_once_decode_gave_u
     regions = kv_regions([view_of(layer) for layer in arr], num_blocks)
     engine = NixlEngine("D.stall", regions)
     consumer = Consumer(ConsumerConfig("D.stall", 0, identity(arr, layers=layers), frozenset({"P.stall"}),
-                                       timeout_s=10.0, peer_silence_s=0.3),
+                                       timeout_s=10.0, peer_silence_s=1.0),  # a loaded host's P still answers within
                         engine.name, engine.metadata, tuple(regions))
+    stopped_at = 4  # P stops itself before posting this layer: mid-stream on any machine, however loaded
     peer = PeerProcess("P.stall", ["D.stall"], num_blocks=num_blocks, block_shape=layer_shape, seed=SEED,
-                       layers=layers, layer_major=True, stream_writes=True)
+                       layers=layers, layer_major=True, stream_writes=True, stop_before_post=stopped_at)
     blocks = list(range(128))
     try:
         consumer.expect("rq", "t-stall", "P.stall", "127.0.0.1", peer.port, blocks, 0, 16 * len(blocks))
-        time.sleep(0.2)  # handshake and registration done: P streams as soon as it offers
+        peer.wait_registered("t-stall")  # P streams as soon as it offers
         peer.send(offer=["t-stall", "pr", blocks, "D.stall"])
-        deadline = time.monotonic() + 5.0
-        while consumer.counters["landed_parts"] < 2 and time.monotonic() < deadline:
-            pass
-        os.kill(peer.proc.pid, signal.SIGSTOP)
-        [outcome] = wait_outcomes(consumer, 1, timeout_s=3.0)
+        deadline = time.monotonic() + 10.0
+        while _stat_fields(peer.proc.pid)[0] != "T":
+            assert time.monotonic() < deadline and not consumer.counters["landed_parts"] > stopped_at, \
+                "P did not stop itself where the test asked"
+            time.sleep(0.01)
+        [outcome] = wait_outcomes(consumer, 1, timeout_s=10.0)
         landed = consumer.counters["landed_parts"]
         assert not outcome.ok and "no answer" in outcome.reason
         assert outcome.may_still_land  # the worker keeps these blocks from vLLM for late_write_hold_s
-        assert 2 <= landed < layers - 2, f"P was stopped after {landed} of {layers} layers: not mid-stream"
+        assert landed == stopped_at, f"decode heard of {landed} layers landed; P stopped after {stopped_at}"
         os.kill(peer.proc.pid, signal.SIGCONT)
         [record] = peer.status()["records"]  # answered only once P runs again
         time.sleep(0.3)
@@ -384,7 +391,7 @@ def test_an_authenticated_side_channel_pushes_byte_exact_and_refuses_a_decode_wi
         (_, arr, _, good), (_, _, _, bad) = sides[0], sides[1]
         good.expect("rq", "t-auth", "P.auth", "127.0.0.1", peer.port, [3, 4, 5], 0, 48)
         bad.expect("rq", "t-wrong", "P.auth", "127.0.0.1", peer.port, [6], 0, 16)
-        time.sleep(0.2)
+        peer.wait_registered("t-auth")
         peer.send(offer=["t-auth", "pr", [10, 11, 12], "D.auth"])
         [outcome] = wait_outcomes(good, 1)
         assert outcome.ok and np.array_equal(arr[[3, 4, 5]], expected[[10, 11, 12]])

@@ -54,7 +54,8 @@ def test_a_step_is_written_only_after_its_forward_pass_and_every_request_lands_b
     pushes = [("s1", "p1", [3, 4, 9], [10, 11, 12]), ("s2", "p2", [20], [30])]
     for tid, req, src, dst in pushes:
         decode.consumer.expect(f"d-{req}", tid, "P.save", "127.0.0.1", prefill.port, dst, 0, 16 * len(dst))
-    time.sleep(0.2)  # D's registrations reach P first, as usual on a GPU: the WRITEs are made ahead
+    for tid, *_ in pushes:  # D's registrations reach P first, as usual on a GPU: the WRITEs are made ahead
+        prefill.wait_registered(tid)
     prefill.send(save=[[tid, req, src, "D.save"] for tid, req, src, _ in pushes])
     time.sleep(0.3)  # the forward pass is still running
     assert decode.consumer.take_outcomes() == []
