@@ -76,7 +76,7 @@ def test_a_decode_gone_while_the_forward_runs_is_never_written_and_the_blocks_ar
     gone = decode_side("D.gone")
     try:
         gone.consumer.expect("d-p3", "s3", "P.save", "127.0.0.1", prefill.port, [5, 6], 0, 32)
-        time.sleep(0.2)
+        prefill.wait_registered("s3")
         prefill.send(save=[["s3", "p3", [1, 2], "D.gone"]])
     finally:
         gone.close()  # dies with P's forward pass still running
@@ -86,7 +86,7 @@ def test_a_decode_gone_while_the_forward_runs_is_never_written_and_the_blocks_ar
     assert freed == ["p3"] and not any(r["ok"] for r in records)
     # P goes on serving the decode that is still there
     decode.consumer.expect("d-p4", "s4", "P.save", "127.0.0.1", prefill.port, [40, 41], 0, 32)
-    time.sleep(0.1)
+    prefill.wait_registered("s4")
     prefill.send(save=[["s4", "p4", [7, 8], "D.save"]])
     prefill.send(forward_done=True)
     [outcome] = wait_outcomes(decode.consumer, 1)
