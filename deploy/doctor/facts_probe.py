@@ -247,6 +247,17 @@ def model_facts(path):
     return facts
 
 
+def read_line(conn, limit):
+    """Bytes up to the first newline, at most `limit` of them (a peer may not make this read more)."""
+    data = b""
+    while not data.endswith(b"\n") and len(data) < limit:
+        chunk = conn.recv(limit - len(data))
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
 class PortWork:
     """Bind the configured ports, answer with a token, and connect to the peers' ports."""
 
@@ -263,6 +274,9 @@ class PortWork:
         self.incoming = 0
         self.lock = threading.Lock()
         self.answering = threading.BoundedSemaphore(MAX_ANSWERING)
+        # What the doctor's own connects send first: strangers (a router still probing a dead
+        # instance's port, say) connect to the temporary listeners too, and must not count.
+        self.hello = f"KVPUSH-DOCTOR-HELLO {self.nonce}\n".encode()
 
     def bind_all(self):
         for spec in self.listen_specs:
@@ -280,35 +294,20 @@ class PortWork:
                 result.update(ok=False, errno=exc.errno, error=exc.strerror or str(exc))
             self.bind_results.append(result)
 
-    def hello(self):
-        """What the doctor's own connects send first: strangers (a router still probing a dead
-        instance's port, say) connect to the temporary listeners too, and must not count."""
-        return f"KVPUSH-DOCTOR-HELLO {self.nonce}\n".encode()
-
     def answer(self, conn, port, deadline):
         """Send the token to a connection that says hello; count it as one of the expected peers."""
         try:
-            self._answer(conn, port, deadline)
-        finally:
-            self.answering.release()
-
-    def _answer(self, conn, port, deadline):
-        with conn:
-            try:
+            with conn:
                 conn.settimeout(max(0.2, min(2.0, deadline - time.monotonic())))
-                said = b""
-                while not said.endswith(b"\n") and len(said) < 128:
-                    chunk = conn.recv(128 - len(said))
-                    if not chunk:
-                        break
-                    said += chunk
-                if said != self.hello():
+                if read_line(conn, 128) != self.hello:
                     return
                 conn.sendall(f"KVPUSH-DOCTOR {self.nonce} {self.host} {port}\n".encode())
-            except OSError:
-                return
-        with self.lock:
-            self.incoming += 1
+            with self.lock:
+                self.incoming += 1
+        except OSError:
+            pass
+        finally:
+            self.answering.release()
 
     def serve(self, deadline):
         import selectors
@@ -342,13 +341,8 @@ class PortWork:
             try:
                 with socket.create_connection((spec["addr"], int(spec["port"])), timeout=max(0.2, min(2.0, left))) as conn:
                     conn.settimeout(max(0.2, min(2.0, deadline - time.monotonic())))
-                    conn.sendall(self.hello())
-                    data = b""
-                    while not data.endswith(b"\n") and len(data) < 512:
-                        chunk = conn.recv(512)
-                        if not chunk:
-                            break
-                        data += chunk
+                    conn.sendall(self.hello)
+                    data = read_line(conn, 512)
                 answer = data.decode(errors="replace").strip()
                 if answer == expected:
                     return dict(spec, ok=True, error=None, answer=answer, attempts=attempts)
