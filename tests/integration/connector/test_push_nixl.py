@@ -336,7 +336,7 @@ def test_a_prefill_stalled_mid_stream_writes_no_further_layer_once_decode_gave_u
     regions = kv_regions([view_of(layer) for layer in arr], num_blocks)
     engine = NixlEngine("D.stall", regions)
     consumer = Consumer(ConsumerConfig("D.stall", 0, identity(arr, layers=layers), frozenset({"P.stall"}),
-                                       timeout_s=10.0, peer_silence_s=1.0),  # a loaded host's P still answers within
+                                       timeout_s=10.0, peer_silence_s=1.0),  # long enough for a running P on a loaded host
                         engine.name, engine.metadata, tuple(regions))
     stopped_at = 4  # P stops itself before posting this layer: mid-stream on any machine, however loaded
     peer = PeerProcess("P.stall", ["D.stall"], num_blocks=num_blocks, block_shape=layer_shape, seed=SEED,
