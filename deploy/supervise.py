@@ -7,7 +7,8 @@ Any launcher (local, SSH, Slurm) starts a vLLM server or the router wrapped in i
 - when CMD exits for any reason, stops every process left below it (TERM, then KILL) before it
   exits or restarts CMD, so nothing keeps a port or memory;
 - forks a watcher that holds the read end of a pipe: if the supervisor itself dies, even by
-  SIGKILL, the pipe closes and the watcher kills the whole process group;
+  SIGKILL, the pipe closes and the watcher kills the whole process group (on an orderly exit the
+  supervisor ends the watcher itself, so nothing of the group outlives it);
 - with `--restart on-failure`, starts CMD again when it failed (non-zero exit or a signal), at most
   `--max-restarts` times within `--window-s` seconds, then gives up;
 - passes SIGHUP, SIGUSR1 and SIGUSR2 on to CMD;
@@ -194,6 +195,19 @@ class Supervisor:
         self._watcher_pipe = write_end  # kept open (not inherited by CMD) for the supervisor's life
         self.watcher = self.status.watcher_pid = pid
 
+    def stop_watcher(self) -> None:
+        """End the watcher before an orderly exit: the tree is already swept, and a watcher left to
+        notice the closed pipe would outlive the supervisor for a moment, still in its group."""
+        watcher, self.watcher = self.watcher, None
+        if watcher is None:
+            return
+        _signal([watcher], signal.SIGKILL)
+        try:
+            os.waitpid(watcher, 0)
+        except ChildProcessError:
+            pass
+        os.close(self._watcher_pipe)
+
     def spawn(self) -> int:
         # The child starts with no blocked signals and default dispositions, as if started by a shell.
         return os.posix_spawnp(self.command[0], self.command, os.environ, setsigmask=(),
@@ -348,7 +362,10 @@ def main(argv: list[str] | None = None) -> int:
     supervisor = Supervisor(args.name, os.path.expanduser(args.status_file), command, args.restart,
                             args.max_restarts, args.window_s)
     supervisor.start_watcher()
-    return supervisor.run()
+    try:
+        return supervisor.run()
+    finally:
+        supervisor.stop_watcher()
 
 
 if __name__ == "__main__":

@@ -108,6 +108,15 @@ def test_a_stop_signal_to_the_supervisor_alone_reaches_the_command_once(supervis
     assert s.status()["state"] == "stopped" and s.lines().count("TERM") == 1 and s.group() == []
 
 
+def test_an_orderly_exit_ends_the_watcher_before_the_supervisor_exits(supervised):
+    s = supervised(restart="on-failure")
+    # Stopped, the watcher could not end itself on seeing the supervisor gone: only the supervisor can.
+    os.kill(s.status()["watcher_pid"], signal.SIGSTOP)
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.proc.wait(20) == 0
+    assert s.group() == []
+
+
 def test_sighup_is_passed_on_and_changes_nothing_else(supervised):
     s = supervised()
     s.proc.send_signal(signal.SIGHUP)
