@@ -122,7 +122,7 @@ def test_killing_one_prefill_rank_mid_push_ends_every_request_and_frees_every_bl
         outcomes = [status for status, _, _ in results]
         print(f"\nkilled prefill's TP1 worker with {len(prompts)} requests under way: statuses {outcomes}; "
               f"the last ended {last:.2f} s after the kill")
-        assert last < 2.0, f"a request ended {last:.1f} s after the kill"
+        assert last < 5.0, f"a request ended {last:.1f} s after the kill"  # not at a transfer timeout
         for status, raw, _ in results:
             assert status == 200 or (status >= 500 and "error" in raw), (status, raw[:300])
 

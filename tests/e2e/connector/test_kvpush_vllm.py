@@ -241,7 +241,7 @@ def test_a_stalled_prefill_fails_decode_fast_and_its_blocks_come_back_after_the_
     stopped = time.monotonic()
     try:
         held = []
-        while time.monotonic() < stopped + 3 and not held:
+        while time.monotonic() < stopped + 10 and not held:
             held = grep_log(c["decode"], "kvpush: holding the .* blocks of transfer")
             time.sleep(0.1)
         assert held, "decode held back no blocks: the stop hit nothing in flight"
@@ -254,7 +254,8 @@ def test_a_stalled_prefill_fails_decode_fast_and_its_blocks_come_back_after_the_
         os.killpg(c["prefill"].proc.pid, signal.SIGCONT)
     results = [f.result(timeout=60) for f in futures]
     failed = [r for r in results if r.decode_status != 200]
-    assert failed and max(r.decode_done_at - stopped for r in failed) < 2.0
+    # Seconds (unanswered pings), where an accepted transfer would otherwise wait minutes.
+    assert failed and max(r.decode_done_at - stopped for r in failed) < 5.0
     assert wait_kv_usage_zero(c["prefill"]) == 0
     after = push_request(c["prefill"].url, c["decode"].url, c["plan"], completion_body(prompts[0], MAX_TOKENS), pool)
     assert after.decode_status == 200  # decode reconnects to the resumed prefill
@@ -274,5 +275,5 @@ def test_killing_prefill_fails_decode_requests_fast(own_cluster, pool):
     slowest = max(r.decode_done_at - killed for r in failed)
     print(f"\nkilled P with {len(prompts)} requests sent: {len(failed)} failed, {len(results) - len(failed)} completed "
           f"before the kill; last failure reached the client {slowest * 1000:.0f} ms after the kill")
-    assert slowest < 2.0
+    assert slowest < 5.0  # the closed connection, not decode's 30 s no-show timeout
     assert wait_kv_usage_zero(c["decode"]) == 0

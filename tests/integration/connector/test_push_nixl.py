@@ -113,19 +113,19 @@ def test_dead_peer_fails_fast_not_hang(decode_side):
     _, consumer = decode_side
     peer = PeerProcess("P.other", ["D.test"], num_blocks=NUM_BLOCKS, block_shape=BLOCK_SHAPE, seed=SEED)
     consumer.expect("rq", "t-dead", "P.other", "127.0.0.1", peer.port, [4, 5], 0, 32)
-    time.sleep(0.2)  # registered and waiting for P's prefill
+    peer.wait_registered("t-dead")  # and waiting for P's prefill
     killed = time.monotonic()
     peer.kill()
-    [outcome] = wait_outcomes(consumer, 1, timeout_s=2.0)
+    # Sooner than decode's own 3 s no-show timeout: the closed connection, not the clock, failed it.
+    [outcome] = wait_outcomes(consumer, 1, timeout_s=2.5)
     latency = time.monotonic() - killed
     print(f"\ndead peer -> failure outcome in {latency * 1000:.1f} ms: {outcome.reason}")
-    assert not outcome.ok and latency < 1.0
+    assert not outcome.ok and "within" not in outcome.reason
     assert not outcome.may_still_land  # a dead process writes nothing more: its blocks are free at once
     # and a peer that is not there at all fails at once too
-    started = time.monotonic()
     consumer.expect("rq", "t-nobody", "P.other", "127.0.0.1", peer.port, [6], 0, 16)
-    [outcome] = wait_outcomes(consumer, 1, timeout_s=2.0)
-    assert not outcome.ok and time.monotonic() - started < 1.0
+    [outcome] = wait_outcomes(consumer, 1, timeout_s=2.5)
+    assert not outcome.ok and "within" not in outcome.reason
 
 
 def test_hung_peer_holding_an_accepted_transfer_fails_fast(decode_side):
@@ -139,10 +139,11 @@ def test_hung_peer_holding_an_accepted_transfer_fails_fast(decode_side):
         assert wait_outcomes(consumer, 1, timeout_s=1.5) == []  # P answers pings: alive, nothing fails
         stopped = time.monotonic()
         os.kill(peer.proc.pid, signal.SIGSTOP)
-        [outcome] = wait_outcomes(consumer, 1, timeout_s=3.0)
+        # Seconds, not the 300 s an accepted transfer may otherwise wait: the unanswered pings ended it.
+        [outcome] = wait_outcomes(consumer, 1, timeout_s=10.0)
         latency = time.monotonic() - stopped
         print(f"\nhung peer -> failure outcome in {latency * 1000:.0f} ms: {outcome.reason}")
-        assert not outcome.ok and "no answer" in outcome.reason and latency < 1.6
+        assert not outcome.ok and "no answer" in outcome.reason
     finally:
         os.kill(peer.proc.pid, signal.SIGCONT)
         peer.kill()
@@ -225,12 +226,9 @@ def test_block_major_layers_go_as_one_descriptor_per_run_made_ahead():
         for tid, src, dst, runs in cases:
             arr[dst] = 0
             consumer.expect("rq", tid, "P.layers", "127.0.0.1", peer.port, dst, 0, 16 * len(dst))
-            deadline = time.monotonic() + 5
-            while True:  # until D's registration reached P
-                peer.send(prepare=[tid, src, "D.layers"])
-                if json.loads(peer.proc.stdout.readline())["prepared"] or time.monotonic() > deadline:
-                    break
-                time.sleep(0.02)
+            peer.wait_registered(tid)
+            peer.send(prepare=[tid, src, "D.layers"])
+            assert json.loads(peer.proc.stdout.readline())["prepared"], tid
             peer.send(offer=[tid, "pr", src, "D.layers"])
             [outcome] = wait_outcomes(consumer, 1)
             assert outcome.ok, outcome.reason
