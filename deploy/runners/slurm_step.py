@@ -21,17 +21,22 @@ def step_shell(argv: list[str], env: dict[str, str], cwd: str, log_path: str, en
     (proctrack/linuxproc) a process orphaned by its parent's death (vLLM's engine core) escapes
     it: the group kill is what makes the process tree die with its top. Forwarding TERM and
     waiting keeps the step listed until its processes have really exited, ports closed. SIGHUP (a
-    reload request, e.g. the router's) is passed on, never the end of the step. With
-    env_file, its variables (secrets) are exported by the step's shell, never written on a
-    command line."""
+    reload request, e.g. the router's) is passed on, never the end of the step. The traps are in
+    place before argv starts, so a signal that comes as it starts cannot end the shell alone and
+    leave argv running: a TERM that comes before argv's pid is known is passed on once it is; a HUP
+    then is dropped (argv is only starting, and reads its configuration anyway). With env_file,
+    its variables (secrets) are exported by the step's shell, never written on a command line."""
     log_dir = log_path.rsplit("/", 1)[0] if "/" in log_path else "."
     log = shell_word(log_path)
     env_words = " ".join(f"{k}={shell_word(v)}" for k, v in sorted(env.items()))
     source = f"set -a; . {shell_word(env_file)} || exit 1; set +a; " if env_file else ""
     return (f"mkdir -p {shell_word(cwd)} {shell_word(log_dir)} && cd {shell_word(cwd)} || exit 1; {source}"
             f"if [ -f {log} ]; then mv -f {log} {log}.1; fi; "
+            "pid=; term_before_start=; "
+            "trap 'if [ -n \"$pid\" ]; then kill -TERM $pid 2>/dev/null; else term_before_start=1; fi' TERM INT; "
+            "trap '[ -z \"$pid\" ] || kill -HUP $pid 2>/dev/null' HUP; "
             f"setsid env {env_words} {' '.join(shell_word(a) for a in argv)} >{log} 2>&1 </dev/null & pid=$!; "
-            "trap 'kill -TERM $pid 2>/dev/null' TERM INT; trap 'kill -HUP $pid 2>/dev/null' HUP; "
+            "[ -z \"$term_before_start\" ] || kill -TERM $pid 2>/dev/null; "
             "wait $pid; code=$?; while kill -0 $pid 2>/dev/null; do wait $pid; code=$?; done; "
             f"kill -KILL -- -$pid 2>/dev/null; "
             f"for _ in $(seq {GROUP_EXIT_WAIT_TENTHS}); do kill -0 -- -$pid 2>/dev/null || break; sleep 0.1; done; exit $code")

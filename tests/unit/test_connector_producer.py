@@ -328,10 +328,13 @@ def test_a_stream_past_its_deadline_posts_nothing_more_once_decode_disconnected(
 
 def test_a_stream_still_copying_at_the_deadline_goes_on_in_flight_and_ends_with_done(setup, monkeypatch):
     monkeypatch.setattr("kvpush.connector.streamed_write.STREAM_DRIVE_S", 0.0)
-    producer, engine, conn = setup(latency_s=0.05, stream_writes=True)
+    producer, engine, conn = setup(stream_writes=True)
+    engine.writes_held.set()  # the copies last until the check below: else the reactor may send DONE first
     register(producer, conn, "s3", [5, 6])
     producer.offer("s3", "q3", [1, 2], "D")
     assert sent_after_handshake(conn) == [("Streaming", None)]  # both parts posted, nothing landed yet
+    engine.writes_held.clear()
+    producer._reactor.wake()
     record = wait_record(producer)
     assert record.ok and record.num_bytes == 2 * 2048 * 2
     assert sent_after_handshake(conn)[-1] == ("Done", None) and len(engine.posted) == 2

@@ -117,7 +117,7 @@ def test_step_shell_forwards_term_and_ends_only_after_the_process_is_gone(tmp_pa
     shell = subprocess.Popen(["bash", "-c", text])
     log = tmp_path / "p.log"
     while "started" not in (log.read_text() if log.exists() else ""):
-        pass
+        time.sleep(0.01)
     shell.terminate()
     assert shell.wait(10) == 5 and log.read_text() == "started\ncleaned up\n"
 
