@@ -49,7 +49,11 @@ class DoctorOptions:
     timeout_s: float = 20.0  # one host's probe, end to end
     command_timeout_s: float = 5.0  # each tool inside the probe (nvidia-smi, fi_info, ...)
     nixl_timeout_s: float = 15.0
-    reach_window_s: float = 5.0  # how long connects retry and listeners wait
+    # How long connects retry and listeners wait. Each host counts it from its own probe's start, so
+    # it must also cover how far apart the probes start (SSH sessions or srun steps opened at once,
+    # an interpreter starting on a loaded host). A peer that answers ends the wait at once: only a
+    # pair that cannot reach each other waits it out.
+    reach_window_s: float = 10.0
     transfer_bytes: int = 64 * 2**20
     running: frozenset[str] = frozenset()  # processes already up: their ports are expected taken
     # The deployment's own live processes, per host: PID -> process name (process_view.deployment_pids).

@@ -264,7 +264,7 @@ class PortWork:
     def __init__(self, request):
         self.host = request["host"]
         self.nonce = request["nonce"]
-        self.window = float(request.get("reach_window_s", 5.0))
+        self.window = float(request.get("reach_window_s", 10.0))
         self.expect = int(request.get("expect_incoming", 0))
         self.listen_specs = request.get("listen", [])
         self.connect_specs = request.get("connect", [])

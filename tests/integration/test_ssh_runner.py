@@ -65,10 +65,11 @@ def test_auth_failure_and_refused_and_unreachable(sshd_cluster, tmp_path):
 
 def test_command_timeout_is_bounded(sshd_cluster):
     runner = _runner(sshd_cluster)
+    runner.connect()  # so that the clock below times the command, not a handshake a loaded sshd may drag out
     started = time.monotonic()
     with pytest.raises(HostError, match="timed out after 1 s"):
         runner.run("sleep 5", timeout=1)
-    assert time.monotonic() - started < 2
+    assert time.monotonic() - started < 4  # well short of the sleep; the rest is slack for opening the session under load
     assert runner.run("echo still-usable").stdout == "still-usable\n"  # the connection survives
 
 
@@ -110,7 +111,8 @@ def test_detached_process_survives_the_connection_and_stops_by_group(sshd_cluste
 def test_fan_out_keeps_results_of_healthy_hosts(sshd_cluster):
     sshd_cluster.stop(sshd_cluster.hosts[1])
     try:
-        runners = [_runner(sshd_cluster, i, connect_timeout_s=2) for i in range(3)]
+        # The stopped host refuses at once whatever the timeout; the healthy ones get the time a loaded sshd may need.
+        runners = [_runner(sshd_cluster, i, connect_timeout_s=10) for i in range(3)]
         results = fan_out(runners, lambda r: r.run("echo ok").stdout.strip(), name=lambda r: r.name)
         assert results["h0"].value == "ok" and results["h2"].value == "ok"
         assert not results["h1"].ok and results["h1"].error.startswith("host h1 (") and "refused" in results["h1"].error
