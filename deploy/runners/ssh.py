@@ -174,10 +174,11 @@ class SshRunner(Runner):
 
     def run(self, command: str, timeout: float | None = None, stdin: bytes | None = None) -> CommandResult:
         timeout = self.options.command_timeout_s if timeout is None else timeout
-        deadline = Deadline(timeout)
-        started = time.monotonic()
         try:
+            # The connection and the session have a timeout of their own: the command's starts at exec.
             chan = self.connect().get_transport().open_session(timeout=self.options.connect_timeout_s)
+            deadline = Deadline(timeout)
+            started = time.monotonic()
             chan.exec_command(command)
             if stdin is not None:
                 chan.sendall(stdin)

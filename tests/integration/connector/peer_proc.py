@@ -9,6 +9,8 @@ With {"save_queue": true} in its config (a GPU's path: the side-channel thread p
 forward pass standing in as a gate that {"forward_done": true} opens (oldest first).
 With {"stop_before_post": N}, the process stops itself (SIGSTOP) just before its WRITE post number N
 (from 0), so a test can stall it mid-stream at a known layer whatever the machine's load.
+With {"stream_drive_s": S}, a streamed WRITE's part may take up to S seconds and still be announced
+LANDED on its own (a loaded machine can make the first WRITE to a peer take longer than the default).
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from kvpush.connector.consumer import Consumer, ConsumerConfig
 from kvpush.connector.layout import TensorView, kv_regions
 from kvpush.connector.metadata import SendSpec
 from kvpush.connector.producer import Producer, ProducerConfig
+from kvpush.connector import streamed_write
 from kvpush.connector.save_order import SaveQueue
 from kvpush.connector.transfer import NixlEngine
 from kvpush.connector.regions import LayoutIdentity
@@ -164,6 +167,8 @@ def main() -> None:
     engine = NixlEngine(cfg["engine_id"], regions)
     if "stop_before_post" in cfg:
         _stop_before_post(engine, cfg["stop_before_post"])
+    if "stream_drive_s" in cfg:
+        streamed_write.STREAM_DRIVE_S = cfg["stream_drive_s"]
     producer = Producer(ProducerConfig(cfg["engine_id"], identity(arr, cfg.get("model", "test-model"), layers),
                                        frozenset(cfg["allowed"]), "127.0.0.1", cfg.get("port", 0),
                                        cfg.get("timeout_s", 5.0), stream_writes=cfg.get("stream_writes", False),

@@ -267,7 +267,7 @@ def test_streamed_write_lands_layer_by_layer_and_d_hears_of_it_first():
     consumer = Consumer(ConsumerConfig("D.stream", 0, identity(arr, layers=LAYERS), frozenset({"P.stream"}), timeout_s=5.0),
                         engine.name, engine.metadata, tuple(regions))
     peer = PeerProcess("P.stream", ["D.stream"], num_blocks=NUM_BLOCKS, block_shape=layer_shape, seed=SEED,
-                       layers=LAYERS, layer_major=True, stream_writes=True)
+                       layers=LAYERS, layer_major=True, stream_writes=True, stream_drive_s=30.0)
     expected = layer_major_buffer(NUM_BLOCKS, LAYERS, layer_shape, SEED)
     src, dst = [3, 4, 5, 40, 41], [20, 21, 22, 9, 10]
     try:
@@ -338,7 +338,8 @@ def test_a_prefill_stalled_mid_stream_writes_no_further_layer_once_decode_gave_u
                         engine.name, engine.metadata, tuple(regions))
     stopped_at = 4  # P stops itself before posting this layer: mid-stream on any machine, however loaded
     peer = PeerProcess("P.stall", ["D.stall"], num_blocks=num_blocks, block_shape=layer_shape, seed=SEED,
-                       layers=layers, layer_major=True, stream_writes=True, stop_before_post=stopped_at)
+                       layers=layers, layer_major=True, stream_writes=True, stop_before_post=stopped_at,
+                       stream_drive_s=30.0)
     blocks = list(range(128))
     try:
         consumer.expect("rq", "t-stall", "P.stall", "127.0.0.1", peer.port, blocks, 0, 16 * len(blocks))
