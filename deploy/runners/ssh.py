@@ -175,7 +175,7 @@ class SshRunner(Runner):
     def run(self, command: str, timeout: float | None = None, stdin: bytes | None = None) -> CommandResult:
         timeout = self.options.command_timeout_s if timeout is None else timeout
         try:
-            # Connecting and opening the session have timeouts of their own; this one covers the command alone.
+            # The connect and the channel open are bounded by connect_timeout_s; this timeout covers the command alone.
             chan = self.connect().get_transport().open_session(timeout=self.options.connect_timeout_s)
             deadline = Deadline(timeout)
             started = time.monotonic()
