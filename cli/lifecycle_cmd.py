@@ -17,10 +17,13 @@ from kvpush.deploy.lifecycle import Events, LifecycleOptions, down, up
 from kvpush.deploy.observe import ProcessStatus, deployment_status, require_state, stream_logs
 from kvpush.deploy.plan import build_plan
 from kvpush.deploy.secrets import observed_keys
+from kvpush.deploy.state import DeploymentState, load_state
 from kvpush.deploy.topology import NAME_PATTERN, check_key_files, resolve_topology
 
 from .console import err, note, out, print_json, styled
+from .ls_cmd import others_hint
 from .options import ACCEPT, CONNECT_TIMEOUT, DEPLOYMENT, FILE_ARG, FILE_OPTION, EXTRA_ARGUMENTS, KNOWN_HOSTS, one_argument, ssh_options, topology_file
+from .tables import fitted, print_table, table
 
 
 
@@ -31,6 +34,17 @@ def _deployment_name(file: Optional[Path], deployment: Optional[str]) -> str:
         raise UsageError(f"--deployment: '{deployment}' is not a deployment name; "
                          "use lowercase letters, digits and '-', as in the topology's name:")
     return deployment
+
+
+def _recorded_state(name: str) -> DeploymentState:
+    """The deployment's state; where it has none, the error also names the deployments that do."""
+    try:
+        return require_state(name)
+    except KvpushError as exc:
+        hint = others_hint(name) if load_state(name) is None else ""
+        if hint:
+            raise KvpushError(f"{exc}; {hint}") from None
+        raise
 
 
 def _status_document(name: str, rows: list[ProcessStatus], error: str | None = None) -> dict:
@@ -58,17 +72,18 @@ class _ProgressEvents(Events):
 
 
 def _status_table(rows: list[ProcessStatus]) -> Table:
-    table = Table("process", "role", "host", "pid", "process", "health", "running", "waiting", "KV cache", "uptime", "restarts")
+    made = table("process", "role", "host", "pid", "state", "health", "running", "waiting", "KV cache", "uptime", "restarts",
+                 right=("pid", "running", "waiting", "KV cache", "uptime", "restarts"))
 
     def num(v: int | None) -> str:
         return "-" if v is None else f"{v:g}"
 
     for r in rows:
         color = "green" if r.healthy else "red"
-        table.add_row(r.name, r.role, r.host, str(r.pid), Text(r.process, style=color), Text(r.health, style=color),
+        made.add_row(r.name, r.role, r.host, str(r.pid), Text(r.process, style=color), Text(r.health, style=color),
                       num(r.running), num(r.waiting), "-" if r.kv_usage is None else f"{r.kv_usage:.0%}",
                       "-" if r.uptime_s is None else f"{r.uptime_s:.0f} s", str(r.restarts))
-    return table
+    return made
 
 
 def register(app: typer.Typer) -> None:
@@ -133,6 +148,9 @@ def register(app: typer.Typer) -> None:
             out.print(f"{name}: stopped {', '.join(result.stopped)}", highlight=False)
         elif result.complete and not result.notes:
             out.print(f"{name}: nothing running (no state recorded)" if not result.had_state else f"{name}: nothing running", highlight=False)
+            hint = others_hint(name) if not result.had_state else ""
+            if hint:
+                out.print(f"{name}: {hint}", highlight=False)
         removed = sorted(h for h, paths in result.secrets_removed.items() if paths)
         if removed:
             out.print(f"{name}: removed its secret files on {', '.join(removed)}", highlight=False)
@@ -169,11 +187,14 @@ def register(app: typer.Typer) -> None:
             raise UsageError(f"--interval: must be more than 0 seconds (got {interval:g})")
         ssh = ssh_options(False, known_hosts, connect_timeout)
         keys = observed_keys(name, resolve_topology(file)[0] if deployment is None else None)
-        json_indent = None if watch else 2  # --watch --json: one document per line, one line per refresh
+        # --watch into a pipe or file: one JSON document per line and refresh (a table redrawn in
+        # place is for a terminal; a pipe would get nothing until the command ends)
+        json_output = json_output or (watch and not out.is_terminal)
+        json_indent = None if watch else 2
 
         def current_rows() -> list[ProcessStatus]:
             try:
-                return deployment_status(require_state(name), ssh, keys)
+                return deployment_status(_recorded_state(name), ssh, keys)
             except KvpushError as exc:
                 if json_output:  # a script reading stdout still gets a document
                     print_json(_status_document(name, [], str(exc)), json_indent)
@@ -186,13 +207,13 @@ def register(app: typer.Typer) -> None:
         if watch:
             with Live(console=out, auto_refresh=False) as live:
                 while True:
-                    live.update(_status_table(current_rows()), refresh=True)
+                    live.update(fitted(_status_table(current_rows())), refresh=True)
                     time.sleep(interval)
         rows = current_rows()
         if json_output:
             print_json(_status_document(name, rows))
         else:
-            out.print(_status_table(rows))
+            print_table(_status_table(rows))
             for r in rows:
                 if r.error:
                     err.print(styled("[yellow]{}:[/yellow] {}", r.name, r.error), highlight=False)
@@ -212,7 +233,7 @@ def register(app: typer.Typer) -> None:
         """Tail logs of one process, a role, or all, across hosts; each line prefixed by its process name."""
         selector = one_argument("logs", "PROCESS", [selector, *ctx.args] if selector else [], file)
         name = _deployment_name(file, deployment)
-        state = require_state(name)
+        state = _recorded_state(name)
         width = max(len(n) for n in state.processes)
         lock = threading.Lock()
 

@@ -7,7 +7,7 @@ import typer
 
 from kvpush.common.errors import KvpushError
 
-from . import bench_cmd, doctor_cmd, lifecycle_cmd, plan_cmd, request_cmd, router_cmd
+from . import bench_cmd, doctor_cmd, lifecycle_cmd, ls_cmd, plan_cmd, request_cmd, router_cmd
 from .console import err, styled
 
 app = typer.Typer(
@@ -22,6 +22,7 @@ request_cmd.register(app)
 doctor_cmd.register(app)
 router_cmd.register(app)
 lifecycle_cmd.register(app)
+ls_cmd.register(app)
 bench_cmd.register(app)
 
 @app.callback()

@@ -103,6 +103,14 @@ def state_path(deployment: str) -> Path:
     return state_dir() / f"{deployment}.json"
 
 
+def recorded_deployments() -> list[str]:
+    """The deployments with a state file on this machine, by name (`kvpush ls`)."""
+    try:
+        return sorted(p.stem for p in state_dir().glob("*.json") if not p.name.startswith("."))
+    except OSError:
+        return []
+
+
 def load_state(deployment: str) -> DeploymentState | None:
     path = state_path(deployment)
     try:
