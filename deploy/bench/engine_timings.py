@@ -22,6 +22,7 @@ from ..topology import Topology
 from .modes import SPAN_EXPORT_DELAY_MS
 from .engine_spans import REQUEST_ID, EngineSpan
 from .handoff import HandoffSamples, client_request_id, missing, spans_document
+from .raw import read_text
 from .span_receiver import SpanReceiver
 
 if TYPE_CHECKING:
@@ -81,10 +82,18 @@ def collect(receiver: SpanReceiver, prefix: str, requests: list[str], path: Path
 
 def read_kept(path: Path) -> HandoffSamples:
     try:
-        with gzip.open(path, "rt") as f:
-            document = json.load(f)
-    except (OSError, ValueError, EOFError) as exc:
+        text = read_text(path)
+    except (OSError, EOFError, UnicodeDecodeError) as exc:
         raise KvpushError(f"{path}: not a kept spans file ({exc})") from None
+    return parse_kept(text, str(path))
+
+
+def parse_kept(text: str, where: str) -> HandoffSamples:
+    """A kept spans file's samples from its text; `where` names the file in errors."""
+    try:
+        document = json.loads(text)
+    except ValueError as exc:
+        raise KvpushError(f"{where}: not a kept spans file ({exc})") from None
     if not isinstance(document, dict):
-        raise KvpushError(f"{path}: not a kept spans file")
+        raise KvpushError(f"{where}: not a kept spans file")
     return HandoffSamples.of(document)

@@ -1,6 +1,7 @@
 """Recompute a finished bench's tails and goodput from its kept raw files (`kvpush bench --recompute DIR`).
 
-Reads DIR/bench.json for which raw file holds which mode, rate and round, pools every round's
+Reads DIR/bench.json for which raw file holds which mode, rate and round (each on disk or inside
+DIR/raw.tar.xz, see raw.KeptFiles), pools every round's
 per-request results the way the bench did (tails.summarize), optionally at other SLOs, and
 returns what the tables print. Nothing is deployed and nothing in DIR is changed.
 """
@@ -12,10 +13,10 @@ from pathlib import Path
 
 from kvpush.common.errors import UsageError
 
-from .engine_timings import read_kept
+from .engine_timings import parse_kept
 from .handoff import HandoffSamples, pooled, summarize
 from .handoff_table import HandoffTable
-from .raw import read_text
+from .raw import KeptFiles
 from .report import RESULT_FILE
 from .results import RequestSamples, parse_request_samples, pooled_samples
 from .tails import Slo
@@ -33,9 +34,10 @@ class Recomputed:
 
 
 def recompute(bench_dir: Path, slo: Slo | None = None, baseline: str | None = None) -> Recomputed:
-    path = bench_dir / RESULT_FILE
+    files = KeptFiles(bench_dir)
+    path = files.where(RESULT_FILE)
     try:
-        doc = json.loads(path.read_text())
+        doc = json.loads(files.read_text(RESULT_FILE))
     except FileNotFoundError:
         raise UsageError(f"{path}: not found; give the --out directory of a finished `kvpush bench`") from None
     except ValueError as exc:
@@ -58,17 +60,20 @@ def recompute(bench_dir: Path, slo: Slo | None = None, baseline: str | None = No
             if not name:
                 raise UsageError(f"{path}: mode {run['mode']} names no raw files; it was written by a kvpush bench "
                                  f"that did not keep them, so its figures cannot be recomputed")
-            raw = bench_dir / name
-            if not raw.is_file():
-                raise UsageError(f"{raw}: missing; bench.json names it for {run['mode']} at {point['rate']:g} req/s")
-            by_rate.setdefault(float(point["rate"]), []).append(parse_request_samples(read_text(raw), str(raw)))
+            by_rate.setdefault(float(point["rate"]), []).append(
+                parse_request_samples(_read(files, name, run["mode"], point), files.where(name)))
             if point.get("spans_file"):
-                spans = bench_dir / point["spans_file"]
-                if not spans.is_file():
-                    raise UsageError(f"{spans}: missing; bench.json names it for {run['mode']} at {point['rate']:g} req/s")
-                spans_by_rate.setdefault(float(point["rate"]), []).append(read_kept(spans))
+                spans = point["spans_file"]
+                spans_by_rate.setdefault(float(point["rate"]), []).append(
+                    parse_kept(_read(files, spans, run["mode"], point), files.where(spans)))
         table[run["mode"]] = {rate: pooled_samples(samples).tails(slo) for rate, samples in sorted(by_rate.items())}
         if spans_by_rate:
             handoff[run["mode"]] = {rate: summarize(pooled(parts)) for rate, parts in sorted(spans_by_rate.items())}
     platform = (doc.get("configuration", {}).get("topology") or {}).get("platform", "cpu")
     return Recomputed([r["mode"] for r in doc.get("runs", [])], baseline, slo, table, platform, handoff or None)
+
+
+def _read(files: KeptFiles, name: str, mode: str, point: dict) -> str:
+    if not files.exists(name):
+        raise UsageError(f"{files.dir / name}: missing; bench.json names it for {mode} at {point['rate']:g} req/s")
+    return files.read_text(name)

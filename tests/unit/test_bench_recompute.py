@@ -1,12 +1,14 @@
 """kvpush.deploy.bench.raw, .recompute, .tails_table and .handoff_table: a bench's raw per-request files are
 kept (gzip when large) and `kvpush bench --recompute DIR` rebuilds the goodput and tail tables, and the engine
-handoff from the kept spans, from them alone."""
+handoff from the kept spans, from them alone, also once they are packed into one raw.tar.xz."""
 from __future__ import annotations
 
 import gzip
+import lzma
 import json
 import subprocess
 import sys
+import tarfile
 
 import pytest
 
@@ -148,4 +150,62 @@ def test_recompute_pools_the_engine_handoff_from_the_kept_spans(bench_dir):
     assert "**1 req/s: engine handoff, ms**" in text and "| kvpush | 3/5 | 10.0 |" in text
     (bench_dir / doc["runs"][0]["round_points"][1]["spans_file"]).unlink()
     with pytest.raises(UsageError, match="kvpush-rate1-round2-spans.json.gz: missing"):
+        recompute(bench_dir)
+
+
+def test_raw_text_is_read_plain_gzipped_or_xz_compressed(tmp_path):
+    for name, data in (("a.json", b"{}"), ("b.json.gz", gzip.compress(b"{}")), ("c.json.xz", lzma.compress(b"{}"))):
+        (tmp_path / name).write_bytes(data)
+        assert raw.read_text(tmp_path / name) == "{}"
+
+
+def _with_spans(bench_dir):
+    doc = json.loads((bench_dir / "bench.json").read_text())
+    for k, point in enumerate(doc["runs"][0]["round_points"]):
+        point["spans_file"] = _keep_spans(bench_dir, f"kvpush-rate1-round{k + 1}-spans.json.gz", [0.02, 0.03][: k + 1])
+    (bench_dir / "bench.json").write_text(json.dumps(doc))
+    (bench_dir / "logs").mkdir()
+    (bench_dir / "logs" / "client.log").write_text("client said\n")
+    (bench_dir / "README.md").write_text("# a run\n")
+    (bench_dir / "goodput.png").write_bytes(b"\x89PNG")
+    return doc
+
+
+def test_a_packed_bench_recomputes_the_same_tables_from_its_archive_alone(bench_dir):
+    doc = _with_spans(bench_dir)
+    before = recompute(bench_dir)
+    packed = raw.pack(bench_dir)
+    assert {p.name for p in packed} >= {"bench.json", "client.log", "kvpush-rate1-round2-spans.json.gz",
+                                         "nixl-pull-rate1-round2.json.gz"}
+    assert sorted(p.name for p in bench_dir.iterdir()) == ["README.md", "goodput.png", raw.ARCHIVE]
+    with tarfile.open(bench_dir / raw.ARCHIVE) as tar:
+        names = tar.getnames()
+    assert "raw/kvpush-rate1-round1-spans.json" in names and "raw/nixl-pull-rate1-round2.json" in names  # gzip undone
+    assert "logs/client.log" in names and "bench.json" in names
+    after = recompute(bench_dir)
+    assert after == before and after.handoff is not None
+    files = raw.KeptFiles(bench_dir)
+    spans = doc["runs"][0]["round_points"][0]["spans_file"]
+    assert files.where(spans) == f"{bench_dir / raw.ARCHIVE}:raw/kvpush-rate1-round1-spans.json"
+    assert files.read_text("logs/client.log") == "client said\n"
+
+
+def test_packing_again_keeps_the_archived_files_and_adds_new_ones(bench_dir):
+    raw.pack(bench_dir)
+    (bench_dir / "note.txt").write_text("later")
+    assert [p.name for p in raw.pack(bench_dir)] == ["note.txt"]
+    files = raw.KeptFiles(bench_dir)
+    assert files.read_text("note.txt") == "later" and files.exists("raw/kvpush-rate1-round1.json")
+    assert raw.pack(bench_dir) == []
+
+
+def test_a_file_missing_from_the_archive_or_a_broken_archive_is_a_one_line_error(bench_dir):
+    doc = json.loads((bench_dir / "bench.json").read_text())
+    doc["runs"][1]["round_points"][0]["raw_file"] = "raw/gone.json"
+    (bench_dir / "bench.json").write_text(json.dumps(doc))
+    raw.pack(bench_dir)
+    with pytest.raises(UsageError, match=r"raw/gone.json: missing; bench.json names it for nixl-pull at 1 req/s"):
+        recompute(bench_dir)
+    (bench_dir / raw.ARCHIVE).write_bytes(b"not xz")
+    with pytest.raises(UsageError, match=r"raw.tar.xz: not a readable tar.xz .*pack_results.py"):
         recompute(bench_dir)
