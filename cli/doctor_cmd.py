@@ -1,16 +1,15 @@
 """`kvpush doctor`: run the checks on every host of a topology and render them."""
 from __future__ import annotations
 
+import time
 from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.table import Table
-from rich.text import Text
 
-from kvpush.deploy.doctor import CHECK_NAMES, DoctorOptions, DoctorReport, Status, run_doctor
+from kvpush.deploy.doctor import CHECK_NAMES, DoctorOptions, run_doctor
 from kvpush.deploy.plan import build_plan
 from kvpush.deploy.hosts import connected
 from kvpush.common.errors import KvpushError
@@ -18,40 +17,13 @@ from kvpush.deploy.process_view import deployment_pids
 from kvpush.deploy.state import HostRecord, load_state
 from kvpush.deploy.topology import check_key_files, resolve_topology
 
-from .console import note, out, print_json, styled
+from .console import note, print_json
+from .doctor_report import render_report
 from .options import ACCEPT, CONNECT_TIMEOUT, FILE_ARG, FILE_OPTION, KNOWN_HOSTS, ssh_options, topology_file
-
-STYLE = {Status.OK: "green", Status.WARN: "yellow", Status.FAIL: "bold red", Status.SKIP: "dim"}
 
 
 def _names(value: Optional[str]) -> frozenset[str]:
     return frozenset(n.strip() for n in (value or "").split(",") if n.strip())
-
-
-def render_report(report: DoctorReport, verbose: bool = False) -> None:
-    """One table, rows grouped by host (pairs and topology-wide checks after the hosts)."""
-    def group(subject: str) -> tuple[int, str]:
-        return (2 if subject.startswith("(") else 1 if " -> " in subject else 0, subject)
-
-    table = Table("host", "check", "status", "result", "remedy", show_lines=False, expand=False)
-    last = None
-    for r in sorted(report.results, key=lambda r: (group(r.subject), CHECK_NAMES.index(r.check) if r.check in CHECK_NAMES else -1)):
-        if last is not None and r.subject != last:
-            table.add_section()
-        shown_subject = r.subject if r.subject != last else ""
-        last = r.subject
-        result = Text(r.summary)
-        if verbose or r.status in (Status.FAIL, Status.WARN):
-            for ev in r.evidence:
-                result.append(f"\n$ {ev.command}" + (f"  (exit {ev.exit_code})" if ev.exit_code not in (None, 0) else ""), style="dim")
-                for line in ev.lines[:4]:
-                    result.append(f"\n  {line}", style="dim")
-        table.add_row(shown_subject, r.check, Text(r.status.value, style=STYLE[r.status]), result, r.remedy or "")
-    out.print(table)
-    counts = report.counts()
-    verdict = styled("[bold red]FAILED[/bold red]" if report.failed else "[green]ok[/green]")
-    out.print(Text.assemble("doctor ", verdict, f": {counts['ok']} ok, {counts['warn']} warn, {counts['fail']} fail, "
-                            f"{counts['skip']} skip on {len(report.hosts)} host(s) in {report.seconds:.1f} s"))
 
 
 def _deployment_pids(deployment: str, runners) -> dict[str, dict[int, str]]:
@@ -85,6 +57,7 @@ def register(app: typer.Typer) -> None:
         check_key_files(topo)
         options = DoctorOptions(only=_names(only), skip=_names(skip), transfer=transfer, timeout_s=timeout)
         ssh = ssh_options(accept_new_host_keys, known_hosts, connect_timeout)
+        started = time.monotonic()  # the whole check, connecting to the hosts included
         with ExitStack() as stack:
             if topo.launcher == "slurm":  # the checks run as one job step per node of an allocation
                 from kvpush.deploy.lifecycle import Events
@@ -97,6 +70,7 @@ def register(app: typer.Typer) -> None:
             runners, unreachable = stack.enter_context(connected(hosts, ssh))
             options = replace(options, own_pids=_deployment_pids(topo.name, runners))
             report = run_doctor(topo, runners, options, unreachable)
+        report = replace(report, seconds=time.monotonic() - started)
         if json_output:
             print_json(report.to_dict())
         else:

@@ -123,9 +123,13 @@ def skew_interval(facts: HostFacts) -> tuple[float, float] | None:
 
 
 def check_clock_skew(ctx: DoctorContext) -> list[CheckResult]:
-    hosts = [h for h in ctx.probed_hosts() if h in ctx.facts]
-    if len(hosts) < 2:
+    probed = ctx.probed_hosts()
+    hosts = [h for h in probed if h in ctx.facts]
+    if len(probed) < 2:
         return [skip("clock-skew", TOPOLOGY_SUBJECT, "one host: no skew", scope="topology")]
+    if len(hosts) < 2:
+        return [skip("clock-skew", TOPOLOGY_SUBJECT, f"{len(probed)} hosts, clocks read on {', '.join(hosts) or 'none'}: "
+                     "nothing to compare (see the probe rows)", scope="topology")]
     lines, skewed = [], []
     for h in hosts:
         bounds = skew_interval(ctx.facts[h])

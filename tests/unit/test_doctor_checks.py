@@ -297,6 +297,15 @@ def test_clock_skew_warns_only_when_certainly_off():
     assert "b" in r.summary and "a" not in r.summary.split("on ")[-1]
 
 
+def test_clock_skew_of_two_hosts_with_one_probed_says_what_is_missing():
+    date = {"date": {"command": "date +%s.%N", "rc": 0, "stdout": "1000.1\n", "stderr": ""}}
+    r = only(check_limits.check_clock_skew(context(TWO_CPU_HOSTS, {"a": facts("a", date)})), Status.SKIP)
+    assert r.summary == "2 hosts, clocks read on a: nothing to compare (see the probe rows)"
+    r = only(check_limits.check_clock_skew(context(TWO_CPU_HOSTS, {})), Status.SKIP)
+    assert r.summary.startswith("2 hosts, clocks read on none:")
+    assert only(check_limits.check_clock_skew(context(LOCAL, {}))).summary == "one host: no skew"
+
+
 # -- software and model ------------------------------------------------------------------------------
 
 
