@@ -10,16 +10,22 @@ and prints exp(a): the TTFT ratio at equal prefill speed, i.e. with prefill's ro
 variance taken out.
 
     python benchmarks/rounds_across_runs.py RUN.json [RUN.json ...] [--mode kvpush] [--baseline nixl-pull]
+
+A RUN.json that is not a file is looked up, as a glob (quote it), in its folder's raw.tar.xz, where
+benchmarks/pack_results.py keeps a committed run's files.
 """
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import math
 import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from kvpush.deploy.bench.raw import KeptFiles
 
 Z95 = 1.96
 
@@ -87,6 +93,17 @@ def _intercept(points: list[tuple[float, float]]) -> tuple[float, float] | None:
     return a, Z95 * math.sqrt(residual * (1 / n + mx * mx / sxx))
 
 
+def reports_at(path: Path) -> list[tuple[str, str]]:
+    """(name, text) of the file at `path`, or of every member of its folder's raw.tar.xz matching its name."""
+    if path.is_file():
+        return [(path.name, path.read_text())]
+    files = KeptFiles(path.parent)
+    names = sorted(fnmatch.filter(files.archived(), path.name))
+    if not names:
+        raise SystemExit(f"{path}: no such file, nor a match in {path.parent / 'raw.tar.xz'}")
+    return [(name, files.read_text(name)) for name in names]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", nargs="+", type=Path, help="bench.json files of `kvpush bench --rounds N` runs")
@@ -94,12 +111,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline", default="nixl-pull")
     args = ap.parse_args(argv)
     pairs: list[RoundPair] = []
-    for path in args.runs:
-        pairs += round_pairs(json.loads(path.read_text()), path.name, args.mode, args.baseline)
+    reports = [kept for path in args.runs for kept in reports_at(path)]
+    for name, text in reports:
+        pairs += round_pairs(json.loads(text), name, args.mode, args.baseline)
     if not pairs:
         print(f"no round measured both {args.mode} and {args.baseline}", file=sys.stderr)
         return 1
-    print(f"{args.mode} TTFT p50 / {args.baseline}'s, per round, {len(args.runs)} run(s)")
+    print(f"{args.mode} TTFT p50 / {args.baseline}'s, per round, {len(reports)} run(s)")
     for rate in sorted({p.rate for p in pairs}):
         s = summarize([p for p in pairs if p.rate == rate])
         line = (f"{rate:g} req/s: {s.rounds} rounds, lower in {s.lower_in}; geometric mean {s.ratio:.3f}x "

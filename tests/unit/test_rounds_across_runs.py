@@ -7,6 +7,8 @@ import math
 import pytest
 from benchmark_scripts import load_benchmark
 
+from kvpush.deploy.bench.raw import pack
+
 pytestmark = pytest.mark.unit
 
 rar = load_benchmark("rounds_across_runs")
@@ -47,3 +49,16 @@ def test_the_command_prints_one_line_per_rate(tmp_path, capsys):
     assert rar.main([str(path)]) == 0
     out = capsys.readouterr().out
     assert "1 req/s: 3 rounds, lower in 3; geometric mean 0.910x" in out and "at equal prefill speed" in out
+
+
+def test_runs_packed_into_a_folders_archive_are_read_by_glob(tmp_path, capsys):
+    for k, ttft in enumerate((90.0, 80.0)):
+        (tmp_path / f"run{k}.json").write_text(json.dumps(report([(1.0, 0, ttft, None)], [(1.0, 0, 100.0, None)])))
+    (tmp_path / "other.json").write_text(json.dumps(report([(1.0, 0, 10.0, None)], [(1.0, 0, 100.0, None)])))
+    pack(tmp_path)
+    assert not (tmp_path / "run0.json").exists()
+    assert rar.main([str(tmp_path / "run*.json")]) == 0
+    out = capsys.readouterr().out
+    assert "2 run(s)" in out and "1 req/s: 2 rounds, lower in 2" in out
+    with pytest.raises(SystemExit, match="nothing.json: no such file, nor a match in"):
+        rar.main([str(tmp_path / "nothing.json")])
