@@ -6,6 +6,7 @@ from typing import Optional
 
 import typer
 
+from kvpush.common.errors import KvpushError
 from kvpush.deploy.client import stream_completion
 from kvpush.deploy.plan import build_plan
 from kvpush.deploy.secrets import client_api_key
@@ -26,13 +27,19 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Send one streamed, greedy completion through the router; print the answer and its TTFT."""
         prompt = one_argument("request", "PROMPT", [prompt, *ctx.args], file)
-        topo, source = resolve_topology(file)
-        plan = build_plan(topo)
-        router_url = plan.router_url_from_here()
-        result = stream_completion(router_url, plan.served_model_name, prompt, max_tokens=max_tokens,
-                                   api_key=client_api_key(topo))
+        router_url = None
+        try:
+            topo, source = resolve_topology(file)
+            plan = build_plan(topo)
+            router_url = plan.router_url_from_here()
+            result = stream_completion(router_url, plan.served_model_name, prompt, max_tokens=max_tokens,
+                                       api_key=client_api_key(topo))
+        except KvpushError as exc:
+            if json_output:  # a script reading stdout gets a document either way; the exit code says it failed
+                print_json({"ok": False, "router": router_url, "error": str(exc)})
+            raise
         if json_output:
-            print_json({"router": router_url, "text": result.text, "ttft_ms": result.ttft_s * 1e3,
+            print_json({"ok": True, "router": router_url, "text": result.text, "ttft_ms": result.ttft_s * 1e3,
                         "latency_ms": result.latency_s * 1e3, "completion_tokens": result.completion_tokens,
                         "finish_reason": result.finish_reason})
             return

@@ -116,3 +116,24 @@ def test_down_removes_the_secret_files_on_the_hosts_and_keeps_this_machine_s_sec
     result = kvpush("down", "-d", "t", "--forget-secret", state_dir=tmp_path / "state")
     assert result.returncode == 0 and "deleted the deployment secret kept on this machine" in result.stdout, result.stderr
     assert "removed its secret files" not in result.stdout and not local_secret_path("t").exists()
+
+
+def test_status_watch_into_a_pipe_prints_a_json_line_each_refresh_while_it_runs(tmp_path, monkeypatch):
+    """`kvpush status --watch | tee`: each refresh reaches the pipe when it is made, not at Ctrl-C."""
+    import sys
+
+    monkeypatch.setenv("KVPUSH_STATE_DIR", str(tmp_path / "state"))
+    state = DeploymentState("t", hosts={"local": HostRecord(address="127.0.0.1", workdir=str(tmp_path))})
+    state.processes["decode-0"] = ProcessRecord("decode-0", "decode", "local", 2**22 + 1, 2**22 + 1, None, 8200,
+                                                "http://127.0.0.1:8200/health", str(tmp_path / "d.log"), "", 0.0)
+    save_state(state)
+    watcher = subprocess.Popen([sys.executable, "-m", "kvpush.cli.main", "status", "-d", "t", "--watch", "--interval", "0.2"],
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        documents = [json.loads(watcher.stdout.readline()) for _ in range(2)]
+        assert watcher.poll() is None  # still watching: the lines came through the pipe as they were printed
+    finally:
+        watcher.terminate()
+        watcher.wait(timeout=30)
+    assert [d["processes"][0]["process"] for d in documents] == ["dead", "dead"]
+    assert all(d["deployment"] == "t" and d["healthy"] is False for d in documents)
