@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 import typer
-from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
@@ -27,7 +26,8 @@ from kvpush.deploy.lifecycle import Events, LifecycleOptions
 from kvpush.deploy.topology import check_key_files, resolve_topology
 
 from .console import err, note, out, print_json, styled
-from .options import ACCEPT, CONNECT_TIMEOUT, FILE_ARG, FILE_OPTION, KNOWN_HOSTS, ssh_options, topology_file
+from .tables import print_table, table as make_table
+from .options import ACCEPT, CONNECT_TIMEOUT, FILE_ARG, FILE_OPTION, KNOWN_HOSTS, ssh_options, topology_file, examples
 
 DEFAULT_MODES = ",".join(BENCH_DEFAULT_MODES)
 DEFAULT_RATES = "0.5,1,2,4"
@@ -37,7 +37,6 @@ DEFAULT_RATES = "0.5,1,2,4"
 DEFAULT_INPUT_LEN = 1024
 DEFAULT_OUTPUT_LEN = 32
 DEFAULT_NUM_PROMPTS = 8
-TABLE_WIDTH = 200
 
 
 class _LifecycleProgress(Events):
@@ -111,10 +110,9 @@ def _ratio_text(value: float | None) -> Text:
 
 
 def rate_table(runs: list[ModeRun], rate: float, baseline: str) -> Table:
-    table = Table(title=f"{rate:g} req/s (ratios vs {baseline})", title_justify="left")
-    for col in ("mode", "TTFT p50", "TTFT p90", "TTFT p99", "TPOT p50", "ITL p50", "E2E p50", "handoff p50/p90",
-                "req/s", "failed", "KV tokens in", "TTFT p50 ratio", "TTFT p90 ratio", "TPOT ratio"):
-        table.add_column(col, justify="left" if col == "mode" else "right")
+    columns = ("mode", "TTFT p50", "TTFT p90", "TTFT p99", "TPOT p50", "ITL p50", "E2E p50", "handoff p50/p90",
+               "req/s", "failed", "KV tokens in", "TTFT p50 ratio", "TTFT p90 ratio", "TPOT ratio")
+    table = make_table(*columns, title=f"{rate:g} req/s (ratios vs {baseline})", right=columns[1:])
     base = next((r for r in runs if r.mode == baseline), None)
     base_point = point_at(base, rate) if base else None
     for run in runs:
@@ -162,21 +160,13 @@ def phases_text(phases_s: dict[str, float]) -> str:
     return f"{', '.join(parts)} ({sum(phases_s.values()):.0f} s)"
 
 
-def _table_console() -> Console:
-    # Piped or redirected output gets room for every column instead of a squeezed 80-column table.
-    return out if out.is_terminal else Console(width=TABLE_WIDTH, soft_wrap=True, markup=False)
-
-
 def print_tails(table: tails_table.TailsTable, baseline: str, platform: str) -> None:
     """The headline tables: goodput and tails with 95% intervals, ratios to the baseline."""
-    console = _table_console()
     for rate in tails_table.rates_in(table):
-        t = Table(title=tails_table.caption(table, rate, baseline), title_justify="left")
-        for col in tails_table.COLUMNS:
-            t.add_column(col, justify="left" if col == "mode" else "right")
+        t = make_table(*tails_table.COLUMNS, title=tails_table.caption(table, rate, baseline), right=tails_table.COLUMNS[1:])
         for row in tails_table.rows(table, rate, baseline, platform):
             t.add_row(*row)
-        console.print(t)
+        print_table(t)
     note(f"[low, high]: {CONFIDENCE:.0%} confidence intervals (percentiles: order statistics, distribution-free; "
          f"goodput: Wilson interval of the good fraction); '?': too few requests to bound that side")
 
@@ -185,14 +175,11 @@ def print_handoff(table: handoff_table.HandoffTable, platform: str) -> None:
     """The engines' handoff per rate (only where the bench took their spans)."""
     if not table:
         return
-    console = _table_console()
     for rate in handoff_table.rates_in(table):
-        t = Table(title=handoff_table.caption(rate), title_justify="left")
-        for col in handoff_table.COLUMNS:
-            t.add_column(col, justify="left" if col == "mode" else "right")
+        t = make_table(*handoff_table.COLUMNS, title=handoff_table.caption(rate), right=handoff_table.COLUMNS[1:])
         for row in handoff_table.rows(table, rate, platform):
             t.add_row(*row)
-        console.print(t)
+        print_table(t)
     note(handoff_table.DEFINITION)
 
 
@@ -213,7 +200,6 @@ def spinning_lines(runs: list[ModeRun], rounds: int) -> list[str]:
 
 
 def render(report: BenchReport) -> None:
-    tables = _table_console()
     platform = report.configuration.get("topology", {}).get("platform", "cpu")
     print_tails(tails_table.tails_of(report.runs), report.options.baseline, platform)
     print_handoff(handoff_table.handoff_of(report.runs), platform)
@@ -221,7 +207,7 @@ def render(report: BenchReport) -> None:
     if engine and not engine.get("taken"):
         note(f"engine handoff not measured: {engine.get('why_not')}")
     for rate in rates_of(report.runs):
-        tables.print(rate_table(report.runs, rate, report.options.baseline))
+        print_table(rate_table(report.runs, rate, report.options.baseline))
     if report.options.rounds > 1:
         uneven = report.options.rounds % len(report.options.modes)
         note(f"{report.options.rounds} rounds, modes interleaved; the tables pool every round's requests"
@@ -250,13 +236,19 @@ def render(report: BenchReport) -> None:
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("bench")
+    @app.command("bench", epilog=examples(('kvpush bench my.yaml', 'the default modes and rates'),
+                      ('kvpush bench my.yaml --modes kvpush,nixl-pull --rates 1,2', 'two modes, two rates'),
+                      ('kvpush bench my.yaml --rounds 4 --port-base 9000', 'modes up at once, taking turns'),
+                      ('kvpush bench --recompute kvpush-bench --slo-ttft-ms 500', 'new tables from a finished bench')))
     def bench_command(
         file: Optional[Path] = FILE_ARG,
         file_option: Optional[Path] = FILE_OPTION,
-        modes: str = typer.Option(DEFAULT_MODES, "--modes", help=f"Modes to compare, comma-separated, from {','.join(MODES)}; "
+        # The lists in the help have spaces after their commas, so a narrow terminal wraps them instead of cutting.
+        modes: str = typer.Option(DEFAULT_MODES, "--modes", show_default=False,
+                                  help=f"Modes to compare, comma-separated, from {', '.join(MODES)}; "
                                   "the -stock modes run vLLM's NIXL connectors exactly as vLLM ships them, the plain ones "
-                                  "as kvpush tunes them for shared CPU cores (on GPU both are stock)."),
+                                  "as kvpush tunes them for shared CPU cores (on GPU both are stock). "
+                                  f"Default: {', '.join(BENCH_DEFAULT_MODES)}."),
         rates: str = typer.Option(DEFAULT_RATES, "--rates", help="Request rates (req/s, Poisson), comma-separated."),
         input_len: int = typer.Option(DEFAULT_INPUT_LEN, "--input-len", help="Prompt tokens per request."),
         prefix_len: int = typer.Option(0, "--prefix-len", help="Tokens every prompt of a rate starts with (the same "
@@ -287,10 +279,11 @@ def register(app: typer.Typer) -> None:
                                                      "(and the engine handoff) of a finished bench from the raw per-request "
                                                      "files and spans in this --out directory "
                                                      "(at other SLOs or another --baseline if given)."),
-        engine_timings: bool = typer.Option(True, "--engine-timings/--no-engine-timings",
-                                            help="Have every vLLM instance send its per-request OpenTelemetry spans to "
-                                                 "the bench (loopback), for the handoff diagnostic from the engines' own "
-                                                 "timestamps, the same for every mode (needs every instance on this machine)."),
+        no_engine_timings: bool = typer.Option(False, "--no-engine-timings",
+                                               help="Don't have every vLLM instance send its per-request OpenTelemetry "
+                                                    "spans to the bench (loopback). By default they do, for the handoff "
+                                                    "diagnostic from the engines' own timestamps, the same for every mode "
+                                                    "(needs every instance on this machine)."),
         markdown: bool = typer.Option(False, "--markdown", help="With --recompute: print the tables as Markdown."),
         json_output: bool = typer.Option(False, "--json", help="Print the whole result document as JSON instead of tables."),
     ) -> None:
@@ -311,7 +304,7 @@ def register(app: typer.Typer) -> None:
             rounds=rounds, seed=seed, tokenizer=tokenizer, client_timeout_s=client_timeout,
             slo=Slo(DEFAULT_SLO_TTFT_MS if slo_ttft_ms is None else slo_ttft_ms,
                     DEFAULT_SLO_TPOT_MS if slo_tpot_ms is None else slo_tpot_ms),
-            engine_timings=engine_timings,
+            engine_timings=not no_engine_timings,
             lifecycle=LifecycleOptions(ssh=ssh_options(accept_new_host_keys, known_hosts, connect_timeout), ready_timeout_s=ready_timeout),
         )
         options.validate()

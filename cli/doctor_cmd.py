@@ -19,7 +19,7 @@ from kvpush.deploy.topology import check_key_files, resolve_topology
 
 from .console import note, print_json
 from .doctor_report import render_report
-from .options import ACCEPT, CONNECT_TIMEOUT, FILE_ARG, FILE_OPTION, KNOWN_HOSTS, ssh_options, topology_file
+from .options import ACCEPT, CONNECT_TIMEOUT, FILE_ARG, FILE_OPTION, KNOWN_HOSTS, ssh_options, topology_file, examples
 
 
 def _names(value: Optional[str]) -> frozenset[str]:
@@ -37,7 +37,10 @@ def _deployment_pids(deployment: str, runners) -> dict[str, dict[int, str]]:
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("doctor")
+    @app.command("doctor", epilog=examples(('kvpush doctor my.yaml', 'every check on every host'),
+                      ('kvpush doctor my.yaml --transfer', 'also move real bytes between hosts'),
+                      ('kvpush doctor my.yaml --only ports-free,reachability', 'some checks only'),
+                      ('kvpush doctor my.yaml --json', 'for scripts')))
     def doctor_command(
         file: Optional[Path] = FILE_ARG,
         file_option: Optional[Path] = FILE_OPTION,

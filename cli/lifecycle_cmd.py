@@ -22,7 +22,7 @@ from kvpush.deploy.topology import NAME_PATTERN, check_key_files, resolve_topolo
 
 from .console import err, note, out, print_json, styled
 from .ls_cmd import others_hint
-from .options import ACCEPT, CONNECT_TIMEOUT, DEPLOYMENT, FILE_ARG, FILE_OPTION, EXTRA_ARGUMENTS, KNOWN_HOSTS, one_argument, ssh_options, topology_file
+from .options import ACCEPT, CONNECT_TIMEOUT, DEPLOYMENT, FILE_ARG, FILE_OPTION, EXTRA_ARGUMENTS, KNOWN_HOSTS, one_argument, ssh_options, topology_file, examples
 from .tables import fitted, print_table, table
 
 
@@ -87,7 +87,8 @@ def _status_table(rows: list[ProcessStatus]) -> Table:
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("up")
+    @app.command("up", epilog=examples(('kvpush up my.yaml', 'start or update the deployment'),
+                      ('kvpush up my.yaml --rotate-secret', 'new deployment secret and keys')))
     def up_command(
         file: Optional[Path] = FILE_ARG,
         file_option: Optional[Path] = FILE_OPTION,
@@ -123,7 +124,8 @@ def register(app: typer.Typer) -> None:
                       f"{result.proof.external_kv_tokens:.0f} prompt tokens by KV transfer", highlight=False)
         out.print(f"router: {build_plan(topo).router_url_from_here()}", highlight=False)
 
-    @app.command("down")
+    @app.command("down", epilog=examples(('kvpush down my.yaml', 'stop the deployment of this topology'),
+                      ('kvpush down -d xpyd', 'stop a deployment by name (see `kvpush ls`)')))
     def down_command(
         file: Optional[Path] = FILE_ARG,
         file_option: Optional[Path] = FILE_OPTION,
@@ -168,7 +170,9 @@ def register(app: typer.Typer) -> None:
         if result.secrets_left:
             raise KvpushError(f"{name}: the secret files on {', '.join(sorted(result.secrets_left))} could not be removed (see above)")
 
-    @app.command("status")
+    @app.command("status", epilog=examples(('kvpush status my.yaml', 'one row per process'),
+                      ('kvpush status -d xpyd --watch', 'refresh every 2 s'),
+                      ('kvpush status my.yaml --watch | tee s.ndjson', 'one JSON line per refresh')))
     def status_command(
         file: Optional[Path] = FILE_ARG,
         file_option: Optional[Path] = FILE_OPTION,
@@ -220,7 +224,9 @@ def register(app: typer.Typer) -> None:
         if not all(r.healthy for r in rows):
             raise typer.Exit(1)
 
-    @app.command("logs", context_settings=EXTRA_ARGUMENTS)
+    @app.command("logs", epilog=examples(('kvpush logs --file my.yaml', 'the last lines of every log'),
+                      ('kvpush logs --file my.yaml decode -f', 'follow the decode instances'),
+                      ('kvpush logs -d xpyd router -n 100', 'a deployment by name')), context_settings=EXTRA_ARGUMENTS)
     def logs_command(
         ctx: typer.Context,
         selector: Optional[str] = typer.Argument(None, help="Process name or role (prefill, decode, router); default all."),
@@ -243,7 +249,8 @@ def register(app: typer.Typer) -> None:
 
         stream_logs(state, selector, lines, follow, ssh_options(False, known_hosts, 10.0), emit)
 
-    @app.command("provision")
+    @app.command("provision", epilog=examples(('kvpush provision my.yaml', 'install this kvpush on every host'),
+                      ('kvpush provision my.yaml --with-vllm', "also each host's venv and vLLM")))
     def provision_command(
         file: Optional[Path] = FILE_ARG,
         file_option: Optional[Path] = FILE_OPTION,

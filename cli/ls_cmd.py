@@ -17,17 +17,8 @@ from kvpush.deploy.secrets import observed_keys
 from kvpush.deploy.state import DeploymentState, load_state, recorded_deployments
 
 from .console import out, print_json
-from .options import CONNECT_TIMEOUT, KNOWN_HOSTS, ssh_options
+from .options import CONNECT_TIMEOUT, KNOWN_HOSTS, examples, ssh_options
 from .tables import print_table, table
-
-EXAMPLE = """Examples:
-
-  kvpush ls                 # every deployment: hosts, processes up/down, router URL
-
-  kvpush ls --json          # the same for scripts
-
-  kvpush ls --no-check      # what is recorded, without contacting any host"""
-
 
 @dataclass
 class DeploymentSummary:
@@ -110,7 +101,9 @@ def _processes_text(summary: DeploymentSummary) -> str:
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("ls", epilog=EXAMPLE)
+    @app.command("ls", epilog=examples(("kvpush ls", "hosts, processes up/down, router URL of each"),
+                                        ("kvpush ls --json", "the same for scripts"),
+                                        ("kvpush ls --no-check", "what is recorded, contacting no host")))
     def ls_command(
         json_output: bool = typer.Option(False, "--json", help="Print one JSON document."),
         no_check: bool = typer.Option(False, "--no-check", help="Only what is recorded here: contact no host."),

@@ -6,6 +6,7 @@ takes it there too, as the shorter form. `-f` is left to `logs --follow`, as in 
 """
 from __future__ import annotations
 
+import inspect
 import shlex
 from pathlib import Path
 from typing import Optional
@@ -24,6 +25,25 @@ ACCEPT = typer.Option(False, "--accept-new-host-keys", help="Record unknown SSH 
 KNOWN_HOSTS = typer.Option("~/.ssh/known_hosts", "--known-hosts", envvar="KVPUSH_KNOWN_HOSTS", help="known_hosts file to verify SSH hosts against.")
 CONNECT_TIMEOUT = typer.Option(10.0, "--connect-timeout", help="Seconds to connect and authenticate to each host.")
 DEPLOYMENT = typer.Option(None, "--deployment", "-d", help="Deployment name (default: the topology's name).")
+
+
+HELP_WIDTH = 78  # an 80-column terminal, less the help's margin
+
+
+def examples(*lines: tuple[str, str]) -> str:
+    """A command's help epilog: (command line, what it does) per example, as shell lines a user can copy.
+    Each comment goes after its command where all of them fit an 80-column terminal, else on the line above."""
+    width = max(len(command) for command, _ in lines)
+    if width + max(len(what) for _, what in lines) + 5 <= HELP_WIDTH:
+        return "Examples:\n" + "\n".join(f"{command:<{width}}   # {what}" for command, what in lines)
+    return "Examples:\n" + "\n".join(f"# {what}\n{command}" for command, what in lines)
+
+
+def unwrapped(doc: str) -> str:
+    """A docstring as help text: each paragraph one line, for the help to wrap at the terminal's width
+    (typer's rich help keeps a docstring's line breaks, which would break lines mid-sentence)."""
+    paragraphs = inspect.cleandoc(doc).split("\n\n")
+    return "\n\n".join(" ".join(line.strip() for line in p.splitlines()) for p in paragraphs)
 
 
 def topology_file(positional: Optional[Path], option: Optional[Path]) -> Optional[Path]:

@@ -7,7 +7,6 @@ from typing import Optional
 
 import typer
 from pydantic import ValidationError
-from rich.table import Table
 
 from kvpush.common.errors import UsageError, validation_message
 from kvpush.deploy.plan import Plan, build_plan
@@ -16,7 +15,8 @@ from kvpush.deploy.topology import TinyModelSpec, parse_topology, resolve_topolo
 from kvpush.templates import DEFAULT_TEMPLATE, template_names, template_summary, template_text
 
 from .console import heading, note, out, print_json, styled
-from .options import FILE_ARG, FILE_OPTION, topology_file
+from .tables import print_table, table
+from .options import FILE_ARG, FILE_OPTION, topology_file, examples
 
 
 
@@ -54,7 +54,9 @@ def render_plan(plan: Plan) -> None:
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("plan")
+    @app.command("plan", epilog=examples(('kvpush plan my.yaml', 'per host: env, argv, ports, logs'),
+                      ('kvpush plan my.yaml --json', 'the same plan for scripts'),
+                      ('kvpush plan my.yaml --slurm-script > run.sbatch', 'launcher slurm: an sbatch script')))
     def plan_command(
         file: Optional[Path] = FILE_ARG,
         file_option: Optional[Path] = FILE_OPTION,
@@ -78,7 +80,8 @@ def register(app: typer.Typer) -> None:
             note(f"topology: {source}")
             render_plan(plan)
 
-    @app.command("templates")
+    @app.command("templates", epilog=examples(('kvpush templates', 'names and what each deploys'),
+                      ('kvpush init my.yaml -t xpyd', 'start from one')))
     def templates_command(
         json_output: bool = typer.Option(False, "--json", help="Print as JSON."),
     ) -> None:
@@ -87,12 +90,13 @@ def register(app: typer.Typer) -> None:
         if json_output:
             print_json([{"name": n, "summary": template_summary(n), "default": n == DEFAULT_TEMPLATE} for n in names])
             return
-        table = Table("template", "what it deploys")
+        made = table("template", "what it deploys")
         for name in names:
-            table.add_row(name + (" (default)" if name == DEFAULT_TEMPLATE else ""), template_summary(name))
-        out.print(table)
+            made.add_row(name + (" (default)" if name == DEFAULT_TEMPLATE else ""), template_summary(name))
+        print_table(made)
 
-    @app.command("init")
+    @app.command("init", epilog=examples(('kvpush init my.yaml', 'the default template'),
+                      ('kvpush init my.yaml --template local-cpu-tp2', 'another template (see `kvpush templates`)')))
     def init_command(
         path: Path = typer.Argument(Path("kvpush.yaml"), help="Where to write the topology."),
         template: str = typer.Option(DEFAULT_TEMPLATE, "--template", "-t", help="Template name (see `kvpush templates`)."),
@@ -115,7 +119,8 @@ def register(app: typer.Typer) -> None:
             raise UsageError(f"{path}: cannot write it ({exc.strerror or exc}); choose another path") from None
         out.print(f"wrote {path} from template {template}; next: `kvpush plan {path}`", highlight=False)
 
-    @app.command("make-model")
+    @app.command("make-model", epilog=examples(('kvpush make-model ~/models/tiny', 'the default tiny model'),
+                      ('kvpush make-model ~/models/kv-heavy --layers 8 --kv-heads 8 --head-dim 128', '32 KiB of KV per token')))
     def make_model_command(
         path: Path = typer.Argument(..., help="Directory to create the model in."),
         seed: int = typer.Option(0, help="Seed for weights and tokenizer corpus: same seed, same bytes."),

@@ -13,11 +13,12 @@ from kvpush.deploy.secrets import client_api_key
 from kvpush.deploy.topology import resolve_topology
 
 from .console import note, out, print_json, styled
-from .options import EXTRA_ARGUMENTS, FILE_OPTION, one_argument
+from .options import EXTRA_ARGUMENTS, FILE_OPTION, one_argument, examples
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("request", context_settings=EXTRA_ARGUMENTS)
+    @app.command("request", epilog=examples(('kvpush request --file my.yaml "hello"', 'answer and TTFT'),
+                      ('kvpush request --file my.yaml -n 64 --json "hello"', '64 tokens, as JSON')), context_settings=EXTRA_ARGUMENTS)
     def request_command(
         ctx: typer.Context,
         prompt: str = typer.Argument(..., help="Prompt text (quoted)."),

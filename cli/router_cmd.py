@@ -10,12 +10,16 @@ import typer
 from kvpush.common.errors import KvpushError, UsageError, validation_problem
 
 from .console import note
+from .options import FILE_ARG, FILE_OPTION, examples, topology_file
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("router")
+    @app.command("router", epilog=examples(('kvpush router my.yaml', "the topology's router, in the foreground"),
+                      ('kvpush router --file my.yaml --log-level DEBUG', 'the same, with every request logged'),
+                      ('kvpush router --config ~/.kvpush/local-cpu/router.json', 'from the config `up` wrote')))
     def router_command(
-        topology: Optional[Path] = typer.Argument(None, help="Topology file (default: ./kvpush.yaml, else the built-in local-cpu)."),
+        file: Optional[Path] = FILE_ARG,
+        file_option: Optional[Path] = FILE_OPTION,
         config: Optional[Path] = typer.Option(None, "--config", help="Router config JSON (as `kvpush up` writes it) instead of a topology."),
         log_level: str = typer.Option("INFO", "--log-level", help="Python logging level."),
     ) -> None:
@@ -26,8 +30,9 @@ def register(app: typer.Typer) -> None:
         from kvpush.router.config import RouterConfig
         from kvpush.router.keys import resolve_keys
 
+        topology = topology_file(file, file_option)
         if topology is not None and config is not None:
-            raise UsageError("router: give a TOPOLOGY or --config FILE, not both")
+            raise UsageError("router: give a topology (FILE or --file FILE) or --config FILE, not both")
         if not isinstance(logging.getLevelName(log_level.upper()), int):
             raise UsageError(f"--log-level: unknown level '{log_level}'; choose one of DEBUG, INFO, WARNING, ERROR, CRITICAL")
         if config is not None:

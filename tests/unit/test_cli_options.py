@@ -15,7 +15,7 @@ def test_every_topology_command_takes_the_file_as_file_option_too(tmp_path):
     assert json.loads(by_option.stdout)["deployment"] == "xpyd"
     both = kvpush("plan", "t.yaml", "--file", str(tmp_path / "t.yaml"), "--json", cwd=tmp_path)
     assert both.returncode == 0 and json.loads(both.stdout)["deployment"] == "xpyd"  # one file, named two ways
-    for command in ("up", "down", "status", "provision", "doctor", "bench", "plan", "logs", "request"):
+    for command in ("up", "down", "status", "provision", "doctor", "bench", "plan", "logs", "request", "router"):
         assert "--file" in kvpush(command, "--help").stdout, command
 
 
