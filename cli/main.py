@@ -11,7 +11,7 @@ import typer
 from kvpush.common.errors import KvpushError
 from kvpush.deploy.host_probe import source_digest
 
-from . import bench_cmd, doctor_cmd, lifecycle_cmd, ls_cmd, plan_cmd, request_cmd, router_cmd
+from . import bench_cmd, doctor_cmd, lifecycle_cmd, ls_cmd, plan_cmd, request_cmd, router_cmd, schema_cmd
 from .console import err, styled
 from .options import examples, unwrapped
 
@@ -31,6 +31,7 @@ router_cmd.register(app)
 lifecycle_cmd.register(app)
 ls_cmd.register(app)
 bench_cmd.register(app)
+schema_cmd.register(app)
 for _command in app.registered_commands:
     _command.help = unwrapped(_command.help or inspect.getdoc(_command.callback) or "")
 

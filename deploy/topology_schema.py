@@ -45,14 +45,15 @@ class _Model(BaseModel):
 class TinyModelSpec(_Model):
     """Settings for the small causal LM that kvpush makes locally (no model hub needed)."""
 
-    seed: IntNotBool = Field(0, ge=0, le=2**32 - 1)
-    layers: IntNotBool = Field(2, ge=1, le=64)
-    hidden_size: IntNotBool = Field(256, ge=32, le=16384)
-    heads: IntNotBool = Field(4, ge=1, le=256)
-    kv_heads: IntNotBool = Field(2, ge=1, le=256)
-    head_dim: IntNotBool = Field(64, ge=8, le=1024)
-    vocab_size: IntNotBool = Field(4096, ge=300, le=1_000_000)
-    max_position_embeddings: IntNotBool = Field(4096, ge=128, le=1 << 20)
+    seed: IntNotBool = Field(0, ge=0, le=2**32 - 1, description="seed of the weights and the tokenizer's corpus: "
+                                                                 "same seed, same bytes")
+    layers: IntNotBool = Field(2, ge=1, le=64, description="decoder layers")
+    hidden_size: IntNotBool = Field(256, ge=32, le=16384, description="hidden size")
+    heads: IntNotBool = Field(4, ge=1, le=256, description="attention heads (a multiple of kv_heads)")
+    kv_heads: IntNotBool = Field(2, ge=1, le=256, description="key/value heads: more heads, more KV bytes per token")
+    head_dim: IntNotBool = Field(64, ge=8, le=1024, description="dimension of each head")
+    vocab_size: IntNotBool = Field(4096, ge=300, le=1_000_000, description="tokens the byte-level BPE tokenizer learns")
+    max_position_embeddings: IntNotBool = Field(4096, ge=128, le=1 << 20, description="longest sequence the model takes")
 
     @model_validator(mode="after")
     def _kv_heads_divide_heads(self) -> "TinyModelSpec":
@@ -67,12 +68,15 @@ class ModelSpec(_Model):
     kv_heads: IntNotBool | None = Field(None, ge=1, le=4096, description="the model's KV heads, to check TP sizes before "
                                                                          "launch (default: tiny.kv_heads, or config.json "
                                                                          "where the model is on this machine)")
-    served_name: PlainName | None = None
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "bfloat16"
-    max_model_len: IntNotBool | None = Field(None, ge=16, le=1 << 24)
-    block_size: IntNotBool | None = Field(None, ge=1, le=4096)
-    enforce_eager: bool = False
-    extra_args: ExtraArgs = Field(default_factory=list)
+    served_name: PlainName | None = Field(None, description="the model name clients send (default: the last part of path)")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field("bfloat16", description="vLLM's --dtype")
+    max_model_len: IntNotBool | None = Field(None, ge=16, le=1 << 24, description="vLLM's --max-model-len (default: "
+                                                                                 "the model's)")
+    block_size: IntNotBool | None = Field(None, ge=1, le=4096, description="tokens per KV-cache block, vLLM's "
+                                                                          "--block-size (default: vLLM's)")
+    enforce_eager: bool = Field(False, description="vLLM's --enforce-eager: no CUDA graphs")
+    extra_args: ExtraArgs = Field(default_factory=list, description="more `vllm serve` arguments for every instance, "
+                                                                    "e.g. ['--max-num-seqs', '64']")
     tiny: TinyModelSpec | None = Field(
         None, description="if set, `up` makes this tiny model at `path` on each host where it is missing"
     )
@@ -83,13 +87,16 @@ class ModelSpec(_Model):
 
 
 class ConnectorSpec(_Model):
-    type: ConnectorType = "kvpush"
-    backend: Backend = "UCX"
-    # Seconds after which a registration or finished-block set that never matched is failed. A
-    # backstop for a leg that never reached the other side: a dead or hung prefill is noticed in
+    type: ConnectorType = Field("kvpush", description="kvpush: prefill pushes the KV to decode (this project's "
+                                                      "connector); nixl-push, nixl-pull: vLLM's NIXL connectors; "
+                                                      "colocated: no transfer, each request served by one instance")
+    backend: Backend = Field("UCX", description="NIXL's transport: UCX, or LIBFABRIC for AWS EFA")
+    # A backstop for a leg that never reached the other side: a dead or hung prefill is noticed in
     # ~1 s by the side channel's ping, and a busy one may hold a request queued for many seconds.
-    transfer_timeout_s: float = Field(30.0, gt=0, le=DAY_S)
-    extra_config: Annotated[dict[str, Any], AfterValidator(values.extra_config)] = Field(default_factory=dict)
+    transfer_timeout_s: float = Field(30.0, gt=0, le=DAY_S, description="seconds after which a registration or "
+                                      "finished-block set that never matched is failed")
+    extra_config: Annotated[dict[str, Any], AfterValidator(values.extra_config)] = Field(
+        default_factory=dict, description="more entries of vLLM's kv_connector_extra_config for every instance")
     stock_vllm: bool = Field(False, description="nixl-push and nixl-pull: load vLLM's connector classes exactly as vLLM "
                                                 "ships them. By default a CPU platform loads them through "
                                                 "kvpush.connector.vllm_nixl, which paces NIXL's progress thread and keeps "
@@ -98,11 +105,14 @@ class ConnectorSpec(_Model):
 
 @pydantic_dataclass(config=_CONFIG, kw_only=True)
 class HostSpec(HostAddress):
-    """A host of the topology: how it is reached (HostAddress), and where and with what it runs."""
+    """A host of the topology: how it is reached (HostAddress), and where and with what it runs.
+    With launcher slurm, address may be left out: it is then the Slurm node's address."""
 
-    workdir: Annotated[PathText, not_blank("give a directory, or remove the field for ~/.kvpush")] = "~/.kvpush"
+    workdir: Annotated[PathText, not_blank("give a directory, or remove the field for ~/.kvpush"),
+                       Field(description="directory on the host for each deployment's files and logs "
+                                         "(<workdir>/<name>)")] = "~/.kvpush"
     python: Annotated[PathText | None, Field(description="interpreter that runs vLLM there (default: <venv>/bin/python)")] = None
-    venv: PathText | None = None
+    venv: Annotated[PathText | None, Field(description="virtual environment on the host whose Python runs vLLM")] = None
     node: Annotated[PlainName | None, Field(description="launcher slurm: the Slurm node this host is (default: any node "
                                                         "of the allocation)")] = None
 
@@ -138,9 +148,11 @@ def _core_number_as_text(value: Any) -> Any:
     return str(value) if isinstance(value, int) else value  # `cpu_cores: 3` unquoted
 
 
-CoreList = Annotated[str, BeforeValidator(_core_number_as_text), AfterValidator(_valid_core_list)]  # "0-3,8"
+CoreList = Annotated[str, BeforeValidator(_core_number_as_text, json_schema_input_type=str | int),
+                     AfterValidator(_valid_core_list)]  # "0-3,8"
 # One core list per TP rank, '|'-separated as VLLM_CPU_OMP_THREADS_BIND takes them: "0-1|2-3"
-RankCoreLists = Annotated[str, BeforeValidator(_core_number_as_text), AfterValidator(_valid_rank_core_lists)]
+RankCoreLists = Annotated[str, BeforeValidator(_core_number_as_text, json_schema_input_type=str | int),
+                          AfterValidator(_valid_rank_core_lists)]
 
 
 def _restart_shorthand(value: Any) -> Any:
@@ -157,15 +169,17 @@ class RestartSpec(_Model):
 
     policy: Literal["never", "on-failure"] = Field("never", description="on-failure: start it again after a crash")
     max_restarts: IntNotBool = Field(3, ge=1, le=1000, description="restarts allowed within window_s; then it stays down")
-    window_s: float = Field(600.0, gt=0)
+    window_s: float = Field(600.0, gt=0, description="the seconds over which max_restarts are counted")
 
 
-RestartField = Annotated[RestartSpec, BeforeValidator(_restart_shorthand)]
+RestartShorthand = Literal["never", "on-failure", False]  # `restart: on-failure`; a bare `no` reads as false
+RestartField = Annotated[RestartSpec, BeforeValidator(_restart_shorthand,
+                                                      json_schema_input_type=RestartSpec | RestartShorthand)]
 
 
 class InstanceSpec(_Model):
-    name: str | None = None
-    host: str | None = None
+    name: str | None = Field(None, description="the process's name (default: <role>-<index>, e.g. prefill-0)")
+    host: str | None = Field(None, description="the host it runs on, a name under hosts (default: the only host)")
     devices: list[Annotated[IntNotBool, Field(le=1023)]] = Field(default_factory=list, description="GPU indices (platform cuda)")
     cpu_cores: RankCoreLists | None = Field(None, description="cores for VLLM_CPU_OMP_THREADS_BIND (platform cpu): one "
                                                               "list per TP rank, '|'-separated, e.g. '0|1'")
@@ -173,15 +187,18 @@ class InstanceSpec(_Model):
                                                  "that say so too, and its ranks with each other (a small machine)")
     kv_cache_gib: NumberNotBool | None = Field(None, ge=MIN_KV_CACHE_GIB, le=1 << 16, description=(
         "platform cpu: each rank's KV cache in GiB, fractions allowed (e.g. 0.25); vLLM's --kv-cache-memory-bytes"))
-    tensor_parallel_size: IntNotBool = Field(1, ge=1, le=64)
-    data_parallel_size: IntNotBool = Field(1, ge=1, le=256)
-    http_port: IntNotBool | None = Field(None, ge=1, le=65535)
+    tensor_parallel_size: IntNotBool = Field(1, ge=1, le=64, description="ranks (GPUs, or CPU core lists) of one "
+                                             "instance; prefill and decode may differ")
+    data_parallel_size: IntNotBool = Field(1, ge=1, le=256, description="vLLM's --data-parallel-size")
+    http_port: IntNotBool | None = Field(None, ge=1, le=65535, description="its OpenAI-compatible HTTP port (default: "
+                                                                          "8100 + index for prefill, 8200 + index for decode)")
     side_channel_port: IntNotBool | None = Field(None, ge=1, le=65535, description=(
         "the first of the instance's side-channel ports (one per TP x DP rank for kvpush, per DP rank for NIXL); "
         "kvpush's decode listens on none, its port only names it"))
-    env: EnvMap = Field(default_factory=dict)
-    extra_args: ExtraArgs = Field(default_factory=list)
-    restart: RestartField = Field(default_factory=RestartSpec)
+    env: EnvMap = Field(default_factory=dict, description="environment of this instance, added to the topology's env")
+    extra_args: ExtraArgs = Field(default_factory=list, description="more `vllm serve` arguments for this instance")
+    restart: RestartField = Field(default_factory=RestartSpec, description="what its supervisor does when it exits on "
+                                  "its own: a policy (never, on-failure) or a mapping")
 
     @field_validator("devices")
     @classmethod
@@ -194,26 +211,29 @@ class InstanceSpec(_Model):
 
 
 class RouterSpec(_Model):
-    host: str | None = None
-    bind: Annotated[str, AfterValidator(values.bind_address)] = "127.0.0.1"
-    port: IntNotBool = Field(8000, ge=1, le=65535)
-    policy: Policy = "round-robin"
+    host: str | None = Field(None, description="the host it runs on, a name under hosts (default: the only host)")
+    bind: Annotated[str, AfterValidator(values.bind_address)] = Field(
+        "127.0.0.1", description="the address it listens on, e.g. 0.0.0.0 for clients on other machines")
+    port: IntNotBool = Field(8000, ge=1, le=65535, description="its HTTP port")
+    policy: Policy = Field("round-robin", description="how each request's prefill/decode pair is chosen")
     api_key_env: Annotated[str, AfterValidator(values.env_name)] | None = Field(
         None, description="name of an env var, on the machine running kvpush, holding the router's API key")
     api_key_file: PathText | None = Field(None, description="file on the machine running kvpush holding the router's API key")
     public_paths: list[Literal["/health", "/metrics"]] = Field(
         default_factory=lambda: ["/health"], description="router paths served without the API key (default: /health only)")
-    prefill_timeout_s: float = Field(600.0, gt=0, le=DAY_S)
-    decode_timeout_s: float = Field(600.0, gt=0, le=DAY_S)
-    connect_timeout_s: float = Field(5.0, gt=0, le=DAY_S)
-    # a /health probe unanswered this long counts as a hang (2 in a row take an instance out of
-    # rotation); raise it where instances share too few cores to answer promptly while busy
-    health_timeout_s: float = Field(1.0, gt=0, le=600)
-    max_prompt_chars: IntNotBool = Field(4_000_000, ge=1, le=100_000_000)
+    prefill_timeout_s: float = Field(600.0, gt=0, le=DAY_S, description="seconds a request's prefill leg may take")
+    decode_timeout_s: float = Field(600.0, gt=0, le=DAY_S, description="seconds a request's decode leg may take")
+    connect_timeout_s: float = Field(5.0, gt=0, le=DAY_S, description="seconds to connect to an instance")
+    health_timeout_s: float = Field(1.0, gt=0, le=600, description=(
+        "a /health probe unanswered this long counts as a hang (2 in a row take an instance out of rotation); "
+        "raise it where instances share too few cores to answer promptly while busy"))
+    max_prompt_chars: IntNotBool = Field(4_000_000, ge=1, le=100_000_000, description="longest prompt accepted, in "
+                                         "characters (a longer request is refused)")
     cpu_cores: CoreList | None = Field(None, description="cores the router process runs on (taskset); may share an instance's")
     workers: IntNotBool = Field(1, ge=1, le=64, description="router processes sharing the port, each relaying its share of "
                                                     "the streams; give the router at least as many cpu_cores")
-    restart: RestartField = Field(default_factory=RestartSpec)
+    restart: RestartField = Field(default_factory=RestartSpec, description="what its supervisor does when it exits on "
+                                  "its own: a policy (never, on-failure) or a mapping")
 
     @model_validator(mode="after")
     def _one_key_source(self) -> "RouterSpec":
@@ -251,23 +271,31 @@ class TracingSpec(_Model):
 
     otlp_endpoint: Annotated[str, AfterValidator(_otlp_endpoint)] = Field(
         description="where the spans go, e.g. http://collector:4318/v1/traces (http/protobuf) or http://collector:4317 (grpc)")
-    protocol: Literal["http/protobuf", "grpc"] = "http/protobuf"
+    protocol: Literal["http/protobuf", "grpc"] = Field("http/protobuf", description="the OTLP exporter's protocol")
     export_delay_ms: IntNotBool = Field(5000, ge=1, le=600_000, description="the SDK exports finished spans this often")
 
 
 class Topology(_Model):
-    name: str = "kvpush"
-    platform: Platform = "cpu"
-    launcher: Launcher = "ssh"
-    slurm: SlurmSpec | None = None
-    model: ModelSpec
-    connector: ConnectorSpec = Field(default_factory=ConnectorSpec)
-    hosts: dict[str, HostSpec] = Field(default_factory=lambda: {"local": HostSpec(address="127.0.0.1")})
-    prefill: list[InstanceSpec] = Field(default_factory=list)
-    decode: list[InstanceSpec] = Field(default_factory=list)
-    router: RouterSpec = Field(default_factory=RouterSpec)
-    tracing: TracingSpec | None = None
-    env: EnvMap = Field(default_factory=dict)
+    name: str = Field("kvpush", description="the deployment's name: its state file, work directories and "
+                                            "`-d NAME` (lowercase letters, digits and '-')")
+    platform: Platform = Field("cpu", description="cpu: vLLM on CPU cores (cpu_cores); cuda: on GPUs (devices)")
+    launcher: Launcher = Field("ssh", description="ssh: kvpush starts each process over SSH, or directly on this "
+                                                  "machine; slurm: as job steps of one Slurm allocation (docs/slurm.md)")
+    slurm: SlurmSpec | None = Field(None, description="launcher slurm: the allocation and its job steps")
+    model: ModelSpec = Field(description="the model every instance serves")
+    connector: ConnectorSpec = Field(default_factory=ConnectorSpec, description="how the KV cache moves from prefill "
+                                                                                "to decode")
+    hosts: dict[str, HostSpec] = Field(default_factory=lambda: {"local": HostSpec(address="127.0.0.1")},
+                                       description="the machines, by names of your choosing (default: local, this "
+                                                   "machine at 127.0.0.1)")
+    prefill: list[InstanceSpec] = Field(default_factory=list, description="the prefill instances: each computes a "
+                                                                          "prompt's KV cache and the first token")
+    decode: list[InstanceSpec] = Field(default_factory=list, description="the decode instances: each takes a prompt's "
+                                                                         "KV cache and generates the rest")
+    router: RouterSpec = Field(default_factory=RouterSpec, description="the OpenAI-compatible endpoint clients use: "
+                                                                       "it picks a prefill/decode pair per request")
+    tracing: TracingSpec | None = Field(None, description="send vLLM's per-request OpenTelemetry spans to a collector")
+    env: EnvMap = Field(default_factory=dict, description="environment variables of every process")
 
     @field_validator("name")
     @classmethod

@@ -211,6 +211,7 @@ IntNotBool = Annotated[int, BeforeValidator(_not_bool)]
 NumberNotBool = Annotated[float, BeforeValidator(_not_bool)]
 PathText = Annotated[str, AfterValidator(path)]
 PlainName = Annotated[str, AfterValidator(plain_name)]
-EnvMap = Annotated[dict[str, str], BeforeValidator(env_strings), AfterValidator(env_map)]
+EnvMap = Annotated[dict[str, str], BeforeValidator(env_strings, json_schema_input_type=dict[str, str | int | float | bool | None]),
+                   AfterValidator(env_map)]
 ExtraArgs = Annotated[list[str], AfterValidator(extra_args)]
 HostAddressText = Annotated[str, not_blank("give the host's IP address or DNS name"), AfterValidator(host_address)]
