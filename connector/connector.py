@@ -12,8 +12,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from . import vllm_compat
 from .cache_layout import required_layout
 from .engine_wakeups import tune_step_queues
 from .metadata import Evictions, PushMetadata
@@ -27,6 +27,10 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
 
 log = logging.getLogger(__name__)
+
+# what this vLLM release's connector interface offers (vllm_compat.py lists the differences)
+INTERFACE = vllm_compat.Interface.of(KVConnectorBase_V1)
+_P2P_HIT_SOURCE = vllm_compat.cache_hit_source_p2p()
 
 
 @dataclass
@@ -67,13 +71,24 @@ def _log_through_vllm() -> None:
         ours.propagate = False
 
 
+def _wanted_layout(vllm_config: Any) -> str | None:
+    """The KV cache layout kvpush wants for this deployment (cache_layout.py), whatever the release."""
+    model_config = getattr(vllm_config, "model_config", None)
+    device_type = str(getattr(getattr(vllm_config, "device_config", None), "device_type", "") or "")
+    return required_layout(device_type, bool(getattr(model_config, "use_mla", False)))
+
+
 class KVPushConnector(KVConnectorBase_V1):
-    _cache_hit_source = CacheHitSource.P2P
+    if _P2P_HIT_SOURCE is not None:
+        _cache_hit_source = _P2P_HIT_SOURCE
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
+        vllm_compat.check_installed()
         super().__init__(vllm_config, role, kv_cache_config)
         _log_through_vllm()
         self.settings = Settings.from_vllm(vllm_config, kv_cache_config)
+        self._cross_layer_blocks = INTERFACE.wants_cross_layer_blocks(_wanted_layout(vllm_config))
+        self._scheduled_blocks: vllm_compat.ScheduledBlocks | None = None  # before vLLM 0.30
         tune_step_queues(on_cpu=self.settings.buffer_device == "cpu")
         self._scheduler: PushScheduler | None = None
         self._worker: PushWorker | None = None
@@ -89,12 +104,16 @@ class KVPushConnector(KVConnectorBase_V1):
         """On CUDA, a block-outermost layout: one block of every layer is one range, so a run of
         blocks is one descriptor (cache_layout.py). vLLM falls back, with a warning, when the
         attention backend cannot use it; the worker then logs what that costs."""
-        model_config = getattr(vllm_config, "model_config", None)
-        device_type = str(getattr(getattr(vllm_config, "device_config", None), "device_type", "") or "")
-        layout = required_layout(device_type, bool(getattr(model_config, "use_mla", False)))
+        layout = INTERFACE.layout_to_ask(_wanted_layout(vllm_config))
         if layout is not None:
             log.info("kvpush: asking vLLM for the %s KV cache layout (one descriptor per run of blocks)", layout)
         return layout
+
+    @property
+    def prefer_cross_layer_blocks(self) -> bool:
+        """vLLM before 0.29: one KV tensor whose blocks hold every layer (the block-outermost
+        placement later releases give through get_required_kvcache_layout)."""
+        return getattr(self, "_cross_layer_blocks", False)  # read by vLLM, maybe before __init__ ends
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -104,6 +123,11 @@ class KVPushConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         assert self._worker is not None
         self._worker.register_kv_caches(kv_caches)
+
+    def register_cross_layers_kv_cache(self, kv_cache: Any, attn_backend: Any) -> None:
+        """vLLM before 0.29, where prefer_cross_layer_blocks made it allocate one tensor for all layers."""
+        log.info("kvpush: vLLM allocated a cross-layer KV cache of shape %s", tuple(kv_cache.shape))
+        self.register_kv_caches(vllm_compat.cross_layer_views(kv_cache, attn_backend, self._kv_cache_config))
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -170,7 +194,16 @@ class KVPushConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         assert self._scheduler is not None
+        if self._scheduled_blocks is not None:
+            self._scheduled_blocks.observe(scheduler_output)
         return self._scheduler.build_connector_meta(scheduler_output)
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        super().bind_gpu_block_pool(gpu_block_pool)
+        if self._scheduler is not None and not INTERFACE.binds_kv_cache_manager:
+            # vLLM before 0.30 binds no KVCacheManager: block ids come from the scheduler's outputs
+            self._scheduled_blocks = vllm_compat.ScheduledBlocks(gpu_block_pool, track=self.settings.is_producer)
+            self._scheduler.kv_cache_manager = self._scheduled_blocks
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
