@@ -49,6 +49,7 @@ class ChaosSettings:
     stop_s: tuple[float, float] = (0.2, 3.0)  # how long a SIGSTOP lasts (uniform)
     gap_s: tuple[float, float] = (1.0, 5.0)  # undisturbed time between two faults (uniform)
     kill_every: int = 4  # every kill_every-th fault is a SIGKILL, the others SIGSTOPs (0: no kills)
+    max_kills: int | None = None  # after this many SIGKILLs, SIGSTOPs only
     dies_within_s: float = 45.0  # a killed engine core or TP worker ends its instance within this
     rotation_within_s: float = 120.0  # the router has every instance back in rotation within this
     first_gap_s: float = 3.0  # the load runs undisturbed this long first
@@ -131,7 +132,9 @@ class Chaos:
         instance = self._rng.choice(sorted(self._roles))
         processes = vllm_processes(status_rows(self._topo.name)[instance].pid)
         process = self._rng.choice(sorted(processes))
-        kind = "kill" if s.kill_every and n % s.kill_every == 0 else "stop"
+        kills = sum(f.kind == "kill" for f in self.faults)
+        may_kill = s.kill_every and n % s.kill_every == 0 and (s.max_kills is None or kills < s.max_kills)
+        kind = "kill" if may_kill else "stop"
         fault = Fault(f"f{n:04d}", kind, instance, self._roles[instance], process, processes[process], time.monotonic())
         self.faults.append(fault)
         if kind == "stop":
