@@ -5,10 +5,10 @@ sees a byte, so any LegFailure may be retried by the dispatcher on another pair.
 Invariant: a failing leg cancels (closes the connection of) the other legs of the same attempt,
 so no instance keeps blocks reserved for a request nobody waits for.
 
-Blame: a decode leg of a transfer that fails by answering (a 5xx, an error event) rather than by
-not answering may have failed because of prefill: kvpush's connector fails a transfer whose
-prefill died or went silent, and vLLM answers such a request with a 500 that does not say why. The
-next attempt then avoids both instances; neither is ejected for it (their health probes decide).
+Blame: a decode leg of a transfer that vLLM finished with an error (vllm_errors.py: how a failed
+KV load shows) may have failed because of prefill: kvpush's connector fails a transfer whose
+prefill died or went silent, and vLLM's answer does not say which side failed. The next attempt
+then avoids both instances; neither is ejected for it (their health probes decide).
 """
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from typing import Any
 
 from . import metrics as M
 from .config import RouterConfig
-from .fanout import LOCAL, NO_PREFILL, SAMPLES, Part
-from .legs import DecodeHead, LegFailure, LegRunner, OtherLegFailed, UpstreamClientError
+from .fanout import LOCAL, SAMPLES, Part
+from .legs import GENERATION_ERROR, DecodeHead, LegFailure, LegRunner, OtherLegFailed, UpstreamClientError
 from .pool import Instance, Pool
 from .protocols import (CONCURRENT_PROTOCOLS, concurrent_legs, new_transfer_id, prefill_only, pull_decode_leg,
                         pull_prefill_leg)
@@ -30,9 +30,8 @@ log = logging.getLogger("kvpush.router")
 
 
 def _blame_transfer(exc: BaseException, prefill: Instance) -> None:
-    """A decode leg's failure as an answer (not a connection failure or a timeout) names prefill too."""
-    if isinstance(exc, LegFailure) and exc.role == "decode" and (
-            exc.reason.startswith("http_5") or exc.reason == "generation_error"):
+    """A decode leg whose KV load failed names prefill too."""
+    if isinstance(exc, LegFailure) and exc.role == "decode" and exc.reason == GENERATION_ERROR:
         exc.also_avoid.append(("prefill", prefill.name))
 
 
@@ -54,10 +53,6 @@ class Attempts:
     async def run(self, endpoint: str, chat: bool, stream: bool, part: Part, way: str, why_local: str | None,
                   client_request_id: str | None, prefill: Instance | None, decode: Instance) -> DecodeHead:
         if way == LOCAL:
-            if why_local == NO_PREFILL:
-                self.metrics.fallbacks.inc()
-            elif why_local is not None:
-                self.metrics.decode_computed_prompts.labels(why_local).inc()
             # colocated keeps the client's request id; a disaggregated instance gets a dispatch's own
             request_id = client_request_id if why_local is None else new_transfer_id(client_request_id)
             leg, resp = self.legs.send(self.decode, decode, endpoint, part.data(), self.legs.headers(request_id),
@@ -68,14 +63,10 @@ class Attempts:
         self.prefill.transfer_started(prefill)  # until decode's head: a draining prefill is stopped only after
         try:
             if way == SAMPLES:
-                # one transfer into decode's prefix cache, then the samples from there
-                loaded = await self._transfer(endpoint, chat, False, part.body, prefill, decode, transfer_id,
-                                              decode_body=prefill_only(part.body, chat))
-                try:
-                    await self._finish_loading(loaded)
-                except LegFailure as exc:
-                    _blame_transfer(exc, prefill)
-                    raise
+                # one transfer into decode's prefix cache (the one-token leg's whole answer), then the
+                # samples from there
+                await self._transfer(endpoint, chat, False, part.body, prefill, decode, transfer_id,
+                                     decode_body=prefill_only(part.body, chat))
                 self.prefill.transfer_ended(prefill)
                 prefill = None
                 leg, resp = self.legs.send(self.decode, decode, endpoint, part.data(),
@@ -86,12 +77,6 @@ class Attempts:
         finally:
             if prefill is not None:
                 self.prefill.transfer_ended(prefill)
-
-    async def _finish_loading(self, head: DecodeHead) -> None:
-        """The KV-loading leg's (one-token) answer, read whole: its end means the prompt is in
-        decode's prefix cache."""
-        assert head.resp is not None
-        await self.legs.json_answer(head.leg, head.resp, self.config.timeouts.decode_s)
 
     async def _transfer(self, endpoint: str, chat: bool, stream: bool, body: dict, prefill: Instance,
                         decode: Instance, transfer_id: str, decode_body: dict | None = None) -> DecodeHead:

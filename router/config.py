@@ -18,6 +18,7 @@ from kvpush.common.errors import UsageError
 Protocol = Literal["kvpush", "nixl-push", "nixl-pull", "colocated"]
 Policy = Literal["round-robin", "least-loaded"]
 PublicPath = Literal["/health", "/metrics"]  # the only paths that may be served without the API key
+RETRY_DEADLINE_S = 60.0  # default of retry_deadline_s, here and in a topology's router section
 
 
 class _Model(BaseModel):
@@ -69,7 +70,9 @@ class RouterConfig(_Model):
     max_batch_prompts: int = Field(1024, ge=1)  # prompts in one completion request (vLLM's own default limit)
     timeouts: Timeouts = Field(default_factory=Timeouts)
     metrics_refresh_s: float = 1.0
-    max_retries: int = Field(1, ge=0)  # extra attempts on another pair before the first token
+    # No attempt of a request starts later than this after the request arrived: a failure after it
+    # (before the first token) ends the request instead of being tried on another pair.
+    retry_deadline_s: float = Field(RETRY_DEADLINE_S, gt=0)
     eject_after_failures: int = Field(2, ge=1)  # consecutive connection/health failures that take an instance out
     probe_interval_s: float = Field(0.5, gt=0)  # how often each instance's /health is probed
     workers: int = Field(1, ge=1, le=64)  # router processes sharing the port (see workers.py)
@@ -78,6 +81,14 @@ class RouterConfig(_Model):
     instances_file: str | None = None
     prefill: list[Upstream] = Field(default_factory=list)
     decode: list[Upstream] = Field(default_factory=list)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_retry_count(cls, data: object) -> object:
+        if isinstance(data, dict) and "max_retries" in data:
+            raise ValueError("max_retries is gone: the router tries every pair in rotation, then decode alone, "
+                             "within retry_deadline_s; remove max_retries (set retry_deadline_s to bound the retries)")
+        return data
 
     @model_validator(mode="after")
     def _one_source_per_key(self) -> "RouterConfig":

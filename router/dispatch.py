@@ -2,14 +2,14 @@
 answer (respond.py).
 
 Each part goes through two phases:
-1. retryable, from the pair choice up to decode's head (a stream's first token, a non-streamed
-   answer's status line). A LegFailure here is retried (max_retries) with a new transfer id on a
-   pair that avoids the failed instance (and the prefill of a transfer decode failed, attempts.py):
-   another decode, or the same one if there is no other; another prefill, or none (decode computes
-   the prompt) if every prefill in rotation failed this part. An instance's 4xx ends the request
-   with that answer, unchanged.
+1. retryable, from the pair choice up to decode's head (a stream's first token; a non-streamed
+   answer whole, since the client sees none of it before). A LegFailure here is tried again with a
+   new transfer id on a pair no attempt of the part used (pairs.py): another prefill (and another
+   decode where the failure named decode), as long as one is in rotation; then decode computes the
+   prompt itself. No attempt starts later than retry_deadline_s after the request arrived. An
+   instance's 4xx ends the request with that answer, unchanged.
 2. answering, from the first byte to the client on: nothing is retried. A failure ends a stream
-   with an error event and `data: [DONE]`, a non-streamed answer with a 502.
+   with an error event and `data: [DONE]`.
 A batch is answered once every part reached phase 2, so one prompt's 4xx rejects the batch, as
 vLLM would; a part that fails for good fails the batch.
 """
@@ -26,8 +26,10 @@ from . import metrics as M
 from .attempts import Attempts
 from .config import RouterConfig
 from .errors import error_response
-from .fanout import NO_PREFILL, PREFILL_FAILED, Part, way_to_decode
+from .fallbacks import DecodeComputed
+from .fanout import FALLBACKS, LOCAL, Part, wants_prefill, way_to_decode
 from .legs import DecodeHead, LegFailure, LegRunner, UpstreamClientError
+from .pairs import PartTries
 from .pool import Pool
 from .respond import Responder
 from .upstream_http import UpstreamClient
@@ -69,6 +71,7 @@ class Dispatcher:
         self.legs = LegRunner(config, upstream, metrics, instance_key)
         self.attempts = Attempts(config, prefill, decode, metrics, self.legs)
         self.responder = Responder(config, metrics)
+        self.decode_computed = DecodeComputed(metrics)
 
     async def close(self) -> None:
         await self.attempts.close()
@@ -117,39 +120,56 @@ class Dispatcher:
 
     async def _head(self, ctx: RequestContext, part: Part, local_reasons: set[str]) -> DecodeHead:
         colocated = self.config.protocol == "colocated"
-        avoid: dict[str, set[str]] = {"prefill": set(), "decode": set()}
-        failure: LegFailure | None = None
-        for attempt in range(self.config.max_retries + 1):
-            decode = self.decode.pick(avoid["decode"])
-            if decode is None:
-                raise EarlyAnswer(self._unavailable("decode", failure), M.UNAVAILABLE)
-            prefill = None if colocated else self.prefill.pick(avoid["prefill"], strict=True)
-            way, why_local = way_to_decode(part.body, ctx.chat, colocated, prefill is not None,
-                                           decode.prefix_caching is not False)
-            if why_local == NO_PREFILL and avoid["prefill"] and self.prefill.available():
-                why_local = PREFILL_FAILED
-            if attempt > 0 and failure is not None:
+        wants = wants_prefill(part.body, ctx.chat, colocated)
+        tries = PartTries(self.prefill, self.decode)
+        while True:
+            failure = tries.failures[-1] if tries.failures else None
+            if failure is not None and time.perf_counter() - ctx.started >= self.config.retry_deadline_s:
+                raise EarlyAnswer(self._gave_up(tries, f"its retry_deadline_s ({self.config.retry_deadline_s:g} s) "
+                                                       "passed", 504), M.FAILED)
+            pair = tries.next_pair(wants)
+            if pair is None:
+                if not self.decode.available():
+                    raise EarlyAnswer(self._unavailable("decode", failure), M.UNAVAILABLE)
+                raise EarlyAnswer(self._gave_up(tries, "no instance in rotation is left that has not failed it"),
+                                  M.FAILED)
+            way, why_local = way_to_decode(part.body, ctx.chat, colocated, pair.without_prefill,
+                                           pair.decode.prefix_caching is not False)
+            prefill = None if way == LOCAL else pair.prefill
+            if failure is not None:
                 self.metrics.retries.labels(failure.reason).inc()
-                log.warning("retrying %s (attempt %d): %s", ctx.endpoint, attempt + 1, failure)
+                log.warning("retrying %s (attempt %d, %s): %s", ctx.endpoint, tries.attempts() + 1,
+                            f"decode {pair.decode.name} computing the prompt" if prefill is None
+                            else f"prefill {prefill.name} -> decode {pair.decode.name}", failure)
             try:
                 head = await self.attempts.run(ctx.endpoint, ctx.chat, ctx.stream, part, way, why_local,
-                                               ctx.client_request_id, prefill, decode)
+                                               ctx.client_request_id, prefill, pair.decode)
             except LegFailure as exc:
-                failure = exc
-                avoid[exc.role].add(exc.instance)
-                for role, name in exc.also_avoid:
-                    avoid[role].add(name)
+                tries.failed(pair, prefill is not None, exc)
                 continue
             except UpstreamClientError as exc:
                 raise EarlyAnswer(exc.response(), M.CLIENT_ERROR) from None
             if why_local is not None:
                 local_reasons.add(why_local)
+                self.decode_computed.served(why_local, self._fallback_detail(why_local, failure))
             return head
-        assert failure is not None
-        status = 504 if failure.reason == "timeout" else 502
-        tries = self.config.max_retries + 1
-        raise EarlyAnswer(error_response(status, f"{failure}; gave up after {tries} attempt{'s' if tries > 1 else ''}"),
-                          M.FAILED)
+
+    def _fallback_detail(self, why_local: str, failure: LegFailure | None) -> str:
+        if why_local not in FALLBACKS:
+            return ""
+        if failure is not None:
+            return f"last failure: {failure}"
+        return f"prefill instances listed: {', '.join(i.name for i in self.prefill.instances) or 'none'}"
+
+    def _gave_up(self, tries: PartTries, why: str, status: int = 502) -> web.Response:
+        """The answer of a part no attempt could serve: why, what was tried, what failed last."""
+        last = tries.failures[-1]
+        if last.reason == "timeout":
+            status = 504
+        tried = [f"{f.role} {f.instance}: {f.reason}" for f in tries.failures]
+        n = tries.attempts()
+        return error_response(status, f"gave up after {n} attempt{'s' if n > 1 else ''}: {why} "
+                                      f"(failures: {', '.join(tried)}); last failure: {last}")
 
     def _unavailable(self, role: str, failure: LegFailure | None) -> web.Response:
         pool = self.decode if role == "decode" else self.prefill

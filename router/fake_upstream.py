@@ -19,10 +19,12 @@ from aiohttp import web
 @dataclass
 class Behavior:
     first_token_delay_s: float = 0.0
+    kv_wait_s: float = 0.0  # legs carrying kv_transfer_params for a consumer wait this long more, as for their KV
     token_delay_s: float = 0.0
     fail_status: int | None = None  # answer generation requests with this status...
     fail_times: int | None = None  # ...this many times (None: always)
     transfer_error: bool = False  # legs carrying kv_transfer_params for a consumer end like a failed KV load
+    error_event: dict | None = None  # streams send this as their first event ({"error": {...}}), then [DONE]
     hang: bool = False  # never answer generation requests
     die_after_tokens: int | None = None  # drop the connection mid-stream
     stall_after_tokens: int | None = None  # go silent mid-stream (the connection stays open)
@@ -167,7 +169,7 @@ class FakeVllm:
         if params and (n > 1 or len(prompts) > 1):  # one transfer cannot serve several sequences
             return web.json_response({"error": {"message": "kv_transfer_params on a request of several sequences",
                                                 "type": "InternalServerError", "param": None, "code": 500}}, status=500)
-        await asyncio.sleep(b.first_token_delay_s)
+        await asyncio.sleep(b.first_token_delay_s + (b.kv_wait_s if consumer else 0.0))
         request_id = ("chatcmpl-" if chat else "cmpl-") + request.headers.get("X-Request-Id", uuid.uuid4().hex)
         max_tokens = int(body.get("max_completion_tokens") or body.get("max_tokens") or 16)
         tokens = [f" t{i}" for i in range(max_tokens)]
@@ -191,6 +193,12 @@ class FakeVllm:
                 return resp
             return web.json_response({"error": {"message": "Internal server error", "type": "InternalServerError",
                                                 "param": None, "code": 500}}, status=500)
+        if b.error_event is not None and body.get("stream"):
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+            await resp.prepare(request)
+            await resp.write(_sse(b.error_event) + b"data: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
         if not body.get("stream"):
             answer: dict = {"id": request_id, "object": "chat.completion" if chat else "text_completion",
                             "created": self._now(), "model": self.model}

@@ -13,9 +13,9 @@ How decode gets a part's prompt:
   samples share it. (vLLM fans n out into child requests that would each ask for a transfer.)
 - local: decode computes the prompt itself. Colocated does; so does a request whose prompt's
   own logits are asked for (prompt_logprobs; echo with logprobs), since a transferred prompt has
-  none; so do samples on a decode instance without prefix caching, every request while no
-  prefill instance is in rotation, and a retry after every prefill in rotation failed it. Those
-  are counted and named in a response header.
+  none, and samples on a decode instance without prefix caching. As a fallback, so does every
+  request while no prefill instance is in rotation, and a retry once no pair in rotation is left
+  that has not failed it. Those are counted and named in a response header.
 """
 from __future__ import annotations
 
@@ -29,11 +29,13 @@ TRANSFER = "transfer"
 SAMPLES = "samples"
 LOCAL = "local"
 
-# why decode computed a prompt itself (metric label and response header value)
-NO_PREFILL = "no_prefill_in_rotation"
+# why decode computed a prompt itself (metric label and response header value): by design...
 PROMPT_LOGITS = "prompt_logprobs"
 SAMPLES_WITHOUT_CACHE = "samples_without_prefix_caching"
-PREFILL_FAILED = "prefill_failed"  # a retry: every prefill in rotation failed this prompt already
+# ...or as a fallback, where the prompt wanted a transfer that no pair could give it
+NO_PREFILL = "no_prefill_in_rotation"
+TRANSFERS_FAILED = "transfers_failed"  # a retry: every pair in rotation that could take the push failed it
+FALLBACKS = (NO_PREFILL, TRANSFERS_FAILED)
 
 
 @dataclass
@@ -81,15 +83,22 @@ def needs_prompt_logits(body: dict, chat: bool) -> bool:
     return bool(body.get("echo")) and body.get("top_logprobs" if chat else "logprobs") is not None
 
 
-def way_to_decode(body: dict, chat: bool, colocated: bool, have_prefill: bool,
+def wants_prefill(body: dict, chat: bool, colocated: bool) -> bool:
+    """Whether a part's prompt would come from a prefill instance, given one."""
+    return not colocated and not needs_prompt_logits(body, chat)
+
+
+def way_to_decode(body: dict, chat: bool, colocated: bool, without_prefill: str | None,
                   decode_caches_prefixes: bool) -> tuple[str, str | None]:
-    """(TRANSFER | SAMPLES | LOCAL, why decode computes the prompt itself or None)."""
+    """(TRANSFER | SAMPLES | LOCAL, why decode computes the prompt itself or None), for a part
+    given a prefill instance (`without_prefill` None) or not (why not: NO_PREFILL or
+    TRANSFERS_FAILED). Decode computing a prompt by design is never called a fallback."""
     if colocated:
         return LOCAL, None
-    if not have_prefill:
-        return LOCAL, NO_PREFILL
     if needs_prompt_logits(body, chat):
         return LOCAL, PROMPT_LOGITS
-    if several_samples(body):
-        return (SAMPLES, None) if decode_caches_prefixes else (LOCAL, SAMPLES_WITHOUT_CACHE)
-    return TRANSFER, None
+    if several_samples(body) and not decode_caches_prefixes:
+        return LOCAL, SAMPLES_WITHOUT_CACHE
+    if without_prefill is not None:
+        return LOCAL, without_prefill
+    return (SAMPLES, None) if several_samples(body) else (TRANSFER, None)

@@ -21,8 +21,9 @@ from . import metrics as M
 from .config import RouterConfig
 from .pool import Instance, LeftRotation, Pool
 from .upstream_http import UpstreamClient, UpstreamError, UpstreamResponse, answer_head
+from .vllm_errors import CLIENT, GENERATION, classify_event, client_fault, error_message, event_failure_kind, failure_kind
 
-_TOKEN_DELTA_KEYS = ("content", "reasoning_content", "reasoning", "tool_calls")
+GENERATION_ERROR = "generation_error"  # vLLM finished the request with an error: on a leg loading KV, the load failed
 
 
 class LegFailure(Exception):
@@ -124,44 +125,6 @@ class DecodeHead:
             self.resp.close()
 
 
-def classify_event(event: bytes) -> str:
-    """'token' (the first output the client should see), 'error', 'done' or 'other' (e.g. a
-    role-only chat chunk that precedes the first token)."""
-    if not event.startswith(b"data: "):
-        return "other"
-    payload = event[6:].strip()
-    if payload == b"[DONE]":
-        return "done"
-    try:
-        obj = json.loads(payload)
-    except ValueError:
-        return "other"
-    if not isinstance(obj, dict):
-        return "other"
-    if "error" in obj:
-        return "error"
-    for choice in obj.get("choices") or ():
-        if not isinstance(choice, dict):
-            continue
-        reason = choice.get("finish_reason")
-        if reason == "error":
-            return "error"
-        if reason is not None or choice.get("text"):
-            return "token"
-        delta = choice.get("delta") or {}
-        if isinstance(delta, dict) and any(delta.get(k) for k in _TOKEN_DELTA_KEYS):
-            return "token"
-    return "other"
-
-
-def error_message(payload: bytes) -> str:
-    try:
-        err = json.loads(payload.split(b"data: ", 1)[-1]).get("error")
-        return err.get("message", str(err)) if isinstance(err, dict) else str(err)
-    except (ValueError, AttributeError):
-        return payload[:200].decode(errors="replace")
-
-
 class LegRunner:
     """Sends legs and reads their answers, turning every way they can fail into LegFailure or
     UpstreamClientError with the leg ended and counted."""
@@ -223,9 +186,12 @@ class LegRunner:
             body = b""
         finally:
             resp.close()
-        if 400 <= resp.status < 500 and resp.status not in (408, 429):
+        if client_fault(resp.status):
             leg.end()  # the request's fault, not the instance's
             return UpstreamClientError(resp.status, body, resp.header("content-type", "application/json"))
+        if failure_kind(resp.status, body) == GENERATION:
+            return self.fail(leg, GENERATION_ERROR, f"HTTP {resp.status}: vLLM finished the request with an error "
+                                                    "(where the leg loads KV: the KV load failed)")
         return self.fail(leg, f"http_{resp.status}", f"HTTP {resp.status}: {error_message(body)}")
 
     async def json_answer(self, leg: Leg, resp: UpstreamResponse, timeout_s: float) -> tuple[dict, float]:
@@ -254,9 +220,9 @@ class LegRunner:
             raise
 
     async def decode_head(self, leg: Leg, resp: UpstreamResponse, stream: bool) -> DecodeHead:
-        """Decode's answer up to its first token (streaming) or its status line; a failure before
-        that is a LegFailure, which another attempt may fix. From a stream's first token on, only
-        a silence of stream_idle_s ends it."""
+        """Decode's answer up to its first token (streaming), or whole (not streamed: the client
+        sees none of it before it is whole); a failure before that is a LegFailure, which another
+        attempt may fix. From a stream's first token on, only a silence of stream_idle_s ends it."""
         timeouts = self.config.timeouts
         try:
             await self._answer_head(leg, resp, timeouts.decode_s)
@@ -264,8 +230,10 @@ class LegRunner:
                 raise await self._read_error(leg, resp)
             content_type = resp.header("content-type", "application/json")
             if not stream:
-                leg.answered()
-                return DecodeHead(leg, resp, b"", content_type, time.perf_counter())
+                with self._as_leg_failure(leg, timeouts.decode_s):
+                    whole = await resp.read()
+                leg.end()  # a whole answer is kept even if the instance left rotation meanwhile
+                return DecodeHead(leg, None, whole, content_type, time.perf_counter())
             held = bytearray()
             scanned = 0
             while True:
@@ -279,9 +247,15 @@ class LegRunner:
                     event = bytes(held[scanned:end])
                     scanned = end + 2
                     kind = classify_event(event)
-                    if kind == "error":  # e.g. the KV transfer failed: vLLM finishes the request with an error
-                        raise self.fail(leg, "generation_error", f"stream error before the first token: {error_message(event)}")
-                    if kind in ("token", "done"):
+                    if kind == "error":
+                        failure = event_failure_kind(event)
+                        if failure == GENERATION:  # e.g. the KV load failed
+                            raise self.fail(leg, GENERATION_ERROR, "vLLM finished the request with an error before the "
+                                                                   "first token (where the leg loads KV: the KV load failed)")
+                        if failure != CLIENT:
+                            raise self.fail(leg, "stream_error", f"stream error before the first token: {error_message(event)}")
+                        # the request's own fault (vLLM's stream says so with a 4xx code): the client's to see, as is
+                    if kind != "other":
                         resp.limit_silence(timeouts.stream_idle_s)
                         leg.answered()
                         return DecodeHead(leg, resp, bytes(held), content_type, time.perf_counter())

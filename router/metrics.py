@@ -36,7 +36,7 @@ DRAINING_METRIC = "kvpush_router_draining"
 # outcome label values of kvpush_router_requests_total
 OK = "success"
 CLIENT_ERROR = "client_error"  # 4xx: the request was wrong (router or upstream said so)
-FAILED = "failed"  # every attempt failed before the first token
+FAILED = "failed"  # no instance could serve it, or its retry_deadline_s passed, before the first token
 FAILED_MID_STREAM = "failed_mid_stream"  # a leg died after tokens reached the client
 CANCELLED = "cancelled"  # the client went away
 UNAVAILABLE = "unavailable"  # no instance in rotation
@@ -63,15 +63,16 @@ class RouterMetrics:
                                      buckets=_HANDOFF_BUCKETS, registry=r)
         self.retries = Counter("kvpush_router_retries", "Attempts repeated before the first token, by reason.",
                                ["reason"], registry=r)
-        self.fallbacks = Counter("kvpush_router_fallbacks",
-                                 "Requests served by a decode instance alone because no prefill instance was in rotation.",
-                                 registry=r)
+        self.fallbacks = Counter(
+            "kvpush_router_fallbacks",
+            "Prompts a decode instance computed itself because no pair could take their push, by reason: "
+            "no_prefill_in_rotation, transfers_failed (every pair in rotation that could take it failed it).",
+            ["reason"], registry=r)
         self.decode_computed_prompts = Counter(
             "kvpush_router_decode_computed_prompts",
-            "Prompts decode computed itself with prefill instances in rotation, by reason: prompt_logprobs "
-            "(a transferred prompt has no logits), samples_without_prefix_caching (n > 1 on a decode instance "
-            "without prefix caching computes the prompt once per sample), prefill_failed (a retry after every prefill "
-            "in rotation failed the prompt).", ["reason"], registry=r)
+            "Prompts decode computed itself by design, by reason: prompt_logprobs (a transferred prompt has no "
+            "logits), samples_without_prefix_caching (n > 1 on a decode instance without prefix caching computes "
+            "the prompt once per sample).", ["reason"], registry=r)
         self.leg_failures = Counter("kvpush_router_leg_failures", "Failed legs by instance, role and reason.",
                                     ["instance", "role", "reason"], registry=r)
         self.inflight = Gauge("kvpush_router_inflight", "Legs in flight per instance.", ["instance", "role"],

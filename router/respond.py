@@ -1,6 +1,7 @@
-"""Answering the client once every part of its request reached decode's head: nothing here is
-retried (decode has started producing), and every answer ends complete or with an OpenAI-style
-error (a stream that breaks ends with an error event and `data: [DONE]`).
+"""Answering the client once every part of its request reached decode's head (a stream's first
+token; a non-streamed answer whole): nothing here is retried (the client sees the answer from now
+on), and every answer ends complete or with an OpenAI-style error (a stream that breaks ends with
+an error event and `data: [DONE]`).
 
 One streamed part is relayed socket to socket (relay.py). A split batch is merged (merge.py):
 non-streamed answers into one answer, streams event by event into one stream.
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
 
 
 class AnswerCut(Exception):
-    """Decode's answer broke after decode had started producing it."""
+    """A decode stream of a batch broke after the merged stream had started."""
 
 
 def _failure_reason(exc: BaseException) -> str:
@@ -63,26 +64,9 @@ class Responder:
 
     # --- non-streamed ------------------------------------------------------------------------
 
-    async def _read(self, head: DecodeHead) -> bytes:
-        resp = head.resp
-        try:
-            data = head.held + (await resp.read() if resp is not None else b"")
-        except (UpstreamError, asyncio.TimeoutError) as exc:
-            reason = "timeout" if isinstance(exc, asyncio.TimeoutError) else "mid_stream"
-            head.leg.end(reason)
-            raise AnswerCut(f"decode leg on instance {head.leg.name} failed while its answer was read: "
-                            f"{_detail(exc)}") from None
-        head.leg.end()
-        return data
-
     async def _whole(self, ctx: "RequestContext", heads: list[DecodeHead],
                      headers: dict[str, str]) -> tuple[web.StreamResponse, str]:
-        bodies = await asyncio.gather(*(self._read(h) for h in heads), return_exceptions=True)
-        for body in bodies:
-            if isinstance(body, AnswerCut):
-                return error_response(502, f"{body}; not retried, decode had already answered"), M.FAILED
-            if isinstance(body, BaseException):
-                raise body
+        bodies = [h.held for h in heads]  # read whole in the retryable phase (legs.decode_head)
         if len(heads) == 1:
             return web.Response(status=200, body=bodies[0],
                                 headers={"Content-Type": heads[0].content_type, **headers}), M.OK

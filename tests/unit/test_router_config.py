@@ -23,3 +23,14 @@ def test_anything_but_a_plain_http_base_url_is_refused_naming_the_field(url):
     with pytest.raises(ValidationError, match="url") as info:
         upstream(url)
     assert "http://host:port" in str(info.value)
+
+
+def test_a_config_with_the_retired_retry_count_is_refused_with_the_fix():
+    from kvpush.common.errors import validation_problem
+    from kvpush.router.config import RouterConfig
+
+    with pytest.raises(ValidationError) as info:
+        RouterConfig.model_validate({"protocol": "kvpush", "served_model_name": "m", "max_retries": 2,
+                                     "decode": [upstream("http://d:1").model_dump()]})
+    problem = validation_problem(info.value)
+    assert "remove max_retries" in problem and "retry_deadline_s" in problem

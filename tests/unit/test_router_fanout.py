@@ -6,7 +6,7 @@ import json
 import pytest
 
 from kvpush.router.fanout import (LOCAL, NO_PREFILL, PROMPT_LOGITS, SAMPLES, SAMPLES_WITHOUT_CACHE, TRANSFER,
-                                  split, way_to_decode)
+                                  TRANSFERS_FAILED, split, wants_prefill, way_to_decode)
 from kvpush.router.validation import ParsedRequest, RequestRejected
 
 
@@ -45,20 +45,32 @@ def test_a_list_of_prompt_embeds_is_refused_with_a_reason():
     assert info.value.status == 400 and info.value.param == "prompt_embeds"
 
 
-@pytest.mark.parametrize("body,chat,colocated,have_prefill,caches,expected", [
-    ({"prompt": "x"}, False, False, True, True, (TRANSFER, None)),
-    ({"prompt": "x", "n": 1}, False, False, True, True, (TRANSFER, None)),
-    ({"prompt": "x", "n": 3}, False, False, True, True, (SAMPLES, None)),
-    ({"prompt": "x", "use_beam_search": True, "n": 2}, False, False, True, True, (SAMPLES, None)),
-    ({"prompt": "x", "n": 3}, False, False, True, False, (LOCAL, SAMPLES_WITHOUT_CACHE)),
-    ({"prompt": "x", "prompt_logprobs": 0}, False, False, True, True, (LOCAL, PROMPT_LOGITS)),
-    ({"prompt": "x", "echo": True, "logprobs": 1}, False, False, True, True, (LOCAL, PROMPT_LOGITS)),
-    ({"prompt": "x", "echo": True}, False, False, True, True, (TRANSFER, None)),
-    ({"prompt": "x", "logprobs": 2}, False, False, True, True, (TRANSFER, None)),
-    ({"messages": [], "echo": True, "top_logprobs": 2}, True, False, True, True, (LOCAL, PROMPT_LOGITS)),
-    ({"messages": [], "logprobs": True, "top_logprobs": 2}, True, False, True, True, (TRANSFER, None)),
-    ({"prompt": "x", "n": 3}, False, False, False, True, (LOCAL, NO_PREFILL)),
-    ({"prompt": "x", "n": 3}, False, True, False, True, (LOCAL, None)),
+P = None  # a prefill instance was chosen
+
+
+@pytest.mark.parametrize("body,chat,colocated,without_prefill,caches,expected", [
+    ({"prompt": "x", "n": 1}, False, False, P, True, (TRANSFER, None)),
+    ({"prompt": "x", "n": 3}, False, False, P, True, (SAMPLES, None)),
+    ({"prompt": "x", "use_beam_search": True, "n": 2}, False, False, P, True, (SAMPLES, None)),
+    ({"prompt": "x", "n": 3}, False, False, P, False, (LOCAL, SAMPLES_WITHOUT_CACHE)),
+    ({"prompt": "x", "prompt_logprobs": 0}, False, False, P, True, (LOCAL, PROMPT_LOGITS)),
+    ({"prompt": "x", "echo": True, "logprobs": 1}, False, False, P, True, (LOCAL, PROMPT_LOGITS)),
+    ({"prompt": "x", "echo": True}, False, False, P, True, (TRANSFER, None)),
+    ({"prompt": "x", "logprobs": 2}, False, False, P, True, (TRANSFER, None)),
+    ({"messages": [], "echo": True, "top_logprobs": 2}, True, False, P, True, (LOCAL, PROMPT_LOGITS)),
+    ({"messages": [], "logprobs": True, "top_logprobs": 2}, True, False, P, True, (TRANSFER, None)),
+    ({"prompt": "x", "n": 3}, False, False, NO_PREFILL, True, (LOCAL, NO_PREFILL)),
+    ({"prompt": "x"}, False, False, TRANSFERS_FAILED, True, (LOCAL, TRANSFERS_FAILED)),
+    # decode computing the prompt by design is not called a fallback, prefill or not
+    ({"prompt": "x", "prompt_logprobs": 0}, False, False, NO_PREFILL, True, (LOCAL, PROMPT_LOGITS)),
+    ({"prompt": "x", "n": 3}, False, False, TRANSFERS_FAILED, False, (LOCAL, SAMPLES_WITHOUT_CACHE)),
+    ({"prompt": "x", "n": 3}, False, True, NO_PREFILL, True, (LOCAL, None)),
 ])
-def test_the_way_each_part_reaches_decode(body, chat, colocated, have_prefill, caches, expected):
-    assert way_to_decode(body, chat, colocated, have_prefill, caches) == expected
+def test_the_way_each_part_reaches_decode(body, chat, colocated, without_prefill, caches, expected):
+    assert way_to_decode(body, chat, colocated, without_prefill, caches) == expected
+
+
+def test_only_a_disaggregated_prompt_whose_logits_are_not_asked_for_wants_a_prefill():
+    assert wants_prefill({"prompt": "x", "n": 3}, chat=False, colocated=False)
+    assert not wants_prefill({"prompt": "x"}, chat=False, colocated=True)
+    assert not wants_prefill({"prompt": "x", "prompt_logprobs": 1}, chat=False, colocated=False)
