@@ -200,6 +200,7 @@ def router_config(topo: Topology) -> RouterConfig:
         public_paths=r.public_paths,
         max_prompt_chars=r.max_prompt_chars,
         workers=r.workers,
+        retry_deadline_s=r.retry_deadline_s,
         timeouts=Timeouts(connect_s=r.connect_timeout_s, prefill_s=r.prefill_timeout_s, decode_s=r.decode_timeout_s,
                           health_s=r.health_timeout_s),
         prefill=instances.prefill,

@@ -14,6 +14,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from kvpush.common.errors import UsageError
+from kvpush.router.config import RETRY_DEADLINE_S
 
 from .host_address import HostAddress
 from . import topology_values as values
@@ -227,6 +228,9 @@ class RouterSpec(_Model):
     health_timeout_s: float = Field(1.0, gt=0, le=600, description=(
         "a /health probe unanswered this long counts as a hang (2 in a row take an instance out of rotation); "
         "raise it where instances share too few cores to answer promptly while busy"))
+    retry_deadline_s: float = Field(RETRY_DEADLINE_S, gt=0, le=DAY_S, description=(
+        "no attempt of a request starts later than this after it arrived: until its first token a failed "
+        "request is tried on every other pair in rotation, then by decode alone, within this bound"))
     max_prompt_chars: IntNotBool = Field(4_000_000, ge=1, le=100_000_000, description="longest prompt accepted, in "
                                          "characters (a longer request is refused)")
     cpu_cores: CoreList | None = Field(None, description="cores the router process runs on (taskset); may share an instance's")

@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from kvpush.common.errors import UsageError
 from kvpush.deploy.plan import build_plan
 from kvpush.deploy.vllm_launch import kv_transfer_config
 from kvpush.deploy.topology import parse_topology
@@ -171,6 +172,22 @@ def test_router_timeouts_reach_the_router_config():
     assert (config.timeouts.health_s, config.timeouts.connect_s) == (4.0, 2.0)
     default = RouterConfig.model_validate_json(build_plan(parse_topology(TWO_HOSTS % "kvpush")).host("a").files[0].content)
     assert default.timeouts.health_s == 1.0
+
+
+def test_router_retry_deadline_reaches_the_router_config():
+    text = (TWO_HOSTS % "kvpush").replace("router: {host: a, port: 9000}",
+                                           "router: {host: a, port: 9000, retry_deadline_s: 12.5}")
+    config = RouterConfig.model_validate_json(build_plan(parse_topology(text)).host("a").files[0].content)
+    assert config.retry_deadline_s == 12.5
+    default = RouterConfig.model_validate_json(build_plan(parse_topology(TWO_HOSTS % "kvpush")).host("a").files[0].content)
+    assert default.retry_deadline_s == RouterConfig.model_fields["retry_deadline_s"].default == 60.0
+
+
+def test_a_router_retry_deadline_that_is_not_positive_is_refused_naming_the_field():
+    text = (TWO_HOSTS % "kvpush").replace("router: {host: a, port: 9000}",
+                                           "router: {host: a, port: 9000, retry_deadline_s: 0}")
+    with pytest.raises(UsageError, match="retry_deadline_s"):
+        parse_topology(text)
 
 
 def test_hetero_template_pairs_prefill_tp2_with_decode_tp1():
