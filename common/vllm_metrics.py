@@ -1,8 +1,9 @@
 """Read the few numbers kvpush needs from a Prometheus text page (vLLM's and the router's /metrics)."""
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
+
+from prometheus_client.parser import text_string_to_metric_families
 
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
@@ -10,28 +11,40 @@ KV_USAGE = "vllm:kv_cache_usage_perc"
 PROMPT_TOKENS_BY_SOURCE = "vllm:prompt_tokens_by_source_total"  # a counter: exposed with _total
 EXTERNAL_KV_SOURCE = "external_kv_transfer"
 
-_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)')
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+Sample = tuple[str, dict[str, str], float]
 
 
-def samples(text: str) -> list[tuple[str, dict[str, str], float]]:
-    """Every sample of the page: (metric, labels, value); comments and unreadable lines left out."""
-    out = []
-    for line in text.splitlines():
-        if line.startswith("#"):
-            continue
-        m = _SAMPLE.match(line)
-        if m:
-            try:
-                out.append((m.group(1), dict(_LABEL.findall(m.group(2) or "")), float(m.group(3))))
-            except ValueError:
-                continue
-    return out
+def _parsed(text: str) -> list[Sample]:
+    return [(sample.name, dict(sample.labels), float(sample.value))
+            for family in text_string_to_metric_families(text) for sample in family.samples]
+
+
+def samples(text: str, prefixes: tuple[str, ...] = ()) -> list[Sample]:
+    """Every sample of the page, or of the series whose names start with one of `prefixes`: (series
+    name as exposed, e.g. with _total or _bucket; labels; value), read by prometheus_client's parser
+    of the Prometheus text format (label escapes undone, NaN and +Inf as floats).
+
+    With `prefixes`, only those lines reach the parser: a vLLM page has hundreds of series, and the
+    router reads each instance's every second on its event loop. A page with a line the parser
+    refuses is read line by line, that line left out: one odd series must not hide the rest."""
+    if prefixes:
+        text = "".join(f"{line}\n" for line in text.splitlines() if line.startswith(prefixes))
+    try:
+        return _parsed(text)
+    except ValueError:
+        found: list[Sample] = []
+        for line in text.splitlines():
+            if line.strip() and not line.startswith("#"):
+                try:
+                    found += _parsed(line + "\n")
+                except ValueError:
+                    continue
+        return found
 
 
 def metric_sum(text: str, name: str, **labels: str) -> float | None:
     """Sum of all samples of `name` whose labels include `labels`; None when there is none."""
-    found = [value for metric, sample_labels, value in samples(text)
+    found = [value for metric, sample_labels, value in samples(text, (name,))
              if metric == name and all(sample_labels.get(k) == v for k, v in labels.items())]
     return sum(found) if found else None
 

@@ -24,6 +24,7 @@ ENGINE_PREFILL_TIME = "vllm:request_prefill_time_seconds"  # first scheduled -> 
 ENGINE_QUEUE_TIME = "vllm:request_queue_time_seconds"  # arrived at the engine -> first scheduled
 FAILED_TRANSFERS = ("vllm:nixl_num_failed_transfers_total", "vllm:kvpush_failed_transfers_total")
 # Bytes a connector reports moving; the first group of each name is summed.
+BYTES_PREFIXES = ("vllm:nixl_", "vllm:kvpush_")
 _BYTES_METRIC = re.compile(r"^(vllm:(?:nixl|kvpush)_\w*bytes\w*?)(_sum|_total)$")
 
 
@@ -65,9 +66,9 @@ class Histogram:
 def histogram(text: str, name: str) -> Histogram:
     buckets: dict[float, float] = {}
     count = total = 0.0
-    for metric, labels, value in samples(text):
+    for metric, labels, value in samples(text, (name,)):
         if metric == f"{name}_bucket" and "le" in labels:
-            le = float("inf") if labels["le"] in ("+Inf", "inf") else float(labels["le"])
+            le = float(labels["le"])  # "+Inf" reads as inf
             buckets[le] = buckets.get(le, 0.0) + value
         elif metric == f"{name}_count":
             count += value
@@ -78,7 +79,7 @@ def histogram(text: str, name: str) -> Histogram:
 
 def _sum_by_label(text: str, name: str, label: str) -> dict[str, float]:
     out: dict[str, float] = {}
-    for metric, labels, value in samples(text):
+    for metric, labels, value in samples(text, (name,)):
         if metric == name:
             key = labels.get(label, "")
             out[key] = out.get(key, 0.0) + value
@@ -151,7 +152,7 @@ def ms_per_request(total_s: float, requests: float) -> float | None:
 
 def _bytes_metrics(text: str) -> dict[str, float]:
     out: dict[str, float] = {}
-    for metric, _, value in samples(text):
+    for metric, _, value in samples(text, BYTES_PREFIXES):
         m = _BYTES_METRIC.match(metric)
         if m:
             out[m.group(1)] = out.get(m.group(1), 0.0) + value
