@@ -68,9 +68,9 @@ def summarize(deployment: str, ssh: SshOptions | None) -> DeploymentSummary:
         return summary
     summary.hosts = {name: host.describe() if not host.is_local else host.address for name, host in state.hosts.items()}
     summary.router, summary.recorded, summary.updated_at = router_url(state), list(state.processes), state.updated_at
-    if ssh is not None and state.processes:
+    if ssh is not None:
         try:
-            summary.processes = deployment_status(state, ssh, observed_keys(deployment, None))
+            summary.processes = deployment_status(state, ssh, observed_keys(deployment, None)) if state.processes else []
         except KvpushError as exc:
             summary.error = str(exc)
     return summary

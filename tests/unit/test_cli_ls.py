@@ -114,3 +114,11 @@ def test_without_any_state_the_hint_is_the_plain_one(state_dir, tmp_path):
     result = run_cli("status", cwd=tmp_path)
     assert result.returncode == 1 and "recorded on this machine" not in result.stderr
     assert "start it with `kvpush up`" in result.stderr
+
+
+def test_ls_counts_a_deployment_with_nothing_running_as_0_of_0(state_dir, monkeypatch):
+    save_state(DeploymentState("empty", hosts={"local": HostRecord(address="127.0.0.1", workdir="/w")}))
+    monkeypatch.setattr(ls_cmd, "deployment_status", lambda *a: pytest.fail("no process to look at"))
+    (empty,) = json.loads(CliRunner().invoke(app, ["ls", "--json"]).stdout)["deployments"]
+    assert (empty["checked"], empty["up"], empty["down"], empty["router"]) == (True, 0, 0, None)
+    assert "0/0 up" in CliRunner().invoke(app, ["ls"]).stdout
