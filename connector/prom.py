@@ -31,6 +31,9 @@ _HISTOGRAMS = {
                    _BYTES_BUCKETS),
     "prefill_end_to_done_s": ("vllm:kvpush_prefill_end_to_write_done_seconds",
                               "Prefill step end to WRITE completion, per push.", _LATENCY_BUCKETS),
+    "write_s": ("vllm:kvpush_write_seconds",
+                "A push's WRITE from its post to its completion (sent bytes over its sum: the transfer's bytes/s).",
+                _LATENCY_BUCKETS),
     "registration_wait_s": ("vllm:kvpush_registration_wait_seconds",
                             "Gap between decode's block registration and prefill's finished blocks "
                             "(whichever came first), per push.", _LATENCY_BUCKETS),

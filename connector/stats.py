@@ -9,7 +9,8 @@ from typing import Any
 from .pushes import SendRecord
 from .state import Outcome
 
-_SERIES = ("send_bytes", "prefill_end_to_done_s", "registration_wait_s", "recv_bytes", "layer_wait_s")
+# write_s: a push's WRITE from its post to its completion (its bytes over it: the transfer's bytes/s)
+_SERIES = ("send_bytes", "prefill_end_to_done_s", "write_s", "registration_wait_s", "recv_bytes", "layer_wait_s")
 # marks_on_compute_thread: P on a GPU, steps whose forward-pass mark the compute thread recorded
 # itself before the next forward pass, the recorder thread not having run yet (step_marks.py)
 _COUNTS = ("sends_ok", "sends_failed", "recvs_ok", "recvs_failed", "marks_on_compute_thread")
@@ -30,6 +31,7 @@ class PushStats:
             self.data["sends_ok"] += 1
             self.data["send_bytes"].append(rec.num_bytes)
             self.data["prefill_end_to_done_s"].append(rec.finished - rec.offered)
+            self.data["write_s"].append(max(0.0, rec.finished - rec.posted))
             self.data["registration_wait_s"].append(abs(rec.offered - rec.registered))
         else:
             self.data["sends_failed"] += 1
@@ -61,7 +63,7 @@ class PushStats:
 
     def aggregate(self, other: "PushStats") -> "PushStats":
         for k in _SERIES:
-            self.data[k] = self.data[k] + list(other.data.get(k, []))
+            self.data[k] = self.data.get(k, []) + list(other.data.get(k, []))
         for k in _COUNTS:
             self.data[k] += int(other.data.get(k, 0))
         self.record_dropped(other.data.get("dropped", {}))

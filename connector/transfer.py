@@ -22,6 +22,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from .coalesce import Plan, Segment
+from .cuda_context import bind_device_context
 from .layout import descriptor_indices, descriptor_table, region_spans
 from .regions import Region
 
@@ -148,6 +149,7 @@ class NixlEngine:
                     else Plan.pair(self.regions, regions, self.device_id, device_id))
         except ValueError as exc:
             raise TransferError(f"cannot pair KV regions with the peer's: {exc}") from exc
+        self._bind_thread()  # UCX unpacks the peer's memory keys here (cuda_context.py)
         with self._lock:
             try:
                 name = self._agent.add_remote_agent(agent_metadata)
@@ -159,6 +161,12 @@ class NixlEngine:
             peer = Peer(name, tuple(regions), device_id, plan)
             self._peers[name] = peer
             return peer
+
+    def _bind_thread(self) -> None:
+        """GPU memory: the calling thread gets the device's CUDA context, without which UCX
+        takes the peer's GPU memory as out of CUDA IPC's reach (cuda_context.py)."""
+        if self.mem_type == "VRAM":
+            bind_device_context(self.device_id)
 
     def remove_peer(self, agent_name: str) -> None:
         with self._lock:
@@ -250,6 +258,7 @@ class NixlEngine:
         return src, dst
 
     def _make(self, peer: Peer, local: np.ndarray, remote: np.ndarray, notif: bytes) -> object:
+        self._bind_thread()
         with self._lock:
             try:
                 return self._agent.initialize_xfer(
@@ -260,6 +269,7 @@ class NixlEngine:
 
     def post(self, write: Write, agent_name: str = "peer") -> None:
         """Start a WRITE from prepare_write; on failure its handle is released."""
+        self._bind_thread()
         with self._lock:
             try:
                 state = self._agent.transfer(write.handle)
