@@ -124,6 +124,24 @@ def busy_loops(deployment: ChaosDeployment, n: int = 2) -> list[subprocess.Popen
     return [subprocess.Popen(["taskset", "--cpu-list", cores, sys.executable, "-c", "while 1: pass"]) for _ in range(n)]
 
 
+def prefill_cpu_seconds(deployment: ChaosDeployment) -> float:
+    """CPU seconds used so far by every process of the prefill instances (API servers and below)."""
+    import psutil
+
+    from fault_helpers import instance_pids, status_rows
+
+    rows = status_rows(deployment.name)
+    total = 0.0
+    for instance in deployment.topo.prefill:
+        for pid in instance_pids(rows[instance.name].pid):
+            try:
+                times = psutil.Process(pid).cpu_times()
+                total += times.user + times.system
+            except psutil.Error:
+                pass
+    return total
+
+
 def keep_all_logs(deployment: ChaosDeployment, into: Path) -> list[Path]:
     kept = [keep_log(path, into, f"{name}.log") for name, path in deployment.log_paths().items()]
     return [p for p in kept if p]
@@ -158,12 +176,18 @@ def run_topology(args, shape: str, workdir: Path, prompts_for) -> dict:
         failed_before = decode_metric(deployment, FAILED_TRANSFERS)
         if args.saturate:
             loops = busy_loops(deployment)
+            prefill_cpu_before = prefill_cpu_seconds(deployment)
         limit_s = args.minutes * 60 if args.minutes else float("inf")
         settings = None if args.saturate else ChaosSettings(gap_s=args.gap_s, kill_every=args.kill_every)
-        outcome = run_chaos(shape, deployment.topo, prompts, clients=args.clients, seed=args.seed, settings=settings,
+        seed = args.seed * 100 + SHAPES.index(shape)  # each topology its own fault schedule and client draws
+        outcome = run_chaos(shape, deployment.topo, prompts, clients=args.clients, seed=seed, settings=settings,
                             options=OPTIONS, log_dir=folder / "logs",
                             enough=lambda done, s: s >= limit_s or (not args.saturate and len(done) >= args.requests),
                             log=log)
+        extra = {}
+        if args.saturate:  # prefill's share of a core while the loops ran beside it
+            extra["prefill_cores_busy"] = round((prefill_cpu_seconds(deployment) - prefill_cpu_before)
+                                                / (outcome.end - outcome.epoch), 2)
         for loop in loops:
             loop.kill()
         failed_transfers = decode_metric(deployment, FAILED_TRANSFERS) - failed_before
@@ -171,7 +195,7 @@ def run_topology(args, shape: str, workdir: Path, prompts_for) -> dict:
         summary = write_outcome(outcome, folder, logs, {
             "up_first_s": round(up_s, 1), "clients": args.clients, "saturated": args.saturate,
             "seconds": round(outcome.end - outcome.epoch, 1), "decode_failed_transfers": failed_transfers,
-            "started_at": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(outcome.epoch_wall))})
+            "started_at": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(outcome.epoch_wall)), **extra})
         log(f"{shape}: {json.dumps(summary)}")
         return summary
     finally:

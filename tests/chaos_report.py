@@ -37,6 +37,7 @@ def summarize(topology: str, requests: list[dict], faults: list[dict]) -> dict:
         "wrong": sum(r["matches_reference"] is False for r in requests),
         "failed_with_peer": sum(r["healthy_peer"] for r in failed),
         "failed_without_peer": sum(not r["healthy_peer"] for r in failed),
+        "failed_streamed": sum(r["streamed"] for r in failed),
         "slow": sum(r["latency_s"] > SLOW_S for r in requests),
         "latency_p50_s": round(_quantile(latencies, 0.5), 2) if latencies else None,
         "latency_p99_s": round(_quantile(latencies, 0.99), 2) if latencies else None,

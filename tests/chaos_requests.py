@@ -75,7 +75,10 @@ class RequestRecord:
             self.matches_reference = reference.startswith(self.text)
 
     def to_json(self, epoch: float) -> dict:
+        """A row of the run's file; the text only where it is not the reference's whole answer."""
         row = asdict(self)
+        if self.answered and self.matches_reference:
+            del row["text"]
         row.update(start=round(self.start - epoch, 3), end=round(self.end - epoch, 3), latency_s=round(self.latency_s, 3))
         if row["first_token_s"] is not None:
             row["first_token_s"] = round(row["first_token_s"], 3)
