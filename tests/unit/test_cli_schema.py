@@ -91,8 +91,8 @@ def test_kvpush_schema_prints_the_json_schema():
 
 
 def test_the_checked_in_reference_page_is_up_to_date():
-    """Regenerate with: kvpush schema --markdown > docs/topology.md"""
-    assert (ROOT / DOC_PATH).read_text() == topology_markdown()
+    assert (ROOT / DOC_PATH).read_text() == topology_markdown(), \
+        f"{DOC_PATH} is out of date with the topology's schema; regenerate it: kvpush schema --markdown > {DOC_PATH}"
     assert CliRunner().invoke(app, ["schema", "--markdown"]).stdout == topology_markdown()
 
 
