@@ -1,6 +1,8 @@
 """Software: the interpreter and packages on each host, and prefill/decode agreement."""
 from __future__ import annotations
 
+from kvpush.connector.vllm_compat import unsupported_reason
+
 from .context import Check, DoctorContext, agreement
 from .facts import HostFacts
 from .result import TOPOLOGY_SUBJECT, CheckResult, Evidence, fail, ok, skip
@@ -58,6 +60,11 @@ def check_packages(ctx: DoctorContext) -> list[CheckResult]:
         if missing:
             return fail("packages", facts.host, f"missing: {', '.join(missing)} (in {facts.python_executable})",
                         f"install them on {facts.host} with scripts/setup.sh into the interpreter the topology names", ev)
+        vllm = facts.package(*VLLM_DISTS) if facts.host in vllm_hosts else None
+        outside = unsupported_reason(vllm[1]) if vllm and needs_kvpush else None
+        if outside:
+            return fail("packages", facts.host, outside.removeprefix("kvpush: "),
+                        f"install a vLLM in that range on {facts.host}, or use connector type nixl-pull", ev)
         found = [f"{p[0]} {p[1]}" for p in (facts.package(*VLLM_DISTS), facts.package(*NIXL_DISTS), facts.package("kvpush")) if p]
         return ok("packages", facts.host, ", ".join(found) or "router only", ev)
 
@@ -93,6 +100,7 @@ def check_versions_match(ctx: DoctorContext) -> list[CheckResult]:
 
 CHECKS = [
     Check("python", "host", "the configured interpreter runs and is Python >= 3.10", check_python),
-    Check("packages", "host", "vLLM, NIXL and kvpush are installed where they run", check_packages),
+    Check("packages", "host", "vLLM, NIXL and kvpush are installed where they run (vLLM in the connector's range)",
+          check_packages),
     Check("versions-match", "topology", "prefill and decode hosts run the same vLLM/NIXL/kvpush", check_versions_match),
 ]

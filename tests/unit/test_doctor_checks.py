@@ -325,6 +325,15 @@ def test_packages_missing_and_interpreter_fallback():
     assert r.status is Status.FAIL and "not found" in r.summary
 
 
+def test_packages_refuse_a_vllm_outside_the_connectors_range():
+    f = facts("b", packages={"vllm": "0.24.0", "nixl-cu12": "1.5.1", "kvpush": "0.1.0"})
+    r = next(r for r in check_software.check_packages(context(TWO_CPU_HOSTS, {"b": f})) if r.subject == "b")
+    assert r.status is Status.FAIL and r.summary.startswith("vLLM 0.24.0 is not supported") and "0.25 through 0.32" in r.summary
+    f = facts("b", packages={"vllm": "0.25.1", "nixl-cu13": "1.5.1", "kvpush": "0.1.0"})
+    r = next(r for r in check_software.check_packages(context(TWO_CPU_HOSTS, {"b": f})) if r.subject == "b")
+    assert r.status is Status.OK
+
+
 def model(weights="w1", config="c1", exists=True, cfg=None):
     return {"path": "/models/m", "exists": exists, "config": cfg or {"torch_dtype": "bfloat16", "max_position_embeddings": 4096},
             "config_error": None, "config_digest": config, "weights": [{"name": "model.safetensors", "size": 10, "digest": weights}],
