@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import re
+import secrets
 import signal
 import subprocess
 import tempfile
@@ -116,7 +117,9 @@ def main() -> None:
             at = argv.index(PLAN_ENTRY[0])
             argv[at:at + len(PLAN_ENTRY)] = CLI_ENTRY
         for index in range(args.repeat):
-            result = start_once(argv, plan.env, Path(tmp) / f"server-{index}.log")
+            # the instance key `up` gives each instance from its env file (the middleware needs one)
+            env = {**plan.env, "VLLM_API_KEY": secrets.token_hex(32)}
+            result = start_once(argv, env, Path(tmp) / f"server-{index}.log")
             print(json.dumps({"template": args.template, "entry": args.entry, **result}), flush=True)
 
 

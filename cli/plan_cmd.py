@@ -42,7 +42,7 @@ def render_plan(plan: Plan) -> None:
             for key in sorted(proc.env):
                 out.print(f"    env  {key}={shlex.quote(proc.env[key])}", highlight=False)
             if proc.env_file:
-                out.print(f"    env  (and the variables in {proc.env_file})", highlight=False)
+                out.print(f"    env  {', '.join(proc.env_file_names)} from {proc.env_file} (values not shown)", highlight=False)
             out.print(f"    argv {shlex.join(proc.argv)}", highlight=False)
             out.print(f"    supervisor {shlex.join(proc.supervisor)}", highlight=False)
             out.print(f"    health {proc.health_url}", highlight=False)
@@ -66,13 +66,15 @@ def register(app: typer.Typer) -> None:
         """Print the launch plan (per host: env, argv, ports, logs) without touching any host."""
         file = topology_file(file, file_option)
         topo, source = resolve_topology(file)
-        plan = redact_plan(build_plan(topo))
+        launched = build_plan(topo)
+        plan = redact_plan(launched)
         if slurm_script:
             if topo.launcher != "slurm":
                 raise UsageError(f"--slurm-script: {source} uses launcher {topo.launcher}; set 'launcher: slurm' (see `kvpush init --template slurm-cpu`)")
             from kvpush.deploy.slurm_render import standalone_script
 
-            out.print(standalone_script(topo, plan.hosts, source), highlight=False, end="")
+            # the script runs what it says: never a redacted value (it refuses secret-looking ones)
+            out.print(standalone_script(topo, launched.hosts, source), highlight=False, end="")
             return
         if json_output:
             print_json(plan.to_dict())

@@ -26,7 +26,7 @@ from .provision import ProvisionResult, WheelSource, local_digest, provision_hos
 from .router_reload import hand_over
 from .runners import Runner, SshOptions, fan_out, values_or_raise
 from .secrets import (AccessKeys, SecretDelivery, client_api_key, ensure_local_secret, forget_local_secret,
-                      remove_secret_files, restart_users_of)
+                      read_user_secrets, remove_secret_files, restart_users_of)
 from .state import DeploymentState, HostRecord, ProcessRecord, load_state, locked, remove_state, save_state
 from .topology import Topology
 
@@ -158,17 +158,18 @@ def _up(topo: Topology, options: LifecycleOptions, events: Events) -> UpResult:
     begun = time.monotonic()
     plan = build_plan(topo)
     client_key = client_api_key(topo)  # an unset variable is bad input: refused before anything is touched
+    user_secrets = read_user_secrets(topo.secrets)  # likewise
     with locked(plan.deployment):
         secret, new_secret = ensure_local_secret(plan.deployment, options.rotate_secret)
         keys = AccessKeys.of(secret, client_key)
-        delivery = SecretDelivery(plan, secret, keys)
+        delivery = SecretDelivery(plan, secret, keys, user_secrets)
         if new_secret:
             events.note(f"deployment secret: made a new one (fingerprint {secret_fingerprint(secret)})")
         state = load_state(plan.deployment) or DeploymentState(plan.deployment)
         if topo.launcher == "slurm":  # the hosts are the nodes of a running job, found or submitted
             topo = slurm_allocation.allocate(topo, state, events)
             plan = build_plan(topo)
-            delivery = SecretDelivery(plan, secret, keys)
+            delivery = SecretDelivery(plan, secret, keys, user_secrets)
         hosts = _host_records(plan)
         # Hosts that only the old state knows still need connecting: their processes may have to stop.
         all_hosts = {**state.hosts, **hosts}

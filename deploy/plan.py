@@ -20,7 +20,7 @@ from .host_address import HEALTH_PATH, HostAddress, base_url, http_url
 from .placement import SecretKind, bind_address, deployment_dir, on_cores, secret_path
 from .supervise import supervisor_argv
 from .topology import ROUTER_PROCESS_NAME, HostSpec, InstanceSpec, RestartSpec, Role, Topology, listening_side_channel_ports
-from .vllm_launch import engine_id, kv_transfer_config, vllm_argv, vllm_env
+from .vllm_launch import engine_id, instance_env_names, kv_transfer_config, vllm_argv, vllm_env
 
 ProcessRole = Literal["prefill", "decode", "router"]
 ROUTER_INSTANCES_FILE = "router-instances.json"
@@ -40,6 +40,7 @@ class ProcessPlan:
     health_url: str
     side_channel_ports: list[int] = field(default_factory=list)
     env_file: str | None = None  # a 0600 file of secret variables the launch sources (written by `up`)
+    env_file_names: list[str] = field(default_factory=list)  # the variables it holds (their names only)
     # What argv runs under (kvpush.deploy.supervise: the tree dies with it, restarts, status file).
     supervisor: list[str] = field(default_factory=list)
     status_path: str = ""
@@ -159,6 +160,7 @@ def _vllm_process(topo: Topology, role: Role, spec: InstanceSpec) -> ProcessPlan
         health_url=http_url(bind_address(host), spec.http_port, HEALTH_PATH),
         side_channel_ports=listening_side_channel_ports(role, spec, topo.connector.type),
         env_file=secret_path(topo, host, "instance-env"),
+        env_file_names=instance_env_names(topo),
         **_supervision(host, workdir, spec.name, spec.restart),
     )
 

@@ -10,6 +10,8 @@
   unless `down --forget-secret` asks (forget_local_secret), so a later `up` brings the same keys back.
 - The router's client key comes from router.api_key_env (an environment variable here) or
   router.api_key_file (a file here); it reaches the router's host as a file too.
+- The topology's `secrets` are read here the same way (read_user_secrets) and reach the vLLM
+  instances in their env file, beside the instance key: a new value restarts them.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from pathlib import Path
 
 from kvpush.common import deployment_secret as ds
 from kvpush.common.errors import UsageError
+from kvpush.common.instance_auth import KEY_VARIABLE
 
 from .changes import Changes
 from .placement import secret_paths_in
@@ -28,8 +31,9 @@ from .private_file import private_write_command
 from .runners import Runner, fan_out, values_or_raise
 from .state import state_dir, write_private_atomically
 from .topology import Topology
+from .topology_schema import SecretSource
 
-API_KEY_VARIABLE = "VLLM_API_KEY"  # what vLLM reads its --api-key from
+API_KEY_VARIABLE = KEY_VARIABLE  # VLLM_API_KEY: vLLM's --api-key, and the instance key kvpush's middleware checks
 
 
 def local_secret_path(deployment: str) -> Path:
@@ -90,6 +94,44 @@ def read_client_key(api_key_env: str | None, api_key_file: str | None,
     return None
 
 
+SECRETS_HERE = ("on this machine", "export it here (kvpush delivers it to the instances' hosts in a 0600 file)",
+                "give the path of a file on this machine")
+
+
+def read_user_secrets(sources: dict[str, SecretSource], where: tuple[str, str, str] = SECRETS_HERE) -> dict[str, str]:
+    """The topology's `secrets` values, by name, as the process reading them sees its environment
+    and files (`where` as for read_client_key). An error names the secret and its source, never a value."""
+    place, export_hint, file_hint = where
+    values: dict[str, str] = {}
+    for name, source in sources.items():
+        field = f"secrets.{name}"
+        if source.env is not None:
+            value = os.environ.get(source.env, "")
+            if not value:
+                raise UsageError(f"{field}: {source.env} is unset or empty {place}; {export_hint}")
+        else:
+            assert source.file is not None
+            try:
+                value = ds.read_private_text(source.file, "secret file", missing_hint=file_hint)
+            except ds.SecretFileError as exc:
+                raise UsageError(f"{field}: {exc}") from None
+            value = value[:-1] if value.endswith("\n") else value
+            value = value[:-1] if value.endswith("\r") else value
+            if not value:
+                raise UsageError(f"{field}: {source.file} is empty; put the value in it")
+        if "\0" in value:
+            raise UsageError(f"{field}: the value has a NUL character, which no environment variable can hold")
+        values[name] = value
+    return values
+
+
+def instance_env_text(instance_key: str, user_secrets: dict[str, str]) -> str:
+    """The instances' env file: the instance key, then the user's secrets, as lines the launch's
+    shell sources (each value one quoted word, whatever it holds)."""
+    return f"{API_KEY_VARIABLE}={instance_key}\n" + "".join(
+        f"{name}={shlex.quote(value)}\n" for name, value in sorted(user_secrets.items()))
+
+
 @dataclass(frozen=True)
 class AccessKeys:
     """The keys kvpush's own requests carry: to the router, and to the vLLM instances."""
@@ -120,12 +162,14 @@ def observed_keys(deployment: str, topo: Topology | None) -> AccessKeys:
     return AccessKeys.of(secret, client)
 
 
-def secret_file_content(kind: str, secret: bytes, keys: AccessKeys) -> bytes:
-    """What the secret file of this kind holds (kinds: placement.SecretKind)."""
+def secret_file_content(kind: str, secret: bytes, keys: AccessKeys, user_secrets: dict[str, str] | None = None) -> bytes:
+    """What the secret file of this kind holds (kinds: placement.SecretKind); user_secrets: the
+    topology's `secrets` values, which the instances' env file carries."""
     if kind == "deployment-secret":
         return ds.secret_file_text(secret).encode()
     if kind == "instance-env":
-        return f"{API_KEY_VARIABLE}={keys.instance}\n".encode()  # hex: nothing the shell could read otherwise
+        assert keys.instance is not None
+        return instance_env_text(keys.instance, user_secrets or {}).encode()
     if kind == "router-upstream-key":
         return f"{keys.instance}\n".encode()
     if kind == "router-client-key":
@@ -160,11 +204,11 @@ def forget_local_secret(deployment: str) -> bool:
 class SecretDelivery:
     """The secret files of one `up`: which differ on the hosts, and writing them."""
 
-    def __init__(self, plan: Plan, secret: bytes, keys: AccessKeys):
-        self.plan, self.secret, self.keys = plan, secret, keys
+    def __init__(self, plan: Plan, secret: bytes, keys: AccessKeys, user_secrets: dict[str, str] | None = None):
+        self.plan, self.secret, self.keys, self.user_secrets = plan, secret, keys, user_secrets or {}
 
     def _wanted(self, host: HostPlan) -> list[tuple[SecretFilePlan, bytes]]:
-        return [(f, secret_file_content(f.kind, self.secret, self.keys)) for f in host.secret_files]
+        return [(f, secret_file_content(f.kind, self.secret, self.keys, self.user_secrets)) for f in host.secret_files]
 
     def stale(self, runners: dict[str, Runner]) -> dict[str, list[SecretFilePlan]]:
         """Per host: its secret files whose content there is not what this `up` would write."""

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from kvpush.common.errors import UsageError
 
 from .private_file import private_write_command
+from .secret_looking import secret_looking_fields
 from .runners.base import shell_word
 from .runners.slurm_step import srun_argv, step_shell
 from .slurm_topology import node_count, used_hosts
@@ -107,12 +108,23 @@ def plan_fields(topo: Topology, hosts: list["HostPlan"]) -> dict | None:
     """The plan's Slurm section: what `up` submits and the srun line of every process."""
     if topo.launcher != "slurm":
         return None
-    return {"sbatch_options": sbatch_options(topo), "hold_script": hold_script(topo),
-            "steps": {p.name: shlex.join(step_argv(h, p)) for h in hosts for p in h.processes}}
+    return {"sbatch_options": sbatch_options(topo), "hold_script": hold_script(topo), "steps": step_lines(hosts)}
+
+
+def step_lines(hosts: list["HostPlan"]) -> dict[str, str]:
+    """Each process's srun line, by name."""
+    return {p.name: shlex.join(step_argv(h, p)) for h in hosts for p in h.processes}
 
 
 def standalone_script(topo: Topology, hosts: list["HostPlan"], source: str) -> str:
-    """An sbatch script that runs the whole deployment by itself, each process a job step."""
+    """An sbatch script that runs the whole deployment by itself, each process a job step: hosts
+    as build_plan makes them, never redacted (the script runs what it says). It holds no secret:
+    the job makes its own deployment secret and reads the topology's `secrets` when it starts, and
+    a topology with a secret-looking value elsewhere is refused."""
+    secret_looking = secret_looking_fields(topo)
+    if secret_looking:
+        raise UsageError(f"{secret_looking[0]}: looks secret, and a standalone script would have to hold its value; "
+                         "give it in secrets: (e.g. HF_TOKEN: {env: HF_TOKEN}), which the job reads when it starts")
     unnamed = [h for h in used_hosts(topo) if not topo.hosts[h].node]
     if unnamed:
         raise UsageError(f"hosts.{unnamed[0]}.node: a standalone script needs every host to name its Slurm node "
@@ -171,13 +183,18 @@ def _secret_file_lines(topo: Topology, hosts: list["HostPlan"]) -> list[str]:
         "esac",
         f'"$kvpush_python" -m {SECRET_MODULE} new >"$kvpush_private/secret" || exit 1',
     ]
+    from .secret_content import user_secret_word  # it imports the plan, which imports this module
+
     router = topo.router
     for kind in kinds:
-        client = ""
+        sources = ""
         if kind == "router-client-key":
-            client = (f" --client-key-env {shlex.quote(router.api_key_env)}" if router.api_key_env is not None
-                      else f" --client-key-file {shlex.quote(str(router.api_key_file))}")
-        lines.append(f'"$kvpush_python" -m {SECRET_MODULE} {kind} --secret "$kvpush_private/secret"{client} '
+            sources = (f" --client-key-env {shlex.quote(router.api_key_env)}" if router.api_key_env is not None
+                       else f" --client-key-file {shlex.quote(str(router.api_key_file))}")
+        if kind == "instance-env":  # the topology's secrets, read in the job: their sources only are here
+            sources = "".join(f" --user-secret {shlex.quote(user_secret_word(name, source))}"
+                              for name, source in sorted(topo.secrets.items()))
+        lines.append(f'"$kvpush_python" -m {SECRET_MODULE} {kind} --secret "$kvpush_private/secret"{sources} '
                      f'>"$kvpush_private/{kind}" || exit 1')
     for host in hosts:
         for f in host.secret_files:

@@ -30,6 +30,7 @@ Platform = Literal["cpu", "cuda"]
 Policy = Literal["round-robin", "least-loaded"]
 Role = Literal["prefill", "decode"]
 Launcher = Literal["ssh", "slurm"]
+InstancePublicPath = Literal["/health", "/metrics", "/ping", "/version", "/load"]  # paths that generate nothing
 
 
 class TopologyError(UsageError):
@@ -261,6 +262,20 @@ class SlurmSpec(_Model):
     start_timeout_s: float = Field(600.0, gt=0, description="how long `up` waits for a submitted job to start")
 
 
+class SecretSource(_Model):
+    """Where a secret's value is read, on the machine running kvpush (or, for a standalone Slurm
+    script, in the job when it starts): one of env and file."""
+
+    env: Annotated[str, AfterValidator(values.env_name)] | None = Field(None, description="an environment variable holding the value")
+    file: PathText | None = Field(None, description="a file holding the value (mode 0600, this user's; one trailing newline is dropped)")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "SecretSource":
+        if (self.env is None) == (self.file is None):
+            raise ValueError("gives neither or both of env and file; give one, e.g. {env: HF_TOKEN}")
+        return self
+
+
 def _otlp_endpoint(value: str) -> str:
     if not re.fullmatch(r"https?://[^\s/?#]+(/[^\s?#]*)?", value):
         raise ValueError("is not an http:// or https:// URL without spaces, query or fragment; give e.g. "
@@ -300,6 +315,12 @@ class Topology(_Model):
                                                                        "it picks a prefill/decode pair per request")
     tracing: TracingSpec | None = Field(None, description="send vLLM's per-request OpenTelemetry spans to a collector")
     env: EnvMap = Field(default_factory=dict, description="environment variables of every process")
+    secrets: dict[str, SecretSource] = Field(  # names: checked by topology_security, at their own line
+        default_factory=dict, description="environment variables of every vLLM instance whose values are secret, by "
+                                          "name, e.g. HF_TOKEN: {env: HF_TOKEN}: delivered in a 0600 file, never printed")
+    instance_public_paths: list[InstancePublicPath] = Field(
+        default_factory=lambda: ["/health", "/metrics"], description="paths every vLLM instance serves without the "
+                                                                     "instance key; every other path needs it")
 
     @field_validator("name")
     @classmethod

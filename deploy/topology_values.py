@@ -14,6 +14,8 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, BeforeValidator
 
+from kvpush.common.instance_auth import PUBLIC_PATHS_VARIABLE
+
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")  # POSIX: what `env` and `export` take as a name
 _LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
 MAX_HOSTNAME = 253
@@ -25,7 +27,17 @@ MAX_CORE = 4095  # above any host's core numbers; bounds what a range like '0-99
 # hand vLLM a key the router does not know, or point the connector at another secret.
 API_KEY_ENV = "VLLM_API_KEY"
 API_KEY_FLAG = "--api-key"
-SECRET_FILE_KEY = "secret_file"
+PUBLIC_PATHS_ENV = PUBLIC_PATHS_VARIABLE  # the instances' open paths: instance_public_paths sets it
+# kv_connector_extra_config entries kvpush's connector takes its security from: which secret proves
+# a peer, which engines may connect and where decode dials each prefill. kvpush derives them from
+# the deployment; the topology's connector.extra_config may not set them.
+KVPUSH_SECURITY_KEYS = {
+    "secret_file": "the deployment secret's path on each host",
+    "allowed_engines": "the engines of this deployment that may connect",
+    "peer_side_channels": "where decode dials each prefill engine, and nowhere else",
+    "side_channel_host": "the address the side channel listens on and names to peers",
+    "side_channel_port": "the side channel's port, from the instance's side_channel_port",
+}
 
 
 def _has_control(value: str) -> bool:
@@ -107,6 +119,16 @@ def env_map(value: dict[str, str]) -> dict[str, str]:
         if key == API_KEY_ENV:
             raise ValueError(f"{API_KEY_ENV} is set by kvpush (the instances' key, made from the deployment "
                              "secret); remove it, and give the router's key with router.api_key_env or api_key_file")
+        if key == PUBLIC_PATHS_ENV:
+            raise ValueError(f"{PUBLIC_PATHS_ENV} is set by kvpush; give the open paths in instance_public_paths")
+    return value
+
+
+def secret_name(value: str) -> str:
+    """A `secrets:` name: the environment variable the instances see."""
+    env_name(value)
+    if value in (API_KEY_ENV, PUBLIC_PATHS_ENV):
+        raise ValueError(f"{value} is set by kvpush (the instances' key and open paths); give your secret another name")
     return value
 
 
@@ -138,10 +160,16 @@ def _json_value(value: Any, where: str) -> None:
     raise ValueError(f"{where} is a {type(value).__name__}; give text, a number, true/false, a list or a mapping")
 
 
+def kvpush_security_key_problem(key: str) -> str | None:
+    """Why connector.extra_config may not set `key` (None: it may)."""
+    if key in KVPUSH_SECURITY_KEYS:
+        return f"{key} is set by kvpush ({KVPUSH_SECURITY_KEYS[key]}); remove it"
+    return None
+
+
 def extra_config(value: dict[str, Any]) -> dict[str, Any]:
-    """Goes to vLLM as JSON inside --kv-transfer-config: JSON values only, and not kvpush's own keys."""
-    if SECRET_FILE_KEY in value:
-        raise ValueError(f"{SECRET_FILE_KEY} is set by kvpush (the deployment secret's path on each host); remove it")
+    """Goes to vLLM as JSON inside --kv-transfer-config: JSON values only (kvpush's own security
+    keys are refused at their own line by topology_security)."""
     for key, item in value.items():
         _json_value(item, key)
     return value

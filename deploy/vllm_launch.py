@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+from kvpush.common.instance_auth import KEY_VARIABLE, MIDDLEWARE_PATH, PUBLIC_PATHS_VARIABLE
+
 from .engine_tracing import tracing_argv, tracing_env
 from .placement import bind_address, on_cores, secret_path
 from .topology import InstanceSpec, Role, Topology, core_list_text, parse_core_list
@@ -40,15 +42,17 @@ def kv_transfer_config(topo: Topology, role: Role, spec: InstanceSpec) -> dict |
         peers = topo.decode if role == "prefill" else topo.prefill
         extra = {
             "backend": topo.connector.backend,
+            "transfer_timeout_s": topo.connector.transfer_timeout_s,
+            **topo.connector.extra_config,
+            # The security entries last: the topology's loader refuses them in extra_config, and
+            # were one to get through, kvpush's would still win.
             "side_channel_host": bind_address(host),
             "side_channel_port": spec.side_channel_port,
             "allowed_engines": sorted(engine_id(topo, p) for p in peers),
             # where each peer's side channel is: decode dials these and nothing a request names
             "peer_side_channels": {engine_id(topo, p): f"{bind_address(topo.hosts[p.host])}:{p.side_channel_port}"
                                    for p in sorted(peers, key=lambda p: p.name)},
-            "transfer_timeout_s": topo.connector.transfer_timeout_s,
             "secret_file": secret_path(topo, host, "deployment-secret"),  # a path on that host (~ expanded there)
-            **topo.connector.extra_config,
         }
         return {
             "kv_connector": KVPUSH_CONNECTOR_CLASS,
@@ -110,6 +114,9 @@ def vllm_argv(topo: Topology, spec: InstanceSpec, kv_config: dict | None) -> lis
         argv += ["--kv-transfer-config", json.dumps(kv_config, separators=(",", ":"), sort_keys=True)]
     argv += tracing_argv(topo)
     argv += model.extra_args + spec.extra_args
+    # Last, so vLLM adds it last: the outermost of the app's middleware, before any route or the
+    # user's own --middleware sees a request without the instance key.
+    argv += ["--middleware", MIDDLEWARE_PATH]
     if topo.platform == "cpu" and spec.cpu_cores is not None:
         # The whole instance on its cores, not only vLLM's OpenMP threads: otherwise its API server
         # and engine loop float onto the other instance's core. Measured: a decode engine stepping
@@ -142,4 +149,11 @@ def vllm_env(topo: Topology, role: Role, spec: InstanceSpec, kv_config: dict | N
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in spec.devices)
     env.update(tracing_env(topo, role, spec))
     env.update(spec.env)
+    env[PUBLIC_PATHS_VARIABLE] = ",".join(topo.instance_public_paths)  # the instance key itself: the env file
     return env
+
+
+def instance_env_names(topo: Topology) -> list[str]:
+    """The variables of an instance's env file (`up` writes it, the launch sources it): the
+    instance key and the topology's `secrets`, by name; their values are never in the plan."""
+    return [KEY_VARIABLE, *sorted(topo.secrets)]

@@ -15,3 +15,14 @@ def write_secret_files(plan: Plan) -> AccessKeys:
     runner = LocalRunner()
     SecretDelivery(plan, secret, keys).write({h.name: runner for h in plan.hosts}, {h.name: h.secret_files for h in plan.hosts})
     return keys
+
+
+def keyless(argv: list[str]) -> list[str]:
+    """A plan's vLLM argv without the instance-key middleware (kvpush.common.instance_auth), for tests
+    that start an instance themselves and send it requests directly, as its only client: such an
+    instance has no key in its environment, and the middleware refuses to start without one."""
+    from kvpush.common.instance_auth import MIDDLEWARE_PATH
+
+    at = argv.index(MIDDLEWARE_PATH)
+    assert argv[at - 1] == "--middleware"
+    return argv[:at - 1] + argv[at + 1:]

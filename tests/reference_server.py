@@ -19,6 +19,7 @@ from e2e_instances import KV_CACHE_GIB
 from kvpush.deploy.plan import ProcessPlan, build_plan
 from kvpush.deploy.tiny_model import make_tiny_model
 from kvpush.deploy.topology import TinyModelSpec, parse_topology
+from plan_secrets import keyless
 from server_process import ServerProcess
 
 PORT = 17990  # no other test uses it
@@ -68,7 +69,7 @@ class ReferenceServer:
         if self._server is not None:
             return
         make_tiny_model(self._model, TinyModelSpec(seed=0))
-        self._server = ServerProcess("reference", self.plan.argv, self.plan.env, self.plan.base_url, self._root)
+        self._server = ServerProcess("reference", keyless(self.plan.argv), self.plan.env, self.plan.base_url, self._root)
 
     def url_for(self, decode: ProcessPlan, timeout_s: float = 600) -> str:
         """The reference's URL once it answers, for a deployment with this decode instance: fails

@@ -30,7 +30,7 @@ from deployment_slot import DeploymentSlot
 from e2e_instances import KV_CACHE_GIB
 from openai_conformance import MATRIX, run_case
 from random_prompts import full_length_prompts, random_prompts
-from plan_secrets import write_secret_files
+from plan_secrets import keyless, write_secret_files
 from server_process import ServerProcess
 
 PORTS = {"prefill_http": 18300, "decode_http": 18301, "router": 18310,
@@ -141,7 +141,7 @@ def start_deployment(protocol: str, model_dir: Path, workdir: Path) -> Deploymen
     try:
         for name in instances:
             proc = plan.process(name)
-            started.append(ServerProcess(name, proc.argv, proc.env, proc.base_url, workdir))
+            started.append(ServerProcess(name, keyless(proc.argv), proc.env, proc.base_url, workdir))
         router_plan = plan.process("router")
         config_file, instances_file = plan.host(router_plan.host).files[:2]
         config_path = workdir / "router.json"

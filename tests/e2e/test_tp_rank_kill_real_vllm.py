@@ -23,7 +23,7 @@ from kvpush.common.vllm_metrics import metric_sum
 from kvpush.deploy.plan import build_plan, router_config
 from kvpush.deploy.tiny_model import make_tiny_model
 from kvpush.deploy.topology import TinyModelSpec, parse_topology
-from plan_secrets import write_secret_files
+from plan_secrets import keyless, write_secret_files
 from e2e_instances import KV_CACHE_GIB
 from random_prompts import full_length_prompts
 from server_process import ServerProcess
@@ -80,7 +80,7 @@ def test_killing_one_prefill_rank_mid_push_ends_every_request_and_frees_every_bl
     try:
         for name in ("prefill-0", "decode-0"):
             proc = plan.process(name)
-            servers[name] = ServerProcess(name, proc.argv, proc.env, proc.health_url.rsplit("/", 1)[0], tmp_path)
+            servers[name] = ServerProcess(name, keyless(proc.argv), proc.env, proc.health_url.rsplit("/", 1)[0], tmp_path)
         config = router_config(topo).model_copy(update={"instance_api_key_file": None})
         (tmp_path / "router.json").write_text(config.model_dump_json())
         router = servers["router"] = ServerProcess("router", [sys.executable, "-m", "kvpush.router", "--config",

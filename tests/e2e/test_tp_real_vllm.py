@@ -23,7 +23,7 @@ from kvpush.deploy.plan import build_plan, router_config
 from kvpush.deploy.tiny_model import make_tiny_model
 from kvpush.deploy.topology import TinyModelSpec, parse_topology
 from e2e_instances import KV_CACHE_GIB
-from plan_secrets import write_secret_files
+from plan_secrets import keyless, write_secret_files
 from random_prompts import full_length_prompts, random_prompts
 from server_process import ServerProcess
 
@@ -95,7 +95,7 @@ def deployment(tmp_path_factory):
     try:
         for name in ("p2", "p1", "d2", "d1"):
             proc = plan.process(name)
-            started[name] = ServerProcess(name, proc.argv, proc.env, proc.health_url.rsplit("/", 1)[0], workdir)
+            started[name] = ServerProcess(name, keyless(proc.argv), proc.env, proc.health_url.rsplit("/", 1)[0], workdir)
         full = router_config(topo)
         for (p, d), port in ROUTER_PORTS.items():
             # this module is about the KV's path, not about ejection: a healthy instance starved of CPU

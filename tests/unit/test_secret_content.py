@@ -67,3 +67,20 @@ def test_run_as_a_module_it_prints_the_file_or_one_error_line(secret_file, capsy
     assert ran.returncode == 1 and ran.stdout == ""
     assert ran.stderr.splitlines() == ["kvpush: router.api_key_env: NOT_SET_ANYWHERE is unset or empty in the job's "
                                        "environment; export it before `sbatch` (the job takes the submitter's environment)"]
+
+
+def test_instance_env_carries_the_topologys_secrets_read_in_the_job(secret_file, tmp_path, monkeypatch):
+    secret = ds.read_secret(secret_file)
+    key = ds.derive_token(secret, ds.INSTANCE_API_KEY)
+    monkeypatch.setenv("JOB_HF", "from the job's environment")
+    value_file = tmp_path / "db"
+    value_file.write_text("from-a-file\n")
+    value_file.chmod(0o600)
+    made = content("instance-env", str(secret_file), user_secrets=["HF_TOKEN=env:JOB_HF", f"DB=file:{value_file}"])
+    assert made == f"VLLM_API_KEY={key}\nDB=from-a-file\nHF_TOKEN='from the job'\"'\"'s environment'\n".encode()
+    monkeypatch.delenv("JOB_HF")
+    with pytest.raises(UsageError, match=r"^secrets\.HF_TOKEN: JOB_HF is unset or empty in the job's environment; export it before"):
+        content("instance-env", str(secret_file), user_secrets=["HF_TOKEN=env:JOB_HF"])
+    for word in ("HF_TOKEN", "HF_TOKEN=pipe:x", "=env:X", "HF_TOKEN=env:", "HF_TOKEN=env:not a name"):
+        with pytest.raises(KvpushError, match=f"^--user-secret {word}: "):
+            content("instance-env", str(secret_file), user_secrets=[word])

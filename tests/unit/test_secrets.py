@@ -143,3 +143,73 @@ def test_vllms_own_connectors_do_not_restart_for_a_secret_they_never_read(tmp_pa
     plan = build_plan(_topology(tmp_path, connector="nixl-pull"))
     assert {h.name: [f.used_by for f in h.secret_files if f.kind == "deployment-secret"] for h in plan.hosts} == \
         {"a": [[]], "b": [[]], "c": [[]]}
+
+
+# -- the topology's secrets ------------------------------------------------------------------------
+
+
+def _sources(**kinds):
+    from kvpush.deploy.topology_schema import SecretSource
+
+    return {name: SecretSource(**{how: where}) for name, (how, where) in kinds.items()}
+
+
+def test_the_topologys_secrets_are_read_here_from_the_environment_or_a_private_file(tmp_path, monkeypatch):
+    from kvpush.deploy.secrets import read_user_secrets
+
+    monkeypatch.setenv("HF_HERE", "hf value")
+    value_file = tmp_path / "db"
+    value_file.write_text("line one\nline two\r\n")
+    value_file.chmod(0o600)
+    assert read_user_secrets(_sources(HF_TOKEN=("env", "HF_HERE"), DB=("file", str(value_file)))) == \
+        {"HF_TOKEN": "hf value", "DB": "line one\nline two"}  # one trailing newline dropped, nothing else
+
+
+@pytest.mark.parametrize("setup,message", [
+    ("unset", r"^secrets\.S: UNSET_HERE is unset or empty on this machine; export it here \(kvpush delivers it"),
+    ("missing", r"^secrets\.S: .*/nofile: no such secret file; give the path of a file on this machine$"),
+    ("open", r"^secrets\.S: .*/open: the secret file is readable by other users \(mode 0644\); run `chmod 600"),
+    ("empty", r"^secrets\.S: .*/empty is empty; put the value in it$"),
+])
+def test_a_secret_that_cannot_be_read_is_one_line_naming_it_and_never_a_value(tmp_path, monkeypatch, setup, message):
+    from kvpush.deploy.secrets import read_user_secrets
+
+    monkeypatch.delenv("UNSET_HERE", raising=False)
+    (tmp_path / "open").write_text("value-of-an-open-file")
+    (tmp_path / "open").chmod(0o644)
+    (tmp_path / "empty").write_text("\n")
+    (tmp_path / "empty").chmod(0o600)
+    source = {"unset": ("env", "UNSET_HERE"), "missing": ("file", str(tmp_path / "nofile")),
+              "open": ("file", str(tmp_path / "open")), "empty": ("file", str(tmp_path / "empty"))}[setup]
+    with pytest.raises(UsageError, match=message) as caught:
+        read_user_secrets(_sources(S=source))
+    assert "value-of-an-open-file" not in str(caught.value)
+
+
+def test_the_instances_env_file_gives_a_shell_exactly_the_values(tmp_path):
+    import subprocess
+
+    from kvpush.deploy.secrets import instance_env_text
+
+    values = {"A": "it's $(not run) `either` \\ \"quoted\"", "B": "two\nlines", "C": "x=y; echo injected"}
+    env_file = tmp_path / "env"
+    env_file.write_text(instance_env_text("k" * 64, values))
+    printed = subprocess.run(["sh", "-c", f'set -a; . "{env_file}"; printf "%s\\0" "$VLLM_API_KEY" "$A" "$B" "$C"'],
+                             env={"PATH": "/usr/bin:/bin"}, capture_output=True, text=True, check=True).stdout
+    assert printed.split("\0")[:-1] == ["k" * 64, values["A"], values["B"], values["C"]]
+
+
+def test_up_writes_the_secrets_into_each_instances_env_file_and_a_new_value_restarts_the_instances(tmp_path):
+    topo = _topology(tmp_path).model_copy(update={"secrets": _sources(HF_TOKEN=("env", "X"))})
+    plan = build_plan(topo)
+    assert plan.process("prefill-0").env_file_names == ["VLLM_API_KEY", "HF_TOKEN"]
+    secret = ds.new_secret()
+    keys = AccessKeys.of(secret, None)
+    runners = {h: LocalRunner(h) for h in "abc"}
+    delivery = SecretDelivery(plan, secret, keys, {"HF_TOKEN": "first"})
+    delivery.write(runners, delivery.stale(runners))
+    assert (tmp_path / "a" / "t" / "instance-api-key.env").read_text() == f"VLLM_API_KEY={keys.instance}\nHF_TOKEN=first\n"
+    assert not (tmp_path / "c" / "t" / "instance-api-key.env").exists()  # the router gets none
+    changes = Changes(keep=["prefill-0", "decode-0", "router"])
+    assert sorted(restart_users_of(SecretDelivery(plan, secret, keys, {"HF_TOKEN": "second"}).stale(runners), changes)) == \
+        ["decode-0", "prefill-0"]

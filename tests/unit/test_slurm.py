@@ -204,16 +204,9 @@ def test_the_standalone_script_reads_the_client_key_file_at_job_time_and_skips_i
     assert "router-client-key" not in script and "--client-key" not in script
 
 
-def test_the_standalone_script_s_secret_part_writes_private_derived_files_and_removes_its_copies(tmp_path):
+def _run_script_here(script: str, tmp_path, extra_env: dict[str, str] | None = None):
     """The script's own shell run for real, with an srun that runs write steps here and nothing else
-    (the real Slurm run is tests/integration/test_lifecycle_slurm.py)."""
-    import os
-
-    from kvpush.common import deployment_secret as ds
-
-    t = parse_topology(template_text("slurm-cpu"))
-    plan = build_plan(t)
-    script = standalone_script(t, plan.hosts, "x.yaml")
+    (the real Slurm run is tests/integration/test_lifecycle_slurm.py); its result and environment."""
     bin_dir, home, tmp = tmp_path / "bin", tmp_path / "home", tmp_path / "tmp"
     for d in (bin_dir, home, tmp):
         d.mkdir()
@@ -221,11 +214,30 @@ def test_the_standalone_script_s_secret_part_writes_private_derived_files_and_re
     srun.write_text('#!/bin/bash\nname=""\nwhile [ "$1" != bash ]; do case "$1" in --job-name=*) name=${1#--job-name=};; esac; shift; done\n'
                     'case "$name" in write-*) exec "$@";; *) exit 0;; esac\n')
     srun.chmod(0o755)
-    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(home), "TMPDIR": str(tmp), "SLURMD_NODENAME": "n1", "SLURM_JOB_ID": "7"}
-    ran = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(home), "TMPDIR": str(tmp), "SLURMD_NODENAME": "n1", "SLURM_JOB_ID": "7",
+           **(extra_env or {})}
+    return subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=120), env
+
+
+def _secret_paths(plan, home) -> dict[str, str]:
+    import os
+
+    return {f.kind: os.path.expanduser(f.path).replace(os.path.expanduser("~"), str(home), 1)
+            for h in plan.hosts for f in h.secret_files}
+
+
+def test_the_standalone_script_s_secret_part_writes_private_derived_files_and_removes_its_copies(tmp_path):
+    import os
+
+    from kvpush.common import deployment_secret as ds
+
+    t = parse_topology(template_text("slurm-cpu"))
+    plan = build_plan(t)
+    script = standalone_script(t, plan.hosts, "x.yaml")
+    ran, env = _run_script_here(script, tmp_path)
+    home, tmp = tmp_path / "home", tmp_path / "tmp"
     assert ran.returncode == 1 and "a step ended" in ran.stderr, ran.stderr  # the stand-in steps end at once
-    paths = {f.kind: os.path.expanduser(f.path).replace(os.path.expanduser("~"), str(home), 1)
-             for h in plan.hosts for f in h.secret_files}
+    paths = _secret_paths(plan, home)
     for path in paths.values():
         assert os.stat(path).st_mode & 0o777 == 0o600, path
     secret = ds.read_secret(paths["deployment-secret"])
@@ -234,6 +246,29 @@ def test_the_standalone_script_s_secret_part_writes_private_derived_files_and_re
     refused = subprocess.run(["bash", "-c", script], env={**env, "SLURMD_NODENAME": "login"}, capture_output=True, text=True, timeout=60)
     assert refused.returncode == 1 and refused.stderr.strip().splitlines() == [
         "kvpush: the batch script runs on node login, none of this deployment's (n1, n2)"]
+
+
+def test_the_standalone_script_reads_the_topologys_secrets_in_the_job_and_holds_none(tmp_path):
+    from kvpush.common import deployment_secret as ds
+
+    value_file = tmp_path / "db.pass"
+    value_file.write_text("db 'value' $(from) a file\n")
+    value_file.chmod(0o600)
+    text = template_text("slurm-cpu") + f"secrets:\n  HF_TOKEN: {{env: SUBMITTER_HF}}\n  DB_PASSWORD: {{file: {value_file}}}\n"
+    t = parse_topology(text)
+    plan = build_plan(t)
+    script = standalone_script(t, plan.hosts, "x.yaml")
+    assert "hf value" not in script and "from) a file" not in script and "<redacted>" not in script
+    ran, env = _run_script_here(script, tmp_path, {"SUBMITTER_HF": "hf value; `from` the submitter"})
+    assert ran.returncode == 1 and "a step ended" in ran.stderr, ran.stderr
+    instance_env = _secret_paths(plan, tmp_path / "home")["instance-env"]
+    sourced = subprocess.run(["sh", "-c", f'set -a; . "{instance_env}"; printf "%s|%s|%s" "$VLLM_API_KEY" "$HF_TOKEN" "$DB_PASSWORD"'],
+                             env={"PATH": "/usr/bin:/bin"}, capture_output=True, text=True, check=True).stdout
+    secret = ds.read_secret(_secret_paths(plan, tmp_path / "home")["deployment-secret"])
+    assert sourced == f"{ds.derive_token(secret, ds.INSTANCE_API_KEY)}|hf value; `from` the submitter|db 'value' $(from) a file"
+    (tmp_path / "again").mkdir()
+    unset = _run_script_here(script, tmp_path / "again")[0]
+    assert unset.returncode == 1 and "secrets.HF_TOKEN: SUBMITTER_HF is unset or empty in the job's environment" in unset.stderr
 
 
 # -- parsing Slurm's output ----------------------------------------------------------------------

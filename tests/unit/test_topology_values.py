@@ -61,8 +61,11 @@ def test_kvpush_owns_the_instances_api_key_and_the_secret_file():
         with pytest.raises(ValueError, match="--api-key is set by kvpush"):
             values.extra_args(args)
     assert values.extra_args(["--api-key-ish"]) == ["--api-key-ish"]
-    with pytest.raises(ValueError, match="secret_file is set by kvpush"):
-        values.extra_config({"secret_file": "/x"})
+    with pytest.raises(ValueError, match="KVPUSH_INSTANCE_PUBLIC_PATHS is set by kvpush"):
+        values.env_map({"KVPUSH_INSTANCE_PUBLIC_PATHS": "/"})
+    for key in ("secret_file", "allowed_engines", "peer_side_channels", "side_channel_host", "side_channel_port"):
+        assert values.kvpush_security_key_problem(key).startswith(f"{key} is set by kvpush")
+    assert values.kvpush_security_key_problem("stream_writes") is None
 
 
 @pytest.mark.parametrize("config,why", [({"a": float("inf")}, "finite"), ({"a": {"b": [float("nan")]}}, r"a\.b\[0\] is nan"),

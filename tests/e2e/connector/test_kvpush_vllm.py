@@ -28,6 +28,7 @@ from harness import (  # noqa: E402
     wait_until_queued_on_prefill,
 )
 from deployment_slot import DeploymentSlot  # noqa: E402
+from plan_secrets import keyless  # noqa: E402
 from random_prompts import full_length_prompts, random_prompts  # noqa: E402
 
 MAX_TOKENS = 8
@@ -40,7 +41,7 @@ def start_pair(plan) -> dict[str, Server]:
     try:
         for role in ("prefill", "decode"):
             proc = plan.process(f"{role}-0")
-            servers[role] = Server(role, proc.argv, proc.env, proc.http_port, WORK)
+            servers[role] = Server(role, keyless(proc.argv), proc.env, proc.http_port, WORK)
         for s in servers.values():
             s.wait_healthy(timeout_s=600)
         return servers
