@@ -13,6 +13,8 @@ from typing import Callable, Literal
 
 from kvpush.common.errors import KvpushError
 
+from .env_file import checked_source_command
+
 ProcessState = Literal["alive", "zombie", "dead"]
 
 
@@ -179,12 +181,13 @@ def detached_start_command(argv: list[str], env: dict[str, str], cwd: str, log_p
     background a subshell), and every std stream is redirected so the SSH channel can close.
     setsid gives it its own session and process group, so signalling the group stops it all.
     env_file's variables are exported by this shell (`set -a`) and so inherited: their values
-    never appear in an argv (`ps`), where `env K=V` words would.
+    never appear in an argv (`ps`), where `env K=V` words would. The file is checked first (owner,
+    mode, who may write its directories: env_file.py); a failed check is one line on stderr.
     """
     log_dir = log_path.rsplit("/", 1)[0] if "/" in log_path else "."
     q = shlex.quote
     env_words = " ".join(q(f"{k}={v}") for k, v in sorted(env.items()))
-    source = f"set -a; . {q(env_file)} || exit 1; set +a; " if env_file else ""
+    source = checked_source_command(env_file, q) if env_file else ""
     return (
         f"mkdir -p {q(cwd)} {q(log_dir)} || exit 1; cd {q(cwd)} || exit 1; {source}"
         f"if [ -f {q(log_path)} ]; then mv -f {q(log_path)} {q(log_path + '.1')}; fi; "

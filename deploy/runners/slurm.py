@@ -90,10 +90,12 @@ class SlurmRunner(Runner):
 
     def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
         target = self.expand(path)
-        tmp = f"{target}.{os.getpid()}.tmp"
-        directory = target.rsplit("/", 1)[0] or "/"
+        directory, name = target.rsplit("/", 1) if "/" in target else (".", target)
         q = shlex.quote
-        command = f"mkdir -p {q(directory)} && cat > {q(tmp)} && chmod {mode:o} {q(tmp)} && mv -f {q(tmp)} {q(target)}"
+        # mktemp: a new file of a name no one can guess, made with O_EXCL and mode 0600 (a name
+        # another user could predict they could create first, as a link to a file of this user's)
+        command = (f"mkdir -p {q(directory or '/')} && t=$(mktemp {q((directory or '') + '/.' + name + '.XXXXXXXX')}) && "
+                   f"{{ cat >\"$t\" && chmod {mode:o} \"$t\" && mv -f \"$t\" {q(target)}; }} || {{ rm -f \"$t\"; exit 1; }}")
         self.run(command, timeout=120, stdin=data).check(f"writing {path}")
 
     def upload(self, local_path: str, remote_path: str) -> None:

@@ -5,6 +5,7 @@ Pure; the Slurm runner launches exactly this, and `kvpush plan` shows it.
 from __future__ import annotations
 
 from .base import shell_word
+from .env_file import checked_source_command
 
 # Every step shares the whole allocation of its node with the others (--overlap --whole): a step
 # of one task would otherwise get one CPU and no GPU, and two steps on a node would queue.
@@ -25,13 +26,15 @@ def step_shell(argv: list[str], env: dict[str, str], cwd: str, log_path: str, en
     place before argv starts, so a signal that comes as it starts cannot end the shell alone and
     leave argv running: a TERM that comes before argv's pid is known is passed on once it is; a HUP
     then is dropped (argv is only starting, and reads its configuration anyway). With env_file,
-    its variables (secrets) are exported by the step's shell, never written on a command line."""
+    its variables (secrets) are exported by the step's shell, never written on a command line,
+    once the file passed env_file.py's check."""
     log_dir = log_path.rsplit("/", 1)[0] if "/" in log_path else "."
     log = shell_word(log_path)
     env_words = " ".join(f"{k}={shell_word(v)}" for k, v in sorted(env.items()))
-    source = f"set -a; . {shell_word(env_file)} || exit 1; set +a; " if env_file else ""
-    return (f"mkdir -p {shell_word(cwd)} {shell_word(log_dir)} && cd {shell_word(cwd)} || exit 1; {source}"
-            f"if [ -f {log} ]; then mv -f {log} {log}.1; fi; "
+    # A failed check of the env file is one line in the process's log, where `up` looks.
+    source = f"{{ {checked_source_command(env_file, shell_word)}}} 2>>{log}; " if env_file else ""
+    return (f"mkdir -p {shell_word(cwd)} {shell_word(log_dir)} && cd {shell_word(cwd)} || exit 1; "
+            f"if [ -f {log} ]; then mv -f {log} {log}.1; fi; {source}"
             "pid=; term_before_start=; "
             "trap 'if [ -n \"$pid\" ]; then kill -TERM $pid 2>/dev/null; else term_before_start=1; fi' TERM INT; "
             "trap '[ -z \"$pid\" ] || kill -HUP $pid 2>/dev/null' HUP; "

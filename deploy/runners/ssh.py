@@ -232,11 +232,11 @@ class SshRunner(Runner):
 
     def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
         target = self.expand(path)
-        tmp = f"{target}.{uuid.uuid4().hex[:8]}.tmp"
+        tmp = f"{target}.{uuid.uuid4().hex}.tmp"
         with self._lock:
             sftp = self._sftp_client()
             self._makedirs(posixpath.dirname(target))
-            with sftp.open(tmp, "wb") as f:
+            with sftp.open(tmp, "xb") as f:  # exclusive: never through a file or link someone put there
                 f.write(data)
             sftp.chmod(tmp, mode)
             sftp.posix_rename(tmp, target)

@@ -393,3 +393,29 @@ def test_listpids_parses_each_process_of_a_numbered_step():
     text = ("PID      JOBID    STEPID   LOCALID GLOBALID\n10445    4        2        0       0\n"
             "10446    4        2        -       -\n10175    4        batch    0       0\n")
     assert parse_listpids(text) == [(10445, 2), (10446, 2)]
+
+
+def test_the_runner_writes_through_an_unguessable_exclusive_temporary_file(tmp_path):
+    """Its command run by a real shell here, as srun would on the node: a link planted at the old
+    predictable name ({target}.{pid}.tmp) is never followed, and nothing is left beside the target."""
+    import os
+
+    from kvpush.deploy.runners.local import LocalRunner
+
+    class HereRunner(SlurmRunner):
+        def run(self, command, timeout=None, stdin=None):
+            self.commands.append(command)
+            return LocalRunner("here").run(command, timeout, stdin)
+
+    runner = HereRunner("a", "10.0.0.1", "9", "n1", client=SlurmClient(FakeSlurm({})))
+    runner.commands = []
+    victim = tmp_path / "victim"
+    victim.write_text("untouched")
+    target = tmp_path / "dir" / "router.json"
+    target.parent.mkdir()
+    os.symlink(victim, f"{target}.{os.getpid()}.tmp")
+    runner.write_file(str(target), b"content", mode=0o640)
+    assert target.read_bytes() == b"content" and (target.stat().st_mode & 0o777) == 0o640
+    assert victim.read_text() == "untouched"
+    assert sorted(p.name for p in target.parent.iterdir()) == sorted(["router.json", f"router.json.{os.getpid()}.tmp"])
+    assert "mktemp" in runner.commands[-1] and f".{os.getpid()}.tmp" not in runner.commands[-1]
