@@ -69,6 +69,7 @@ class Fault:
     shown_dead_s: float | None = None  # kill: from the signal until `status` saw the instance dead
     up_s: float | None = None
     up_revived: list[str] = field(default_factory=list)
+    up_ready_s: dict[str, float] = field(default_factory=dict)  # from `up`'s launch until each process was ready
     notes: list[str] = field(default_factory=list)  # anything unexpected, in words
 
     def to_json(self, epoch: float) -> dict:
@@ -170,6 +171,7 @@ class Chaos:
             try:
                 result = up(self._topo, self._options)
                 fault.up_revived = result.changes.revive
+                fault.up_ready_s = {name: round(t, 1) for name, t in result.ready_s.items()}
                 break
             except Exception as exc:  # noqa: BLE001 - recorded; a second failure ends the run
                 fault.notes.append(f"`up` attempt {attempt} failed: {type(exc).__name__}: {exc}"[:500])
