@@ -84,17 +84,22 @@ def check_cross_fields(topo: Topology, problems: Problems) -> None:
                 problems.fail(base + ("devices",), f"lists {len(spec.devices)} GPUs but tensor_parallel_size x data_parallel_size = {spec.tensor_parallel_size} x {spec.data_parallel_size} = {ranks}; list exactly {ranks} devices or change the sizes")
             for dev in spec.devices:
                 key = (spec.host, dev)
-                if key in devices:
-                    problems.fail(base + ("devices",), f"GPU {dev} on host '{spec.host}' is also given to {field_path(devices[key])}; give each GPU to one instance")
+                other = devices.get(key)
+                if other is not None and not (spec.share_gpus and getattr(topo, other[0])[other[1]].share_gpus):
+                    problems.fail(base + ("devices",), f"GPU {dev} on host '{spec.host}' is also given to {field_path(other)}; give "
+                                  "each GPU to one instance, or set share_gpus: true on every instance that shares it")
                 devices[key] = base
         else:
             if spec.devices:
                 problems.fail(base + ("devices",), "GPU devices need platform: cuda; remove devices or set platform: cuda")
+            if spec.share_gpus:
+                problems.fail(base + ("share_gpus",), "applies to platform cuda only; remove it or set platform: cuda")
             if spec.data_parallel_size != 1:
                 problems.fail(base + ("data_parallel_size",), f"CPU instances run one data-parallel rank (got {spec.data_parallel_size}); "
                               "set data_parallel_size: 1 and run one instance per rank")
             if spec.cpu_cores is not None:
                 _claim_cores(topo, role, index, spec, cores, problems)
+    _check_unpinned_prefill_beside_tp_decode(topo, problems)
     _check_tp_sizes(topo, problems)
     _check_upstream_tp_pairs(topo, problems)
     if topo.connector.backend == "LIBFABRIC" and topo.platform == "cpu":
@@ -119,10 +124,55 @@ def _claim_cores(topo: Topology, role: Role, index: int, spec: InstanceSpec, cor
                 other = getattr(topo, other_path[0])[other_path[1]]
                 if not (spec.share_cores and other.share_cores):
                     whom = f"its rank {other_rank}" if other is spec else f"{field_path(other_path)} ({other.name})"
+                    why = _prefill_on_tp_decode(topo, (spec, rank), (other, other_rank)) or "(a small machine)"
                     problems.fail(base + ("cpu_cores",), f"core {core} on host '{spec.host}' is also given to {whom}; give each "
-                                  "instance and rank its own cores, or set share_cores: true on every instance that shares them "
-                                  "(a small machine)")
+                                  f"instance and rank its own cores, or set share_cores: true on every instance that shares them {why}")
             cores[key] = (base, rank)
+
+
+def _prefill_on_tp_decode(topo: Topology, one: tuple[InstanceSpec, int], two: tuple[InstanceSpec, int]) -> str:
+    """Why a core shared by these two (instance, rank) is worse than sharing: one is a prefill and
+    the other a rank of a TP > 1 decode it writes KV into ("" otherwise)."""
+    kinds = {id(s): role for role, _, s in topo.instances()}
+    (a, _), (b, _) = one, two
+    pair = {kinds.get(id(a)): one, kinds.get(id(b)): two}
+    if a is b or "prefill" not in pair or "decode" not in pair or topo.connector.type not in WRITING_CONNECTORS:
+        return ""
+    (prefill, _), (decode, rank) = pair["prefill"], pair["decode"]
+    if decode.tensor_parallel_size < 2:
+        return ""
+    return (f"(prefill {prefill.name} would share it with rank {rank} of decode {decode.name} (TP {decode.tensor_parallel_size}), "
+            f"which it writes KV into: decode's ranks spin in every layer's all-reduce waiting for each other, so a prefill "
+            f"on one of their cores can keep a rank from running, and the prefill from writing, until decode gives up)")
+
+
+# Connector types where prefill writes into decode's KV cache (in nixl-pull, decode reads)
+WRITING_CONNECTORS = ("kvpush", "nixl-push")
+
+
+def _check_unpinned_prefill_beside_tp_decode(topo: Topology, problems: Problems) -> None:
+    """A prefill and a TP > 1 decode it writes into, on one CPU host, one of them without
+    cpu_cores: it may run on any core, those of the other too. The pinned case is _claim_cores'."""
+    if topo.platform != "cpu" or topo.connector.type not in WRITING_CONNECTORS:
+        return
+    for p_index, prefill in enumerate(topo.prefill):
+        for d_index, decode in enumerate(topo.decode):
+            if (decode.tensor_parallel_size < 2 or prefill.host != decode.host or prefill.share_cores and decode.share_cores
+                    or prefill.cpu_cores is not None and decode.cpu_cores is not None):
+                continue
+            unpinned, path = (prefill, ("prefill", p_index)) if prefill.cpu_cores is None else (decode, ("decode", d_index))
+            if decode.cpu_cores is not None:
+                rank, cores = 0, rank_core_lists(decode.cpu_cores)[0]
+                where = f"core {min(cores)}, which rank {rank} of decode {decode.name} (TP {decode.tensor_parallel_size}) runs on"
+            elif prefill.cpu_cores is not None:
+                where = f"core {min(rank_core_lists(prefill.cpu_cores)[0])}, which prefill {prefill.name} runs on"
+            else:
+                where = "any core"
+            problems.fail(path, f"{unpinned.name} has no cpu_cores, so on host '{prefill.host}' prefill {prefill.name} and the "
+                                f"ranks of decode {decode.name} (TP {decode.tensor_parallel_size}), which it writes KV into, may "
+                                f"share {where}: decode's ranks spin in every layer's all-reduce waiting for each other, so a "
+                                f"prefill on one of their cores can keep a rank from running until decode gives up; give both "
+                                f"cpu_cores of their own, or set share_cores: true on both")
 
 
 def known_kv_heads(topo: Topology) -> int | None:

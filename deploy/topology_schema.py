@@ -187,6 +187,9 @@ class InstanceSpec(_Model):
                                                               "list per TP rank, '|'-separated, e.g. '0|1'")
     share_cores: bool = Field(False, description="platform cpu: this instance may share cores with other instances "
                                                  "that say so too, and its ranks with each other (a small machine)")
+    share_gpus: bool = Field(False, description="platform cuda: this instance may share its GPUs with other instances "
+                                                "that say so too (e.g. prefill and decode on one GPU); give each its "
+                                                "share with --kv-cache-memory-bytes / --gpu-memory-utilization")
     kv_cache_gib: NumberNotBool | None = Field(None, ge=MIN_KV_CACHE_GIB, le=1 << 16, description=(
         "platform cpu: each rank's KV cache in GiB, fractions allowed (e.g. 0.25); vLLM's --kv-cache-memory-bytes"))
     tensor_parallel_size: IntNotBool = Field(1, ge=1, le=64, description="ranks (GPUs, or CPU core lists) of one "

@@ -216,7 +216,21 @@ def test_every_template_validates_and_plans(name):
 
 
 def test_required_templates_are_shipped():
-    assert {"local-cpu", "local-cpu-tp2", "local-cpu-hetero", "p5en-1p1d", "xpyd"} <= set(template_names())
+    assert {"local-cpu", "local-cpu-tp2", "local-cpu-hetero", "local-gpu", "p5en-1p1d", "xpyd"} <= set(template_names())
+
+
+def test_local_gpu_template_shares_one_gpu_between_prefill_and_decode():
+    plan = build_plan(parse_topology(template_text("local-gpu")))
+    instances = [p for p in plan.processes() if p.role != "router"]
+    assert {p.env["CUDA_VISIBLE_DEVICES"] for p in instances} == {"0"}
+    assert all("--kv-cache-memory-bytes" in p.argv for p in instances)
+    assert len({p.argv[p.argv.index("--port") + 1] for p in instances}) == 2
+
+
+def test_a_gpu_is_shared_only_where_every_instance_sharing_it_says_so():
+    text = template_text("local-gpu")
+    with pytest.raises(Exception, match="also given to prefill.*share_gpus: true"):
+        parse_topology(text.replace("share_gpus: true", "share_gpus: false", 1).replace("share_gpus: true", "share_gpus: true"))
 
 
 def test_xpyd_spreads_over_four_hosts():
