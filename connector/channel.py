@@ -5,9 +5,11 @@ the owner's next deadline comes (`timeout()`); it never spins. Callbacks run on 
 
 Nothing here waits on a peer: a send only queues bytes (any thread may send, also under its own
 locks) and the reactor writes them as the peer reads them; a peer that reads too little for too
-long is cut off. Every read is bounded: a frame by the connection's limit (small until the peer
-has proven who it is), the number of connections by the listener's cap, and an unauthenticated
-connection by a deadline.
+long is cut off. Every read is bounded: a frame by the connection's limit (a few KiB until the
+peer has proven who it is, checked on the length prefix before the body is read), the number of
+connections by the listener's cap, and an unauthenticated connection by a deadline. An unproven
+connection whose frame is over the limit or not a valid message is closed at once: nothing it
+sends after that is read.
 """
 from __future__ import annotations
 
@@ -29,6 +31,8 @@ MAX_QUEUED_BYTES = 8 * 1024 * 1024  # unsent bytes a peer may leave behind befor
 SEND_STALL_S = 5.0  # ... or for how long it may read nothing at all while bytes wait for it
 MAX_CONNECTIONS = 256  # per listener, accepted connections not yet proven; proven peers are not counted
 AUTH_DEADLINE_S = 5.0  # an accepted connection that has not proven who it is by then is closed
+READ_BYTES = 1 << 20  # one recv from a proven peer
+UNPROVEN_READ_BYTES = 2 * wire.MAX_UNAUTHENTICATED_FRAME_BYTES  # ... and from one not proven yet
 
 
 class Handler(Protocol):
@@ -36,7 +40,9 @@ class Handler(Protocol):
     def on_closed(self, conn: "Connection", reason: str) -> None: ...
     def on_tick(self) -> None: ...
     def timeout(self) -> float | None: ...
-    def on_malformed(self, conn: "Connection", error: str) -> None: ...
+    def on_malformed(self, conn: "Connection", error: str, kind: str) -> None:
+        """A frame that is not a valid message (`kind` "malformed") or over the connection's
+        limit ("oversized_frame"), counted under `kind`."""
 
 
 class Connection:
@@ -157,6 +163,10 @@ class Reactor:
     def start(self) -> None:
         self._thread.start()
 
+    @property
+    def native_id(self) -> int | None:
+        return self._thread.native_id
+
     def listen(self, host: str, port: int) -> int:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -217,7 +227,11 @@ class Reactor:
             pass  # a wake is already pending, or we are shutting down
 
     def close(self, conn: Connection, reason: str) -> None:
-        """Close a connection (reactor thread); the handler hears on_closed once."""
+        """Close a connection; the handler hears on_closed once, on the reactor thread. From
+        another thread the close happens there, soon."""
+        if threading.current_thread() is not self._thread and self._thread.is_alive():
+            self.call_soon(lambda: self.close(conn, reason))
+            return
         if conn.closed:
             return
         with conn._send_lock:
@@ -345,7 +359,7 @@ class Reactor:
         if not mask & selectors.EVENT_READ:
             return
         try:
-            data = conn.sock.recv(1 << 20)
+            data = conn.sock.recv(READ_BYTES if conn.authenticated else UNPROVEN_READ_BYTES)
         except (BlockingIOError, InterruptedError):
             return
         except OSError as exc:
@@ -354,24 +368,29 @@ class Reactor:
         if not data:
             self.close(conn, "connection closed by peer")
             return
-        try:
-            frames = conn._reader.feed(data)
-        except wire.WireError as exc:
-            self.handler.on_malformed(conn, str(exc))
-            self.close(conn, f"unframeable data: {exc}")
-            return
-        for frame in frames:
+        conn._reader.add(data)
+        # Frame by frame: the frame that proves the peer raises the limit for the frames behind it,
+        # and a frame over the limit is refused on its length prefix, before its body is looked at.
+        while not conn.closed:
+            try:
+                frame = conn._reader.next_frame()
+            except wire.WireError as exc:
+                self.handler.on_malformed(conn, str(exc), "oversized_frame" if isinstance(exc, wire.FrameTooLarge) else "malformed")
+                self.close(conn, f"unframeable data: {exc}")
+                return
+            if frame is None:
+                return
             try:
                 msg = wire.decode(frame)
             except wire.WireError as exc:
-                self.handler.on_malformed(conn, str(exc))
+                self.handler.on_malformed(conn, str(exc), "malformed")
+                if not conn.authenticated:  # a stranger gets no second try
+                    self.close(conn, f"malformed frame before authentication: {exc}")
                 continue
             try:
                 self.handler.on_message(conn, msg)
             except Exception:  # one message's bug must not drop the frames behind it
                 log.exception("side channel: handling %s from %s failed", type(msg).__name__, conn.peer)
-            if conn.closed:
-                return
 
     def _accept(self, listener) -> None:
         try:

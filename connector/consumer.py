@@ -6,8 +6,9 @@ A WRITE that P streams (STREAMING, then LANDED per layer, then DONE) is handed o
 started (`take`: vLLM may schedule the request now) and as its outcome; in between the
 compute thread waits for each layer's bytes in `wait_landed`.
 One connection per P rank this rank takes KV heads from (its side channel listens on the
-instance's port + its rank), opened on first use with a HELLO carrying this agent's NIXL metadata
-and KV layout; what is sent to a P while its connection is being made waits for it (the reactor
+instance's port + its rank), opened on first use with a small HELLO (who this rank is, a nonce);
+this agent's NIXL metadata and KV layout (LAYOUT) go only to a P that proved the deployment's key
+(auth.py). What is sent to a P while its connection is being made waits for it (the reactor
 never blocks on a connect). A connection that dies fails every transfer pending on it at once.
 A transfer from a prefill with another TP size has one part per source rank (fanin.py): vLLM
 hears of it once, when every part is in; the first part to fail cancels the others.
@@ -58,8 +59,10 @@ class Consumer:
                  device_id: int = 0):
         self.config = config
         head_layouts = config.head_layouts or tuple(HeadLayout.whole(r.block_len) for r in regions)
-        self._hello = wire.Hello(config.engine_id, config.tp_rank, config.sharding.tp_size, agent_name, agent_metadata,
-                                 config.identity, regions, head_layouts, device_id)
+        self._hello = wire.Hello(config.engine_id, config.tp_rank, config.sharding.tp_size)
+        # sent only once P proved the key (auth.py); D's proof covers its digest
+        self._layout = wire.Layout(agent_name, agent_metadata, config.identity, regions, head_layouts, device_id)
+        self._layout_digest = auth.digest(wire.encode(self._layout))
         self._lock = threading.Lock()
         self._outcome_ready = threading.Condition(self._lock)
         self._state = ConsumerState(config.timeout_s, config.accepted_timeout_s)
@@ -120,7 +123,7 @@ class Consumer:
 
     def _bytes_per_block(self, num_heads: int) -> int:
         """What `num_heads` of this rank's heads take of one block, over every region."""
-        layouts = self._hello.head_layouts
+        layouts = self._layout.head_layouts
         return sum(num_heads * h.head_bytes * len(h.chunk_offsets) for h in layouts)
 
     def cancel(self, transfer_id: str) -> bool:
@@ -227,6 +230,7 @@ class Consumer:
         if not self.config.side_channel_key:
             conn.trust()
             conn.send(self._hello)
+            conn.send(self._layout)
             self._established(peer_engine, conn)
             return
         hello = replace(self._hello, nonce=auth.new_nonce())
@@ -248,8 +252,9 @@ class Consumer:
             return  # on_closed fails what waited for it
         del self._handshakes[peer_engine]
         conn.trust()
-        conn.send(wire.Auth(auth.prove(key, "decode", msg.nonce, hello.nonce, self.config.engine_id,
-                                       self.config.tp_rank, hello_digest)))
+        conn.send(wire.Auth(auth.prove(key, "decode", msg.nonce, hello.nonce, self.config.engine_id, self.config.tp_rank,
+                                       hello_digest, self._layout_digest), self._layout_digest))
+        conn.send(self._layout)  # what P makes a NIXL peer of, only to a P that proved the key
         self._established(peer_engine, conn)
 
     def _established(self, peer_engine: str, conn: Connection) -> None:
@@ -272,7 +277,7 @@ class Consumer:
 
     def _peer_failed(self, peer_engine: str, reason: str, may_still_land: bool = False) -> None:
         with self._lock:
-            lost = self._state.peer_gone(peer_engine, reason, len(self._hello.regions), may_still_land)
+            lost = self._state.peer_gone(peer_engine, reason, len(self._layout.regions), may_still_land)
             self._add_outcomes(lost)
         failed = [o for o in lost if not o.ok]
         if failed:
@@ -310,8 +315,8 @@ class Consumer:
         for o in late:  # let P free its side if it is still holding it
             self._send_existing(o.pending.peer_engine, wire.Cancel(base_name(o.pending.transfer_id)))
 
-    def on_malformed(self, conn: Connection, error: str) -> None:
-        self.counters["malformed"] += 1
+    def on_malformed(self, conn: Connection, error: str, kind: str) -> None:
+        self.counters[kind] += 1
         log.warning("kvpush: dropped malformed message from %s: %s", conn.peer, error)
 
     def on_closed(self, conn: Connection, reason: str) -> None:
@@ -366,7 +371,7 @@ class Consumer:
                 log.debug("kvpush D streaming %s t=%.6f", key, now)
                 return
             if isinstance(msg, wire.Landed):
-                if self._state.landed(key, peer_key, msg.regions, len(self._hello.regions)):
+                if self._state.landed(key, peer_key, msg.regions, len(self._layout.regions)):
                     self.counters["landed_parts"] += 1
                     self._outcome_ready.notify_all()
                 return

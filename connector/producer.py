@@ -7,9 +7,15 @@ the request's coalesced WRITE is made then (see transfer.prepare_write), off the
 `offer()` is called once the forward is done (on CPU by the compute thread, on a GPU by the save
 queue); if D's registration is here, the WRITE (made ahead, or now) is posted right there. With
 `stream_writes` (CPU) the compute thread instead writes layer by layer (streamed_write.py), so that
-D's forward pass overlaps the copy. Who may connect is admission.py's call. Everything that
-arrives later is handled on the reactor thread. `take_freed()` hands back the requests whose
-blocks P may free (WRITE done or failed, or never matched before the timeout).
+D's forward pass overlaps the copy. Who may connect is admission.py's call. `take_freed()` hands
+back the requests whose blocks P may free (WRITE done or failed, or never matched before the timeout).
+
+Three threads: the compute thread (vLLM's, the methods above), the side channel's reactor
+(channel.py: reads and checks D's frames, answers PING and the handshake's proofs; it never calls
+NIXL and never takes this module's lock, so a busy engine never delays a PONG), and the transfer
+thread (transfer_thread.py), which gets everything else the reactor reads, in order: making D a
+NIXL peer, registrations (and the WRITE of one that arrives after its offer), cancels, lost
+connections; it also polls the WRITEs in flight and expires what waited too long.
 
 This module matches offers with registrations and speaks to D; a matched push's WRITE, from
 posting to its outcome, is pushes.py's.
@@ -20,51 +26,27 @@ import logging
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 from typing import Callable
 
 from . import wire
-from .admission import Admission, ThrottledWarnings
-from .channel import AUTH_DEADLINE_S, MAX_CONNECTIONS, Connection, Reactor
-from .coalesce import Plan
+from .admission import Handshake, Pairing, ThrottledWarnings
+from .channel import Connection
 from .fanin import base_name, rank_key, rank_of
+from .producer_channel import ProducerChannel
+from .producer_config import ProducerConfig
 from .pushes import Peers, Pushes, SendRecord
-from .regions import HeadLayout, LayoutIdentity
 from .sharding import HeadSharding, ShardingError, targets_of
 from .state import Match, Offer, ProducerState, Registration, Rejection, counts_since
 from .streamed_write import MAX_SLEEP_S
 from .transfer import NixlEngine, Peer
+from .transfer_thread import TransferThread
 
 log = logging.getLogger(__name__)
 POLL_S = 0.0002  # completion polling period, only while WRITEs are in flight, easing off on a
 # CPU host to the compute thread's longest sleep between polls as they stay there (`_poll_interval`)
 # Counters that are outcomes, not dropped or refused input (those are exported by `take_counts`)
 _OUTCOME_COUNTERS = frozenset({"sent", "failed"})
-
-
-@dataclass
-class ProducerConfig:
-    engine_id: str
-    identity: LayoutIdentity
-    allowed_engines: frozenset[str]
-    host: str
-    port: int
-    timeout_s: float = 5.0  # unmatched halves expire, and a posted WRITE must end, within this
-    tp_rank: int = 0
-    # how this instance's KV heads lie over its ranks; which decode ranks this rank writes into
-    # follows from it and the decode's TP size (sharding.py)
-    sharding: HeadSharding = field(default_factory=lambda: HeadSharding(1, 1))
-    head_layouts: tuple[HeadLayout, ...] = ()  # per region; () = one head filling each block
-    # The deployment's side-channel key: a decode rank must prove it holds it (auth.py). Empty:
-    # no authentication, for tests and benchmarks that build the service directly.
-    side_channel_key: bytes = b""
-    auth_deadline_s: float = AUTH_DEADLINE_S  # a connection that has not proven itself by then is closed
-    max_connections: int = MAX_CONNECTIONS
-    # DRAM: the copy is CPU work, so the compute thread that posted a WRITE completes it at once.
-    # VRAM: the GPU's copy engines do it; the compute thread returns to vLLM.
-    drive_writes: bool = True
-    # ... and, where it drives them, writes layer by layer with STREAMING/LANDED to D
-    stream_writes: bool = False
+__all__ = ["Producer", "ProducerConfig"]
 
 
 class Producer:
@@ -77,14 +59,17 @@ class Producer:
         self._writing: set[str] = set()  # transfer ids the compute thread writes right now (no lock held)
         self._counted: Counter = Counter()  # what take_counts already handed out
         self._warnings = ThrottledWarnings()
-        self.counters: Counter = Counter()
+        self.counters: Counter = Counter()  # under the lock
         self._lost = ""  # why this instance can prefill nothing more (a sibling rank ended), "" while whole
         self._after_loss: Callable[[], None] | None = None  # to run once the pushes under way have ended
-        self._reactor = Reactor(f"kvpush-p-{config.engine_id}", self, max_connections=config.max_connections,
-                                auth_deadline_s=config.auth_deadline_s if config.side_channel_key else None)
-        self._pushes = Pushes(config, engine, self._lock, self._peers, self.counters, self._reactor.wake)
-        self._admission = Admission(config, engine, self.counters, self._warnings, self._reactor.close, self._admit)
+        self._jobs = TransferThread(f"kvpush-p-{config.engine_id}-transfer", self._next_wait, self._tick)
+        self._channel = ProducerChannel(config, engine, self._jobs, self._count, self._warnings,
+                                        self._on_transfer_message, self._closed, self._pair)
+        self._reactor = self._channel.reactor
+        self._admission = self._channel.admission
+        self._pushes = Pushes(config, engine, self._lock, self._peers, self.counters, self._jobs.wake)
         self.port = self._reactor.listen(config.host, config.port)
+        self._jobs.start()
         self._reactor.start()
 
     # ---- compute thread ----------------------------------------------------------------------
@@ -159,7 +144,7 @@ class Producer:
             finally:
                 with self._lock:
                     self._writing.discard(key)
-        self._reactor.wake()
+        self._jobs.wake()
 
     def _targets(self, peer_tp_size: int) -> list[int]:
         """The decode ranks (of a decode instance with this TP size) this rank writes into."""
@@ -206,8 +191,9 @@ class Producer:
                        on_lost: Callable[[], None] = lambda: None) -> None:
         """The other ranks of this instance (pidfd -> name, siblings.py): once one ends, this
         rank's forward passes stop in their next collective, so nothing here will be offered.
-        `on_lost` then runs on the side channel's thread, after decode has been told and once no
-        push this rank had already matched is still being written."""
+        `on_lost` then runs on the transfer thread, after decode has been told and once no push
+        this rank had already matched is still being written; both side-channel threads
+        (`side_channel_threads`) must keep running after it, to answer decode."""
         def lost(name: str) -> None:
             if self.lose_instance(f"its rank process {name} ended"):
                 with self._lock:
@@ -215,9 +201,13 @@ class Producer:
                 self._run_after_loss()
 
         for fd, name in handles.items():
-            self._reactor.watch_exit(fd, lambda name=name: lost(name))
+            self._reactor.watch_exit(fd, lambda name=name: self._jobs.submit(lambda: lost(name)))
         if gone:
-            self._reactor.call_soon(lambda: lost(gone[0]))
+            self._jobs.submit(lambda: lost(gone[0]))
+
+    def side_channel_threads(self) -> set[int]:
+        """Native ids of the reactor and transfer threads, which answer decode."""
+        return {t for t in (self._reactor.native_id, self._jobs.native_id) if t is not None}
 
     def lose_instance(self, why: str) -> bool:
         """Fail every registration decode holds here now, and every later one on arrival: this
@@ -236,7 +226,7 @@ class Producer:
         return True
 
     def _run_after_loss(self) -> None:
-        """Reactor thread."""
+        """Transfer thread."""
         with self._lock:
             if self._after_loss is None or self._writing or self._pushes.inflight:
                 return
@@ -251,7 +241,8 @@ class Producer:
         """Messages and requests dropped or refused since the last call, by reason."""
         with self._lock:
             self.counters["connection_cap"] = self._reactor.refused_connections
-            return counts_since(self.counters + self._state.dropped, self._counted, _OUTCOME_COUNTERS)
+            return counts_since(self.counters + self._state.dropped + self._channel.side_counts.copy(), self._counted,
+                                _OUTCOME_COUNTERS)
 
     def take_records(self) -> list[SendRecord]:
         with self._lock:
@@ -259,6 +250,7 @@ class Producer:
 
     def close(self) -> None:
         self._reactor.stop()
+        self._jobs.stop()
         with self._lock:
             self._pushes.release_all_prepared()
 
@@ -283,8 +275,12 @@ class Producer:
         if conn is not None:
             conn.send(msg)
 
-    # ---- reactor thread --------------------------------------------------------------------------
-    def timeout(self) -> float | None:
+    def _count(self, kind: str) -> None:
+        with self._lock:
+            self.counters[kind] += 1
+
+    # ---- transfer thread -----------------------------------------------------------------------
+    def _next_wait(self) -> float | None:
         with self._lock:
             if self._pushes.inflight:
                 return self._poll_interval()
@@ -301,7 +297,7 @@ class Producer:
         age = time.monotonic() - max(item.posted for item in self._pushes.inflight)
         return min(MAX_SLEEP_S, max(POLL_S, age / 8))
 
-    def on_tick(self) -> None:
+    def _tick(self) -> None:
         with self._lock:
             self._pushes.poll()
             offers, regs = self._state.expire(time.monotonic())
@@ -315,11 +311,7 @@ class Producer:
                 self._send_fail(r.peer_engine, tid, f"prefill {self.config.engine_id} had no request for transfer {tid} within {self.config.timeout_s:g} s")
         self._run_after_loss()
 
-    def on_malformed(self, conn: Connection, error: str) -> None:
-        self.counters["malformed"] += 1
-        self._warnings.warn("malformed", "kvpush: dropped malformed message from %s: %s", conn.peer, error)
-
-    def on_closed(self, conn: Connection, reason: str) -> None:
+    def _closed(self, conn: Connection, reason: str) -> None:
         with self._lock:
             engine_id = conn.engine_id
             if engine_id is not None and self._peers.conns.get(engine_id) is conn:
@@ -328,21 +320,12 @@ class Producer:
                 self._pushes.poll(gone_engine=engine_id, why=reason)
                 log.info("kvpush: decode engine %s disconnected (%s)", engine_id, reason)
 
-    def on_message(self, conn: Connection, msg: wire.Message) -> None:
-        if isinstance(msg, wire.Hello):
-            self._admission.on_hello(conn, msg)
+    def _on_transfer_message(self, conn: Connection, msg: wire.Register | wire.Cancel, now: float) -> None:
+        if conn.engine_id is None:  # its handshake was refused, or is not done (nothing of it is kept)
+            self._count("before_handshake")
             return
-        if isinstance(msg, wire.Auth):
-            self._admission.on_auth(conn, msg)
-            return
-        if conn.engine_id is None:
-            self.counters["before_handshake"] += 1
-            return
-        if isinstance(msg, wire.Ping):  # answered here, never behind the compute thread's lock
-            conn.send(wire.Pong())
-            return
-        now = time.monotonic()
         peer_key = conn.engine_id
+        late: Match | None = None
         with self._lock:
             if isinstance(msg, wire.Register):
                 key = self._part_key(msg.transfer_id, peer_key)
@@ -360,8 +343,12 @@ class Producer:
                 result = self._state.register(Registration(key, peer_key, msg.block_ids, msg.first_block, now))
                 if result is None and key in self._state.accepted:
                     conn.send(wire.Accepted(msg.transfer_id))
-                self._settle(result)
-            elif isinstance(msg, wire.Cancel):
+                if isinstance(result, Match):  # its offer came first: written here, outside the lock
+                    late = result
+                    self._writing.add(key)
+                else:
+                    self._settle(result)
+            else:
                 key = self._part_key(msg.transfer_id, peer_key)
                 offer = self._state.cancel(key, peer_key, now)
                 if offer is not None:
@@ -369,8 +356,18 @@ class Producer:
                 writing = key in self._writing or self._pushes.in_flight(key)
                 if not writing:  # else the WRITE's own DONE or FAIL answers
                     conn.send(wire.Fail(msg.transfer_id, "cancelled by decode"))
-            else:
-                self.counters["unexpected"] += 1
+        if late is not None:
+            self._post(late)
+
+    def _post(self, match: Match) -> None:
+        """Post a matched WRITE and hand it to the polling; the lock is not held across NIXL's post."""
+        item = None
+        try:
+            item = self._pushes.post(match)
+        finally:
+            with self._lock:
+                self._writing.discard(match.offer.transfer_id)
+                self._pushes.queue(item)
 
     @staticmethod
     def _part_key(transfer_id: str, peer_key: str) -> str:
@@ -385,16 +382,25 @@ class Producer:
             return f"block ids up to {max(msg.block_ids)}, but decode engine {engine_id} registered {num_blocks} blocks"
         return ""
 
-    def _admit(self, conn: Connection, hello: wire.Hello, peer: Peer, plan: Plan) -> None:
+    def _pair(self, conn: Connection, handshake: Handshake, layout: wire.Layout) -> None:
+        """A proven decode rank's LAYOUT: make it a NIXL peer (no lock held) and admit it."""
+        if conn.closed:
+            return
+        pairing = self._admission.pair(conn, handshake, layout)
+        if pairing is not None:
+            self._admit(conn, pairing)
+
+    def _admit(self, conn: Connection, pairing: Pairing) -> None:
         """A decode rank proved the key and pairs with this rank: its pushes may start."""
+        hello = pairing.hello
         key = rank_key(hello.engine_id, hello.tp_rank)
         with self._lock:
             old = self._peers.conns.get(key)
             conn.engine_id = key
             self._peers.conns[key] = conn
-            self._peers.nixl[key] = peer
+            self._peers.nixl[key] = pairing.peer
         if old is not None and old is not conn:
             self._reactor.close(old, "replaced by a new connection")
         conn.send(wire.Welcome(self.config.engine_id))
         log.info("kvpush: handshake with decode engine %s rank %d (%s) done: %d segment(s) per block run",
-                 hello.engine_id, hello.tp_rank, conn.peer, len(plan.segments))
+                 hello.engine_id, hello.tp_rank, conn.peer, len(pairing.plan.segments))

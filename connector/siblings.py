@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Collection
 
 
 def worker_title_prefix() -> str:
@@ -64,8 +65,8 @@ def exit_handles(pids: dict[int, str]) -> tuple[dict[int, str], list[str]]:
     return handles, gone
 
 
-def yield_cores(keep_thread: int) -> int:
-    """Put every thread of this process but `keep_thread` (a native thread id) under SCHED_IDLE;
+def yield_cores(keep_threads: Collection[int]) -> int:
+    """Put every thread of this process but `keep_threads` (native thread ids) under SCHED_IDLE;
     how many were. For a rank whose instance lost a sibling: its compute thread spins in a
     collective until vLLM kills the process, and on a host where other instances share its cores
     that spin took them from their ranks for seconds. Idle-class threads run only when nothing
@@ -73,7 +74,7 @@ def yield_cores(keep_thread: int) -> int:
     moved = 0
     for task in Path(f"/proc/{os.getpid()}/task").iterdir():
         tid = int(task.name)
-        if tid == keep_thread:
+        if tid in keep_threads:
             continue
         try:
             os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))

@@ -1,11 +1,14 @@
 """Side-channel wire messages between a decode (D) and a prefill (P) worker.
 
 Frames are a 4-byte big-endian length followed by a UTF-8 JSON object with a "type" field.
-D opens one TCP connection per P rank; over it D sends HELLO, AUTH, REGISTER, CANCEL and PING and P
-answers with CHALLENGE, WELCOME/REFUSE, ACCEPTED (P has the request), STREAMING and LANDED (a WRITE
-that lands part by part), DONE, FAIL and PONG. HELLO, CHALLENGE and AUTH authenticate both sides
-(auth.py) before anything else is taken from the peer. Decoding validates every field: a malformed
-frame raises WireError, which the receiver counts and drops (it never reaches protocol state).
+D opens one TCP connection per P rank; over it D sends HELLO, AUTH, LAYOUT, REGISTER, CANCEL and PING
+and P answers with CHALLENGE, WELCOME/REFUSE, ACCEPTED (P has the request), STREAMING and LANDED (a
+WRITE that lands part by part), DONE, FAIL and PONG. HELLO, CHALLENGE and AUTH authenticate both
+sides (auth.py) before anything else is taken from the peer, and are small: a frame from an unproven
+peer is at most MAX_UNAUTHENTICATED_FRAME_BYTES. What is large (D's KV layout and NIXL agent
+metadata, LAYOUT) flows only after both sides proved the key. Decoding validates every field: a
+malformed frame raises WireError, which the receiver counts and drops (it never reaches protocol
+state).
 """
 from __future__ import annotations
 
@@ -19,7 +22,9 @@ from typing import Any, ClassVar, Union
 from .regions import HeadLayout, LayoutIdentity, Region
 
 MAX_FRAME_BYTES = 16 * 1024 * 1024  # a REGISTER of a million blocks; nothing else comes near it
-MAX_UNAUTHENTICATED_FRAME_BYTES = 1024 * 1024  # until a peer proves who it is: a HELLO (agent metadata, regions)
+# Until a peer proves who it is: HELLO, CHALLENGE and AUTH are a few hundred bytes (ids, nonces,
+# proofs), so a stranger's frame costs little to read and nothing to refuse.
+MAX_UNAUTHENTICATED_FRAME_BYTES = 4096
 LENGTH = struct.Struct(">I")
 
 
@@ -27,19 +32,34 @@ class WireError(ValueError):
     """A frame that is not a valid message."""
 
 
+class FrameTooLarge(WireError):
+    """A length prefix over the connection's limit: refused before any of the frame's body is read."""
+
+
 @dataclass(frozen=True)
 class Hello:
+    """D's first frame, before either side is proven: who it says it is, and its challenge to P.
+    Small on purpose (see MAX_UNAUTHENTICATED_FRAME_BYTES); its layout comes in LAYOUT."""
+
     type: ClassVar[str] = "hello"
     engine_id: str
     tp_rank: int
     tp_size: int
+    nonce: str = ""  # D's challenge to P (auth.py); "" where the side channel is not authenticated
+
+
+@dataclass(frozen=True)
+class Layout:
+    """D's KV cache as P needs it to write there, sent once both sides proved the key: its NIXL
+    agent metadata, KV regions, the GPU they live on and the layout's identity."""
+
+    type: ClassVar[str] = "layout"
     agent_name: str
     agent_metadata: bytes
     identity: LayoutIdentity
     regions: tuple[Region, ...]
     head_layouts: tuple[HeadLayout, ...]  # one per region
     device_id: int = 0  # the GPU the regions live on (NIXL descriptors name it); 0 for DRAM
-    nonce: str = ""  # D's challenge to P (auth.py); "" where the side channel is not authenticated
 
 
 @dataclass(frozen=True)
@@ -55,10 +75,12 @@ class Challenge:
 
 @dataclass(frozen=True)
 class Auth:
-    """D's proof of the key, answering P's CHALLENGE."""
+    """D's proof of the key, answering P's CHALLENGE; it also binds the digest of the LAYOUT that
+    D sends next (auth.py), so P takes that frame only as D made it."""
 
     type: ClassVar[str] = "auth"
     proof: str
+    layout_digest: str
 
 
 @dataclass(frozen=True)
@@ -110,7 +132,7 @@ class Streaming:
 
 @dataclass(frozen=True)
 class Landed:
-    """These regions (indices into D's HELLO) of the transfer hold their final bytes."""
+    """These regions (indices into D's LAYOUT) of the transfer hold their final bytes."""
 
     type: ClassVar[str] = "landed"
     transfer_id: str
@@ -144,11 +166,11 @@ class Pong:
     type: ClassVar[str] = "pong"
 
 
-Message = Union[Hello, Challenge, Auth, Welcome, Refuse, Register, Cancel, Accepted, Streaming, Landed, Done, Fail, Ping,
-                Pong]
-_TYPES: dict[str, type] = {cls.type: cls for cls in (Hello, Challenge, Auth, Welcome, Refuse, Register, Cancel, Accepted,
-                                                     Streaming, Landed, Done, Fail, Ping, Pong)}
-HANDSHAKE_TYPES = (Hello, Challenge, Auth, Welcome, Refuse)  # what a peer may send before it is authenticated
+Message = Union[Hello, Challenge, Auth, Layout, Welcome, Refuse, Register, Cancel, Accepted, Streaming, Landed, Done,
+                Fail, Ping, Pong]
+_TYPES: dict[str, type] = {cls.type: cls for cls in (Hello, Challenge, Auth, Layout, Welcome, Refuse, Register, Cancel,
+                                                     Accepted, Streaming, Landed, Done, Fail, Ping, Pong)}
+HANDSHAKE_TYPES = (Hello, Challenge, Auth, Refuse)  # what a peer may send before it is authenticated
 MAX_ID_CHARS = 256
 ID_PATTERN = re.compile(r"[A-Za-z0-9._:-]+")
 HEX_64 = re.compile(r"[0-9a-f]{64}")
@@ -159,7 +181,7 @@ MAX_LIST = 65536  # layers, regions: far above any model
 def encode(msg: Message) -> bytes:
     body = asdict(msg)
     body["type"] = msg.type
-    if isinstance(msg, Hello):
+    if isinstance(msg, Layout):
         body["agent_metadata"] = base64.b64encode(msg.agent_metadata).decode()
     data = json.dumps(body, separators=(",", ":")).encode()
     return LENGTH.pack(len(data)) + data
@@ -268,6 +290,19 @@ def _head_layout(body: Any, region: Region) -> HeadLayout:
 
 def _hello(body: dict) -> Hello:
     _exact_keys(body, Hello)
+    tp_rank, tp_size = _int(body["tp_rank"], "tp_rank"), _int(body["tp_size"], "tp_size", 1)
+    if tp_rank >= tp_size:
+        raise WireError(f"tp_rank {tp_rank} is not below tp_size {tp_size}")
+    return Hello(
+        engine_id=_id(body["engine_id"], "engine_id"),
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        nonce=_hex(body["nonce"], "nonce", allow_empty=True),
+    )
+
+
+def _layout(body: dict) -> Layout:
+    _exact_keys(body, Layout)
     regions, head_layouts = body["regions"], body["head_layouts"]
     if not isinstance(regions, list) or not regions or len(regions) > MAX_LIST:
         raise WireError(f"regions must be a non-empty list of at most {MAX_LIST}")
@@ -278,20 +313,13 @@ def _hello(body: dict) -> Hello:
     except (TypeError, ValueError):
         raise WireError("agent_metadata is not base64") from None
     parsed = tuple(_region(r) for r in regions)
-    tp_rank, tp_size = _int(body["tp_rank"], "tp_rank"), _int(body["tp_size"], "tp_size", 1)
-    if tp_rank >= tp_size:
-        raise WireError(f"tp_rank {tp_rank} is not below tp_size {tp_size}")
-    return Hello(
-        engine_id=_id(body["engine_id"], "engine_id"),
-        tp_rank=tp_rank,
-        tp_size=tp_size,
+    return Layout(
         agent_name=_str(body["agent_name"], "agent_name"),
         agent_metadata=metadata,
         identity=_identity(body["identity"]),
         regions=parsed,
         head_layouts=tuple(_head_layout(h, r) for h, r in zip(head_layouts, parsed)),
         device_id=_int(body["device_id"], "device_id"),
-        nonce=_hex(body["nonce"], "nonce", allow_empty=True),
     )
 
 
@@ -324,9 +352,10 @@ def _simple(cls: type, checks: dict):
 
 _BUILDERS = {
     Hello: _hello,
+    Layout: _layout,
     Register: _register,
     Challenge: _simple(Challenge, {"engine_id": _id, "tp_rank": _int, "nonce": _hex, "proof": _hex}),
-    Auth: _simple(Auth, {"proof": _hex}),
+    Auth: _simple(Auth, {"proof": _hex, "layout_digest": _hex}),
     Welcome: _simple(Welcome, {"engine_id": _id}),
     Refuse: _simple(Refuse, {"engine_id": _id, "reason": _text}),
     Cancel: _simple(Cancel, {"transfer_id": _id}),
@@ -342,21 +371,33 @@ _BUILDERS = {
 
 @dataclass
 class FrameReader:
-    """Splits a byte stream into frame bodies; a frame over the limit raises WireError (before
-    any of its body is buffered)."""
+    """Splits a byte stream into frame bodies. The limit is checked on each frame's length prefix
+    as that frame comes up, before its body is read or buffered past what one recv brought: a frame
+    over it raises FrameTooLarge. The limit may change between frames (`next_frame`), so a frame
+    that follows the one proving the peer is held to the limit of a proven peer."""
 
     max_frame: int = MAX_FRAME_BYTES
     buffer: bytearray = field(default_factory=bytearray)
 
     def feed(self, data: bytes) -> list[bytes]:
-        self.buffer += data
+        self.add(data)
         frames = []
-        while len(self.buffer) >= LENGTH.size:
-            (size,) = LENGTH.unpack_from(self.buffer)
-            if size > self.max_frame:
-                raise WireError(f"frame of {size} bytes exceeds {self.max_frame}")
-            if len(self.buffer) < LENGTH.size + size:
-                break
-            frames.append(bytes(self.buffer[LENGTH.size:LENGTH.size + size]))
-            del self.buffer[:LENGTH.size + size]
+        while (frame := self.next_frame()) is not None:
+            frames.append(frame)
         return frames
+
+    def add(self, data: bytes) -> None:
+        self.buffer += data
+
+    def next_frame(self) -> bytes | None:
+        """The next whole frame's body, or None until more bytes come."""
+        if len(self.buffer) < LENGTH.size:
+            return None
+        (size,) = LENGTH.unpack_from(self.buffer)
+        if size > self.max_frame:
+            raise FrameTooLarge(f"frame of {size} bytes exceeds {self.max_frame}")
+        if len(self.buffer) < LENGTH.size + size:
+            return None
+        frame = bytes(self.buffer[LENGTH.size:LENGTH.size + size])
+        del self.buffer[:LENGTH.size + size]
+        return frame

@@ -156,8 +156,10 @@ class PushWorker:
             log.info("kvpush: prefill rank %d watches its %d sibling rank process(es)", self.tp_rank, others)
 
     def _yield_cores(self) -> None:
-        """P, its instance lost a rank (side channel's thread, which keeps answering decode)."""
-        moved = yield_cores(keep_thread=threading.get_native_id())
+        """P, its instance lost a rank (the producer's transfer thread): its side-channel threads
+        keep answering decode."""
+        assert self.producer is not None
+        moved = yield_cores(keep_threads={threading.get_native_id(), *self.producer.side_channel_threads()})
         log.info("kvpush: prefill rank %d put %d thread(s) under SCHED_IDLE until vLLM ends this process", self.tp_rank, moved)
 
     # ---- before the forward pass (mostly D) ------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections import Counter
 from types import SimpleNamespace
 
 import pytest
@@ -106,7 +107,7 @@ def setup():
                                            drive_writes=drive_writes, stream_writes=stream_writes), engine)
         made.append(producer)
         conn = FakeConn()
-        producer.on_message(conn, wire.Hello("D", 0, 1, "agent-D", b"meta", IDENTITY, REGIONS, HEADS, device_id=5))
+        shake(producer, conn, "D", device_id=5)
         return producer, engine, conn
 
     yield make
@@ -114,8 +115,20 @@ def setup():
         p.close()
 
 
+def deliver(producer, conn, msg):
+    """A frame as the reactor thread hands it over, and whatever it queued for the transfer thread done."""
+    producer._channel.on_message(conn, msg)
+    assert producer._jobs.drain()
+
+
+def shake(producer, conn, engine, rank=0, tp_size=1, identity=IDENTITY, regions=REGIONS, heads=HEADS, device_id=0):
+    """The handshake of an unauthenticated side channel (no key): HELLO, then LAYOUT."""
+    deliver(producer, conn, wire.Hello(engine, rank, tp_size))
+    deliver(producer, conn, wire.Layout(f"agent-{engine}{rank}", b"meta", identity, regions, heads, device_id))
+
+
 def register(producer, conn, tid, blocks, first=0):
-    producer.on_message(conn, wire.Register(tid, tuple(blocks), first, 16 * len(blocks)))
+    deliver(producer, conn, wire.Register(tid, tuple(blocks), first, 16 * len(blocks)))
 
 
 HANG_S = 30.0  # how long to wait for something that must happen before calling it a hang
@@ -161,7 +174,7 @@ def test_side_channel_tick_between_match_and_post_keeps_the_write_made_ahead(set
     drive = producer._pushes.drive
 
     def tick_then_drive(match):
-        producer.on_tick()
+        producer._tick()  # the transfer thread's tick, come between the match and the post
         drive(match)
 
     monkeypatch.setattr(producer._pushes, "drive", tick_then_drive)
@@ -195,8 +208,7 @@ def test_write_made_ahead_is_released_when_decode_cancels(setup):
     register(producer, conn, "t4", [5])
     assert producer.prepare("t4", [1], "D")
     made = engine.prepared[0][2]
-    producer.on_message(conn, wire.Cancel("t4"))
-    producer._reactor.wake()
+    deliver(producer, conn, wire.Cancel("t4"))
     deadline = time.monotonic() + HANG_S
     while made not in engine.released and time.monotonic() < deadline:
         time.sleep(0.001)
@@ -228,7 +240,7 @@ def test_gpu_offer_returns_at_once_and_the_side_channel_thread_completes_it(setu
     producer.offer("t7", "r7", [1], "D")  # returns although the WRITE cannot end yet
     assert len(engine.posted) == 1 and not producer.take_records() and not producer.take_freed()
     engine.writes_held.clear()
-    producer._reactor.wake()
+    producer._jobs.wake()
     record = wait_record(producer)
     assert record.ok and producer.take_freed() == ["r7"]
 
@@ -334,7 +346,7 @@ def test_a_stream_still_copying_at_the_deadline_goes_on_in_flight_and_ends_with_
     producer.offer("s3", "q3", [1, 2], "D")
     assert sent_after_handshake(conn) == [("Streaming", None)]  # both parts posted, nothing landed yet
     engine.writes_held.clear()
-    producer._reactor.wake()
+    producer._jobs.wake()
     record = wait_record(producer)
     assert record.ok and record.num_bytes == 2 * 2048 * 2
     assert sent_after_handshake(conn)[-1] == ("Done", None) and len(engine.posted) == 2
@@ -375,8 +387,8 @@ def test_the_side_channel_thread_is_never_held_up_by_a_write_the_compute_thread_
     calls_done = threading.Event()
 
     def side_channel_calls():
-        producer.timeout()
-        producer.on_tick()
+        producer._next_wait()
+        producer._tick()
         register(producer, conn, "other", [9])
         calls_done.set()
 
@@ -395,7 +407,7 @@ def test_a_cancel_crossing_a_write_the_compute_thread_copies_is_answered_by_the_
     register(producer, conn, "s8", [5, 6])
     thread = stream_in_background(producer, "s8", "q8")
     assert engine.posted_one.wait(HANG_S)  # the first part is copying
-    producer.on_message(conn, wire.Cancel("s8"))
+    deliver(producer, conn, wire.Cancel("s8"))
     engine.writes_held.clear()
     thread.join()
     # no FAIL "cancelled" ahead of bytes still landing: D keeps its blocks until DONE
@@ -417,7 +429,8 @@ def test_decode_disconnecting_fails_its_writes_in_flight_at_once(setup):
     producer, engine, conn = setup(latency_s=60.0, drive_writes=False)
     register(producer, conn, "t10", [5])
     producer.offer("t10", "r10", [1], "D")
-    producer.on_closed(conn, "connection reset")
+    producer._channel.on_closed(conn, "connection reset")
+    assert producer._jobs.drain()
     record = producer.take_records()[0]
     assert not record.ok and "disconnected during the WRITE (connection reset)" in record.reason
     assert producer.take_freed() == ["r10"] and engine.released == engine.posted
@@ -443,9 +456,10 @@ def test_a_second_request_with_the_same_transfer_id_is_freed_and_decode_is_not_t
 
 def test_a_second_hello_on_a_connection_does_not_change_whom_it_speaks_for(setup):
     producer, engine, conn = setup()
-    producer.on_message(conn, wire.Hello("D2", 0, 1, "agent-D2", b"meta", IDENTITY, REGIONS, HEADS))
+    deliver(producer, conn, wire.Hello("D2", 0, 1))
+    deliver(producer, conn, wire.Layout("agent-D2", b"meta", IDENTITY, REGIONS, HEADS))
     assert conn.engine_id == "D#0" and len(engine.peers) == 1
-    assert producer.take_counts() == {"repeated_hello": 1}
+    assert producer.take_counts() == {"repeated_hello": 1, "repeated_layout": 1}
     assert producer.take_counts() == {}  # each count is handed out once
 
 
@@ -456,7 +470,7 @@ def test_a_decode_rank_reaching_a_prefill_rank_without_its_heads_is_refused():
                                        "127.0.0.1", 0, tp_rank=0, sharding=HeadSharding(2, 2)), engine)
     try:
         conn = FakeConn()
-        producer.on_message(conn, wire.Hello("D2", 1, 2, "agent-D2", b"meta", producer.config.identity, REGIONS, HEADS))
+        shake(producer, conn, "D2", 1, 2, producer.config.identity)
         assert isinstance(conn.sent[-1], wire.Refuse)
         assert "decode rank 1 (TP 2) takes no KV heads from prefill rank 0 (TP 2, 2 KV heads)" in conn.sent[-1].reason
         assert engine.peers == []
@@ -483,16 +497,17 @@ def test_over_tcp_bad_frames_are_counted_and_the_frames_behind_them_still_served
     producer, engine, _ = setup()
     with socket.create_connection(("127.0.0.1", producer.port)) as sock:
         reader = wire.FrameReader()
-        sock.sendall(wire.encode(wire.Hello("D2", 0, 1, "agent-D2", b"meta", IDENTITY, REGIONS, HEADS)))
+        sock.sendall(wire.encode(wire.Hello("D2", 0, 1)) + wire.encode(wire.Layout("agent-D2", b"meta", IDENTITY, REGIONS, HEADS)))
         assert isinstance(read_until(sock, reader, wire.Welcome)[-1], wire.Welcome)
         nested = b"[" * 100_000 + b"]" * 100_000
         huge = b'{"type":"register","transfer_id":"x","block_ids":[%d],"first_block":0,"num_tokens":1}' % 2 ** 70
         sock.sendall(frame(b'{"type":[]}') + frame(nested) + frame(huge) + wire.encode(wire.Ping()))
         assert isinstance(read_until(sock, reader, wire.Pong)[-1], wire.Pong)
-    deadline = time.monotonic() + 2
-    while producer.counters["malformed"] < 3 and time.monotonic() < deadline:
+    counts, deadline = Counter(), time.monotonic() + HANG_S
+    while counts["malformed"] < 3 and time.monotonic() < deadline:
+        counts += producer.take_counts()
         time.sleep(0.01)
-    assert producer.take_counts()["malformed"] == 3 and not producer._state.registrations
+    assert counts["malformed"] == 3 and not producer._state.registrations
 
 
 @pytest.mark.parametrize("stream_writes", [True, False])
@@ -542,8 +557,7 @@ def test_a_prefill_rank_writing_into_several_decode_ranks_does_not_stream():
     try:
         conns = [FakeConn(), FakeConn()]
         for rank, conn in enumerate(conns):
-            producer.on_message(conn, wire.Hello("D", rank, 2, f"agent-D{rank}", b"meta", identity,
-                                                 (Region(1 << 20, 2048, 2048, 64),), (HeadLayout.whole(2048),)))
+            shake(producer, conn, "D", rank, 2, identity, (Region(1 << 20, 2048, 2048, 64),), (HeadLayout.whole(2048),))
             assert isinstance(conn.sent[-1], wire.Welcome), conn.sent[-1]
             register(producer, conn, "t20", [5, 6])
         producer.offer("t20", "r20", [1, 2], "D", peer_tp_size=2)
@@ -561,7 +575,7 @@ def test_a_prefill_rank_writing_into_one_decode_rank_of_a_tp_instance_streams():
                                        tp_rank=0, sharding=HeadSharding(2, 2)), engine)
     try:
         conn = FakeConn()
-        producer.on_message(conn, wire.Hello("D", 0, 2, "agent-D0", b"meta", identity, REGIONS, HEADS))
+        shake(producer, conn, "D", 0, 2, identity)
         assert isinstance(conn.sent[-1], wire.Welcome), conn.sent[-1]
         register(producer, conn, "t21", [5, 6])
         producer.offer("t21", "r21", [1, 2], "D", peer_tp_size=2)
@@ -577,9 +591,9 @@ def test_writes_in_flight_long_are_polled_less_often_on_a_cpu_host_only(setup, d
     producer, _, _ = setup(drive_writes=drive_writes)
     now = time.monotonic()
     producer._pushes.inflight = [SimpleNamespace(posted=now - 5.0)]
-    assert producer.timeout() == (MAX_SLEEP_S if drive_writes else POLL_S)
+    assert producer._next_wait() == (MAX_SLEEP_S if drive_writes else POLL_S)
     producer._pushes.inflight.append(SimpleNamespace(posted=now + 1.0))  # a WRITE just posted sets the pace
-    assert producer.timeout() == POLL_S
+    assert producer._next_wait() == POLL_S
     producer._pushes.inflight = []
 
 

@@ -14,6 +14,7 @@ LANDED on its own (a loaded machine can make the first WRITE to a peer take long
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -21,7 +22,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from pathlib import Path
 
 import numpy as np
@@ -177,6 +178,11 @@ def main() -> None:
                         engine)
     saves = SaveQueue(producer) if cfg.get("save_queue") else None
     gates: deque[ForwardGate] = deque()
+    refused: Counter = Counter()
+    # As vLLM's engine core does once started (vllm.utils.gc_utils.freeze_gc_heap): the start-up heap
+    # is left out of every later collection, whose pauses then stop every thread, the reactor's too.
+    gc.collect()
+    gc.freeze()
     print(json.dumps({"port": producer.port}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -196,10 +202,11 @@ def main() -> None:
         elif "forward_done" in cmd:
             gates.popleft().open()
         elif "freed" in cmd:
-            producer.take_counts()  # brings the reactor's own counts (connections over the cap) into counters
+            refused.update(producer.take_counts())  # what was dropped or refused, the reactor's own counts too
             recs = [r.__dict__ for r in producer.take_records()]
+            outcomes = {k: v for k, v in producer.counters.items() if k in ("sent", "failed")}
             print(json.dumps({"freed": producer.take_freed(), "records": recs,
-                              "counters": dict(producer.counters)}), flush=True)
+                              "counters": {**refused, **outcomes}}), flush=True)
     if saves is not None:
         saves.close()
     producer.close()

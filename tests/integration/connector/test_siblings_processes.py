@@ -38,7 +38,7 @@ spinner = threading.Thread(target=lambda: [None for _ in iter(int, 1)], daemon=T
 spinner.start()
 def on_exit(name):
     at = time.monotonic()
-    moved = yield_cores(keep_thread=threading.get_native_id())
+    moved = yield_cores(keep_threads={threading.get_native_id()})
     policies = {t: os.sched_getscheduler(t) for t in (threading.get_native_id(), spinner.native_id, threading.main_thread().native_id)}
     print(json.dumps({"ended": name, "at": at, "moved": moved,
                       "idle": [policies[spinner.native_id] == os.SCHED_IDLE, policies[threading.main_thread().native_id] == os.SCHED_IDLE],

@@ -17,10 +17,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from peer_proc import DecodeSide, PeerProcess, identity, kv_buffer, wait_outcomes  # noqa: E402
+from peer_proc import DecodeSide, PeerProcess, kv_buffer, wait_outcomes  # noqa: E402
 
 from kvpush.connector import auth, wire
-from kvpush.connector.regions import HeadLayout
 
 NUM_BLOCKS, BLOCK_SHAPE, SEED = 64, (2, 16, 64), 11
 KEY = bytes(range(32))
@@ -59,11 +58,8 @@ def connect(port: int) -> socket.socket | None:
 
 def forged_hello(decode: Decode) -> bytes:
     """A HELLO in a real decode's name, as a stranger who watched it can make one: everything but
-    the key (its engine id, layout, regions and NIXL metadata are no secret)."""
-    regions = tuple(decode.engine.regions)
-    return wire.encode(wire.Hello(decode.engine_id, 0, 1, "agent-forged", decode.engine.metadata, identity(decode.arr),
-                                  regions, tuple(HeadLayout.whole(r.block_len) for r in regions),
-                                  nonce=auth.new_nonce()))
+    the key (its engine id and rank are no secret)."""
+    return wire.encode(wire.Hello(decode.engine_id, 0, 1, nonce=auth.new_nonce()))
 
 
 def attack(port: int, stop: threading.Event, held: list) -> None:
@@ -74,8 +70,9 @@ def attack(port: int, stop: threading.Event, held: list) -> None:
             held.append(sock)
     while not stop.is_set():
         for payload in (rng.integers(0, 256, 4096, dtype=np.uint8).tobytes(),  # garbage
+                        wire.LENGTH.pack(9) + b"not json!",  # a frame that is no message
                         wire.LENGTH.pack(100 * 1024 * 1024) + b"x" * 1024,  # a huge frame announced
-                        wire.encode(wire.Auth("00" * 32))):  # a proof nobody asked for
+                        wire.encode(wire.Auth("00" * 32, "00" * 32))):  # a proof nobody asked for
             sock = connect(port)
             if sock is None:
                 continue
@@ -107,7 +104,8 @@ def test_attacks_on_the_side_channel_are_refused_and_counted_while_real_pushes_g
         print(f"push p50: calm {statistics.median(calm) * 1e3:.1f} ms, "
               f"under attack {statistics.median(under_attack) * 1e3:.1f} ms; counters {counters}")
         assert counters.get("connection_cap", 0) >= HELD_CONNECTIONS - 256  # the oldest strangers made room
-        assert counters.get("malformed", 0) >= 1  # garbage and huge frames
+        assert counters.get("malformed", 0) >= 1  # frames that are no message
+        assert counters.get("oversized_frame", 0) >= 1  # garbage and huge frames, refused on their length
         assert counters.get("unexpected_auth", 0) >= 1  # a proof without a challenge
         assert counters.get("sent") == len(calm) + len(under_attack) + 1
         # An engine thread blocked on a stranger would show as seconds per push, not a slower copy.
@@ -134,7 +132,7 @@ def test_a_stranger_claiming_a_real_decode_s_identity_never_displaces_it():
             sock.settimeout(5)
             sock.sendall(forged_hello(decode))
             assert sock.recv(65536)  # prefill's CHALLENGE
-            sock.sendall(wire.encode(wire.Auth("ab" * 32)))
+            sock.sendall(wire.encode(wire.Auth("ab" * 32, "cd" * 32)))
             with contextlib.suppress(ConnectionResetError):
                 assert sock.recv(65536) == b""  # closed by prefill: no WELCOME
             sock.close()

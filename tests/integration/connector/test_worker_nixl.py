@@ -42,7 +42,7 @@ def test_layout_cost_is_logged_only_when_a_run_needs_several_descriptors(caplog,
             assert notes == []
         else:
             assert len(notes) == 1 and f"{layout}" in notes[0] and f"{LAYERS} NIXL descriptors per run" in notes[0]
-        assert worker.consumer._hello.device_id == 0 and worker._step_marks is None  # CPU tensors
+        assert worker.consumer._layout.device_id == 0 and worker._step_marks is None  # CPU tensors
     finally:
         worker.shutdown()
 

@@ -23,35 +23,36 @@ def gate(tp_rank=0, tp_size=1):
                             sharding=HeadSharding(4, tp_size),
                             head_layouts=(HeadLayout(heads_here, HEAD_BYTES, (0,)),))
     engine = SimpleNamespace(regions=(region,), device_id=0)
-    return Admission(config, engine, Counter(), ThrottledWarnings(), lambda conn, why: None, lambda *a: None)
+    return Admission(config, engine, Counter(), lambda kind: None, ThrottledWarnings(), lambda conn, why: None)
 
 
 def hello(engine="D", rank=0, tp_size=1, identity=IDENTITY):
+    """A decode rank's HELLO and LAYOUT, as `check` takes them."""
     heads = 4 // tp_size
     region = Region(2 << 20, HEAD_BYTES * heads, HEAD_BYTES * heads, 64)
-    return wire.Hello(engine, rank, tp_size, "agent", b"meta", identity, (region,),
-                      (HeadLayout(heads, HEAD_BYTES, (0,)),))
+    return wire.Hello(engine, rank, tp_size), wire.Layout("agent", b"meta", identity, (region,),
+                                                         (HeadLayout(heads, HEAD_BYTES, (0,)),))
 
 
 def test_an_engine_outside_the_allow_list_is_refused_by_name():
-    reason, plan = gate().check_hello(hello(engine="stranger"))
+    reason, plan = gate().check(*hello(engine="stranger"))
     assert plan is None and "'stranger' is not in this prefill's allowed_engines ['D']" in reason
 
 
 def test_a_different_model_layout_is_refused_naming_the_difference():
     other = LayoutIdentity("m", "float16", 16, ("l0",), 4)
-    reason, plan = gate().check_hello(hello(identity=other))
+    reason, plan = gate().check(*hello(identity=other))
     assert plan is None and "differs" in reason and "float16" in reason
 
 
 def test_a_decode_rank_that_takes_no_heads_from_this_rank_is_refused():
     # prefill TP 2 rank 1 holds heads 2-3; decode TP 2 rank 0 holds heads 0-1
-    reason, plan = gate(tp_rank=1, tp_size=2).check_hello(hello(rank=0, tp_size=2))
+    reason, plan = gate(tp_rank=1, tp_size=2).check(*hello(rank=0, tp_size=2))
     assert plan is None and "takes no KV heads from prefill rank 1" in reason
 
 
 def test_prefill_tp2_writes_its_half_of_the_heads_into_a_tp1_decode_block():
-    reason, plan = gate(tp_rank=1, tp_size=2).check_hello(hello(rank=0, tp_size=1))
+    reason, plan = gate(tp_rank=1, tp_size=2).check(*hello(rank=0, tp_size=1))
     assert reason is None
     (segment,) = plan.segments
     assert segment.block_len == 2 * HEAD_BYTES

@@ -2,6 +2,8 @@
 who a peer is comes from its proof, a failed proof displaces nobody, reads and sends are bounded."""
 from __future__ import annotations
 
+import contextlib
+import json
 import socket
 import time
 from types import SimpleNamespace
@@ -33,9 +35,12 @@ class Engine:
         pass
 
 
-def hello(engine="D", rank=0, nonce=None, metadata=b"meta"):
-    return wire.Hello(engine, rank, 1, "agent-" + engine, metadata, IDENTITY, REGIONS, HEADS,
-                      nonce=auth.new_nonce() if nonce is None else nonce)
+def hello(engine="D", rank=0, nonce=None):
+    return wire.Hello(engine, rank, 1, nonce=auth.new_nonce() if nonce is None else nonce)
+
+
+def layout(engine="D", metadata=b"meta"):
+    return wire.Layout("agent-" + engine, metadata, IDENTITY, REGIONS, HEADS)
 
 
 @pytest.fixture
@@ -71,19 +76,26 @@ class Client:
                 if isinstance(m, kind):
                     self.got.remove(m)
                     return m
-            data = self.sock.recv(65536)
+            try:
+                data = self.sock.recv(65536)
+            except ConnectionResetError:  # closed with bytes of ours unread
+                return None
             if not data:
                 return None  # closed by the other side
             self.got += [wire.decode(f) for f in self.reader.feed(data)]
         raise AssertionError(f"no {kind.__name__} within {timeout_s} s")
 
-    def handshake(self, key: bytes, engine="D", rank=0):
-        h = hello(engine, rank)
+    def handshake(self, key: bytes, engine="D", rank=0, lay=None, sent_layout=None):
+        """HELLO, CHALLENGE, AUTH, LAYOUT: WELCOME or REFUSE (None: closed). The proof covers `lay`;
+        `sent_layout`: a LAYOUT other than the one the proof covers."""
+        h, lay = hello(engine, rank), lay or layout(engine)
         self.send(h)
         challenge = self.read(wire.Challenge)
-        digest = auth.digest(wire.encode(h))
+        digest, layout_digest = auth.digest(wire.encode(h)), auth.digest(wire.encode(lay))
         assert auth.verify(key, challenge.proof, "prefill", challenge.nonce, h.nonce, "P", 0, digest)
-        self.send(wire.Auth(auth.prove(key, "decode", challenge.nonce, h.nonce, engine, rank, digest)))
+        self.sock.sendall(wire.encode(wire.Auth(auth.prove(key, "decode", challenge.nonce, h.nonce, engine, rank, digest,
+                                                           layout_digest), layout_digest))
+                          + wire.encode(sent_layout or lay))  # one write: the LAYOUT may ride with the AUTH
         return self.read((wire.Welcome, wire.Refuse))
 
 
@@ -108,7 +120,9 @@ def test_a_peer_with_another_key_is_dropped_and_counted_and_displaces_nobody(pro
     h = hello()  # the same, predictable engine id: "D"
     impostor.send(h)
     challenge = impostor.read(wire.Challenge)
-    impostor.send(wire.Auth(auth.prove(OTHER_KEY, "decode", challenge.nonce, h.nonce, "D", 0, auth.digest(wire.encode(h)))))
+    lay = auth.digest(wire.encode(layout()))
+    impostor.send(wire.Auth(auth.prove(OTHER_KEY, "decode", challenge.nonce, h.nonce, "D", 0, auth.digest(wire.encode(h)),
+                                       lay), lay))
     assert impostor.read(wire.Welcome) is None  # closed, nothing said
     real.send(wire.Ping())
     assert isinstance(real.read(wire.Pong), wire.Pong)  # the established peer still speaks for D
@@ -121,7 +135,8 @@ def test_a_proof_recorded_from_one_handshake_fails_in_another(producer):
     h = hello()
     first.send(h)
     challenge = first.read(wire.Challenge)
-    stolen = wire.Auth(auth.prove(KEY, "decode", challenge.nonce, h.nonce, "D", 0, auth.digest(wire.encode(h))))
+    lay = auth.digest(wire.encode(layout()))
+    stolen = wire.Auth(auth.prove(KEY, "decode", challenge.nonce, h.nonce, "D", 0, auth.digest(wire.encode(h)), lay), lay)
     replay = Client(p.port)
     replay.send(h)  # the same HELLO, and the proof made for the first connection's nonce
     replay.read(wire.Challenge)
@@ -129,19 +144,54 @@ def test_a_proof_recorded_from_one_handshake_fails_in_another(producer):
     assert replay.read(wire.Welcome) is None and p.take_counts()["failed_auth"] == 1
 
 
-def test_nothing_but_the_handshake_is_taken_before_the_proof(producer):
+@pytest.mark.parametrize("first", [wire.Register("t1", (1, 2), 0, 32), wire.Ping(), wire.Cancel("t1"),
+                                   wire.Auth("00" * 32, "00" * 32), layout()], ids=lambda m: m.type)
+def test_anything_but_hello_before_the_proof_closes_the_connection(producer, first):
     p = producer()
     c = Client(p.port)
-    c.send(wire.Register("t1", (1, 2), 0, 32))  # before any HELLO
-    c.send(wire.Ping())
-    h = hello()
-    c.send(h)
+    c.send(first)
+    assert c.read(wire.Challenge) is None  # closed: nothing behind it is read
+    kind = {"auth": "unexpected_auth"}.get(first.type, "before_handshake")
+    wait_for(lambda: p.take_counts().get(kind) == 1)
+    assert p.engine.peers == [] and not p._peers.conns
+
+
+@pytest.mark.parametrize("second", [hello(), wire.Register("t2", (1, 2), 0, 32), layout()], ids=lambda m: m.type)
+def test_a_second_frame_other_than_auth_before_the_proof_closes_the_connection(producer, second):
+    p = producer()
+    c = Client(p.port)
+    c.send(hello())
     c.read(wire.Challenge)
-    c.send(wire.Register("t2", (1, 2), 0, 32))  # after HELLO, before AUTH
-    wait_for(lambda: p.counters["before_handshake"] == 3)
-    assert p.engine.peers == []  # no NIXL peer from an unproven HELLO
+    c.send(second)
+    assert c.read(wire.Welcome) is None
+    kind = {"hello": "repeated_hello"}.get(second.type, "before_handshake")
+    wait_for(lambda: p.take_counts().get(kind) == 1)
+    assert p.engine.peers == []  # no NIXL peer from an unproven connection
 
 
+def test_a_malformed_frame_before_the_proof_closes_the_connection(producer):
+    p = producer()
+    c = Client(p.port)
+    c.sock.sendall(wire.LENGTH.pack(7) + b"garbage" + wire.encode(hello()))
+    assert c.read(wire.Challenge) is None  # the valid HELLO behind it is never read
+    assert p.take_counts()["malformed"] == 1
+
+
+def test_a_layout_other_than_the_one_the_proof_covers_is_refused(producer):
+    p = producer()
+    c = Client(p.port)
+    assert c.handshake(KEY, sent_layout=layout(metadata=b"swapped on the way")) is None
+    wait_for(lambda: p.take_counts().get("failed_auth") == 1)
+    assert p.engine.peers == []
+
+
+def test_a_proven_peer_may_send_its_layout_in_the_same_read_as_its_proof(producer):
+    """The LAYOUT (larger than an unproven peer's limit here) rides with the AUTH that proves D."""
+    p = producer()
+    c = Client(p.port)
+    big = layout(metadata=bytes(3 * wire.MAX_UNAUTHENTICATED_FRAME_BYTES))
+    assert isinstance(c.handshake(KEY, lay=big), wire.Welcome)
+    assert p.engine.peers == [big.agent_metadata]
 def test_a_hello_without_a_nonce_is_refused(producer):
     p = producer()
     c = Client(p.port)
@@ -158,12 +208,22 @@ def test_a_connection_that_never_proves_itself_is_closed_at_the_deadline(produce
     assert idle.read(wire.Welcome, timeout_s=3.0) is None  # closed, not kept forever
 
 
-def test_a_frame_too_large_for_an_unproven_peer_is_cut_off_before_it_is_buffered(producer):
+@pytest.mark.parametrize("body", [b"{", json.dumps({"type": "hello", "engine_id": "D", "tp_rank": 0, "tp_size": 1,
+                                                   "nonce": "", "pad": "x" * 8192}).encode()], ids=["cut", "whole"])
+def test_a_frame_over_the_unproven_limit_is_refused_without_being_parsed(producer, monkeypatch, body):
+    """Its length prefix alone closes the connection: the body is never decoded, however much
+    of it was sent, and nothing behind it is read."""
+    decoded = []
+    real_decode = wire.decode
+    monkeypatch.setattr(wire, "decode", lambda data: decoded.append(len(data)) or real_decode(data))
     p = producer()
     c = Client(p.port)
-    c.sock.sendall(wire.LENGTH.pack(wire.MAX_UNAUTHENTICATED_FRAME_BYTES + 1) + b"{")
-    assert c.read(wire.Welcome) is None
-    assert p.take_counts()["malformed"] == 1
+    with contextlib.suppress(OSError):  # the prefill may close while the rest is still being sent
+        c.sock.sendall(wire.LENGTH.pack(max(len(body), wire.MAX_UNAUTHENTICATED_FRAME_BYTES + 1)) + body
+                       + wire.encode(hello()))
+    assert c.read(wire.Challenge) is None  # closed; the HELLO behind it never answered
+    wait_for(lambda: p.take_counts().get("oversized_frame") == 1)
+    assert decoded == []
 
 
 def test_past_the_cap_the_oldest_stranger_makes_room_and_a_proven_peer_stays(producer):

@@ -12,8 +12,10 @@ IDENTITY = LayoutIdentity("m", "bfloat16", 128, ("l0", "l1"), 2)
 REGIONS = (Region(4096, 65536, 65536, 10), Region(1 << 30, 65536, 65536, 10))
 HEADS = tuple(HeadLayout.whole(r.block_len) for r in REGIONS)
 MESSAGES = [
-    wire.Hello("D.e", 0, 1, "agent", b"\x00\xffmeta", IDENTITY, REGIONS, HEADS),
-    wire.Hello("D.e", 1, 2, "agent", b"meta", IDENTITY, REGIONS, (HeadLayout(2, 16384, (0, 32768)),) * 2, device_id=3),
+    wire.Hello("D.e", 0, 1), wire.Hello("D.e", 1, 2, "ab" * 32),
+    wire.Layout("agent", b"\x00\xffmeta", IDENTITY, REGIONS, HEADS),
+    wire.Layout("agent", b"meta", IDENTITY, REGIONS, (HeadLayout(2, 16384, (0, 32768)),) * 2, device_id=3),
+    wire.Challenge("P.e", 1, "cd" * 32, "ef" * 32), wire.Auth("01" * 32, "23" * 32),
     wire.Welcome("P.e"), wire.Refuse("P.e", "no"),
     wire.Register("t1", (5, 3, 9), 1, 300), wire.Cancel("t1"), wire.Accepted("t1"),
     wire.Done("t1", 4096), wire.Fail("t1", "boom"), wire.Streaming("t1"), wire.Landed("t1", (0, 3)),
@@ -36,8 +38,34 @@ def test_frame_reader_splits_and_joins_partial_frames():
 
 
 def test_oversized_frame_is_refused():
-    with pytest.raises(wire.WireError):
+    with pytest.raises(wire.FrameTooLarge):
         wire.FrameReader().feed(wire.LENGTH.pack(wire.MAX_FRAME_BYTES + 1))
+
+
+def test_a_frame_over_the_unproven_limit_is_refused_on_its_length_prefix_alone():
+    """The refusal comes from the 4-byte prefix: no body byte is needed, none is decoded."""
+    reader = wire.FrameReader(wire.MAX_UNAUTHENTICATED_FRAME_BYTES)
+    with pytest.raises(wire.FrameTooLarge, match="exceeds 4096"):
+        reader.feed(wire.LENGTH.pack(wire.MAX_UNAUTHENTICATED_FRAME_BYTES + 1))
+    assert wire.FrameReader(4096).feed(wire.LENGTH.pack(4096) + b"x" * 4096) == [b"x" * 4096]  # the cap itself passes
+
+
+def test_a_frame_behind_the_one_that_proves_the_peer_gets_the_proven_limit():
+    """AUTH and the LAYOUT behind it may arrive in one read: the limit is checked per frame, as
+    each comes up, so the LAYOUT is held to the limit in force once AUTH was handled."""
+    big = wire.LENGTH.pack(10_000) + b"y" * 10_000
+    reader = wire.FrameReader(wire.MAX_UNAUTHENTICATED_FRAME_BYTES)
+    reader.add(wire.encode(wire.Auth("01" * 32, "23" * 32)) + big)
+    assert isinstance(wire.decode(reader.next_frame()), wire.Auth)
+    reader.max_frame = wire.MAX_FRAME_BYTES  # what Connection.trust() does
+    assert reader.next_frame() == b"y" * 10_000 and reader.next_frame() is None
+
+
+def test_every_message_before_the_proof_fits_the_unproven_limit_at_its_largest():
+    longest = "x" * wire.MAX_ID_CHARS
+    for msg in (wire.Hello(longest, 2 ** 63 - 2, 2 ** 63 - 1, "ab" * 32),
+                wire.Challenge(longest, 2 ** 63 - 1, "cd" * 32, "ef" * 32), wire.Auth("01" * 32, "23" * 32)):
+        assert len(wire.encode(msg)) - wire.LENGTH.size <= wire.MAX_UNAUTHENTICATED_FRAME_BYTES
 
 
 def body_of(msg) -> dict:
@@ -70,9 +98,20 @@ def test_malformed_register_is_wire_error(mutate):
     lambda b: {**b, "identity": {**b["identity"], "block_lens": [1]}},
     lambda b: {**b, "identity": "x"},
 ])
+def test_malformed_layout_is_wire_error(mutate):
+    with pytest.raises(wire.WireError):
+        wire.decode(json.dumps(mutate(body_of(MESSAGES[2]))).encode())
+
+
+@pytest.mark.parametrize("mutate", [
+    lambda b: {**b, "nonce": "zz"},
+    lambda b: {**b, "tp_rank": 2},
+    lambda b: {**b, "engine_id": "D#1"},
+    lambda b: {**b, "agent_metadata": ""},  # the layout belongs in LAYOUT, after the proof
+])
 def test_malformed_hello_is_wire_error(mutate):
     with pytest.raises(wire.WireError):
-        wire.decode(json.dumps(mutate(body_of(MESSAGES[0]))).encode())
+        wire.decode(json.dumps(mutate(body_of(MESSAGES[1]))).encode())
 
 
 def test_identity_mismatch_names_both_values():
