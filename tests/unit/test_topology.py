@@ -144,6 +144,24 @@ decode: [{devices: [8, 9, 10], tensor_parallel_size: 3}]
      .replace("  - {}\ndecode", "  - {tensor_parallel_size: 3, cpu_cores: '0|1|2'}\ndecode"), 5, "prefill[0].tensor_parallel_size",
      "prefill-0 uses TP size 3 but the model has 4 KV heads"),
     ("tiny model heads", MINIMAL.replace("path: /models/tiny", "path: /models/tiny\n  tiny: {heads: 3, kv_heads: 2}"), 3, "model.tiny", "multiple of kv_heads"),
+    ("prefill on a core of a tp decode rank", MINIMAL.replace("  - {}\ndecode:\n  - {}",
+                                                             "  - {cpu_cores: '1'}\ndecode:\n  - {cpu_cores: '0|1', tensor_parallel_size: 2}"),
+     6, "decode[0].cpu_cores", "core 1 on host 'local' is also given to prefill[0] (prefill-0); give each instance and rank its own "
+     "cores, or set share_cores: true on every instance that shares them (prefill prefill-0 would share it with rank 1 of decode "
+     "decode-0 (TP 2), which it writes KV into: decode's ranks spin in every layer's all-reduce"),
+    ("unpinned prefill beside a tp decode", MINIMAL.replace("  - {}\ndecode:\n  - {}",
+                                                           "  - {}\ndecode:\n  - {cpu_cores: '0|1', tensor_parallel_size: 2}"),
+     4, "prefill[0]", "prefill-0 has no cpu_cores, so on host 'local' prefill prefill-0 and the ranks of decode decode-0 (TP 2), "
+     "which it writes KV into, may share core 0, which rank 0 of decode decode-0 (TP 2) runs on"),
+    ("unpinned tp decode beside a prefill", MINIMAL.replace("  - {}\ndecode:\n  - {}",
+                                                           "  - {cpu_cores: '1'}\ndecode:\n  - {tensor_parallel_size: 2}"),
+     6, "decode[0]", "decode-0 has no cpu_cores, so on host 'local' prefill prefill-0 and the ranks of decode decode-0 (TP 2), "
+     "which it writes KV into, may share core 1, which prefill prefill-0 runs on"),
+    ("neither pinned beside a tp decode", MINIMAL.replace("  - {}\ndecode:\n  - {}",
+                                                         "  - {}\ndecode:\n  - {tensor_parallel_size: 2, share_cores: true}"),
+     4, "prefill[0]", "may share any core: decode's ranks spin in every layer's all-reduce waiting for each other, so a prefill "
+     "on one of their cores can keep a rank from running until decode gives up; give both cpu_cores of their own, or set "
+     "share_cores: true on both"),
 ]
 
 
@@ -199,6 +217,19 @@ def test_instances_that_ask_share_cores_and_each_rank_gets_its_list():
     # kvpush's connector listens once per TP rank; vLLM's NIXL connectors once per instance
     assert side_channel_ports(topo.prefill[0]) == [5600, 5601]
     assert side_channel_ports(topo.prefill[0], "nixl-pull") == [5600]
+
+
+@pytest.mark.parametrize("instances", [
+    "  - {share_cores: true}\ndecode:\n  - {tensor_parallel_size: 2, share_cores: true}",  # asked for
+    "  - {cpu_cores: '1', share_cores: true}\ndecode:\n  - {cpu_cores: '0|1', tensor_parallel_size: 2, share_cores: true}",
+    "  - {host: other}\ndecode:\n  - {host: local, tensor_parallel_size: 2}",  # another host
+    "  - {}\ndecode:\n  - {}",  # a TP 1 decode has no all-reduce to spin in
+    "  - {cpu_cores: '2'}\ndecode:\n  - {cpu_cores: '0|1', tensor_parallel_size: 2}",  # cores of their own
+], ids=["share_cores", "pinned share_cores", "other host", "tp1 decode", "own cores"])
+def test_a_prefill_may_run_beside_a_tp_decode_on_its_own_cores_or_when_asked(instances):
+    hosts = ("hosts:\n  local: {address: 127.0.0.1}\n  other: {address: 127.0.0.2}\nrouter: {host: local}\n"
+             if "other" in instances else "")
+    parse_topology(MINIMAL.replace("  - {}\ndecode:\n  - {}", instances) + hosts)
 
 
 def test_unquoted_core_number_is_a_core_list():
