@@ -450,7 +450,7 @@ def main() -> None:
     ap.add_argument("--concurrent-max-len", type=int, default=1500)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--budget-s", type=float, default=400, help="no new TTFT length starts after this")
-    ap.add_argument("--start-timeout-s", type=float, default=300)
+    ap.add_argument("--start-timeout-s", type=float, default=240)
     ap.add_argument("--request-timeout-s", type=float, default=120)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -479,6 +479,8 @@ def main() -> None:
         (args.out / "summary.json").write_text(json.dumps(result, indent=1, default=str))
     print(json.dumps({k: result.get(k) for k in ("healthy_after_s", "ttft", "transfer_per_length",
                                                  "device_copy_16k_kv_gb_per_s", "error")}, indent=1, default=str))
+    if result.get("error"):
+        sys.exit(1)
 
 
 if __name__ == "__main__":
