@@ -236,7 +236,7 @@ class SshRunner(Runner):
         with self._lock:
             sftp = self._sftp_client()
             self._makedirs(posixpath.dirname(target))
-            with sftp.open(tmp, "xb") as f:  # exclusive: never through a file or link someone put there
+            with sftp.open(tmp, "wxb") as f:  # exclusive: never through a file or link someone put there
                 f.write(data)
             sftp.chmod(tmp, mode)
             sftp.posix_rename(tmp, target)

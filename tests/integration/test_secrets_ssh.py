@@ -22,7 +22,7 @@ from sshd_hosts import topology_for, write_standin_python
 
 from lifecycle_helpers import kill_leftovers, options, processes_under, run_cli
 
-PORT_BASE = 20000  # 20000-20019 and 20020-20039
+PORT_BASE = 20000  # 20000-20019, 20020-20039 and 20040-20059
 CLIENT_KEY = "client-key-for-the-test-0123456789"
 KEY_VARIABLE = "KVPUSH_TEST_ROUTER_KEY"
 
@@ -177,6 +177,93 @@ def test_an_unset_router_key_variable_is_bad_input_before_anything_starts(keyed,
                         capsys)
     assert code == 2 and f"router.api_key_env: {KEY_VARIABLE} is unset or empty on this machine" in err
     assert processes_under(str(tmp_path / "standin-python")) == [] and not local_secret_path(keyed.name).exists()
+
+
+HF_VARIABLE = "KVPUSH_TEST_HF_SOURCE"
+HF_VALUE = "hf-secret-from-the-env-7c1d"
+DB_VALUE = "db 'secret' from a $(file) 9e2b"
+
+
+def _environ_of(pid: int) -> dict[str, str]:
+    entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(e.decode(errors="replace").split("=", 1) for e in entries if b"=" in e)
+
+
+def _standin_instances(python: str) -> dict[str, dict[str, str]]:
+    """The environment of each running stand-in vLLM process, by its --port."""
+    found = {}
+    for proc in processes_under(python):
+        argv = proc.cmdline()
+        if "vllm.entrypoints.openai.api_server" in argv:
+            found[argv[argv.index("--port") + 1]] = _environ_of(proc.pid)
+    return found
+
+
+def test_the_topologys_secrets_reach_each_instance_and_no_output_argv_log_or_state(sshd_cluster, tmp_path, state_dir,
+                                                                                   capsys, monkeypatch):
+    monkeypatch.setenv(HF_VARIABLE, HF_VALUE)
+    db_file = tmp_path / "db.secret"
+    db_file.write_text(DB_VALUE + "\n")
+    db_file.chmod(0o600)
+    python = str(write_standin_python(tmp_path / "standin-python"))
+    topo = topology_for(sshd_cluster, "usersec", python, tmp_path, prefill=[0], decode=[1], router=2, port_base=PORT_BASE + 40,
+                        connector="kvpush", extra={"secrets": {"HF_TOKEN": {"env": HF_VARIABLE}, "DB_PASSWORD": {"file": str(db_file)}}})
+    topology_file = tmp_path / "usersec.yaml"
+    topology_file.write_text(json.dumps(topo.model_dump(mode="json", exclude_none=True)))
+    known = ["--known-hosts", str(sshd_cluster.known_hosts)]
+    outputs = []
+    try:
+        with ArgvScanner(topo.name, [HF_VALUE, DB_VALUE]) as scanner:
+            code, out, err = run_cli(["up", str(topology_file), "--no-provision", "--skip-doctor", "--timeout", "60", *known], capsys)
+            assert code == 0 and "decode received" in out, err
+            outputs.append(out + err)
+        assert scanner.scans > 10 and scanner.hits == [], scanner.hits
+
+        # Each instance's process has both values in its environment; the router's has neither.
+        state = load_state(topo.name)
+        seen = _standin_instances(python)
+        ports = {name: str(state.processes[name].http_port) for name in ("prefill-0", "decode-0")}
+        for port in ports.values():
+            assert seen[port]["HF_TOKEN"] == HF_VALUE and seen[port]["DB_PASSWORD"] == DB_VALUE
+        router_pid = state.processes["router"].pid
+        assert "HF_TOKEN" not in _environ_of(router_pid) and "DB_PASSWORD" not in _environ_of(router_pid)
+        env_file = tmp_path / "h0" / "usersec" / "instance-api-key.env"
+        assert _mode(env_file) == 0o600
+
+        for args in (["plan", str(topology_file)], ["plan", str(topology_file), "--json"],
+                     ["status", str(topology_file), *known], ["status", str(topology_file), "--json", *known],
+                     ["logs", "-d", topo.name, "-n", "200", *known], ["ls"]):
+            code, out, err = run_cli(args, capsys)
+            assert code == 0, (args, err)
+            outputs.append(out + err)
+        assert "HF_TOKEN" in outputs[1] and "DB_PASSWORD" in outputs[1]  # plan names them
+
+        # A new value is delivered and restarts the instances (the router reads none).
+        monkeypatch.setenv(HF_VARIABLE, HF_VALUE + "-rotated")
+        code, out, err = run_cli(["up", str(topology_file), "--no-provision", "--skip-doctor", "--timeout", "60", *known], capsys)
+        assert code == 0, err
+        outputs.append(out + err)
+        rotated = load_state(topo.name)
+        assert rotated.processes["router"].pid == router_pid
+        assert all(rotated.processes[n].pid != state.processes[n].pid for n in ports)
+        assert {e["HF_TOKEN"] for e in _standin_instances(python).values()} == {HF_VALUE + "-rotated"}
+
+        # A secret that cannot be read is one line naming it, and nothing else.
+        db_file.chmod(0o644)
+        code, out, err = run_cli(["up", str(topology_file), "--no-provision", "--skip-doctor", *known], capsys)
+        assert code == 2 and err.strip().splitlines()[-1].startswith("error: secrets.DB_PASSWORD: ") and "chmod 600" in err
+        outputs.append(out + err)
+    finally:
+        code, out, err = run_cli(["down", "-d", topo.name, *known], capsys)
+        outputs.append(out + err)
+        left = kill_leftovers(python)
+    assert code == 0 and not left
+    texts = outputs + [p.read_text(errors="replace") for p in tmp_path.glob("h*/usersec/logs/*.log*")]
+    texts += [p.read_text(errors="replace") for p in state_dir.rglob("*") if p.is_file()]
+    assert len(texts) > 12
+    leaked = [t[:200] for t in texts if HF_VALUE in t or DB_VALUE in t or "secret' from a" in t]
+    assert leaked == []
+    assert not env_file.exists()  # down removes it with the other secret files
 
 
 def test_down_removes_the_secret_files_from_every_host_and_keeps_this_machine_s_secret_unless_asked(keyed, sshd_cluster,
