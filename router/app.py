@@ -44,8 +44,10 @@ class Router:
         self.keys = keys
         self.public_paths = frozenset(config.public_paths)
         self.metrics = RouterMetrics()
-        self.prefill = Pool("prefill", config.prefill, config.policy, config.eject_after_failures, self.metrics)
-        self.decode = Pool("decode", config.decode, config.policy, config.eject_after_failures, self.metrics)
+        self.prefill = Pool("prefill", config.prefill, config.policy, config.eject_after_failures, self.metrics,
+                            config.prefix_aware)
+        self.decode = Pool("decode", config.decode, config.policy, config.eject_after_failures, self.metrics,
+                           config.prefix_aware)
         self.upstream: UpstreamClient | None = None
         self.dispatcher: Dispatcher | None = None
         self.rotation: Rotation | None = None

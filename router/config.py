@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from kvpush.common.errors import UsageError
 
 Protocol = Literal["kvpush", "nixl-push", "nixl-pull", "colocated"]
-Policy = Literal["round-robin", "least-loaded"]
+Policy = Literal["prefix-aware", "least-loaded", "round-robin"]
 PublicPath = Literal["/health", "/metrics"]  # the only paths that may be served without the API key
 RETRY_DEADLINE_S = 60.0  # default of retry_deadline_s, here and in a topology's router section
 
@@ -53,11 +53,22 @@ class Timeouts(_Model):
     health_s: float = Field(1.0, gt=0)  # a /health probe's answer; none this long is a failed probe (a hang)
 
 
+class PrefixAwareSettings(_Model):
+    """The prefix-aware policy's knobs (prefix_policy.py says how they weigh)."""
+
+    prefix_weight: float = Field(1.0, ge=0)  # worth of holding the whole prompt
+    load_weight: float = Field(0.25, ge=0)  # cost of one leg in flight more than the least-loaded candidate
+    block_tokens: int = Field(32, ge=1, le=4096)  # a token-id prompt's block in the record
+    block_chars: int = Field(128, ge=1, le=16384)  # a text (or chat) prompt's block in the record
+    record_blocks: int = Field(262_144, ge=1, le=1 << 26)  # entries of one role's record (~100 bytes each)
+
+
 class RouterConfig(_Model):
     bind: str = "127.0.0.1"
     port: int = 8000
     protocol: Protocol
-    policy: Policy = "round-robin"
+    policy: Policy = "prefix-aware"
+    prefix_aware: PrefixAwareSettings = Field(default_factory=PrefixAwareSettings)
     served_model_name: str
     # The key clients must present: from an env var, or from a file that only its owner can read.
     api_key_env: str | None = None

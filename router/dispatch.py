@@ -121,7 +121,7 @@ class Dispatcher:
     async def _head(self, ctx: RequestContext, part: Part, local_reasons: set[str]) -> DecodeHead:
         colocated = self.config.protocol == "colocated"
         wants = wants_prefill(part.body, ctx.chat, colocated)
-        tries = PartTries(self.prefill, self.decode)
+        tries = PartTries(self.prefill, self.decode, self.decode.prompt_of(part.body, ctx.chat))
         while True:
             failure = tries.failures[-1] if tries.failures else None
             if failure is not None and time.perf_counter() - ctx.started >= self.config.retry_deadline_s:

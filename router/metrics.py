@@ -29,6 +29,9 @@ _HANDOFF_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.0125, 0.015, 0
 _OWN_BUCKETS = (0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.025,
                 0.05, 0.1)
 
+# prompt units (tokens of a token-id prompt, else characters): 32 to 1M by powers of 2, and 0
+_PREFIX_BUCKETS = (0.0,) + tuple(float(2 ** k) for k in range(5, 21))
+
 # read by `kvpush up` while it changes the instance list (instances.py)
 INSTANCE_LIST_METRIC = "kvpush_router_instance_list"
 DRAINING_METRIC = "kvpush_router_draining"
@@ -89,6 +92,21 @@ class RouterMetrics:
         self.restarts = Gauge("kvpush_router_instance_restarts",
                               "Restarts of an instance the router saw (its server's start time changed).",
                               ["instance", "role"], registry=r, multiprocess_mode="livemax")
+        self.prefix_hit = Histogram(
+            "kvpush_router_prefix_hit_length",
+            "Prefix-aware policy: how much of each prompt the chosen instance already held by the router's "
+            "record, per attempt, by role; unit: tokens (a prompt of token ids) or chars (text, chat messages).",
+            ["role", "unit"], buckets=_PREFIX_BUCKETS, registry=r)
+        self.prompt_length = Counter(
+            "kvpush_router_prompt_length", "Prefix-aware policy: prompt length sent to decode instances, per "
+            "attempt; unit: tokens or chars.", ["unit"], registry=r)
+        self.prompt_to_move = Counter(
+            "kvpush_router_prompt_to_move",
+            "Prefix-aware policy: the part of each prompt its decode did not hold by the router's record, "
+            "expected to move by transfer (or be computed by decode); unit: tokens or chars.", ["unit"], registry=r)
+        self.prefix_record = Gauge("kvpush_router_prefix_record_blocks",
+                                   "Entries (instance, prompt block) in the prefix-aware policy's record, by role.",
+                                   ["role"], registry=r, multiprocess_mode="livesum")
         self.workers = Gauge("kvpush_router_worker_up", "1 per router process serving (one sample per worker's pid).",
                              registry=r, multiprocess_mode="liveall")
         self.workers.set(1)

@@ -10,6 +10,8 @@ many times as there are pairs in rotation:
    has not failed doing so for this part, one no failure named first;
 3. once no decode is left either, the part fails.
 Instances leave and enter rotation meanwhile (pool.py): each choice looks at rotation as it is.
+Among the instances these rules allow, the pool's policy picks (under prefix-aware, the one that
+best holds the part's prompt for its load), and the pair's instances record that they were sent it.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 from .fanout import NO_PREFILL, TRANSFERS_FAILED
 from .legs import LegFailure
 from .pool import Instance, Pool
+from .prompt_blocks import PromptBlocks
 
 
 @dataclass
@@ -33,6 +36,7 @@ class PartTries:
 
     prefill: Pool
     decode: Pool
+    prompt: PromptBlocks | None = None  # the part's prompt, for the prefix-aware policy (Pool.prompt_of)
     named: dict[str, set[str]] = field(default_factory=lambda: {"prefill": set(), "decode": set()})
     transfers: set[tuple[str, str]] = field(default_factory=set)  # (prefill, decode) pairs that failed
     decode_faults: set[str] = field(default_factory=set)  # decodes whose leg failed with no prefill named
@@ -41,12 +45,20 @@ class PartTries:
 
     def next_pair(self, wants_prefill: bool) -> Pair | None:
         """The pair for the next attempt; None once no instance in rotation is left to try."""
+        pair = self._choose(wants_prefill)
+        if pair is not None:
+            if pair.prefill is not None:
+                self.prefill.sent(pair.prefill, self.prompt)
+            self.decode.sent(pair.decode, self.prompt)
+        return pair
+
+    def _choose(self, wants_prefill: bool) -> Pair | None:
         if wants_prefill:
             pair = self._transfer_pair()
             if pair is not None:
                 return pair
-        decode = (self.decode.pick(self.alone | self.named["decode"], strict=True)
-                  or self.decode.pick(self.alone, strict=True))
+        decode = (self.decode.pick(self.alone | self.named["decode"], strict=True, prompt=self.prompt)
+                  or self.decode.pick(self.alone, strict=True, prompt=self.prompt))
         if decode is None:
             return None
         if not wants_prefill:
@@ -60,12 +72,12 @@ class PartTries:
         # decodes with a prefill left to pair with: those no failure named first
         spent = {d.name for d in self.decode.available()
                  if d.name in self.alone or all((p, d.name) in self.transfers for p in prefills)}
-        decode = (self.decode.pick(spent | self.named["decode"], strict=True)
-                  or self.decode.pick(spent | self.decode_faults, strict=True))
+        decode = (self.decode.pick(spent | self.named["decode"], strict=True, prompt=self.prompt)
+                  or self.decode.pick(spent | self.decode_faults, strict=True, prompt=self.prompt))
         if decode is None:
             return None
         tried_with_it = {p for p, d in self.transfers if d == decode.name}
-        prefill = self.prefill.pick(self.named["prefill"] | tried_with_it, strict=True)
+        prefill = self.prefill.pick(self.named["prefill"] | tried_with_it, strict=True, prompt=self.prompt)
         assert prefill is not None  # `spent` left out every decode without one
         return Pair(prefill, decode)
 

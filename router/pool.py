@@ -1,7 +1,8 @@
 """Instances the router may use: selection policy, health bookkeeping, and the load each reports.
 
-Selection never does I/O: it reads counters kept by the dispatcher (legs in flight) and by the
-background scraper (the instance's own /metrics). Probing each instance's /health is background work
+Selection never does I/O: it reads counters kept by the dispatcher (legs in flight), by the
+background scraper (the instance's own /metrics) and, under the prefix-aware policy, the record of
+which prompts went where (prefix_policy.py). Probing each instance's /health is background work
 (rotation.py).
 
 Ejection is for instances that are gone or hung, not for requests that went wrong: only failures
@@ -24,8 +25,10 @@ from typing import Any
 
 from kvpush.common.vllm_metrics import vllm_load
 
-from .config import Policy, Upstream
+from .config import Policy, PrefixAwareSettings, Upstream
 from .metrics import RouterMetrics
+from .prefix_policy import PrefixAware, new_salt
+from .prompt_blocks import PromptBlocks, prompt_blocks
 
 log = logging.getLogger("kvpush.router")
 
@@ -63,6 +66,7 @@ class Instance:
     restarts: int = 0  # start times seen to change
     inflight_gauge: Any = None  # this instance's child of kvpush_router_inflight (labels() is not free)
     waiting: set = field(default_factory=set)  # answers (UpstreamResponse) of legs before their first answer
+    prefix_salt: int = field(default_factory=new_salt)  # its key in the prefix record; a new one forgets it
 
     @property
     def name(self) -> str:
@@ -90,9 +94,14 @@ def parse_load(text: str) -> InstanceLoad:
 class Pool:
     """The instances of one role."""
 
-    def __init__(self, role: str, upstreams: list[Upstream], policy: Policy, eject_after: int, metrics: RouterMetrics):
+    def __init__(self, role: str, upstreams: list[Upstream], policy: Policy, eject_after: int, metrics: RouterMetrics,
+                 prefix: PrefixAwareSettings | None = None):
         self.role = role
         self.policy = policy
+        self.prefix_settings = prefix or PrefixAwareSettings()
+        self.prefixes = (PrefixAware(self.prefix_settings.prefix_weight, self.prefix_settings.load_weight,
+                                     self.prefix_settings.record_blocks) if policy == "prefix-aware" else None)
+        self._record_gauge = metrics.prefix_record.labels(role)
         self.eject_after = eject_after
         self.metrics = metrics
         self._turn = itertools.count()
@@ -113,9 +122,17 @@ class Pool:
     def available(self) -> list[Instance]:
         return [i for i in self.instances if i.in_rotation]
 
-    def pick(self, avoid: set[str] = frozenset(), strict: bool = False) -> Instance | None:
+    def prompt_of(self, body: dict, chat: bool) -> PromptBlocks | None:
+        """A part's prompt as the prefix-aware policy reads it; None under another policy."""
+        if self.prefixes is None:
+            return None
+        s = self.prefix_settings
+        return prompt_blocks(body, chat, s.block_tokens, s.block_chars)
+
+    def pick(self, avoid: set[str] = frozenset(), strict: bool = False,
+             prompt: PromptBlocks | None = None) -> Instance | None:
         """An instance in rotation, preferring ones not in `avoid` (strict: only those); None if
-        there is none."""
+        there is none. Under the prefix-aware policy, the best for `prompt` among them."""
         candidates = self.available()
         preferred = [i for i in candidates if i.name not in avoid]
         if not preferred and not strict:
@@ -124,9 +141,27 @@ class Pool:
             return None
         start = next(self._turn) % len(preferred)
         rotated = preferred[start:] + preferred[:start]
+        if self.prefixes is not None:
+            return self.prefixes.choose(rotated, prompt)
         if self.policy == "least-loaded":
             return min(rotated, key=Instance.score)  # min keeps the first of equals: round-robin ties
         return rotated[0]
+
+    def sent(self, inst: Instance, prompt: PromptBlocks | None) -> None:
+        """An attempt sends `prompt` to `inst`: what it held before is counted, then it holds it."""
+        if self.prefixes is None or prompt is None:
+            return
+        held = self.prefixes.held(inst, prompt)
+        self.metrics.prefix_hit.labels(self.role, prompt.unit).observe(held)
+        if self.role == "decode":
+            self.metrics.prompt_length.labels(prompt.unit).inc(prompt.length)
+            self.metrics.prompt_to_move.labels(prompt.unit).inc(prompt.length - held)
+        self.prefixes.sent(inst, prompt)
+        self._record_gauge.set(len(self.prefixes.record))
+
+    def forget(self, inst: Instance) -> None:
+        """The prefix record no longer says `inst` holds anything (its cache is gone or unknown)."""
+        inst.prefix_salt = new_salt()
 
     # --- the instance list -----------------------------------------------------------------
 
@@ -204,6 +239,7 @@ class Pool:
         """Out of rotation until /health answers 200 again; legs still waiting for its first answer
         fail now (their attempts are retried elsewhere)."""
         inst.in_rotation = False
+        self.forget(inst)  # it may come back restarted, with an empty cache
         self.metrics.in_rotation.labels(inst.name, self.role).set(0)
         log.warning("%s instance %s out of rotation after %s; probing its /health", self.role, inst.name, why)
         waiting, inst.waiting = inst.waiting, set()
@@ -225,6 +261,7 @@ class Pool:
             return
         if inst.start_time is not None and abs(start_time - inst.start_time) > RESTART_TOLERANCE_S:
             inst.restarts += 1
+            self.forget(inst)
             self.metrics.restarts.labels(inst.name, self.role).set(inst.restarts)
             log.warning("%s instance %s was restarted (%d restart(s) seen)", self.role, inst.name, inst.restarts)
         inst.start_time = start_time

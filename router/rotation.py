@@ -1,6 +1,6 @@
 """Which instances get legs, kept up to date in the background: each instance's /health probed on
-its own schedule, each instance's load scraped (least-loaded), and the instance list read again on
-request (SIGHUP, instances.py).
+its own schedule, each instance's load scraped (for the least-loaded and prefix-aware policies),
+and the instance list read again on request (SIGHUP, instances.py).
 
 An instance enters rotation on its first 200 from /health, never before (at start, after a
 reload that added it, after it was ejected). A probe without a 200 within `timeouts.health_s`
@@ -58,7 +58,7 @@ class Rotation:
         await asyncio.gather(*(self._probe(pool, inst) for pool, inst in everyone))
         for pool, inst in everyone:
             self._watch(pool, inst)
-        if self.config.policy == "least-loaded":
+        if self.config.policy != "round-robin":
             self._scraper = asyncio.create_task(self._scrape_loop())
 
     async def stop(self) -> None:
@@ -128,7 +128,7 @@ class Rotation:
     # --- load --------------------------------------------------------------------------------
 
     async def _scrape_loop(self) -> None:
-        """Each instance's own load, for least-loaded selection; never on the request path."""
+        """Each instance's own load, for the policies that weigh it; never on the request path."""
         timeout = min(self.config.metrics_refresh_s, self.config.timeouts.connect_s) or 1.0
 
         async def scrape(pool: Pool, inst: Instance) -> None:

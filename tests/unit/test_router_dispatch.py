@@ -181,7 +181,7 @@ def test_models_and_utilities_come_from_a_decode_instance():
 
 def test_round_robin_spreads_over_xpyd():
     async def scenario():
-        async with deployment("kvpush", n_prefill=2, n_decode=3) as dep:
+        async with deployment("kvpush", n_prefill=2, n_decode=3, policy="round-robin") as dep:
             for _ in range(6):
                 assert (await dep.post("/v1/completions", COMPLETION))[0] == 200
             assert [len(f.received) for f in dep.prefill] == [3, 3]
@@ -199,6 +199,26 @@ def test_least_loaded_avoids_an_instance_its_metrics_call_busy():
             for _ in range(4):
                 await dep.post("/v1/completions", COMPLETION)
             assert [len(f.received) for f in dep.decode] == [0, 4]
+
+    run(scenario())
+
+
+def test_prefix_aware_by_default_keeps_a_chat_on_one_pair_while_other_requests_spread():
+    async def scenario():
+        async with deployment("kvpush", n_prefill=2, n_decode=2) as dep:
+            messages = [{"role": "system", "content": "You answer in one line. " * 20}]
+            for turn in range(4):
+                messages = messages + [{"role": "user", "content": f"turn {turn}: tell me more " * 10}]
+                assert (await dep.post("/v1/chat/completions", {**CHAT, "messages": messages}))[0] == 200
+                assert (await dep.post("/v1/completions", {**COMPLETION, "prompt": f"other {turn} " * 60}))[0] == 200
+                messages = messages + [{"role": "assistant", "content": f"answer {turn} " * 8}]
+            chat_legs = [[r for r in f.received if "messages" in r.body] for f in dep.decode + dep.prefill]
+            assert sorted(len(legs) for legs in chat_legs) == [0, 0, 4, 4]  # one prefill and one decode took every turn
+            assert [len(f.received) for f in dep.decode] == [4, 4]  # the others went to the other decode
+            m = await dep.metrics()
+            assert sample(m, "kvpush_router_prefix_hit_length_count", role="decode", unit="chars") == 8
+            assert sample(m, "kvpush_router_prompt_to_move_total", unit="chars") < sample(
+                m, "kvpush_router_prompt_length_total", unit="chars")
 
     run(scenario())
 

@@ -129,3 +129,49 @@ def test_instances_leaving_rotation_between_attempts_are_not_chosen():
         if inst.in_rotation:
             (t.prefill if inst.role == "prefill" else t.decode).eject(inst, "test")
     assert names(t.next_pair(wants_prefill=True)) == (None, "d1", NO_PREFILL)
+
+
+# --- under the prefix-aware policy --------------------------------------------------------------
+
+def prefix_tries(n_prefill: int, n_decode: int, body: dict) -> PartTries:
+    metrics = RouterMetrics()
+    prefill, decode = pool("prefill", n_prefill, metrics), pool("decode", n_decode, metrics)
+    prefill.policy = decode.policy = "prefix-aware"
+    from kvpush.router.prefix_policy import PrefixAware
+
+    prefill.prefixes, decode.prefixes = PrefixAware(1.0, 0.25, 1000), PrefixAware(1.0, 0.25, 1000)
+    return PartTries(prefill, decode, decode.prompt_of(body, False))
+
+
+def test_a_retry_avoids_the_failed_pair_even_where_it_holds_the_prompt():
+    body = {"model": "m", "prompt": list(range(256))}
+    t = prefix_tries(2, 2, body)
+    first = t.next_pair(wants_prefill=True)
+    # the next part with this prompt would go back to the same pair: it holds the prompt
+    again = PartTries(t.prefill, t.decode, t.prompt)
+    assert names(again.next_pair(wants_prefill=True)) == names(first)
+    t.failed(first, True, kv_load_failed(first))
+    second = t.next_pair(wants_prefill=True)
+    assert second.prefill.name != first.prefill.name and second.decode.name != first.decode.name
+
+
+def test_a_retry_after_a_decode_fault_goes_to_the_other_decode_which_then_holds_the_prompt():
+    body = {"model": "m", "prompt": list(range(256))}
+    t = prefix_tries(1, 2, body)
+    first = t.next_pair(wants_prefill=True)
+    t.failed(first, True, LegFailure("decode", first.decode.name, "timeout", "slow"))
+    second = t.next_pair(wants_prefill=True)
+    assert second.decode.name != first.decode.name
+    assert t.decode.prefixes.held(second.decode, t.prompt) == 256
+    assert t.prefill.prefixes.held(second.prefill, t.prompt) == 256
+
+
+def test_every_pair_is_tried_once_under_prefix_aware_too():
+    body = {"model": "m", "prompt": list(range(256))}
+    t = prefix_tries(2, 2, body)
+    seen = []
+    while (pair := t.next_pair(wants_prefill=True)) is not None:
+        seen.append(names(pair))
+        t.failed(pair, pair.prefill is not None,
+                 kv_load_failed(pair) if pair.prefill else LegFailure("decode", pair.decode.name, "http_500", "x"))
+    assert len(seen) == len(set(seen)) and t.attempts() == len(seen) >= 3

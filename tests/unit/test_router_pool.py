@@ -170,3 +170,118 @@ def test_a_changed_start_time_counts_a_restart_and_the_first_one_seen_does_not()
     assert a.restarts == 0
     pool.observe_start_time(a, 160.0)
     assert a.restarts == 1 and a.start_time == 160.0
+
+
+# --- prefix-aware ------------------------------------------------------------------------------
+
+def _turns(conversation: int, turns: int, tokens: int = 96) -> list[dict]:
+    """A conversation's completion bodies: each turn's prompt is the last one plus an answer and more."""
+    rng = __import__("random").Random(conversation)
+    prompt, bodies = [], []
+    for _ in range(turns):
+        prompt = prompt + [rng.randrange(1000) for _ in range(tokens)]
+        bodies.append({"model": "m", "prompt": list(prompt)})
+        prompt = prompt + [rng.randrange(1000) for _ in range(8)]  # the answer
+    return bodies
+
+
+def _send(pool: Pool, body: dict, chat: bool = False):
+    prompt = pool.prompt_of(body, chat)
+    inst = pool.pick(prompt=prompt)
+    pool.sent(inst, prompt)
+    return inst
+
+
+def test_prefix_aware_sends_each_turn_of_a_conversation_back_to_the_decode_holding_its_history():
+    pool = make_pool(3, "prefix-aware")
+    conversations = {c: _turns(c, 5) for c in range(6)}
+    where: dict[int, set[str]] = {c: set() for c in conversations}
+    for turn in range(5):
+        for c, bodies in conversations.items():  # turns of the conversations interleave
+            where[c].add(_send(pool, bodies[turn]).name)
+    assert all(len(names) == 1 for names in where.values())
+    assert sorted(len([c for c in where if where[c] == {i.name}]) for i in pool.instances) == [2, 2, 2]
+
+
+def test_prefix_aware_spreads_unrelated_prompts_like_least_loaded():
+    pool = make_pool(3, "prefix-aware")
+    chosen = []
+    for c in range(6):
+        inst = _send(pool, _turns(100 + c, 1)[0])
+        pool.leg_started(inst)  # still running
+        chosen.append(inst.name)
+    assert sorted(chosen) == ["i0", "i0", "i1", "i1", "i2", "i2"]
+
+
+def test_prefix_aware_leaves_a_holder_loaded_beyond_the_weights_bound():
+    pool = make_pool(2, "prefix-aware")  # defaults: prefix 1.0, load 0.25: four legs' worth
+    body = _turns(1, 1)[0]
+    holder = _send(pool, body)
+    for _ in range(3):
+        pool.leg_started(holder)
+    assert all(pool.pick(prompt=pool.prompt_of(body, False)) is holder for _ in range(2))
+    pool.leg_started(holder)
+    pool.leg_started(holder)
+    assert pool.pick(prompt=pool.prompt_of(body, False)) is not holder
+
+
+def test_prefix_aware_sticks_chat_turns_too():
+    pool = make_pool(2, "prefix-aware")
+    messages = [{"role": "system", "content": "Be brief. " * 30}]
+    where = set()
+    for turn in range(4):
+        messages = messages + [{"role": "user", "content": f"question {turn} " * 20}]
+        where.add(_send(pool, {"model": "m", "messages": messages}, chat=True).name)
+        other = _send(pool, {"model": "m", "messages": [{"role": "user", "content": f"unrelated {turn} " * 40}]}, True)
+        pool.leg_started(other)  # keeps the other decode busier than the holder
+        messages = messages + [{"role": "assistant", "content": f"answer {turn} " * 10}]
+    assert len(where) == 1
+
+
+def test_an_ejected_or_restarted_instance_holds_nothing_by_the_record():
+    pool = make_pool(2, "prefix-aware")
+    body = _turns(3, 1)[0]
+    prompt = pool.prompt_of(body, False)
+    inst = _send(pool, body)
+    assert pool.prefixes.held(inst, prompt) == prompt.length // 32 * 32
+    pool.eject(inst, "test")
+    assert pool.prefixes.held(inst, prompt) == 0
+    pool.restore(inst)
+    pool.sent(inst, prompt)
+    pool.observe_start_time(inst, 100.0)
+    pool.observe_start_time(inst, 200.0)  # restarted
+    assert pool.prefixes.held(inst, prompt) == 0
+
+
+def test_prefix_aware_counts_hits_and_what_decode_lacks():
+    pool = make_pool(2, "prefix-aware")
+    metrics = pool.metrics
+    first, second = _turns(5, 2)
+    _send(pool, first)
+    _send(pool, second)
+    sample = metrics.registry.get_sample_value
+    assert sample("kvpush_router_prompt_length_total", {"unit": "tokens"}) == len(first["prompt"]) + len(second["prompt"])
+    # the second turn's decode held the first turn's whole blocks
+    held = len(first["prompt"]) // 32 * 32
+    assert sample("kvpush_router_prompt_to_move_total", {"unit": "tokens"}) == (
+        len(first["prompt"]) + len(second["prompt"]) - held)
+    assert sample("kvpush_router_prefix_hit_length_count", {"role": "decode", "unit": "tokens"}) == 2
+    assert sample("kvpush_router_prefix_hit_length_sum", {"role": "decode", "unit": "tokens"}) == held
+    assert sample("kvpush_router_prefix_record_blocks", {"role": "decode"}) == len(second["prompt"]) // 32
+
+
+def test_the_record_of_a_pool_is_bounded_by_record_blocks():
+    from kvpush.router.config import PrefixAwareSettings
+
+    ups = [Upstream(name=f"i{k}", url=f"http://h:{k}", engine_id=f"e{k}", side_channel_host="h", side_channel_port=k)
+           for k in range(2)]
+    pool = Pool("decode", ups, "prefix-aware", 2, RouterMetrics(), PrefixAwareSettings(record_blocks=20))
+    for inst in pool.instances:
+        pool.restore(inst)
+    for c in range(10):
+        _send(pool, _turns(c, 1, tokens=320)[0])  # 10 blocks each
+    assert len(pool.prefixes.record) == 20
+
+
+def test_other_policies_read_no_prompt():
+    assert make_pool(2, "least-loaded").prompt_of({"prompt": "x" * 500}, False) is None
