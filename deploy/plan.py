@@ -12,7 +12,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-from kvpush.router.config import RouterConfig, Timeouts, Upstream
+from kvpush.router.config import PrefixAwareSettings, RouterConfig, Timeouts, Upstream
 from kvpush.router.instances import InstanceList
 
 from . import slurm_render
@@ -194,6 +194,7 @@ def router_config(topo: Topology) -> RouterConfig:
         port=r.port,
         protocol=topo.connector.type,
         policy=r.policy,
+        prefix_aware=PrefixAwareSettings(prefix_weight=r.prefix_weight, load_weight=r.load_weight),
         served_model_name=topo.model.name,
         # Keys travel as files on the router's host, written by `up` (an env var of the machine
         # running kvpush would not reach a remote router).

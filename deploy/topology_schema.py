@@ -14,7 +14,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from kvpush.common.errors import UsageError
-from kvpush.router.config import RETRY_DEADLINE_S
+from kvpush.router.config import LOAD_WEIGHT, PREFIX_WEIGHT, RETRY_DEADLINE_S, Policy
 
 from .host_address import HostAddress
 from . import topology_values as values
@@ -27,7 +27,6 @@ MIN_KV_CACHE_GIB = 1 / 64  # 16 MiB: below this a CPU instance has too few block
 ConnectorType = Literal["kvpush", "nixl-push", "nixl-pull", "colocated"]
 Backend = Literal["UCX", "LIBFABRIC"]
 Platform = Literal["cpu", "cuda"]
-Policy = Literal["round-robin", "least-loaded"]
 Role = Literal["prefill", "decode"]
 Launcher = Literal["ssh", "slurm"]
 InstancePublicPath = Literal["/health", "/metrics", "/ping", "/version", "/load"]  # paths that generate nothing
@@ -220,7 +219,16 @@ class RouterSpec(_Model):
     bind: Annotated[str, AfterValidator(values.bind_address)] = Field(
         "127.0.0.1", description="the address it listens on, e.g. 0.0.0.0 for clients on other machines")
     port: IntNotBool = Field(8000, ge=1, le=65535, description="its HTTP port")
-    policy: Policy = Field("round-robin", description="how each request's prefill/decode pair is chosen")
+    policy: Policy = Field("prefix-aware", description=(
+        "how each request's prefill and decode are chosen: prefix-aware (the instances already holding most of the "
+        "prompt, by what the router sent where, weighed against load: a conversation's turns stay on one decode), "
+        "least-loaded, round-robin"))
+    prefix_weight: NumberNotBool = Field(PREFIX_WEIGHT, ge=0, le=1000, description=(
+        "prefix-aware: what holding the whole prompt is worth (an instance holding a share s of it scores "
+        "prefix_weight x s)"))
+    load_weight: NumberNotBool = Field(LOAD_WEIGHT, ge=0, le=1000, description=(
+        "prefix-aware: what each request in flight beyond the least-loaded candidate's costs; an instance holding "
+        "the whole prompt keeps it while it has fewer than prefix_weight / load_weight requests more"))
     api_key_env: Annotated[str, AfterValidator(values.env_name)] | None = Field(
         None, description="name of an env var, on the machine running kvpush, holding the router's API key")
     api_key_file: PathText | None = Field(None, description="file on the machine running kvpush holding the router's API key")

@@ -19,6 +19,9 @@ Protocol = Literal["kvpush", "nixl-push", "nixl-pull", "colocated"]
 Policy = Literal["prefix-aware", "least-loaded", "round-robin"]
 PublicPath = Literal["/health", "/metrics"]  # the only paths that may be served without the API key
 RETRY_DEADLINE_S = 60.0  # default of retry_deadline_s, here and in a topology's router section
+# defaults of the prefix-aware policy's weights, here and in a topology's router section
+PREFIX_WEIGHT = 1.0
+LOAD_WEIGHT = 0.25
 
 
 class _Model(BaseModel):
@@ -56,8 +59,8 @@ class Timeouts(_Model):
 class PrefixAwareSettings(_Model):
     """The prefix-aware policy's knobs (prefix_policy.py says how they weigh)."""
 
-    prefix_weight: float = Field(1.0, ge=0)  # worth of holding the whole prompt
-    load_weight: float = Field(0.25, ge=0)  # cost of one leg in flight more than the least-loaded candidate
+    prefix_weight: float = Field(PREFIX_WEIGHT, ge=0)  # worth of holding the whole prompt
+    load_weight: float = Field(LOAD_WEIGHT, ge=0)  # cost of one leg in flight more than the least-loaded candidate
     block_tokens: int = Field(32, ge=1, le=4096)  # a token-id prompt's block in the record
     block_chars: int = Field(128, ge=1, le=16384)  # a text (or chat) prompt's block in the record
     record_blocks: int = Field(262_144, ge=1, le=1 << 26)  # entries of one role's record (~100 bytes each)

@@ -190,6 +190,26 @@ def test_a_router_retry_deadline_that_is_not_positive_is_refused_naming_the_fiel
         parse_topology(text)
 
 
+def test_router_policy_and_its_weights_reach_the_router_config():
+    text = (TWO_HOSTS % "kvpush").replace("router: {host: a, port: 9000}",
+                                           "router: {host: a, port: 9000, policy: prefix-aware, prefix_weight: 2, "
+                                           "load_weight: 0.5}")
+    config = RouterConfig.model_validate_json(build_plan(parse_topology(text)).host("a").files[0].content)
+    assert (config.policy, config.prefix_aware.prefix_weight, config.prefix_aware.load_weight) == ("prefix-aware", 2.0, 0.5)
+    default = RouterConfig.model_validate_json(build_plan(parse_topology(TWO_HOSTS % "kvpush")).host("a").files[0].content)
+    assert default.policy == RouterConfig.model_fields["policy"].default == "prefix-aware"
+    assert (default.prefix_aware.prefix_weight, default.prefix_aware.load_weight) == (1.0, 0.25)
+    least = (TWO_HOSTS % "kvpush").replace("router: {host: a, port: 9000}", "router: {host: a, port: 9000, policy: least-loaded}")
+    assert RouterConfig.model_validate_json(build_plan(parse_topology(least)).host("a").files[0].content).policy == "least-loaded"
+
+
+@pytest.mark.parametrize("field", ["policy: nearest", "load_weight: -1", "prefix_weight: true"])
+def test_a_bad_router_policy_or_weight_is_refused_naming_the_field(field):
+    text = (TWO_HOSTS % "kvpush").replace("router: {host: a, port: 9000}", "router: {host: a, port: 9000, %s}" % field)
+    with pytest.raises(UsageError, match=field.split(":")[0]):
+        parse_topology(text)
+
+
 def test_hetero_template_pairs_prefill_tp2_with_decode_tp1():
     topo = parse_topology(template_text("local-cpu-hetero"))
     assert [s.tensor_parallel_size for _, _, s in topo.instances()] == [2, 1]
