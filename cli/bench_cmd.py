@@ -248,6 +248,8 @@ def register(app: typer.Typer) -> None:
                                   help=f"Modes to compare, comma-separated, from {', '.join(MODES)}; "
                                   "the -stock modes run vLLM's NIXL connectors exactly as vLLM ships them, the plain ones "
                                   "as kvpush tunes them for shared CPU cores (on GPU both are stock). "
+                                  "A mode may name the router's policy after a +, e.g. kvpush+least-loaded "
+                                  "(prefix-aware, least-loaded, round-robin; default: the topology's). "
                                   f"Default: {', '.join(BENCH_DEFAULT_MODES)}."),
         rates: str = typer.Option(DEFAULT_RATES, "--rates", help="Request rates (req/s, Poisson), comma-separated."),
         input_len: int = typer.Option(DEFAULT_INPUT_LEN, "--input-len", help="Prompt tokens per request."),
@@ -258,6 +260,13 @@ def register(app: typer.Typer) -> None:
                                                "tokens are --input-len x [1 - S, 1 + S], uniform (0 <= S < 1)."),
         output_len: int = typer.Option(DEFAULT_OUTPUT_LEN, "--output-len", help="Output tokens per request (EOS ignored)."),
         num_prompts: int = typer.Option(DEFAULT_NUM_PROMPTS, "--num-prompts", help="Requests per rate."),
+        conversations: int = typer.Option(0, "--conversations", help="Multi-turn instead: this many conversations per "
+                                          "rate (rates are then conversations started per second); each turn's prompt "
+                                          "is the last turn's prompt, its answer and --turn-tokens new tokens; the first "
+                                          "turn has --prefix-len shared and --input-len own tokens."),
+        turns: int = typer.Option(1, "--turns", help="With --conversations: turns per conversation."),
+        turn_tokens: Optional[int] = typer.Option(None, "--turn-tokens", help="With --conversations: new tokens in each "
+                                                  "turn after the first (default: --input-len)."),
         out_dir: Path = typer.Option(Path("kvpush-bench"), "--out", help="Directory for bench.json, PNG plots, raw results and logs."),
         kv_heavy: bool = typer.Option(False, "--kv-heavy", help="Serve a KV-heavy tiny model (8 layers x 8 KV heads x 128: 32 KiB of KV per token, max_model_len 4096)."),
         baseline: str = typer.Option(DEFAULT_BASELINE, "--baseline", help="Mode the ratios compare against."),
@@ -300,7 +309,8 @@ def register(app: typer.Typer) -> None:
         note(f"topology: {source}")
         options = BenchOptions(
             modes=parse_modes(modes), rates=parse_rates(rates), input_len=input_len, output_len=output_len,
-            prefix_len=prefix_len, input_len_spread=input_len_spread, num_prompts=num_prompts, out_dir=out_dir, kv_heavy=kv_heavy, baseline=baseline, port_base=port_base,
+            prefix_len=prefix_len, input_len_spread=input_len_spread, num_prompts=num_prompts,
+            conversations=conversations, turns=turns, turn_tokens=turn_tokens, out_dir=out_dir, kv_heavy=kv_heavy, baseline=baseline, port_base=port_base,
             rounds=rounds, seed=seed, tokenizer=tokenizer, client_timeout_s=client_timeout,
             slo=Slo(DEFAULT_SLO_TTFT_MS if slo_ttft_ms is None else slo_ttft_ms,
                     DEFAULT_SLO_TPOT_MS if slo_tpot_ms is None else slo_tpot_ms),

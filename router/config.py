@@ -63,7 +63,7 @@ class PrefixAwareSettings(_Model):
     load_weight: float = Field(LOAD_WEIGHT, ge=0)  # cost of one leg in flight more than the least-loaded candidate
     block_tokens: int = Field(32, ge=1, le=4096)  # a token-id prompt's block in the record
     block_chars: int = Field(128, ge=1, le=16384)  # a text (or chat) prompt's block in the record
-    record_blocks: int = Field(262_144, ge=1, le=1 << 26)  # entries of one role's record (~100 bytes each)
+    record_blocks: int = Field(131_072, ge=1, le=1 << 26)  # entries of one role's record (~140 bytes each)
 
 
 class RouterConfig(_Model):

@@ -14,9 +14,10 @@ from pathlib import Path
 
 from kvpush.common.errors import KvpushError
 from ..placement import on_cores
+from .conversation_client import API_KEY_VARIABLE, argv_for as conversations_argv
+from .conversations import Workload
 
 PERCENTILE_METRICS = "ttft,tpot,itl,e2el"
-API_KEY_VARIABLE = "OPENAI_API_KEY"  # vLLM's benchmark client sends it as `Authorization: Bearer ...`
 PERCENTILES = "50,90,99"
 
 
@@ -38,10 +39,22 @@ class LoadSpec:
     request_id_prefix: str = ""
     prefix_len: int = 0  # tokens every prompt of the level starts with (the same ones)
     input_len_spread: float = 0.0  # own tokens spread uniformly over input_len x [1 - spread, 1 + spread]
+    # multi-turn conversations (conversation_client.py) instead of `vllm bench serve`: `rate` is then
+    # conversations started per second, input_len their first turn's own tokens
+    workload: Workload | None = None
+    timeout_s: float = 900.0  # a multi-turn request's whole answer
 
     @property
     def result_path(self) -> Path:
         return Path(self.result_dir) / self.result_filename
+
+
+def job_argv(load: LoadSpec) -> list[str]:
+    """What the client worker runs for one load level."""
+    if load.workload is None:
+        return bench_serve_argv(load)
+    return conversations_argv(load.base_url, load.served_model, load.tokenizer, load.rate, load.seed, load.workload,
+                              load.output_len, load.result_path, load.request_id_prefix, load.timeout_s)
 
 
 def bench_serve_argv(load: LoadSpec, command: list[str] | None = None) -> list[str]:
@@ -116,7 +129,7 @@ class BenchClient:
                 self._ready = True
             # The key goes on the worker's stdin, never in an argv; unset when the router takes none,
             # so a key of the user's own environment is never sent to the deployment.
-            job = {"argv": bench_serve_argv(load), "log": str(log_path), "env": {API_KEY_VARIABLE: api_key}}
+            job = {"argv": job_argv(load), "log": str(log_path), "env": {API_KEY_VARIABLE: api_key}}
             assert self._proc is not None and self._proc.stdin is not None
             self._proc.stdin.write((json.dumps(job) + "\n").encode())
             self._proc.stdin.flush()

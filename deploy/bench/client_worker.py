@@ -5,7 +5,8 @@ Importing vLLM's benchmark client costs 15-50 s of CPU on a loaded 2-core machin
 (`{"argv": ["vllm", "bench", "serve", ...], "log": PATH, "env": {NAME: VALUE or null}}`), runs
 vLLM's own CLI `main()` with that argv and environment (null: unset; the router's API key travels
 this way, never in an argv), its stdout and stderr going to PATH, and answers one JSON line (`{"rc": N}`) on its original
-stdout. It prints `{"ready": true}` once the import is done. Run as
+stdout. It prints `{"ready": true}` once the import is done. A job whose argv starts with
+`kvpush-conversations` runs the multi-turn client (conversation_client.py) instead. Run as
 `python -m kvpush.deploy.bench.client_worker`.
 """
 from __future__ import annotations
@@ -68,15 +69,17 @@ def _set_env(values: dict[str, str | None]) -> None:
             os.environ[name] = value
 
 
-def serve(entry: Callable[[], object], jobs: TextIO, answers: TextIO) -> None:
-    """Answer each job line until stdin closes."""
+def serve(entry: Callable[[], object], jobs: TextIO, answers: TextIO,
+          others: dict[str, Callable[[], object]] | None = None) -> None:
+    """Answer each job line until stdin closes; a job whose argv[0] names one of `others` runs that."""
     answers.write(json.dumps(READY) + "\n")
     answers.flush()
     for line in jobs:
         if not line.strip():
             continue
         job = json.loads(line)
-        rc = run_job(entry, job["argv"], job["log"], job.get("env"))
+        runs = (others or {}).get(job["argv"][0] if job["argv"] else "", entry)
+        rc = run_job(runs, job["argv"], job["log"], job.get("env"))
         answers.write(json.dumps({"rc": rc}) + "\n")
         answers.flush()
 
@@ -103,7 +106,9 @@ def main() -> None:
         answers.write(json.dumps({"error": f"cannot import vLLM's benchmark client: {type(exc).__name__}: {exc}"}) + "\n")
         answers.flush()
         raise SystemExit(1)
-    serve(entry, sys.stdin, answers)
+    from . import conversation_client
+
+    serve(entry, sys.stdin, answers, {conversation_client.PROGRAM: conversation_client.main})
 
 
 if __name__ == "__main__":

@@ -39,9 +39,11 @@ def measure_rate(d: Deployed, options: BenchOptions, events: BenchEvents, client
     load = LoadSpec(base_url=d.base_url, served_model=d.topo.model.name, tokenizer=d.tokenizer, rate=rate,
                     num_prompts=options.num_prompts, input_len=options.input_len, output_len=options.output_len,
                     seed=seed, result_dir=str(raw_dir), result_filename=f"{name}.json", request_id_prefix=f"{name}-",
-                    prefix_len=options.prefix_len, input_len_spread=options.input_len_spread)
+                    prefix_len=options.prefix_len, input_len_spread=options.input_len_spread,
+                    workload=options.workload(), timeout_s=options.client_timeout_s)
     before = scrape(d.runners, d.endpoints, d.keys)
-    events.rate_started(d.run.mode, rate, options.num_prompts / rate)
+    workload = options.workload()
+    events.rate_started(d.run.mode, rate, (options.num_prompts if workload is None else workload.conversations) / rate)
     with timed(d.run, f"rate {rate:g}" + (f" round {round_index + 1}" if options.rounds > 1 else "")):
         path = client.run(load, options.out_dir / "logs" / f"{name}.log", options.client_timeout_s, d.keys.client)
     after = scrape(d.runners, d.endpoints, d.keys)

@@ -5,13 +5,18 @@ import hashlib
 import json
 import math
 from pathlib import PurePosixPath
+from typing import get_args
 
 from kvpush.common.errors import UsageError
+from kvpush.router.config import Policy
 from ..topology import ConnectorType, Topology, TinyModelSpec, TracingSpec, listening_side_channel_ports, side_channel_ports
 
 # A bench mode is a connector type, or a `-stock` control: vLLM's connector exactly as vLLM ships it
-# (connector.stock_vllm), beside the variant kvpush tunes for shared CPU cores.
+# (connector.stock_vllm), beside the variant kvpush tunes for shared CPU cores; either may name the
+# router's policy after a `+` (kvpush+least-loaded), else the topology's applies.
 STOCK_SUFFIX = "-stock"
+POLICY_SEPARATOR = "+"
+POLICIES: tuple[str, ...] = get_args(Policy)
 MODES: tuple[str, ...] = ("kvpush", "nixl-push", "nixl-pull", "colocated", "nixl-push-stock", "nixl-pull-stock")
 DEFAULT_MODES: tuple[str, ...] = ("kvpush", "nixl-push", "nixl-pull", "colocated")
 DEFAULT_BASELINE = "nixl-pull"
@@ -38,18 +43,25 @@ def kv_bytes_per_token(spec: TinyModelSpec) -> int:
     return 2 * spec.layers * spec.kv_heads * spec.head_dim * KV_DTYPE_BYTES
 
 
+def policy_of(mode: str) -> str | None:
+    """The router policy a bench mode names (kvpush+least-loaded), or None: the topology's."""
+    _, _, policy = mode.partition(POLICY_SEPARATOR)
+    return policy or None
+
+
 def connector_of(mode: str) -> tuple[ConnectorType, bool]:
     """A bench mode's connector type, and whether it runs vLLM's connector stock."""
-    stock = mode.endswith(STOCK_SUFFIX)
-    return mode.removesuffix(STOCK_SUFFIX), stock  # type: ignore[return-value]
+    kind = mode.partition(POLICY_SEPARATOR)[0]
+    stock = kind.endswith(STOCK_SUFFIX)
+    return kind.removesuffix(STOCK_SUFFIX), stock  # type: ignore[return-value]
 
 
 def mode_label(mode: str, platform: str = "cpu") -> str:
     """How tables name a mode: on a CPU platform the tuned and stock NIXL variants differ; on GPU the
     plain modes are stock too (the tuning applies to CPU platforms only)."""
-    if platform != "cpu" and mode in ("nixl-push", "nixl-pull"):
-        return mode
-    return MODE_LABELS.get(mode, mode)
+    kind, policy = mode.partition(POLICY_SEPARATOR)[0], policy_of(mode)
+    label = kind if platform != "cpu" and kind in ("nixl-push", "nixl-pull") else MODE_LABELS.get(kind, kind)
+    return f"{label}, {policy} router" if policy else label
 
 
 def parse_modes(text: str) -> list[str]:
@@ -57,8 +69,12 @@ def parse_modes(text: str) -> list[str]:
     if not modes:
         raise UsageError("--modes is empty; give e.g. --modes kvpush,nixl-push,nixl-pull,colocated")
     for m in modes:
-        if m not in MODES:
+        kind, policy = m.partition(POLICY_SEPARATOR)[0], policy_of(m)
+        if kind not in MODES:
             raise UsageError(f"--modes: unknown mode '{m}'; choose from {','.join(MODES)}")
+        if policy is not None and policy not in POLICIES:
+            raise UsageError(f"--modes: unknown router policy '{policy}' in '{m}'; after '{POLICY_SEPARATOR}' choose "
+                             f"from {','.join(POLICIES)}")
     if len(set(modes)) != len(modes):
         raise UsageError(f"--modes lists a mode twice ({text}); give each mode once")
     return modes
@@ -128,13 +144,16 @@ def bench_topology(topo: Topology, mode: str, *, kv_heavy: bool = False, port_ba
 
     `mode_index` is for benches that keep every mode's deployment up at once (`--rounds`): each mode
     then gets a name of its own and the port range port_base + mode_index * MODE_PORT_STRIDE."""
-    if topo.connector.type == "colocated" and mode != "colocated" and (not topo.prefill or not topo.decode):
+    kind, stock = connector_of(mode)
+    if topo.connector.type == "colocated" and kind != "colocated" and (not topo.prefill or not topo.decode):
         raise UsageError(f"mode {mode} needs prefill and decode instances, but topology '{topo.name}' has "
                          f"{len(topo.prefill)} prefill and {len(topo.decode)} decode; add both or bench only colocated")
-    name = f"{topo.name[:50]}-bench" if mode_index is None else f"{topo.name[:40]}-bench-{mode}"
+    suffix = "-bench" if mode_index is None else f"-bench-{mode.replace(POLICY_SEPARATOR, '-')}"
+    name = f"{topo.name[:min(50 if mode_index is None else 40, 63 - len(suffix))]}{suffix}"
     out = topo.model_copy(deep=True)
-    kind, stock = connector_of(mode)
     out = out.model_copy(update={"name": name, "connector": out.connector.model_copy(update={"type": kind, "stock_vllm": stock})})
+    if policy_of(mode) is not None:
+        out = out.model_copy(update={"router": out.router.model_copy(update={"policy": policy_of(mode)})})
     if kv_heavy:
         out = kv_heavy_model(out)
     if traces_endpoint is not None:

@@ -8,6 +8,7 @@ from kvpush.common.errors import UsageError
 
 from ..lifecycle import Events, LifecycleOptions
 from ..topology import Topology
+from .conversations import Workload
 from .modes import DEFAULT_BASELINE, ROUNDS_NEED_PORT_BASE, bench_topology
 from .results import RatePoint
 from .tails import Slo
@@ -29,6 +30,11 @@ class BenchOptions:
     # the second request on, prefill's and decode's prefix caches hold them and only the rest moves
     prefix_len: int = 0
     input_len_spread: float = 0.0  # each prompt's own part is input_len x [1 - spread, 1 + spread], uniform
+    # > 0: each rate runs this many multi-turn conversations (conversations.py) instead of num_prompts
+    # single requests; rates are then conversations started per second
+    conversations: int = 0
+    turns: int = 1
+    turn_tokens: int | None = None  # new tokens in each turn after the first (default: input_len)
     baseline: str = DEFAULT_BASELINE
     port_base: int | None = None
     rounds: int = 1  # > 1: every mode up at once, the rates run `rounds` times with the modes interleaved
@@ -40,10 +46,25 @@ class BenchOptions:
     traces_endpoint: str | None = None  # where they go: the bench's receiver, set while it runs
     lifecycle: LifecycleOptions = field(default_factory=LifecycleOptions)
 
+    def workload(self) -> Workload | None:
+        if not self.conversations:
+            return None
+        return Workload(self.conversations, self.turns, self.input_len,
+                        self.input_len if self.turn_tokens is None else self.turn_tokens, self.prefix_len)
+
     def validate(self) -> None:
         for name in ("input_len", "output_len", "num_prompts"):
             if getattr(self, name) < 1:
                 raise UsageError(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(self, name)})")
+        if self.conversations < 0:
+            raise UsageError(f"--conversations must be 0 (single requests) or more (got {self.conversations})")
+        workload = self.workload()
+        if workload is not None and workload.problem():
+            raise UsageError(workload.problem())
+        if workload is None and (self.turns != 1 or self.turn_tokens is not None):
+            raise UsageError("--turns and --turn-tokens describe conversations: give --conversations N too")
+        if workload is not None and self.input_len_spread:
+            raise UsageError("--input-len-spread applies to single requests, not to --conversations; leave it out")
         if self.prefix_len < 0:
             raise UsageError(f"--prefix-len must be 0 or more (got {self.prefix_len})")
         if not 0.0 <= self.input_len_spread < 1.0:

@@ -41,6 +41,8 @@ class BenchReport:
                         "num_prompts": o.num_prompts, "kv_heavy": o.kv_heavy,
                         "prefix_len": o.prefix_len, "input_len_spread": o.input_len_spread, "baseline": o.baseline, "seed": o.seed,
                         "port_base": o.port_base, "rounds": o.rounds,
+                        "conversations": o.conversations, "turns": o.turns,
+                        "turn_tokens": None if o.workload() is None else o.workload().turn_tokens,
                         "slo": {"ttft_ms": o.slo.ttft_ms, "tpot_ms": o.slo.tpot_ms}, "confidence": CONFIDENCE},
             "configuration": self.configuration,
             "runs": [{"mode": r.mode, "topology_hash": r.topology_hash, "up_s": r.up_s, "error": r.error,
@@ -69,8 +71,12 @@ def configuration(topo: Topology, options: BenchOptions) -> dict:
                   "dtype": model.dtype, "tiny": model.tiny.model_dump() if model.tiny else None,
                   "description": describe(model.tiny) if model.tiny else None,
                   "kv_bytes_per_token": kv_bytes_per_token(model.tiny) if model.tiny else None},
-        "client": {"tool": "vllm bench serve", "process": "one warm process runs its CLI entry point for every rate",
-                   "dataset": "random", "arrivals": "poisson", "ignore_eos": True,
+        "client": {"tool": "vllm bench serve" if options.workload() is None else "kvpush-conversations",
+                   "process": "one warm process runs its CLI entry point for every rate",
+                   "dataset": "random" if options.workload() is None else "multi-turn token-id conversations",
+                   "arrivals": "poisson" if options.workload() is None else "poisson conversation starts, "
+                                                                           "each turn right after the last answer",
+                   "ignore_eos": True,
                    "temperature": 0, "seeds": {f"{r:g}": [seed_for(options.seed, i, k) for k in range(options.rounds)]
                                                for i, r in enumerate(options.rates)}},
     }
@@ -88,8 +94,10 @@ def write_outputs(report: BenchReport) -> None:
     o = report.options
     prompt = (f"{o.prefix_len} shared + " if o.prefix_len else "") + f"{o.input_len}" + \
         (f" (±{o.input_len_spread:.0%})" if o.input_len_spread else "")
-    subtitle = (f"{model.get('served_name')}, {prompt} in / {report.options.output_len} out tokens, "
-                f"{report.options.num_prompts} prompts per rate"
+    workload = o.workload()
+    per_rate = (f"{o.num_prompts} prompts per rate" if workload is None else
+                f"{workload.conversations} conversations x {workload.turns} turns (+{workload.turn_tokens} tokens each) per rate")
+    subtitle = (f"{model.get('served_name')}, {prompt} in / {report.options.output_len} out tokens, {per_rate}"
                 + (f" x {report.options.rounds} rounds" if report.options.rounds > 1 else ""))
     path = out / RESULT_FILE
     report.files.insert(0, str(path))

@@ -47,3 +47,15 @@ def test_a_jobs_environment_holds_for_that_job_only(tmp_path, monkeypatch):
     assert run_job(entry, ["vllm"], str(tmp_path / "a.log"), {"OPENAI_API_KEY": "router-key"}) == 0
     assert run_job(entry, ["vllm"], str(tmp_path / "b.log"), {"OPENAI_API_KEY": None}) == 0
     assert seen == ["router-key", None] and os.environ["OPENAI_API_KEY"] == "the-users-own"
+
+
+def test_a_job_naming_another_program_runs_that_one(tmp_path):
+    def conversations():
+        print("conversations", " ".join(sys.argv[1:]))
+
+    jobs = io.StringIO(json.dumps({"argv": ["kvpush-conversations", "--turns", "3"], "log": str(tmp_path / "c.log")})
+                       + "\n" + json.dumps({"argv": ["vllm", "bench"], "log": str(tmp_path / "v.log")}) + "\n")
+    answers = io.StringIO()
+    serve(_entry, jobs, answers, {"kvpush-conversations": conversations})
+    assert (tmp_path / "c.log").read_text() == "conversations --turns 3\n"
+    assert (tmp_path / "v.log").read_text() == "running bench\n"

@@ -111,3 +111,28 @@ def test_modes_up_at_once_get_names_and_port_ranges_of_their_own(local_cpu):
                for i, r in enumerate(ranges))
     with pytest.raises(UsageError, match="--rounds keeps every mode's deployment up at once.*give --port-base"):
         bench_topology(local_cpu, "kvpush", mode_index=0)
+
+
+def test_a_mode_may_name_the_routers_policy_after_a_plus(local_cpu):
+    assert parse_modes("kvpush,kvpush+least-loaded,nixl-pull+round-robin") == [
+        "kvpush", "kvpush+least-loaded", "nixl-pull+round-robin"]
+    with pytest.raises(UsageError, match="unknown router policy 'nearest'.*prefix-aware"):
+        parse_modes("kvpush+nearest")
+    with pytest.raises(UsageError, match="unknown mode"):
+        parse_modes("push+least-loaded")
+    plain, least = bench_topology(local_cpu, "kvpush"), bench_topology(local_cpu, "kvpush+least-loaded")
+    assert plain.router.policy == local_cpu.router.policy == "prefix-aware"
+    assert least.router.policy == "least-loaded" and least.connector.type == "kvpush"
+    stock = bench_topology(local_cpu, "nixl-pull-stock+round-robin")
+    assert (stock.connector.type, stock.connector.stock_vllm, stock.router.policy) == ("nixl-pull", True, "round-robin")
+    assert mode_label("kvpush+least-loaded") == "kvpush, least-loaded router"
+    assert mode_label("nixl-pull+least-loaded") == "nixl-pull (kvpush-tuned), least-loaded router"
+
+
+def test_policy_modes_up_at_once_get_valid_names_of_their_own(local_cpu):
+    long_name = local_cpu.model_copy(update={"name": "a-rather-long-deployment-name-for-a-bench-x"})
+    modes = ["kvpush", "kvpush+least-loaded", "nixl-push-stock+least-loaded", "nixl-push-stock+round-robin"]
+    topos = [bench_topology(long_name, m, port_base=15200, mode_index=i) for i, m in enumerate(modes)]
+    assert len({t.name for t in topos}) == len(modes)
+    assert all(len(t.name) <= 63 and "+" not in t.name for t in topos)
+    build_plan(topos[2])  # a valid deployment name
