@@ -15,7 +15,8 @@ from rich.text import Text
 
 from kvpush.deploy.bench.modes import DEFAULT_BASELINE, DEFAULT_MODES as BENCH_DEFAULT_MODES, MODES, parse_modes, parse_rates
 from kvpush.deploy.bench.recompute import recompute
-from kvpush.deploy.bench import handoff_table, tails_table
+from kvpush.deploy.bench import conversation_table, handoff_table, tails_table
+from kvpush.deploy.bench.raw import read_text
 from kvpush.deploy.bench.tails import CONFIDENCE, DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS, Slo
 from kvpush.deploy.bench.results import ModeRun, figure, paired_ratios, point_at, rates_of, ratio
 from kvpush.deploy.bench.options import BenchEvents, BenchOptions
@@ -199,10 +200,31 @@ def spinning_lines(runs: list[ModeRun], rounds: int) -> list[str]:
     return lines
 
 
+def _reference(modes: list[str]) -> str | None:
+    return conversation_table.REFERENCE_MODE if conversation_table.REFERENCE_MODE in modes else None
+
+
+def print_conversations(rows: list[conversation_table.ConversationRow] | None, platform: str, modes: list[str]) -> None:
+    """A multi-turn bench's table: KV moved per turn against the turn's new tokens, TTFT by turn, answers."""
+    if not rows:
+        return
+    reference = _reference(modes)
+    t = make_table(*conversation_table.COLUMNS, title="multi-turn: prompt tokens per completed turn"
+                   + (f", answers compared with {reference}'s" if reference else ""),
+                   right=conversation_table.COLUMNS[1:])
+    for row in rows:
+        t.add_row(*conversation_table.row_cells(row, platform))
+    print_table(t)
+
+
 def render(report: BenchReport) -> None:
     platform = report.configuration.get("topology", {}).get("platform", "cpu")
     print_tails(tails_table.tails_of(report.runs), report.options.baseline, platform)
     print_handoff(handoff_table.handoff_of(report.runs), platform)
+    if report.options.workload() is not None:
+        out_dir = report.options.out_dir
+        print_conversations(conversation_table.conversation_rows(report.to_dict(), lambda name: read_text(out_dir / name)),
+                            platform, report.options.modes)
     engine = report.configuration.get("engine_timings") or {}
     if engine and not engine.get("taken"):
         note(f"engine handoff not measured: {engine.get('why_not')}")
@@ -345,11 +367,16 @@ def _recompute(bench_dir: Path, slo_ttft_ms: float | None, slo_tpot_ms: float | 
         print_json({"baseline": done.baseline, "slo": dataclasses.asdict(done.slo),
                     "tails": {m: {f"{r:g}": dataclasses.asdict(t) for r, t in by_rate.items()} for m, by_rate in done.tails.items()},
                     "engine_handoff": {m: {f"{r:g}": dataclasses.asdict(h) for r, h in by_rate.items()}
-                                       for m, by_rate in handoff.items()}})
+                                       for m, by_rate in handoff.items()},
+                    "conversations": [dataclasses.asdict(r) for r in done.conversations or []]})
     elif markdown:
         out.print(tails_table.markdown(done.tails, done.baseline, done.platform), markup=False, highlight=False)
         if handoff:
             out.print(handoff_table.markdown(handoff, done.platform), markup=False, highlight=False)
+        if done.conversations:
+            out.print(conversation_table.markdown(done.conversations, done.platform, _reference(done.modes)),
+                      markup=False, highlight=False)
     else:
         print_tails(done.tails, done.baseline, done.platform)
         print_handoff(handoff, done.platform)
+        print_conversations(done.conversations, done.platform, done.modes)

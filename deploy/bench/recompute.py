@@ -13,6 +13,7 @@ from pathlib import Path
 
 from kvpush.common.errors import UsageError
 
+from .conversation_table import ConversationRow, conversation_rows
 from .engine_timings import parse_kept
 from .handoff import HandoffSamples, pooled, summarize
 from .handoff_table import HandoffTable
@@ -31,6 +32,7 @@ class Recomputed:
     tails: TailsTable
     platform: str = "cpu"
     handoff: HandoffTable | None = None  # the engines' handoff, where the bench kept their spans
+    conversations: list[ConversationRow] | None = None  # a multi-turn bench's table
 
 
 def recompute(bench_dir: Path, slo: Slo | None = None, baseline: str | None = None) -> Recomputed:
@@ -70,7 +72,9 @@ def recompute(bench_dir: Path, slo: Slo | None = None, baseline: str | None = No
         if spans_by_rate:
             handoff[run["mode"]] = {rate: summarize(pooled(parts)) for rate, parts in sorted(spans_by_rate.items())}
     platform = (doc.get("configuration", {}).get("topology") or {}).get("platform", "cpu")
-    return Recomputed([r["mode"] for r in doc.get("runs", [])], baseline, slo, table, platform, handoff or None)
+    conversations = conversation_rows(doc, files.read_text) if options.get("conversations") else None
+    return Recomputed([r["mode"] for r in doc.get("runs", [])], baseline, slo, table, platform, handoff or None,
+                      conversations)
 
 
 def _read(files: KeptFiles, name: str, mode: str, point: dict) -> str:
