@@ -13,6 +13,7 @@ from chaos_requests import SLOW_S
 SUMMARY_COLUMNS = [
     ("topology", "topology"), ("requests", "requests (streamed)"), ("answered", "answered"), ("wrong", "wrong answers"),
     ("failed_with_peer", "failed, healthy instance of each role"), ("failed_without_peer", "failed, a role had none"),
+    ("cut", "streams cut by a killed decode"),
     ("slow", f"over {SLOW_S:g} s"), ("latency", "latency p50 / p99 / max (s)"), ("faults", "SIGSTOPs / SIGKILLs"),
     ("up_s", "`up` min-max (s)"),
 ]
@@ -24,8 +25,20 @@ def _quantile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1]
 
 
+def cut_by_killed_decode(request: dict, faults_by_id: dict[str, dict]) -> bool:
+    """A stream that had begun and was cut while a decode instance was killed: the tokens came from
+    that decode (a request is not moved to another decode once it streams), so no peer can save it."""
+    return (request["streamed"] and not request["answered"] and request["first_token_s"] is not None
+            and any(faults_by_id[i]["kind"] == "kill" and faults_by_id[i]["role"] == "decode"
+                    for i in request["faults"] if i in faults_by_id))
+
+
 def summarize(topology: str, requests: list[dict], faults: list[dict]) -> dict:
-    """One topology's numbers from its request and fault rows."""
+    """One topology's numbers from its request and fault rows. A failed request counts as failed
+    with a healthy peer unless a role had no untouched instance during it, or it was a stream cut
+    by a killed decode (counted apart)."""
+    by_id = {f["id"]: f for f in faults}
+    cut = [r for r in requests if cut_by_killed_decode(r, by_id)]
     failed = [r for r in requests if not r["answered"]]
     latencies = sorted(r["latency_s"] for r in requests)
     ups = [f["up_s"] for f in faults if f.get("up_s") is not None]
@@ -35,8 +48,9 @@ def summarize(topology: str, requests: list[dict], faults: list[dict]) -> dict:
         "answered": len(requests) - len(failed),
         "answered_streamed": sum(r["answered"] and r["streamed"] for r in requests),
         "wrong": sum(r["matches_reference"] is False for r in requests),
-        "failed_with_peer": sum(r["healthy_peer"] for r in failed),
-        "failed_without_peer": sum(not r["healthy_peer"] for r in failed),
+        "failed_with_peer": sum(r["healthy_peer"] for r in failed) - sum(r["healthy_peer"] for r in cut),
+        "failed_without_peer": sum(not r["healthy_peer"] for r in failed) - sum(not r["healthy_peer"] for r in cut),
+        "cut_by_killed_decode": len(cut),
         "failed_streamed": sum(r["streamed"] for r in failed),
         "slow": sum(r["latency_s"] > SLOW_S for r in requests),
         "latency_p50_s": round(_quantile(latencies, 0.5), 2) if latencies else None,
@@ -51,7 +65,7 @@ def _cells(s: dict) -> dict[str, str]:
     return {
         "topology": s["topology"], "requests": f"{s['requests']:,} ({s['streamed']:,})", "answered": f"{s['answered']:,}",
         "wrong": str(s["wrong"]), "failed_with_peer": str(s["failed_with_peer"]),
-        "failed_without_peer": str(s["failed_without_peer"]), "slow": str(s["slow"]),
+        "failed_without_peer": str(s["failed_without_peer"]), "cut": str(s["cut_by_killed_decode"]), "slow": str(s["slow"]),
         "latency": " / ".join("-" if s[k] is None else f"{s[k]:.2f}" for k in ("latency_p50_s", "latency_p99_s", "latency_max_s")),
         "faults": f"{s['stops']} / {s['kills']}",
         "up_s": "-" if s["up_min_s"] is None else f"{s['up_min_s']:.1f}-{s['up_max_s']:.1f}",

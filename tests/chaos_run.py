@@ -79,11 +79,12 @@ def run_chaos(shape: str, topo: Topology, prompts: PromptSet, *, clients: int, s
                 log(f"{shape}: {time.monotonic() - epoch:.0f} s, {len(done)} requests, {sum(r.answered for r in done)} "
                     f"answered, {sum(r.wrong for r in done)} wrong, {len(chaos.faults)} faults")
     finally:
-        records = load.stop(READ_TIMEOUT_S + 30)
-        try:
+        try:  # the load goes on until the last fault is recovered from: requests meet the recovery too
             faults = chaos.stop() if settings is not None else []
         except Exception as exc:  # noqa: BLE001 - the caller decides; what was measured is kept
             faults, error = chaos.faults, f"{type(exc).__name__}: {exc}"
+        finally:
+            records = load.stop(READ_TIMEOUT_S + 30)
     end = time.monotonic()
     attribute(records, faults, chaos.instances, end)
     return ChaosOutcome(shape, epoch, epoch_wall, end, records, faults, error, kept)

@@ -10,7 +10,7 @@ pytestmark = pytest.mark.unit
 
 def request(**kw) -> dict:
     row = {"topology": "2p2d", "request_id": "r", "streamed": False, "answered": True, "matches_reference": True,
-           "healthy_peer": True, "latency_s": 1.0, "error": "", "faults": []}
+           "healthy_peer": True, "latency_s": 1.0, "error": "", "faults": [], "first_token_s": None}
     return {**row, **kw}
 
 
@@ -30,11 +30,20 @@ def test_failures_count_apart_by_whether_each_role_kept_a_healthy_instance_and_w
     assert (s["stops"], s["kills"], s["up_min_s"], s["up_max_s"], s["latency_max_s"]) == (1, 2, 22.0, 31.5, 31.0)
 
 
+def test_a_stream_cut_after_its_first_token_while_a_decode_was_killed_counts_apart_from_failures():
+    cut = request(streamed=True, answered=False, first_token_s=0.4, faults=["f0002"], error="error event: x")
+    before_first_token = request(streamed=True, answered=False, faults=["f0002"], error="HTTP 502: x")
+    while_prefill_stopped = request(streamed=True, answered=False, first_token_s=0.4, faults=["f0001"], error="x")
+    plain = request(answered=False, faults=["f0003"], error="HTTP 502: x")
+    s = summarize("2p2d", [cut, before_first_token, while_prefill_stopped, plain], FAULTS)
+    assert (s["cut_by_killed_decode"], s["failed_with_peer"], s["failed_without_peer"]) == (1, 3, 0)
+
+
 def test_the_summary_table_has_a_row_per_topology_under_its_header():
     table = summary_table([summarize("1p1d", [request(topology="1p1d")], []), summarize("2p2d", [request()], FAULTS)])
     lines = table.splitlines()
     assert len(lines) == 4 and lines[0].startswith("| topology |") and lines[1].startswith("| --- |")
-    assert lines[2].startswith("| 1p1d | 1 (0) | 1 | 0 | 0 | 0 | 0 | 1.00 / 1.00 / 1.00 | 0 / 0 | - |")
+    assert lines[2].startswith("| 1p1d | 1 (0) | 1 | 0 | 0 | 0 | 0 | 0 | 1.00 / 1.00 / 1.00 | 0 / 0 | - |")
     assert "| 1 / 2 | 22.0-31.5 |" in lines[3]
 
 
