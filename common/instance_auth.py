@@ -37,8 +37,19 @@ DEFAULT_PUBLIC_PATHS = ("/health", "/metrics")
 MIDDLEWARE_PATH = "kvpush.common.instance_auth.InstanceKeyMiddleware"
 LOG_EVERY_S = 10.0
 
-REFUSED = Counter("vllm:kvpush_refused_requests", "Requests this instance refused for a missing or wrong instance key.",
-                  ["reason"])
+_refused: Counter | None = None
+_refused_lock = threading.Lock()
+
+
+def refused_counter() -> Counter:
+    """The refusal counter, registered (once per process) by the first middleware made: importing
+    this module for its names registers nothing."""
+    global _refused
+    with _refused_lock:
+        if _refused is None:
+            _refused = Counter("vllm:kvpush_refused_requests",
+                               "Requests this instance refused for a missing or wrong instance key.", ["reason"])
+        return _refused
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +98,17 @@ class _RateLimitedLog:
                     "(%s)", count, LOG_EVERY_S, scope.get("method", scope["type"]), path, client[0], reason)
 
 
+def _log_through_vllm() -> None:
+    """Inside vLLM, this module's lines go to vLLM's handlers (its format, the instance's log), as
+    the connector's do: a logger of ours alone reaches no handler there."""
+    ours, vllm_logger = logging.getLogger(__name__), logging.getLogger("vllm")
+    if not ours.handlers and vllm_logger.handlers:
+        for handler in vllm_logger.handlers:
+            ours.addHandler(handler)
+        ours.setLevel(logging.WARNING)
+        ours.propagate = False
+
+
 class InstanceKeyMiddleware:
     """Pure ASGI: constructed by vLLM with the app only, so it takes its settings from the environment."""
 
@@ -101,6 +123,8 @@ class InstanceKeyMiddleware:
         self._key_digest = _digest(key.encode())
         self._public = public_paths(environ.get(PUBLIC_PATHS_VARIABLE))
         self._log = _RateLimitedLog(clock)
+        self._refused = refused_counter()
+        _log_through_vllm()
 
     def _refusal(self, scope: Scope) -> str | None:
         """None when the request may pass, else the reason it may not."""
@@ -122,7 +146,7 @@ class InstanceKeyMiddleware:
         if reason is None:
             await self.app(scope, receive, send)
             return
-        REFUSED.labels(reason).inc()
+        self._refused.labels(reason).inc()
         self._log.refused(reason, scope)
         if scope["type"] == "http":
             await _send_401(send, "http.response")

@@ -170,12 +170,18 @@ def test_refusals_are_logged_at_most_once_per_interval_with_the_count(caplog):
         scope = {"type": "http", "method": "POST", "path": path, "headers": [], "client": ("10.0.0.9", 5555)}
         asyncio.run(middleware(scope, None, send))
 
-    with caplog.at_level(logging.WARNING, logger=instance_auth.__name__):
+    logger = logging.getLogger(instance_auth.__name__)  # inside vLLM it logs through vLLM's handlers, not the root's
+    logger.addHandler(caplog.handler)
+    propagate, logger.propagate = logger.propagate, False
+    try:
         attack("/invocations")
         for _ in range(5):
             attack("/tokenize")
         now[0] += instance_auth.LOG_EVERY_S
         attack("/pooling\nforged line")
+    finally:
+        logger.removeHandler(caplog.handler)
+        logger.propagate = propagate
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2, lines
     assert "refused 1 request(s)" in lines[0] and "'/invocations' from 10.0.0.9 (no_key)" in lines[0]
