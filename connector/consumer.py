@@ -12,11 +12,15 @@ this agent's NIXL metadata and KV layout (LAYOUT) go only to a P that proved the
 never blocks on a connect). A connection that dies fails every transfer pending on it at once.
 A transfer from a prefill with another TP size has one part per source rank (fanin.py): vLLM
 hears of it once, when every part is in; the first part to fail cancels the others.
+Connections to a P rank are numbered (generations): a part takes P's word only from the one its
+REGISTER went out on. A part failed while P may still write into its blocks stays fenced
+(fences.py, arrivals.py) until that word, P's death, or the backstop (`_backstop`). A silent P is
+given up on without closing its connection (`_give_up`).
 """
 from __future__ import annotations
 
+import errno
 import logging
-import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -25,13 +29,18 @@ from dataclasses import replace
 
 from . import auth, wire
 from .channel import AUTH_DEADLINE_S, Connection, Reactor
-from .fanin import RANK_SEPARATOR, Parts, base_name, rank_key, rank_of
+from .arrivals import Arrivals
+from .fanin import RANK_SEPARATOR, base_name, rank_key, rank_of
 from .liveness import DEFAULT_ADMISSION_S, DEFAULT_SILENCE_S, PeerLiveness
 from .regions import HeadLayout, LayoutIdentity, Region
 from .sharding import HeadSharding, ShardingError, pieces_for_decode
 from .state import ConsumerState, Outcome, Pending, counts_since
 
 log = logging.getLogger(__name__)
+# How the reactor (channel.py) names a connection P's side ended (its FIN, or a reset: a process that
+# died with bytes unread). Only these prove P gone; one this side closed, or that failed otherwise
+# (a timeout, a send error), proves nothing of what P still writes.
+_CLOSED_BY_PEER = ("connection closed by peer", f"connection error: [Errno {errno.ECONNRESET}]")
 
 
 @dataclass
@@ -52,6 +61,9 @@ class ConsumerConfig:
     # deployment's configuration: a request naming another address is refused, so no client can
     # point this decode at a host of its choosing. None: the request's address is used (tests).
     peers: dict[str, tuple[str, int]] | None = None
+    # the backstop of a fence (fences.py): how long after a part was given up on while P may still
+    # write into its blocks this side drops P's connection and lets the blocks go; 0: never
+    late_write_hold_s: float = 30.0
 
 
 class Consumer:
@@ -63,17 +75,18 @@ class Consumer:
         # sent only once P proved the key (auth.py); D's proof covers its digest
         self._layout = wire.Layout(agent_name, agent_metadata, config.identity, regions, head_layouts, device_id)
         self._layout_digest = auth.digest(wire.encode(self._layout))
-        self._lock = threading.Lock()
-        self._outcome_ready = threading.Condition(self._lock)
-        self._state = ConsumerState(config.timeout_s, config.accepted_timeout_s)
+        self.counters: Counter = Counter()  # under the lock
+        self._arrivals = Arrivals(ConsumerState(config.timeout_s, config.accepted_timeout_s), self._cancel_soon,
+                                  len(regions), self.counters)
+        self._lock = self._arrivals.lock
+        self._state = self._arrivals.state  # under the lock
+        self._parts = self._arrivals.parts  # under the lock
         self._liveness = PeerLiveness(silence_s=config.peer_silence_s, admission_s=config.admission_timeout_s)  # reactor thread only
         self._conns: dict[str, Connection] = {}
         self._connecting: dict[str, list[wire.Message]] = {}  # P engine -> what waits for its connection
-        self._silenced: set[str] = set()  # P engines this side hung up on for not answering (reactor thread)
-        self._outcomes: list[Outcome] = []
-        self._parts = Parts()  # lock held
-        self._started: list[Pending] = []  # streamed transfers whose WRITE began
-        self.counters: Counter = Counter()
+        self._generations: dict[Connection, int] = {}  # open connection -> its number among its P rank's (reactor thread)
+        self._numbered: Counter = Counter()  # P rank -> connections made to it so far
+        self._closed_here: set[Connection] = set()  # connections this side is closing (reactor thread)
         self._counted: Counter = Counter()  # what take_counts already handed out
         self._handshakes: dict[str, tuple[Connection, wire.Hello]] = {}  # P rank -> connection proving itself
         self._reactor = Reactor(f"kvpush-d-{config.engine_id}", self,
@@ -90,20 +103,20 @@ class Consumer:
         with self._lock:
             if peer_engine not in self.config.allowed_engines:
                 self.counters["refused_peer"] += 1
-                self._add_whole(Outcome(whole, False, f"prefill engine {peer_engine!r} is not in allowed_engines {sorted(self.config.allowed_engines)}"))
+                self._arrivals.add_whole(Outcome(whole, False, f"prefill engine {peer_engine!r} is not in allowed_engines {sorted(self.config.allowed_engines)}"))
                 return
             try:
                 prefill = HeadSharding(self.config.sharding.total_heads, peer_tp_size)
             except ShardingError as exc:
                 self.counters["refused_peer"] += 1
-                self._add_whole(Outcome(whole, False, f"prefill {peer_engine} runs TP {peer_tp_size}: {exc}"))
+                self._arrivals.add_whole(Outcome(whole, False, f"prefill {peer_engine} runs TP {peer_tp_size}: {exc}"))
                 return
             known = self.config.peers.get(peer_engine) if self.config.peers is not None else (host, port)
             if known != (host, port):
                 self.counters["unknown_address"] += 1
-                self._add_whole(Outcome(whole, False, f"the request names {host}:{port} as prefill {peer_engine}'s side "
-                                                      f"channel, which the deployment places at "
-                                                      f"{'%s:%d' % known if known else 'no address'}"))
+                self._arrivals.add_whole(Outcome(whole, False, f"the request names {host}:{port} as prefill {peer_engine}'s side "
+                                                               f"channel, which the deployment places at "
+                                                               f"{'%s:%d' % known if known else 'no address'}"))
                 return
             if transfer_id in self._parts:
                 self._state.dropped["duplicate_registration"] += 1
@@ -136,17 +149,12 @@ class Consumer:
         return bool(running)
 
     def take_outcomes(self) -> list[Outcome]:
-        with self._lock:
-            out, self._outcomes = self._outcomes, []
-            return out
+        return self._arrivals.take_outcomes()
 
-    def take(self) -> tuple[list[Pending], list[Outcome]]:
-        """Streamed WRITEs that began, and outcomes, taken together: a transfer that started and
-        ended since the last call is in both lists, never in the outcomes alone."""
-        with self._lock:
-            started, self._started = self._started, []
-            outcomes, self._outcomes = self._outcomes, []
-            return started, outcomes
+    def take(self) -> tuple[list[Pending], list[Outcome], list[str]]:
+        """What arrived since the last call (arrivals.Arrivals.take): streamed WRITEs that began,
+        outcomes, and transfers whose fenced blocks are free of writers now."""
+        return self._arrivals.take()
 
     def take_counts(self) -> Counter:
         """Messages and requests dropped or refused since the last call, by reason."""
@@ -154,55 +162,18 @@ class Consumer:
             return counts_since(self.counters + self._state.dropped, self._counted, frozenset({"landed_parts"}))
 
     def wait_for_outcome(self, timeout_s: float, even_if_none_pending: bool = False) -> None:
-        """Sleep until an outcome (or a streamed WRITE's start) is ready or `timeout_s` passes; at
-        once when one is ready, or when nothing is pending unless `even_if_none_pending` (vLLM
-        steps for blocks the worker holds back). For an engine step that computes nothing: vLLM
-        would otherwise step again after 1 ms, and on CPU those idle steps take a whole core from
-        whatever shares it."""
-        with self._outcome_ready:
-            if not self._outcomes and not self._started and (self._state.pending or even_if_none_pending):
-                self._outcome_ready.wait(timeout_s)
+        """Sleep until an outcome (or a streamed WRITE's start, or a fence's end) is ready or
+        `timeout_s` passes (arrivals.Arrivals.wait). For an engine step that computes nothing:
+        vLLM would otherwise step again after 1 ms, and on CPU those idle steps take a whole core
+        from whatever shares it."""
+        self._arrivals.wait(timeout_s, even_if_none_pending)
 
     def wait_landed(self, transfer_ids: list[str], regions: tuple[int, ...], timeout_s: float) -> None:
-        """Block until those regions of every one of these streamed transfers hold their bytes
-        (from every source rank) or the transfer is over or failing. One still short of that after
-        `timeout_s` is failed here."""
-        deadline = time.monotonic() + timeout_s
-        with self._outcome_ready:
-            while True:
-                short = [k for t in transfer_ids if not self._parts.failing(t)
-                         for k in self._parts.running(t) if not self._state.has_landed(k, regions)]
-                left = deadline - time.monotonic()
-                if not short or left <= 0:
-                    break
-                self._outcome_ready.wait(left)
-            for key in short:
-                pending = self._state.pending.get(key)
-                if pending is not None:
-                    self._add_outcomes([self._state.fail(key, pending.peer_engine,
-                                                         f"streamed KV from {pending.peer_engine} did not land within {timeout_s:g} s",
-                                                         may_still_land=True)])
-                    self._reactor.call_soon(lambda p=pending: self._send_existing(p.peer_engine, wire.Cancel(base_name(p.transfer_id))))
+        self._arrivals.wait_landed(transfer_ids, regions, timeout_s)
 
-    def _add_outcomes(self, outcomes: list[Outcome]) -> None:
-        """Parts' outcomes (lock held): a transfer's outcome once all its parts have one; the
-        parts still running when one fails are cancelled."""
-        for part in outcomes:
-            whole, cancel, started = self._parts.settle(part)
-            if started is not None:
-                self._started.append(started)
-                self._outcome_ready.notify_all()
-            for key in cancel:
-                pending = self._state.pending.get(key)
-                if pending is not None:
-                    self._reactor.call_soon(lambda p=pending: self._send_existing(p.peer_engine, wire.Cancel(base_name(p.transfer_id))))
-            if whole is not None:
-                self._add_whole(whole)
-
-    def _add_whole(self, outcome: Outcome) -> None:
-        """Lock held."""
-        self._outcomes.append(outcome)
-        self._outcome_ready.notify_all()
+    def _cancel_soon(self, peer_engine: str, transfer_id: str) -> None:
+        """Any thread: ask that P rank to stop writing this transfer."""
+        self._reactor.call_soon(lambda: self._send_existing(peer_engine, wire.Cancel(transfer_id)))
 
     def close(self) -> None:
         self._reactor.stop()
@@ -211,8 +182,7 @@ class Consumer:
     def _send(self, peer_engine: str, host: str, port: int, msg: wire.Message) -> None:
         conn = self._conns.get(peer_engine)
         if conn is not None and not conn.closed:
-            if not conn.send(msg):
-                self._reactor.close(conn, "send failed")
+            self._write(peer_engine, conn, msg)
             return
         if peer_engine in self._connecting:
             self._connecting[peer_engine].append(msg)
@@ -227,6 +197,8 @@ class Consumer:
             self._peer_failed(peer_engine, f"cannot reach prefill {_named(peer_engine)} side channel at {address}: {error}")
             return
         conn.engine_id = peer_engine
+        self._numbered[peer_engine] += 1
+        self._generations[conn] = self._numbered[peer_engine]
         if not self.config.side_channel_key:
             conn.trust()
             conn.send(self._hello)
@@ -262,9 +234,28 @@ class Consumer:
         self._conns[peer_engine] = conn
         self._liveness.proven(peer_engine, time.monotonic())
         for msg in self._connecting.pop(peer_engine, []):
-            if not conn.send(msg):
-                self._reactor.close(conn, "send failed")
+            if not self._write(peer_engine, conn, msg):
                 return
+
+    def _write(self, peer_engine: str, conn: Connection, msg: wire.Message) -> bool:
+        """Send on an established connection; a REGISTER only for a transfer still pending, and
+        from then on that part takes P's word only from this connection. False if it broke."""
+        if isinstance(msg, wire.Register):
+            with self._lock:
+                if not self._state.sent(rank_key(msg.transfer_id, rank_of(peer_engine)), self._generations.get(conn, 0)):
+                    return True  # it ended before it went out: P must never learn these blocks
+                sent = conn.send(msg)
+        else:
+            sent = conn.send(msg)
+        if not sent:
+            self._close_here(conn, "send failed")
+        return sent
+
+    def _close_here(self, conn: Connection, reason: str) -> None:
+        """Close a connection from this side: not a sign of P's death, so what P may still write
+        over it stays fenced."""
+        self._closed_here.add(conn)
+        self._reactor.close(conn, reason)
 
     def _send_existing(self, peer_engine: str, msg: wire.Message) -> None:
         """To a P this side has a connection to, or is connecting to; else dropped."""
@@ -275,13 +266,46 @@ class Consumer:
         if conn is not None:
             conn.send(msg)
 
-    def _peer_failed(self, peer_engine: str, reason: str, may_still_land: bool = False) -> None:
+    def _peer_failed(self, peer_engine: str, reason: str, may_still_land: bool = False, generation: int = 0) -> list[Outcome]:
+        """Every transfer pending on that P rank fails. `may_still_land`: P may be alive and
+        writing (their parts are fenced); else connection `generation` proved P gone or refusing."""
         with self._lock:
-            lost = self._state.peer_gone(peer_engine, reason, len(self._layout.regions), may_still_land)
-            self._add_outcomes(lost)
+            lost = self._state.peer_gone(peer_engine, reason, len(self._layout.regions), may_still_land, generation,
+                                         time.monotonic())
+            self._arrivals.add_parts(lost)
         failed = [o for o in lost if not o.ok]
         if failed:
             log.warning("kvpush: %d transfer(s) from %s failed: %s", len(failed), _named(peer_engine), reason)
+        return failed
+
+    def _give_up(self, peer_engine: str, reason: str) -> None:
+        """P went silent. Its transfers fail now, but its connection stays, and each is cancelled:
+        a P that resumes answers there (DONE, FAIL or, for a WRITE it had posted, QUIESCED once it
+        ended), which ends their fences with evidence; closing would leave only the backstop."""
+        conn = self._conns[peer_engine]
+        failed = self._peer_failed(peer_engine, reason, may_still_land=True, generation=self._generations.get(conn, 0))
+        self._liveness.forget(peer_engine)  # a transfer registered from now on waits a whole silence bound again
+        for o in failed:
+            self._send_existing(peer_engine, wire.Cancel(base_name(o.pending.transfer_id)))
+
+    def _backstop(self, now: float) -> None:
+        """Fences older than late_write_hold_s: drop the connection they came on (a resumed P sees
+        the close before posting anything more; the next use makes a new one) and let the blocks
+        go. The one way blocks come back without evidence: counted and logged."""
+        with self._lock:
+            before = self._state.fences.counts["ended_by_backstop"]
+            overdue = self._state.fences.overdue(now, self.config.late_write_hold_s)
+            released = self._state.fences.counts["ended_by_backstop"] - before
+            self.counters["late_write_backstop"] += released
+            self._arrivals.collect_unfenced()
+        for peer_engine, generation in overdue:
+            conn = self._conns.get(peer_engine)
+            live = conn is not None and self._generations.get(conn) == generation
+            log.warning("kvpush: prefill %s neither said its WRITEs into given-up blocks ended nor went away within "
+                        "late_write_hold_s (%g s); %s and releasing the blocks", _named(peer_engine),
+                        self.config.late_write_hold_s, "dropping its connection" if live else "its connection is gone")
+            if live:
+                self._close_here(conn, f"no word from prefill on its late WRITEs within {self.config.late_write_hold_s:g} s")
 
     def _busy_peers(self) -> set[str]:
         """P engines with a transfer pending and a connection to ask them on (lock held)."""
@@ -289,25 +313,26 @@ class Consumer:
 
     def timeout(self) -> float | None:
         with self._lock:
-            deadlines = [d for d in (self._state.next_deadline(), self._liveness.next_deadline(self._busy_peers()))
-                         if d is not None]
+            deadlines = [d for d in (self._state.next_deadline(), self._liveness.next_deadline(self._busy_peers()),
+                                     self._state.fences.next_deadline(self.config.late_write_hold_s)) if d is not None]
         return None if not deadlines else max(0.0, min(deadlines) - time.monotonic())
 
     def on_tick(self) -> None:
         now = time.monotonic()
         with self._lock:
             late = self._state.expire(now)
-            self._add_outcomes(late)
+            self._arrivals.add_parts(late)
             busy = self._busy_peers()
             to_ping, silent = self._liveness.due(busy, now)
             unadmitted = self._liveness.unadmitted(busy, now)
         for engine_id in unadmitted:
-            self._reactor.close(self._conns[engine_id], f"prefill did not admit this decode rank within "
-                                                        f"{self.config.admission_timeout_s:g} s of proving its key")
+            self._close_here(self._conns[engine_id], f"prefill did not admit this decode rank within "
+                                                     f"{self.config.admission_timeout_s:g} s of proving its key")
         for engine_id in silent:
-            self._silenced.add(engine_id)
-            self._reactor.close(self._conns[engine_id],
-                                f"no answer on the side channel for {self._liveness.silence_s:g} s; prefill is dead or hung")
+            if engine_id in self._conns:
+                self._give_up(engine_id, f"side channel to prefill {_named(engine_id)}: no answer for "
+                                         f"{self._liveness.silence_s:g} s; prefill is dead or hung")
+        self._backstop(now)
         for engine_id in to_ping:
             self._send_existing(engine_id, wire.Ping())
         for o in late:
@@ -320,6 +345,9 @@ class Consumer:
         log.warning("kvpush: dropped malformed message from %s: %s", conn.peer, error)
 
     def on_closed(self, conn: Connection, reason: str) -> None:
+        generation = self._generations.pop(conn, 0)
+        by_peer = conn not in self._closed_here and reason.startswith(_CLOSED_BY_PEER)  # P's process is gone
+        self._closed_here.discard(conn)
         if conn.engine_id is not None and self._handshakes.get(conn.engine_id, (None,))[0] is conn:
             del self._handshakes[conn.engine_id]
             self._connecting.pop(conn.engine_id, None)
@@ -329,9 +357,8 @@ class Consumer:
         if conn.engine_id is not None and self._conns.get(conn.engine_id) is conn:
             del self._conns[conn.engine_id]
             self._liveness.forget(conn.engine_id)
-            silenced = conn.engine_id in self._silenced  # else P went away: nothing of it lands later
-            self._silenced.discard(conn.engine_id)
-            self._peer_failed(conn.engine_id, f"side channel to prefill {_named(conn.engine_id)} lost ({reason})", silenced)
+            self._peer_failed(conn.engine_id, f"side channel to prefill {_named(conn.engine_id)} lost ({reason})",
+                              may_still_land=not by_peer, generation=generation)
 
     def on_message(self, conn: Connection, msg: wire.Message) -> None:
         now = time.monotonic()
@@ -347,7 +374,7 @@ class Consumer:
             return
         if isinstance(msg, wire.Welcome):
             if msg.engine_id != base_name(peer_key):
-                self._reactor.close(conn, f"peer says it is {msg.engine_id!r}")
+                self._close_here(conn, f"peer says it is {msg.engine_id!r}")
             else:
                 self._liveness.admitted(peer_key)
             return
@@ -355,35 +382,11 @@ class Consumer:
             log.error("kvpush: prefill %s refused the handshake: %s", _named(peer_key), msg.reason)
             self._peer_failed(peer_key, f"handshake refused by {_named(peer_key)}: {msg.reason}")
             return
-        key = rank_key(msg.transfer_id, rank_of(peer_key)) if hasattr(msg, "transfer_id") and peer_key else ""
-        with self._lock:
-            if isinstance(msg, wire.Accepted):
-                self._state.accept(key, peer_key, now)
-                log.debug("kvpush D accepted %s t=%.6f", key, now)
-                return
-            if isinstance(msg, wire.Streaming):
-                started = self._state.streaming(key, peer_key)
-                if started is not None:
-                    whole = self._parts.streaming(key)
-                    if whole is not None:
-                        self._started.append(whole)
-                        self._outcome_ready.notify_all()
-                log.debug("kvpush D streaming %s t=%.6f", key, now)
-                return
-            if isinstance(msg, wire.Landed):
-                if self._state.landed(key, peer_key, msg.regions, len(self._layout.regions)):
-                    self.counters["landed_parts"] += 1
-                    self._outcome_ready.notify_all()
-                return
-            if isinstance(msg, wire.Done):
-                outcome = self._state.done(key, peer_key, msg.num_bytes)
-            elif isinstance(msg, wire.Fail):
-                outcome = self._state.fail(key, peer_key, msg.reason, msg.may_still_land)
-            else:
-                self.counters["unexpected"] += 1
-                return
-            if outcome is not None:
-                self._add_outcomes([outcome])
+        if not isinstance(msg, (wire.Accepted, wire.Streaming, wire.Landed, wire.Done, wire.Fail, wire.Quiesced)):
+            self.counters["unexpected"] += 1
+            return
+        key = rank_key(msg.transfer_id, rank_of(peer_key))
+        outcome = self._arrivals.on_message(msg, key, peer_key, self._generations.get(conn, 0), now)
         if outcome is not None:
             log.debug("kvpush D outcome %s req=%s ok=%s bytes=%d since_register=%.6f t=%.6f", key,
                       outcome.pending.req_id, outcome.ok, outcome.num_bytes, now - outcome.pending.created, now)

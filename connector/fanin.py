@@ -5,7 +5,9 @@ A streamed transfer has started (vLLM may schedule it) once every part streams o
 has an outcome once every part has one. One whose parts all end without streaming only has an
 outcome. The first part to fail names the parts still running, which the
 caller cancels, so the whole transfer fails as fast as its slowest source can stop writing: its
-blocks are never handed back while a source may still write into them. Pure bookkeeping.
+blocks are never handed back while a source may still write into them. A part that failed while
+its source may still write is fenced (fences.py); the whole transfer is free of writers once every
+such part's fence ended (`unfenced`). Pure bookkeeping.
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ class _Transfer:
     streaming: set[str] = field(default_factory=set)
     announced: bool = False
     first_failure: Outcome | None = None  # its reason is the transfer's
+    fenced: set[str] = field(default_factory=set)  # parts whose source may still write into the blocks
 
 
 class Parts:
@@ -44,7 +47,8 @@ class Parts:
 
     def __init__(self) -> None:
         self._transfers: dict[str, _Transfer] = {}
-        self._owner: dict[str, str] = {}  # part key -> transfer id
+        self._owner: dict[str, str] = {}  # part key -> transfer id (running, or over with a fenced part)
+        self._fenced: dict[str, set[str]] = {}  # transfer id -> its parts still fenced, once it is over
 
     def add(self, whole: Pending, part_keys: list[str]) -> None:
         self._transfers[whole.transfer_id] = _Transfer(whole, dict.fromkeys(part_keys))
@@ -86,6 +90,8 @@ class Parts:
         if t is None or t.outcomes[key] is not None:
             return None, [], None
         t.outcomes[key] = part
+        if part.may_still_land:
+            t.fenced.add(key)
         cancel: list[str] = []
         if not part.ok and t.first_failure is None:
             t.first_failure = part
@@ -95,8 +101,31 @@ class Parts:
             return None, cancel, started
         del self._transfers[t.whole.transfer_id]
         for k in t.outcomes:
-            self._owner.pop(k, None)
+            if k not in t.fenced:
+                self._owner.pop(k, None)
+        if t.fenced:
+            self._fenced[t.whole.transfer_id] = t.fenced
         return _whole_outcome(t), cancel, started
+
+    def unfenced(self, part_key: str) -> str | None:
+        """A part's fence ended: the transfer id once none of its parts is fenced any more and its
+        outcome is out (None before, or for a part of no transfer here)."""
+        tid = self._owner.get(part_key)
+        if tid is None:
+            return None
+        running = self._transfers.get(tid)
+        if running is not None:
+            running.fenced.discard(part_key)
+            return None
+        fenced = self._fenced.get(tid)
+        if fenced is None:
+            return None
+        fenced.discard(part_key)
+        del self._owner[part_key]
+        if fenced:
+            return None
+        del self._fenced[tid]
+        return tid
 
     def _part(self, key: str) -> _Transfer | None:
         tid = self._owner.get(key)
@@ -116,5 +145,4 @@ def _whole_outcome(t: _Transfer) -> Outcome:
     parts = [o for o in t.outcomes.values() if o is not None]
     if t.first_failure is None:
         return Outcome(t.whole, True, num_bytes=sum(o.num_bytes for o in parts))
-    failed = [o for o in parts if not o.ok]
-    return Outcome(t.whole, False, t.first_failure.reason, may_still_land=any(o.may_still_land for o in failed))
+    return Outcome(t.whole, False, t.first_failure.reason, may_still_land=bool(t.fenced))

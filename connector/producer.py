@@ -34,7 +34,8 @@ from .channel import Connection
 from .fanin import base_name, rank_key, rank_of
 from .producer_channel import ProducerChannel
 from .producer_config import ProducerConfig
-from .pushes import Peers, Pushes, SendRecord
+from .peers import Peers
+from .pushes import DRAIN_POLL_S, Pushes, SendRecord
 from .sharding import HeadSharding, ShardingError, targets_of
 from .state import Match, Offer, ProducerState, Registration, Rejection, counts_since
 from .streamed_write import MAX_SLEEP_S
@@ -139,7 +140,7 @@ class Producer:
             except Exception as exc:  # a bug here must cost this push, not the engine's compute thread
                 log.exception("kvpush: WRITE %s failed unexpectedly", key)
                 with self._lock:
-                    self._pushes.finish(match, self._peers.conns.get(match.offer.peer_engine), now, time.monotonic(), False,
+                    self._pushes.finish(match, self._pushes.wanted(match)[0], now, time.monotonic(), False,
                                         f"prefill error during the WRITE: {exc!r}")
             finally:
                 with self._lock:
@@ -284,6 +285,8 @@ class Producer:
         with self._lock:
             if self._pushes.inflight:
                 return self._poll_interval()
+            if self._pushes.draining:
+                return DRAIN_POLL_S
             deadline = self._state.next_deadline()
         return None if deadline is None else max(0.0, deadline - time.monotonic())
 
@@ -314,10 +317,11 @@ class Producer:
     def _closed(self, conn: Connection, reason: str) -> None:
         with self._lock:
             engine_id = conn.engine_id
-            if engine_id is not None and self._peers.conns.get(engine_id) is conn:
-                del self._peers.conns[engine_id]
-                self._state.peer_gone(engine_id, time.monotonic())
-                self._pushes.poll(gone_engine=engine_id, why=reason)
+            generation, live = self._peers.closed(conn)
+            if generation:  # its registrations go with it, and its WRITEs still copying are drained
+                self._state.peer_gone(engine_id, time.monotonic(), generation)
+                self._pushes.poll(gone=conn, why=reason)
+            if live:
                 log.info("kvpush: decode engine %s disconnected (%s)", engine_id, reason)
 
     def _on_transfer_message(self, conn: Connection, msg: wire.Register | wire.Cancel, now: float) -> None:
@@ -340,7 +344,8 @@ class Producer:
                         self._pushes.push_ended(offer.req_id)
                     conn.send(wire.Fail(msg.transfer_id, bad or self._lost))
                     return
-                result = self._state.register(Registration(key, peer_key, msg.block_ids, msg.first_block, now))
+                result = self._state.register(Registration(key, peer_key, msg.block_ids, msg.first_block, now,
+                                                           self._peers.generation(conn)))
                 if result is None and key in self._state.accepted:
                     conn.send(wire.Accepted(msg.transfer_id))
                 if isinstance(result, Match):  # its offer came first: written here, outside the lock
@@ -353,7 +358,9 @@ class Producer:
                 offer = self._state.cancel(key, peer_key, now)
                 if offer is not None:
                     self._pushes.push_ended(offer.req_id)
-                writing = key in self._writing or self._pushes.in_flight(key)
+                if key in self._writing:  # checked right before each post, and each streamed part
+                    self._pushes.cancelled.add(key)
+                writing = key in self._writing or self._pushes.busy(key)
                 if not writing:  # else the WRITE's own DONE or FAIL answers
                     conn.send(wire.Fail(msg.transfer_id, "cancelled by decode"))
         if late is not None:
@@ -395,11 +402,9 @@ class Producer:
         hello = pairing.hello
         key = rank_key(hello.engine_id, hello.tp_rank)
         with self._lock:
-            old = self._peers.conns.get(key)
             conn.engine_id = key
-            self._peers.conns[key] = conn
-            self._peers.nixl[key] = pairing.peer
-        if old is not None and old is not conn:
+            old = self._peers.admit(key, conn, pairing.peer)
+        if old is not None:
             self._reactor.close(old, "replaced by a new connection")
         conn.send(wire.Welcome(self.config.engine_id))
         log.info("kvpush: handshake with decode engine %s rank %d (%s) done: %d segment(s) per block run",

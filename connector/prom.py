@@ -19,6 +19,9 @@ _COUNTERS = {
     "marks_on_compute_thread": ("vllm:kvpush_step_marks_on_compute_thread",
                                 "GPU prefill steps with pushes whose forward-pass mark vLLM's compute thread "
                                 "recorded itself before the next forward pass (the recorder thread had not run)."),
+    "late_write_backstops": ("vllm:kvpush_late_write_backstops",
+                             "Transfer parts whose blocks decode let go after late_write_hold_s without prefill's word "
+                             "that its WRITEs ended or proof that it is gone (it dropped that prefill's connection)."),
 }
 _DROPPED = ("vllm:kvpush_dropped_messages",
             "Side-channel messages and requests this instance dropped or refused, by reason "

@@ -3,6 +3,14 @@ WRITE (or streaming it part by part), the WRITEs in flight polled to their end o
 each ended push leaves behind (DONE or FAIL to D, a SendRecord, the request's blocks freed after
 its last push).
 
+Right before each post, and before each part of a streamed WRITE, the push must still be wanted:
+not cancelled by D, its registration's connection still the decode rank's live one (a
+registration from an older connection is refused, counted `stale_generation`, never written),
+and that connection not closed (asked of the kernel, so a P that resumes from a stall sees D's
+close before its side-channel thread read it). A WRITE given up on while still copying (past its
+deadline, or its connection lost) cannot be called back: its handles are kept and polled
+(`draining`) until each ended, and then D hears QUIESCED, the word that ends its hold on the blocks.
+
 The producer (producer.py) decides when a push may start and owns the side channel; everything here
 runs under the producer's lock, except the copies themselves, which `post`, `drive` and `stream`
 make with the lock released so the reactor keeps answering D meanwhile.
@@ -13,12 +21,13 @@ import logging
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from . import wire
 from .channel import Connection
 from .fanin import base_name, rank_of
+from .peers import Peers
 from .state import Match, Registration
 from .streamed_write import stream_parts, wait_while_copying
 from .transfer import NixlEngine, Peer, TransferError, Write
@@ -28,6 +37,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 SYNC_DRIVE_S = 0.5  # at most this long the compute thread drives a WRITE it posted itself
+DRAIN_POLL_S = 0.01  # how often WRITEs given up on are polled for their end (they are overdue already)
 
 
 @dataclass(frozen=True)
@@ -49,14 +59,6 @@ class SendRecord:
 
 
 @dataclass
-class Peers:
-    """D ranks that completed a handshake (keyed engine#rank): their connection and NIXL peer."""
-
-    conns: dict[str, Connection] = field(default_factory=dict)
-    nixl: dict[str, Peer] = field(default_factory=dict)
-
-
-@dataclass
 class InFlight:
     match: Match
     writes: list[Write]  # one, or a streamed WRITE's parts not yet driven to completion
@@ -73,6 +75,15 @@ class InFlight:
         if "PROC" in states:
             return "PROC"
         return "ERR" if self.error or "ERR" in states else "DONE"
+
+
+@dataclass
+class Draining:
+    """Handles of a push given up on while they still copied: polled until each ended."""
+
+    transfer_id: str
+    writes: list[Write]
+    conn: Connection | None  # where QUIESCED goes then, if it is still open
 
 
 @dataclass
@@ -99,6 +110,9 @@ class Pushes:
         self._counters = counters
         self._wake = wake
         self.inflight: list[InFlight] = []  # WRITEs the reactor thread polls to their end
+        self.draining: list[Draining] = []  # WRITEs given up on, polled until their handles ended
+        # pushes D cancelled while a thread was about to write them (or writing): not posted further
+        self.cancelled: set[str] = set()
         self._prepared: dict[str, Prepared] = {}  # transfer id ->
         self._freed: list[str] = []
         self._parts_left: dict[str, int] = {}  # request -> pushes (one per decode rank) not yet ended
@@ -157,9 +171,12 @@ class Pushes:
         engine_id = match.registration.peer_engine
         now = time.monotonic()
         with self._lock:
-            conn, peer = self._peers.conns.get(engine_id), self._peers.nixl.get(engine_id)
-            if conn is None or peer is None or conn.gone():
-                self.finish(match, None, now, now, False, f"decode engine {engine_id} disconnected before the WRITE")
+            conn, why = self.wanted(match)
+            peer = self._peers.nixl.get(engine_id)
+            if why or peer is None:
+                self._count_stale(match)
+                self.finish(match, conn, now, now, False, f"{why} before the WRITE" if why else
+                            f"decode engine {engine_id} has no NIXL peer here")
                 return None
             if not match.src_blocks:
                 conn.send(wire.Done(base_name(match.offer.transfer_id), 0))
@@ -205,9 +222,10 @@ class Pushes:
         join `inflight` only once all are posted, so the reactor does not release them early."""
         engine_id = match.registration.peer_engine
         with self._lock:
-            conn, peer = self._peers.conns.get(engine_id), self._peers.nixl.get(engine_id)
-            if conn is None or peer is None or conn.gone() or not match.src_blocks:
-                self.queue(self.post(match))  # answers these as usual: FAIL (disconnected) or DONE (nothing to write)
+            conn, why = self.wanted(match)
+            peer = self._peers.nixl.get(engine_id)
+            if why or conn is None or peer is None or not match.src_blocks:
+                self.queue(self.post(match))  # answers these as usual: FAIL (unwanted) or DONE (nothing to write)
                 return
         started = time.monotonic()
         try:
@@ -216,8 +234,11 @@ class Pushes:
             with self._lock:
                 self.finish(match, conn, started, time.monotonic(), False, str(exc))
             return
-        outcome = stream_parts(self.engine, conn, engine_id, base_name(match.offer.transfer_id), parts)
+        outcome = stream_parts(self.engine, conn, engine_id, base_name(match.offer.transfer_id), parts,
+                               lambda: self.wanted(match)[1])
         with self._lock:
+            if outcome.error:
+                self._count_stale(match)
             if outcome.copying:
                 self.queue(InFlight(match, outcome.copying, conn, started, False, outcome.error,
                                     outcome.landed_bytes + outcome.copying_bytes,
@@ -229,13 +250,41 @@ class Pushes:
                 self.finish(match, conn, started, time.monotonic(), True, num_bytes=outcome.landed_bytes,
                             num_descriptors=outcome.num_descriptors)
 
+    # ---- whether a push is still wanted -------------------------------------------------------
+    def wanted(self, match: Match) -> tuple[Connection | None, str]:
+        """The connection the match's registration came on, and why not to write it now ("" to
+        go on; the caller says when, e.g. "before the WRITE"). Reads only: the compute thread asks
+        it between streamed parts without the lock."""
+        engine_id, generation = match.registration.peer_engine, match.registration.generation
+        conn = self._peers.live(engine_id, generation)
+        if match.offer.transfer_id in self.cancelled:
+            return conn, "cancelled by decode"
+        if conn is None:
+            if engine_id in self._peers.conns:  # a newer connection replaced the registration's
+                return None, f"decode engine {engine_id} replaced the connection it registered this transfer on"
+            return None, f"decode engine {engine_id} disconnected"
+        if conn.gone():  # D closed it, maybe while this process was stalled: its blocks may be another's now
+            return conn, f"decode engine {engine_id} disconnected"
+        return conn, ""
+
+    def _count_stale(self, match: Match) -> None:
+        """A push refused because its registration came on a connection since replaced (lock held)."""
+        engine_id = match.registration.peer_engine
+        if engine_id in self._peers.conns and self._peers.live(engine_id, match.registration.generation) is None:
+            self._counters["stale_generation"] += 1
+
     # ---- WRITEs in flight ------------------------------------------------------------------------
     def in_flight(self, transfer_id: str) -> bool:
         return any(i.match.offer.transfer_id == transfer_id for i in self.inflight)
 
-    def poll(self, gone_engine: str | None = None, why: str = "") -> None:
-        """Finish WRITEs that completed or failed, or still copy past their deadline, or go to
-        `gone_engine` (caller holds the lock)."""
+    def busy(self, transfer_id: str) -> bool:
+        """A WRITE of this push is still posted (in flight or draining): D hears its end from it."""
+        return self.in_flight(transfer_id) or any(d.transfer_id == transfer_id for d in self.draining)
+
+    def poll(self, gone: Connection | None = None, why: str = "") -> None:
+        """Finish WRITEs that completed or failed, or still copy past their deadline, or go over
+        the connection `gone` (caller holds the lock). One given up on while copying is drained:
+        FAIL says it may still land, QUIESCED follows once its handles ended."""
         if self.inflight:
             still = []
             now = time.monotonic()
@@ -243,24 +292,41 @@ class Pushes:
                 state = item.state(self.engine)
                 engine_id = item.match.registration.peer_engine
                 reason = item.error or f"NIXL WRITE to {engine_id} failed"
-                overdue = False
-                if state == "PROC":
-                    if engine_id == gone_engine:
+                copying = state == "PROC"
+                if copying:
+                    if gone is not None and item.conn is gone:
                         reason = f"decode engine {engine_id} disconnected during the WRITE ({why})"
                     elif now > item.deadline:
                         reason = f"NIXL WRITE to {engine_id} still copying {self.config.timeout_s:g} s after it was posted"
-                        overdue = True
                     else:
                         still.append(item)
                         continue
-                    state = "ERR"
-                for write in item.writes:
-                    self.engine.release(write)
+                    self.draining.append(Draining(item.match.offer.transfer_id, item.writes, item.conn))
+                else:
+                    for write in item.writes:
+                        self.engine.release(write)
                 ok = state == "DONE"
                 self.finish(item.match, item.conn, item.posted, time.monotonic(), ok, "" if ok else reason,
                             item.num_bytes if ok else 0, sum(w.num_descriptors for w in item.writes),
-                            item.prepared_ahead, may_still_land=overdue)
+                            item.prepared_ahead, may_still_land=copying)
             self.inflight = still
+        if self.draining:
+            self._drain()
+
+    def _drain(self) -> None:
+        """Handles given up on that ended: released, and D told QUIESCED on the connection the push
+        went over (closed: D no longer waits for it, or this side's process went away)."""
+        still = []
+        for item in self.draining:
+            if any(self.engine.state(w) == "PROC" for w in item.writes):
+                still.append(item)
+                continue
+            for write in item.writes:
+                self.engine.release(write)
+            if item.conn is not None:
+                item.conn.send(wire.Quiesced(base_name(item.transfer_id)))
+            log.info("kvpush: push %s given up on earlier has no WRITE left in flight", item.transfer_id)
+        self.draining = still
 
     # ---- a push's end ----------------------------------------------------------------------------
     def expect(self, req_id: str, pushes: int) -> None:
@@ -271,6 +337,7 @@ class Pushes:
                reason: str = "", num_bytes: int = 0, num_descriptors: int = 0, ahead: bool = False,
                may_still_land: bool = False) -> None:
         tid = match.offer.transfer_id
+        self.cancelled.discard(tid)
         if ok:
             self._counters["sent"] += 1
             if conn is not None:

@@ -3,7 +3,9 @@
 P: a producer request whose prefill completes in this step goes into this step's metadata, so
 the worker pushes it right after this very forward pass; its blocks stay held until the worker
 reports the push finished. D: a consumer request's prompt KV is loaded asynchronously; its blocks
-are registered with P as soon as they are allocated. Pure bookkeeping: no sockets, no NIXL.
+are registered with P as soon as they are allocated, and go back to vLLM only when the worker says
+nothing can write into them any more (every finished request with a transfer is handed to the
+worker for that). Pure bookkeeping: no sockets, no NIXL.
 """
 from __future__ import annotations
 
@@ -135,9 +137,10 @@ class PushScheduler:
             return True, None
         tid = self._awaiting.pop(req_id, None)
         if tid is None:
-            if transfer_id is not None and request.status.name == "FINISHED_ERROR":
-                # failed on its KV load: the worker decides when the blocks are free again (a
-                # prefill given up on may still be writing them)
+            if transfer_id is not None:
+                # Whatever it finished with (an error, its length, an abort), a prefill given up on
+                # may still be writing into its blocks: the worker reports it received once more
+                # when nothing can (at once for a transfer that ended with prefill's word)
                 self._meta.releases.append((req_id, transfer_id))
                 return True, None
             return False, None

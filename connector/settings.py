@@ -50,10 +50,10 @@ class Settings:
     # a backstop: P's own bounds (transfer_timeout_s, the pings) are shorter and end a stuck
     # transfer first
     accepted_timeout_s: float = 300.0
-    # D: the blocks of a transfer given up on while P may still be writing them (P went silent, a
-    # landing or acceptance was overdue) stay out of vLLM's hands this long after the failure;
-    # 0 turns it off. Only with kv_load_failure_policy "fail": under "recompute" the request keeps
-    # its blocks and a late WRITE brings the same prompt's KV.
+    # D: the backstop of a fence. The blocks of a transfer given up on while P may still be writing
+    # them stay out of vLLM's hands until P says its WRITEs ended or P is gone; if neither comes
+    # within this long, decode drops P's connection and lets them go (counted). 0: no backstop.
+    # Both kv_load_failure_policy values: under "recompute" vLLM frees a failed load's blocks too.
     late_write_hold_s: float = 30.0
     # the deployment secret's file on this host: the side-channel key is derived from it (auth.py).
     # Empty only where code builds Settings itself (benchmarks): an unauthenticated side channel.
@@ -107,8 +107,7 @@ class Settings:
             accepted_timeout_s=_positive(extra.get("accepted_timeout_s", 300.0), "accepted_timeout_s"),
             secret_file=_secret_file(extra["secret_file"]),
             peer_side_channels=_addresses(extra.get("peer_side_channels")),
-            late_write_hold_s=(_non_negative(extra.get("late_write_hold_s", 30.0), "late_write_hold_s")
-                               if getattr(kv, "kv_load_failure_policy", "fail") == "fail" else 0.0),
+            late_write_hold_s=_non_negative(extra.get("late_write_hold_s", 30.0), "late_write_hold_s"),
         )
 
 

@@ -2,12 +2,14 @@
 
 ProducerState (P) matches its finished blocks with D's registration by transfer id, in either
 order. ConsumerState (D) tracks registrations until P reports DONE or FAIL, the peer goes away, or
-they expire. Both count what they drop, so stray or late messages are visible but harmless.
+they expire, and fences the blocks of a part P may still write into (fences.py). Both count what they drop, so stray or late messages are visible but harmless.
 """
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+from .fences import Fences
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,7 @@ class Registration:
     block_ids: tuple[int, ...]
     first_block: int
     created: float
+    generation: int = 0  # the connection it came on (P numbers the connections it admits); a post checks it is still live
 
 
 @dataclass(frozen=True)
@@ -148,10 +151,11 @@ class ProducerState:
             self.closed[transfer_id] = now
         return None
 
-    def peer_gone(self, peer_engine: str, now: float) -> None:
-        """D's connection is gone: its registrations with it. An offer for one of them later is
-        refused at once (its blocks freed), not held until it expires."""
-        for tid in [t for t, r in self.registrations.items() if r.peer_engine == peer_engine]:
+    def peer_gone(self, peer_engine: str, now: float, generation: int | None = None) -> None:
+        """D's connection (`generation`; None: any) is gone: its registrations with it. An offer for
+        one of them later is refused at once (its blocks freed), not held until it expires."""
+        for tid in [t for t, r in self.registrations.items()
+                    if r.peer_engine == peer_engine and generation in (None, r.generation)]:
             del self.registrations[tid]
             self.accepted.discard(tid)
             self.closed[tid] = now
@@ -193,6 +197,9 @@ class Pending:
     block_ids: tuple[int, ...]
     created: float
     expected_bytes: int | None = None  # what P's DONE must report for these blocks; None: not checked
+    # the connection to P (numbered per prefill rank, from 1) its REGISTER went out on; 0: not yet,
+    # so nothing of it can land
+    generation: int = 0
 
 
 @dataclass(frozen=True)
@@ -201,15 +208,17 @@ class Outcome:
     ok: bool
     reason: str = ""
     num_bytes: int = 0
-    # a failure D declared while P may still be alive with bytes under way (P silent, a landing
-    # or acceptance overdue, or P's own WRITE overdue): those blocks must not be reused at once
+    # a failure while P may still write into the blocks (D gave up on a silent P, a landing or an
+    # acceptance was overdue, or P's own FAIL said a WRITE was still copying): the blocks stay out
+    # of vLLM's hands until the transfer's fence ends (fences.py)
     may_still_land: bool = False
 
 
 @dataclass
 class ConsumerState:
     """A registration expires only while P has not ACCEPTED it: once P holds the request, only
-    P's DONE/FAIL or the connection's loss end it (P bounds its own side)."""
+    P's DONE/FAIL or the connection's loss end it (P bounds its own side). Messages about a part
+    count only from the connection its REGISTER went out on."""
 
     timeout_s: float
     accepted_timeout_s: float = 300.0  # safety net for a P that accepted and then sent nothing
@@ -217,15 +226,8 @@ class ConsumerState:
     accepted: dict[str, float] = field(default_factory=dict)  # transfer id -> when P accepted
     # transfers P streams (STREAMING seen, no outcome yet) -> indices of regions that have landed
     landing: dict[str, set[int]] = field(default_factory=dict)
+    fences: Fences = field(default_factory=Fences)
     dropped: Counter = field(default_factory=Counter)
-
-    def accept(self, transfer_id: str, peer_engine: str, now: float) -> bool:
-        p = self.pending.get(transfer_id)
-        if p is None or p.peer_engine != peer_engine:
-            self.dropped["unknown_accepted"] += 1
-            return False
-        self.accepted.setdefault(transfer_id, now)
-        return True
 
     def add(self, pending: Pending) -> bool:
         if pending.transfer_id in self.pending:
@@ -234,19 +236,39 @@ class ConsumerState:
         self.pending[pending.transfer_id] = pending
         return True
 
-    def streaming(self, transfer_id: str, peer_engine: str) -> Pending | None:
-        """P started a streamed WRITE; returns the transfer, once (None if unknown or repeated)."""
+    def sent(self, transfer_id: str, generation: int) -> bool:
+        """Its REGISTER goes out on that connection now; False if the transfer already ended (then
+        it must not go out: P would write into blocks vLLM may have back)."""
         p = self.pending.get(transfer_id)
-        if p is None or p.peer_engine != peer_engine or transfer_id in self.landing:
-            self.dropped["unknown_streaming" if p is None or p.peer_engine != peer_engine else "duplicate_streaming"] += 1
+        if p is None:
+            return False
+        self.pending[transfer_id] = replace(p, generation=generation)
+        return True
+
+    def accept(self, transfer_id: str, peer_engine: str, now: float, generation: int = 0) -> bool:
+        if self._mine(transfer_id, peer_engine, generation, "accepted") is None:
+            return False
+        self.accepted.setdefault(transfer_id, now)
+        return True
+
+    def streaming(self, transfer_id: str, peer_engine: str, generation: int = 0) -> Pending | None:
+        """P started a streamed WRITE; returns the transfer, once (None if unknown or repeated)."""
+        p = self._mine(transfer_id, peer_engine, generation, "streaming")
+        if p is not None and transfer_id in self.landing:
+            self.dropped["duplicate_streaming"] += 1
+            return None
+        if p is None:
             return None
         self.landing[transfer_id] = set()
         return p
 
-    def landed(self, transfer_id: str, peer_engine: str, regions: tuple[int, ...], num_regions: int) -> bool:
-        p = self.pending.get(transfer_id)
+    def landed(self, transfer_id: str, peer_engine: str, regions: tuple[int, ...], num_regions: int,
+               generation: int = 0) -> bool:
+        p = self._mine(transfer_id, peer_engine, generation, "landed")
         landed = self.landing.get(transfer_id)
-        if p is None or p.peer_engine != peer_engine or landed is None:
+        if p is None:
+            return False
+        if landed is None:
             self.dropped["unknown_landed"] += 1
             return False
         if any(r >= num_regions for r in regions):
@@ -260,43 +282,82 @@ class ConsumerState:
         landed = self.landing.get(transfer_id)
         return landed is None or landed.issuperset(regions)
 
-    def done(self, transfer_id: str, peer_engine: str, num_bytes: int) -> Outcome | None:
-        """P wrote the blocks; a DONE that does not account for every byte registered is a failure."""
-        p = self._take(transfer_id, peer_engine, "done")
+    def done(self, transfer_id: str, peer_engine: str, num_bytes: int, generation: int = 0,
+             now: float = 0.0) -> Outcome | None:
+        """P wrote the blocks, and has nothing more in flight for them; a DONE that does not
+        account for every byte registered is a failure."""
+        p = self._mine(transfer_id, peer_engine, generation, "done", fenced_ok=True)
         if p is None:
             return None
         if p.expected_bytes is not None and num_bytes != p.expected_bytes:
             self.dropped["bad_done"] += 1
-            return Outcome(p, False, f"{peer_engine} reported {num_bytes} bytes written, but these blocks take "
-                                     f"{p.expected_bytes}", num_bytes=num_bytes, may_still_land=True)
-        return Outcome(p, True, num_bytes=num_bytes)
+            return self._ended(p, now, False, f"{peer_engine} reported {num_bytes} bytes written, but these blocks take "
+                                              f"{p.expected_bytes}", num_bytes)
+        return self._ended(p, now, True, num_bytes=num_bytes)
 
-    def fail(self, transfer_id: str, peer_engine: str, reason: str, may_still_land: bool = False) -> Outcome | None:
-        p = self._take(transfer_id, peer_engine, "fail")
-        return Outcome(p, False, reason, may_still_land=may_still_land) if p else None
+    def fail(self, transfer_id: str, peer_engine: str, reason: str, may_still_land: bool = False,
+             generation: int = 0, now: float = 0.0) -> Outcome | None:
+        """P's FAIL; `may_still_land`: P gave up on a WRITE still copying (QUIESCED follows)."""
+        p = self._mine(transfer_id, peer_engine, generation, "fail", fenced_ok=not may_still_land)
+        return self._ended(p, now, False, reason, may_still_land=may_still_land) if p else None
 
-    def _take(self, transfer_id: str, peer_engine: str, what: str) -> Pending | None:
+    def quiesced(self, transfer_id: str, peer_engine: str, generation: int) -> bool:
+        """Every WRITE P posted for this part has ended."""
+        if self.fences.word(transfer_id, peer_engine, generation):
+            return True
+        self.dropped["unknown_quiesced"] += 1
+        return False
+
+    def give_up(self, transfer_id: str, reason: str, now: float) -> Outcome | None:
+        """D fails the part by itself while P may still be writing it (a landing overdue)."""
         p = self.pending.get(transfer_id)
-        if p is None or p.peer_engine != peer_engine:
-            self.dropped[f"unknown_{what}"] += 1
+        return self._ended(p, now, False, reason, may_still_land=True) if p else None
+
+    def _mine(self, transfer_id: str, peer_engine: str, generation: int, what: str,
+              fenced_ok: bool = False) -> Pending | None:
+        """The pending part a message from this P connection is about. A part given up on that is
+        fenced takes P's final word (`fenced_ok`: DONE, or a FAIL that says nothing can land) as
+        the end of its fence instead."""
+        p = self.pending.get(transfer_id)
+        if p is not None and p.peer_engine == peer_engine and p.generation == generation:
+            return p
+        if p is None and fenced_ok and self.fences.word(transfer_id, peer_engine, generation):
             return None
-        return self._forget(transfer_id)
+        if p is None and transfer_id in self.fences and not fenced_ok:
+            return None  # P's FAIL that it is still copying: its QUIESCED ends the fence
+        self.dropped["stale_generation" if p is not None and p.peer_engine == peer_engine else f"unknown_{what}"] += 1
+        return None
 
     def _forget(self, transfer_id: str) -> Pending:
         self.accepted.pop(transfer_id, None)
         self.landing.pop(transfer_id, None)
         return self.pending.pop(transfer_id)
 
-    def peer_gone(self, peer_engine: str, reason: str, num_regions: int = 0, may_still_land: bool = False) -> list[Outcome]:
-        """Every transfer from that peer fails, except a streamed one whose `num_regions` regions
-        had all landed: its bytes are all there, only DONE was lost. `may_still_land`: the peer
-        was given up on (silent), not seen to go away."""
+    def _ended(self, p: Pending, now: float, ok: bool, reason: str = "", num_bytes: int = 0,
+               may_still_land: bool = False) -> Outcome:
+        """The part's outcome; a failure while P may still write is fenced, unless its REGISTER
+        never went out or named no block (then P has nowhere to write)."""
+        self._forget(p.transfer_id)
+        fenced = not ok and may_still_land and p.generation > 0 and bool(p.block_ids)
+        if fenced:
+            self.fences.hold(p.transfer_id, p.peer_engine, p.generation, now)
+        return Outcome(p, ok, reason, num_bytes, fenced)
+
+    def peer_gone(self, peer_engine: str, reason: str, num_regions: int = 0, may_still_land: bool = False,
+                  generation: int = 0, now: float = 0.0) -> list[Outcome]:
+        """The transfers registered on that peer's connection `generation` (0: every one of that
+        peer, e.g. its connection could not be made) fail, except a streamed one whose
+        `num_regions` regions had all landed: its bytes are all there, only DONE was lost.
+        `may_still_land`: the peer was given up on or its connection closed by this side, not
+        seen to go away. Else that connection was closed by P's side: P's process is gone, and so
+        are the fences of that connection."""
         out = []
-        for p in [p for p in self.pending.values() if p.peer_engine == peer_engine]:
+        for p in [p for p in self.pending.values() if p.peer_engine == peer_engine and generation in (0, p.generation)]:
             landed = self.landing.get(p.transfer_id)
             complete = landed is not None and num_regions > 0 and len(landed) >= num_regions
-            self._forget(p.transfer_id)
-            out.append(Outcome(p, True) if complete else Outcome(p, False, reason, may_still_land=may_still_land))
+            out.append(self._ended(p, now, True) if complete else self._ended(p, now, False, reason, may_still_land=may_still_land))
+        if not may_still_land and generation:
+            self.fences.writer_gone(peer_engine, generation)
         return out
 
     def expire(self, now: float) -> list[Outcome]:
@@ -304,14 +365,12 @@ class ConsumerState:
         for p in list(self.pending.values()):
             accepted_at = self.accepted.get(p.transfer_id)
             if accepted_at is None and p.created < now - self.timeout_s:
-                out.append(Outcome(p, False, f"prefill {p.peer_engine} did not accept the transfer within {self.timeout_s:g} s",
-                                   may_still_land=True))
+                reason = f"prefill {p.peer_engine} did not accept the transfer within {self.timeout_s:g} s"
             elif accepted_at is not None and accepted_at < now - self.accepted_timeout_s:
-                out.append(Outcome(p, False, f"prefill {p.peer_engine} accepted the transfer but sent nothing within {self.accepted_timeout_s:g} s",
-                                   may_still_land=True))
+                reason = f"prefill {p.peer_engine} accepted the transfer but sent nothing within {self.accepted_timeout_s:g} s"
             else:
                 continue
-            self._forget(p.transfer_id)
+            out.append(self._ended(p, now, False, reason, may_still_land=True))
         return out
 
     def next_deadline(self) -> float | None:

@@ -12,8 +12,10 @@ from .state import Outcome
 # write_s: a push's WRITE from its post to its completion (its bytes over it: the transfer's bytes/s)
 _SERIES = ("send_bytes", "prefill_end_to_done_s", "write_s", "registration_wait_s", "recv_bytes", "layer_wait_s")
 # marks_on_compute_thread: P on a GPU, steps whose forward-pass mark the compute thread recorded
-# itself before the next forward pass, the recorder thread not having run yet (step_marks.py)
-_COUNTS = ("sends_ok", "sends_failed", "recvs_ok", "recvs_failed", "marks_on_compute_thread")
+# itself before the next forward pass, the recorder thread not having run yet (step_marks.py).
+# late_write_backstops: D, transfer parts whose blocks came back on late_write_hold_s without
+# prefill's word that its WRITEs ended or proof that it is gone (fences.py)
+_COUNTS = ("sends_ok", "sends_failed", "recvs_ok", "recvs_failed", "marks_on_compute_thread", "late_write_backstops")
 
 
 def _empty() -> dict[str, Any]:
@@ -47,6 +49,9 @@ class PushStats:
         dropped = self.data["dropped"]
         for reason, n in counts.items():
             dropped[reason] = dropped.get(reason, 0) + int(n)
+
+    def record_late_write_backstops(self, n: int) -> None:
+        self.data["late_write_backstops"] += n
 
     def record_marks_on_compute_thread(self, n: int) -> None:
         self.data["marks_on_compute_thread"] += n

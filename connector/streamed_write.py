@@ -4,13 +4,16 @@ request and compute each layer as soon as it is there.
 
 A part still copying after STREAM_DRIVE_S is not waited for: it and the parts after it are posted
 and handed back still copying, for the producer's reactor to poll to their end; decode then
-learns of them from DONE or FAIL only. Polls spin only briefly (`wait_while_copying`). Uses the
-NIXL engine and the connection; no producer state.
+learns of them from DONE or FAIL only. Polls spin only briefly (`wait_while_copying`). Before
+each part it asks the caller whether decode still wants the push (`unwanted`: cancelled, its
+connection replaced or closed); once not, nothing more is posted. Uses the NIXL engine and the
+connection; no producer state.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from . import wire
 from .channel import Connection
@@ -52,16 +55,17 @@ def wait_while_copying(engine: NixlEngine, writes: list[Write], deadline: float)
 
 
 def stream_parts(engine: NixlEngine, conn: Connection, engine_id: str, transfer_id: str,
-                 parts: list[tuple[Write, tuple[int, ...]]]) -> StreamOutcome:
-    """Post and drive each part to `engine_id` in turn; every part not handed back is released."""
+                 parts: list[tuple[Write, tuple[int, ...]]], unwanted: Callable[[], str]) -> StreamOutcome:
+    """Post and drive each part to `engine_id` in turn; every part not handed back is released.
+    `unwanted()`: why decode no longer wants the push ("" while it does)."""
     outcome = StreamOutcome(num_descriptors=sum(w.num_descriptors for w, _ in parts))
     conn.send(wire.Streaming(transfer_id))
     for i, (write, regions) in enumerate(parts):
         later = [w for w, _ in parts[i + 1:]]
-        if conn.gone():  # decode gave up on this prefill (or died): its blocks may be another request's by now
+        why = unwanted()
+        if why:  # decode gave up on this prefill (or died): its blocks may be another request's by now
             _release(engine, [write] + later)
-            outcome.error = (f"decode engine {engine_id} disconnected during the streamed WRITE "
-                             f"(before layer part {i + 1} of {len(parts)})")
+            outcome.error = f"{why} during the streamed WRITE (before layer part {i + 1} of {len(parts)})"
             return outcome
         try:
             engine.post(write, engine_id)
@@ -71,7 +75,7 @@ def stream_parts(engine: NixlEngine, conn: Connection, engine_id: str, transfer_
             return outcome
         [state] = wait_while_copying(engine, [write], time.monotonic() + STREAM_DRIVE_S)
         if state == "PROC":
-            _go_on_in_flight(engine, conn, engine_id, write, later, outcome)
+            _go_on_in_flight(engine, engine_id, write, later, outcome, unwanted)
             return outcome
         engine.release(write)
         if state != "DONE":
@@ -83,13 +87,15 @@ def stream_parts(engine: NixlEngine, conn: Connection, engine_id: str, transfer_
     return outcome
 
 
-def _go_on_in_flight(engine: NixlEngine, conn: Connection, engine_id: str, copying: Write, rest: list[Write],
-                     outcome: StreamOutcome) -> None:
-    """Post the remaining parts without waiting; stop posting at the first error or disconnect."""
+def _go_on_in_flight(engine: NixlEngine, engine_id: str, copying: Write, rest: list[Write],
+                     outcome: StreamOutcome, unwanted: Callable[[], str]) -> None:
+    """Post the remaining parts without waiting; stop posting at the first error, or once decode
+    no longer wants the push."""
     outcome.copying.append(copying)
     for write in rest:
-        if not outcome.error and conn.gone():
-            outcome.error = f"decode engine {engine_id} disconnected during the streamed WRITE"
+        why = "" if outcome.error else unwanted()
+        if why:
+            outcome.error = f"{why} during the streamed WRITE"
         if outcome.error:
             engine.release(write)
             continue

@@ -3,7 +3,8 @@
 Frames are a 4-byte big-endian length followed by a UTF-8 JSON object with a "type" field.
 D opens one TCP connection per P rank; over it D sends HELLO, AUTH, LAYOUT, REGISTER, CANCEL and PING
 and P answers with CHALLENGE, WELCOME/REFUSE, ACCEPTED (P has the request), STREAMING and LANDED (a
-WRITE that lands part by part), DONE, FAIL and PONG. HELLO, CHALLENGE and AUTH authenticate both
+WRITE that lands part by part), DONE, FAIL, QUIESCED (every WRITE of a transfer P gave up on has
+ended) and PONG. HELLO, CHALLENGE and AUTH authenticate both
 sides (auth.py) before anything else is taken from the peer, and are small: a frame from an unproven
 peer is at most MAX_UNAUTHENTICATED_FRAME_BYTES. What is large (D's KV layout and NIXL agent
 metadata, LAYOUT) flows only after both sides proved the key. Decoding validates every field: a
@@ -155,6 +156,15 @@ class Fail:
 
 
 @dataclass(frozen=True)
+class Quiesced:
+    """Every WRITE handle P posted for this transfer has ended (completed or failed): nothing more
+    of it can land. Follows a FAIL with may_still_land; D holds the blocks until it comes."""
+
+    type: ClassVar[str] = "quiesced"
+    transfer_id: str
+
+
+@dataclass(frozen=True)
 class Ping:
     """D, while it waits on P: are you still there? (see liveness.py)"""
 
@@ -167,9 +177,9 @@ class Pong:
 
 
 Message = Union[Hello, Challenge, Auth, Layout, Welcome, Refuse, Register, Cancel, Accepted, Streaming, Landed, Done,
-                Fail, Ping, Pong]
+                Fail, Quiesced, Ping, Pong]
 _TYPES: dict[str, type] = {cls.type: cls for cls in (Hello, Challenge, Auth, Layout, Welcome, Refuse, Register, Cancel,
-                                                     Accepted, Streaming, Landed, Done, Fail, Ping, Pong)}
+                                                     Accepted, Streaming, Landed, Done, Fail, Quiesced, Ping, Pong)}
 HANDSHAKE_TYPES = (Hello, Challenge, Auth, Refuse)  # what a peer may send before it is authenticated
 MAX_ID_CHARS = 256
 ID_PATTERN = re.compile(r"[A-Za-z0-9._:-]+")
@@ -364,6 +374,7 @@ _BUILDERS = {
     Landed: _simple(Landed, {"transfer_id": _id, "regions": _ints}),
     Done: _simple(Done, {"transfer_id": _id, "num_bytes": _int}),
     Fail: _simple(Fail, {"transfer_id": _id, "reason": _text, "may_still_land": _bool}),
+    Quiesced: _simple(Quiesced, {"transfer_id": _id}),
     Ping: _simple(Ping, {}),
     Pong: _simple(Pong, {}),
 }

@@ -12,6 +12,9 @@ D: `bind()` registers newly allocated blocks with P at once. A WRITE that P stre
 is reported received as it starts; every forward pass until it is over waits, layer by layer
 (`wait_for_layer_load`), for that layer's bytes of every such WRITE. One that fails then has its
 blocks reported as load errors in the step that first computes its request.
+D hands an ended request's blocks back to vLLM (reports it received once more) only once nothing
+can write into them: at once for a transfer that ended with P's word, else when its fence ends
+(fences.py: P's word that its WRITEs ended, P's death, or the backstop).
 """
 from __future__ import annotations
 
@@ -59,16 +62,16 @@ class PushWorker:
         # without an outcome yet. An ended one is reported again at the outcome (vLLM frees it then).
         self._landing: dict[str, bool] = {}
         self._failed_early: dict[str, tuple[int, ...]] = {}  # req id -> blocks: streamed WRITE failed
-        # req id -> blocks: a streamed WRITE given up on while P may still write into them; reported
-        # every step until vLLM hands the request back (see `_streamed_failure`)
-        self._failed_late: dict[str, tuple[int, ...]] = {}
+        # req id -> (transfer, blocks): a streamed WRITE given up on while P may still write into
+        # them; reported every step until vLLM hands the request back (see `_streamed_failure`)
+        self._failed_late: dict[str, tuple[str, tuple[int, ...]]] = {}
         self._cancelled: set[str] = set()  # transfers whose request ended while vLLM waited for them
         self._evict: set[int] = set()  # blocks vLLM cached for a streamed WRITE that then failed
         self._echo: set[str] = set()  # ended requests to report received again (vLLM frees them)
-        # Transfers given up on while P may still be writing (Outcome.may_still_land) -> until when
-        # their blocks stay out of vLLM's hands; and ended requests held back that way -> until when
-        self._late: dict[str, float] = {}
-        self._held: dict[str, float] = {}
+        # Transfers whose outcome is out but whose blocks P may still write into (fenced), and
+        # ended requests held back until their transfer's fence ends (request -> transfer)
+        self._fenced: set[str] = set()
+        self._held: dict[str, str] = {}
         self._loading_now: set[str] = set()
         self._layer_wait_s: float | None = None  # this forward pass's waits for streamed layers
         # vLLM called wait_for_layer_load at least once: only then may a WRITE still landing be
@@ -130,7 +133,7 @@ class PushWorker:
                                                     s.transfer_timeout_s, peer_silence_s=s.peer_silence_s,
                                                     accepted_timeout_s=s.accepted_timeout_s, sharding=sharding,
                                                     head_layouts=head_layouts, side_channel_key=key,
-                                                    peers=s.peer_side_channels),
+                                                    peers=s.peer_side_channels, late_write_hold_s=s.late_write_hold_s),
                                      name, self.engine.metadata, tuple(regions), device_id)
 
     def _watch_siblings(self) -> None:
@@ -179,8 +182,8 @@ class PushWorker:
             self._failed_late.pop(req_id, None)
             if tid in self._landing:
                 self._landing[tid] = True
-            elif tid in self._late:
-                self._held[req_id] = self._late[tid]
+            elif tid in self._fenced:
+                self._held[req_id] = tid
             else:
                 self._echo.add(req_id)
         for r in meta.recvs:
@@ -244,14 +247,12 @@ class PushWorker:
             if self._layer_wait_s is not None:
                 self._stats.record_layer_wait(self._layer_wait_s)
                 self._layer_wait_s = None
-            now = time.monotonic()
             recving, self._echo = self._echo, set()
-            recving |= self._release_held(now)
-            if self._idle_step:
+            if self._idle_step and not recving:
                 # decode's idle wait: vLLM steps only for our outcomes (or held blocks) now, so sleep
                 # until one comes (or a new request may be waiting at the engine: hence the bound)
                 self.consumer.wait_for_outcome(self.settings.idle_wait_ms / 1000, even_if_none_pending=bool(self._held))
-            started, outcomes = self.consumer.take()
+            started, outcomes, unfenced = self.consumer.take()
             for p in started if self._layer_hook_seen else ():  # else: its outcome reports it, as unstreamed
                 ended = p.transfer_id in self._cancelled  # vLLM frees a finished request's blocks when told
                 self._landing[p.transfer_id] = ended
@@ -264,7 +265,7 @@ class PushWorker:
                     self._silent.discard(tid)
                     continue
                 self._stats.record_recv(o)
-                late = self._note_late(o, now)
+                late = self._note_fenced(o)
                 request_ended = self._landing.pop(tid, None)
                 if request_ended is not None:  # already reported received
                     if request_ended:
@@ -279,34 +280,41 @@ class PushWorker:
                 self._report_or_hold(req_id, tid, late, recving)
                 if not o.ok:
                     self._load_errors.update(o.pending.block_ids)
+            for tid in unfenced:
+                recving |= self._unfenced(tid)
             return None, (recving or None)
         return None, None
 
-    def _note_late(self, outcome: Outcome, now: float) -> bool:
-        """A failure D declared while P may still write into the blocks: hold them back."""
-        hold_s = self.settings.late_write_hold_s
-        if outcome.ok or not outcome.may_still_land or hold_s <= 0:
+    def _note_fenced(self, outcome: Outcome) -> bool:
+        """A failure while P may still write into the blocks: they stay out of vLLM's hands until
+        the consumer says the transfer's fence ended."""
+        if not outcome.may_still_land:
             return False
-        self._late[outcome.pending.transfer_id] = now + hold_s
-        log.warning("kvpush: holding the %d blocks of transfer %s (request %s) for %g s: prefill %s may still write "
-                    "into them (%s)", len(outcome.pending.block_ids), outcome.pending.transfer_id, outcome.pending.req_id,
-                    hold_s, outcome.pending.peer_engine, outcome.reason)
+        self._fenced.add(outcome.pending.transfer_id)
+        log.warning("kvpush: holding the %d blocks of transfer %s (request %s): prefill %s may still write into them "
+                    "(%s); they come back once it says its WRITEs ended or its process is gone (or after "
+                    "late_write_hold_s, %g s, when decode drops its connection)", len(outcome.pending.block_ids),
+                    outcome.pending.transfer_id, outcome.pending.req_id, outcome.pending.peer_engine, outcome.reason,
+                    self.settings.late_write_hold_s)
         return True
 
-    def _report_or_hold(self, req_id: str, tid: str, late: bool, recving: set[str]) -> None:
+    def _report_or_hold(self, req_id: str, tid: str, fenced: bool, recving: set[str]) -> None:
         """Report a request received (vLLM frees an ended request's blocks then), or hold it."""
-        if late:
-            self._held[req_id] = self._late[tid]
+        if fenced:
+            self._held[req_id] = tid
         else:
             recving.add(req_id)
 
-    def _release_held(self, now: float) -> set[str]:
-        """Held requests whose blocks vLLM may have back now."""
-        due = {req_id for req_id, until in self._held.items() if until <= now}
+    def _unfenced(self, tid: str) -> set[str]:
+        """Nothing writes into the transfer's blocks any more: the ended requests held for it, to
+        report received. A running request given up on gets its blocks reported as load errors
+        once more (a late WRITE may have landed after it last computed them), then no more."""
+        self._fenced.discard(tid)
+        due = {req_id for req_id, t in self._held.items() if t == tid}
         for req_id in due:
             del self._held[req_id]
-        for tid in [t for t, until in self._late.items() if until <= now]:
-            del self._late[tid]
+        for req_id in [r for r, (t, _) in self._failed_late.items() if t == tid]:
+            self._load_errors.update(self._failed_late.pop(req_id)[1])
         return due
 
     def _streamed_failure(self, pending: Pending, late: bool) -> None:
@@ -320,7 +328,7 @@ class PushWorker:
         prompt, over the slots this request fills with what it generates."""
         self._failed_early[pending.req_id] = pending.block_ids
         if late:
-            self._failed_late[pending.req_id] = pending.block_ids
+            self._failed_late[pending.req_id] = (pending.transfer_id, pending.block_ids)
         self._load_errors.update(pending.block_ids)
         self._evict.update(pending.block_ids)
 
@@ -332,14 +340,16 @@ class PushWorker:
         errors, self._load_errors = self._load_errors, set()
         for req_id in self._loading_now & self._failed_early.keys():
             errors.update(self._failed_early.pop(req_id))
-        for blocks in self._failed_late.values():
+        for _, blocks in self._failed_late.values():
             errors.update(blocks)
         return errors
 
     def take_stats(self) -> PushStats | None:
         for service in (self.producer, self.consumer):
             if service is not None:
-                self._stats.record_dropped(service.take_counts())
+                counts = service.take_counts()
+                self._stats.record_late_write_backstops(counts.pop("late_write_backstop", 0))
+                self._stats.record_dropped(counts)
         if self._stats.is_empty():
             return None
         stats, self._stats = self._stats, PushStats()

@@ -410,9 +410,14 @@ def test_a_cancel_crossing_a_write_the_compute_thread_copies_is_answered_by_the_
     deliver(producer, conn, wire.Cancel("s8"))
     engine.writes_held.clear()
     thread.join()
-    # no FAIL "cancelled" ahead of bytes still landing: D keeps its blocks until DONE
-    streamed = [("Streaming", None), ("Landed", (0,)), ("Landed", (1,))] if stream_writes else []
-    assert sent_after_handshake(conn) == streamed + [("Done", None)]
+    # no FAIL "cancelled" ahead of bytes still landing: D keeps its blocks until the WRITE's own
+    # answer, which a stream gives before its next part (nothing more is posted once cancelled)
+    if stream_writes:
+        assert sent_after_handshake(conn) == [("Streaming", None), ("Landed", (0,)), ("Fail", None)]
+        assert not conn.sent[-1].may_still_land and "cancelled by decode" in conn.sent[-1].reason
+        assert len(engine.posted) == 1
+    else:
+        assert sent_after_handshake(conn) == [("Done", None)]
 
 
 def test_a_write_that_never_ends_fails_at_the_timeout_and_frees_the_blocks(setup):
@@ -421,8 +426,13 @@ def test_a_write_that_never_ends_fails_at_the_timeout_and_frees_the_blocks(setup
     producer.offer("t9", "r9", [1], "D")
     record = wait_record(producer, timeout_s=3.0)
     assert not record.ok and "still copying 0.2 s after it was posted" in record.reason
-    assert producer.take_freed() == ["r9"] and engine.released == engine.posted
+    assert producer.take_freed() == ["r9"] and engine.released == []  # a posted WRITE cannot be called back
     assert isinstance(conn.sent[-1], wire.Fail) and conn.sent[-1].may_still_land  # D holds the blocks back
+    engine.latency_s = 0.0  # the WRITE ends at last: D hears that nothing of it is left in flight
+    deadline = time.monotonic() + HANG_S
+    while not isinstance(conn.sent[-1], wire.Quiesced) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert conn.sent[-1] == wire.Quiesced("t9") and engine.released == engine.posted
 
 
 def test_decode_disconnecting_fails_its_writes_in_flight_at_once(setup):
@@ -433,7 +443,7 @@ def test_decode_disconnecting_fails_its_writes_in_flight_at_once(setup):
     assert producer._jobs.drain()
     record = producer.take_records()[0]
     assert not record.ok and "disconnected during the WRITE (connection reset)" in record.reason
-    assert producer.take_freed() == ["r10"] and engine.released == engine.posted
+    assert producer.take_freed() == ["r10"] and engine.released == []  # polled until it ends, then released
 
 
 def test_a_registration_beyond_decodes_blocks_is_refused_on_arrival(setup):
@@ -645,3 +655,42 @@ def test_after_a_lost_sibling_on_lost_waits_for_the_push_already_being_written(s
     engine.writes_held.clear()
     assert lost.wait(HANG_S)
     assert isinstance(conn.sent[-1], wire.Done)  # a push already matched still ends as it would have
+
+
+@pytest.mark.parametrize("stream_writes", [True, False])
+def test_a_match_from_a_connection_decode_has_since_replaced_is_refused_and_never_written(setup, monkeypatch, stream_writes):
+    """Decode re-connects (a new handshake) between the match and the post: the registration came
+    on the old connection, whose blocks decode has given up on. Neither written nor answered on the
+    new connection; counted."""
+    producer, engine, conn = setup(stream_writes=stream_writes)
+    register(producer, conn, "t37", [5])
+    write = producer._pushes.stream if stream_writes else producer._pushes.drive
+    newer = FakeConn()
+
+    def reconnect_then_write(match):
+        shake(producer, newer, "D")  # admitted: the registration's connection is no longer the live one
+        write(match)
+
+    monkeypatch.setattr(producer._pushes, "stream" if stream_writes else "drive", reconnect_then_write)
+    producer.offer("t37", "r37", [1], "D")
+    record = wait_record(producer)
+    assert not record.ok and "replaced the connection it registered this transfer on" in record.reason
+    assert not engine.posted and producer.take_freed() == ["r37"]
+    assert not [m for m in newer.sent if isinstance(m, (wire.Done, wire.Fail, wire.Streaming))]
+    assert producer.take_counts()["stale_generation"] == 1
+
+
+def test_a_cancel_that_arrives_after_the_match_stops_the_post(setup, monkeypatch):
+    producer, engine, conn = setup()
+    register(producer, conn, "t38", [5])
+    drive = producer._pushes.drive
+
+    def cancelled_then_drive(match):
+        deliver(producer, conn, wire.Cancel("t38"))  # while the compute thread holds the match
+        drive(match)
+
+    monkeypatch.setattr(producer._pushes, "drive", cancelled_then_drive)
+    producer.offer("t38", "r38", [1], "D")
+    assert not engine.posted and producer.take_freed() == ["r38"]
+    [fail] = [m for m in conn.sent if isinstance(m, wire.Fail)]  # one answer, after the compute thread's check
+    assert fail.reason == "cancelled by decode before the WRITE" and not fail.may_still_land

@@ -230,9 +230,10 @@ def test_kv_usage_returns_to_zero(cluster, sequential_run):
 
 def test_a_stalled_prefill_fails_decode_fast_and_its_blocks_come_back_after_the_hold(cluster, pool):
     """Prefill stopped (SIGSTOP) with requests in flight: decode gives up on it within ~1 s (its
-    pings go unanswered) and fails those requests, but keeps their blocks from reuse for
-    late_write_hold_s, since a prefill that resumes may finish a copy it had begun. The blocks come
-    back after the hold although prefill is still stopped; once it resumes, its own are freed too."""
+    pings go unanswered) and fails those requests, but keeps their blocks from reuse, since a
+    prefill that resumes may finish a copy it had begun. With prefill stopped for good neither its
+    word nor its death comes, so the backstop (late_write_hold_s) drops its connection and lets
+    the blocks go; once it resumes, its own are freed too and decode reconnects."""
     c = cluster
     prompts = full_length_prompts(16, 900, seed=4)
     futures = [pool.submit(push_request, c["prefill"].url, c["decode"].url, c["plan"], completion_body(p, MAX_TOKENS), pool)

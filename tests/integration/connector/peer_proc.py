@@ -11,6 +11,9 @@ With {"stop_before_post": N}, the process stops itself (SIGSTOP) just before its
 (from 0), so a test can stall it mid-stream at a known layer whatever the machine's load.
 With {"stream_drive_s": S}, a streamed WRITE's part may take up to S seconds and still be announced
 LANDED on its own (a loaded machine can make the first WRITE to a peer take longer than the default).
+With {"stop_before_write": true}, it stops itself once it has matched its first offer with its
+registration, before it checks that decode still wants the push and posts anything.
+The status ({"freed": true}) also says how many NIXL peers it made ("peers_added").
 """
 from __future__ import annotations
 
@@ -156,6 +159,32 @@ def _stop_before_post(engine: NixlEngine, n: int) -> None:
     engine.post = post_or_stop
 
 
+def _stop_before_write(producer: Producer) -> None:
+    pushes, stopped = producer._pushes, []
+    for name in ("drive", "stream"):
+        write = getattr(pushes, name)
+
+        def stop_then_write(match, write=write):
+            if not stopped:  # once: the writes after go on as usual
+                stopped.append(True)
+                os.kill(os.getpid(), signal.SIGSTOP)  # resumes here on SIGCONT
+            return write(match)
+
+        setattr(pushes, name, stop_then_write)
+
+
+def _count_peers_added(engine: NixlEngine) -> Counter:
+    added, add_peer = Counter(), engine.add_peer
+
+    def counted(*args, **kwargs):
+        peer = add_peer(*args, **kwargs)
+        added["peers_added"] += 1
+        return peer
+
+    engine.add_peer = counted
+    return added
+
+
 def main() -> None:
     cfg = json.loads(sys.argv[1])
     layers = cfg.get("layers", 0)
@@ -170,12 +199,15 @@ def main() -> None:
         _stop_before_post(engine, cfg["stop_before_post"])
     if "stream_drive_s" in cfg:
         streamed_write.STREAM_DRIVE_S = cfg["stream_drive_s"]
+    peers_added = _count_peers_added(engine)
     producer = Producer(ProducerConfig(cfg["engine_id"], identity(arr, cfg.get("model", "test-model"), layers),
                                        frozenset(cfg["allowed"]), "127.0.0.1", cfg.get("port", 0),
                                        cfg.get("timeout_s", 5.0), stream_writes=cfg.get("stream_writes", False),
                                        side_channel_key=bytes.fromhex(cfg.get("side_channel_key", "")),
                                        drive_writes=not cfg.get("save_queue", False)),
                         engine)
+    if cfg.get("stop_before_write"):
+        _stop_before_write(producer)
     saves = SaveQueue(producer) if cfg.get("save_queue") else None
     gates: deque[ForwardGate] = deque()
     refused: Counter = Counter()
@@ -206,7 +238,7 @@ def main() -> None:
             recs = [r.__dict__ for r in producer.take_records()]
             outcomes = {k: v for k, v in producer.counters.items() if k in ("sent", "failed")}
             print(json.dumps({"freed": producer.take_freed(), "records": recs,
-                              "counters": {**refused, **outcomes}}), flush=True)
+                              "counters": {**refused, **outcomes}, **peers_added}), flush=True)
     if saves is not None:
         saves.close()
     producer.close()

@@ -246,6 +246,7 @@ def test_block_major_layers_go_as_one_descriptor_per_run_made_ahead():
 def test_waiting_for_an_outcome_wakes_when_the_write_lands(decode_side, producer_proc):
     """Decode's idle step sleeps in wait_for_outcome: P's DONE must end that sleep, not its timeout."""
     arr, consumer = decode_side
+    consumer.take()  # what earlier tests left (fences they ended): the worker takes it every step
     consumer.wait_for_outcome(5.0)  # nothing pending: returns at once
     consumer.expect("rq", "t-wake", "P.test", "127.0.0.1", producer_proc.port, [9, 10], 0, 32)
     time.sleep(0.05)
@@ -277,7 +278,7 @@ def test_streamed_write_lands_layer_by_layer_and_d_hears_of_it_first():
         consumer.wait_landed(["t-stream"], (LAYERS - 1,), timeout_s=5.0)
         [outcome] = wait_outcomes(consumer, 1)
         assert outcome.ok, outcome.reason
-        [started], _ = consumer.take()
+        [started], _, _ = consumer.take()
         assert started.transfer_id == "t-stream" and consumer.counters["landed_parts"] == LAYERS
         assert np.array_equal(arr[:, dst], expected[:, src])
         [record] = peer.status()["records"]
@@ -323,51 +324,6 @@ def test_a_wait_for_landing_kv_ends_when_the_peer_dies_mid_stream(decode_side):
     finally:
         thread.join(timeout=5)
         server.close()
-
-
-def test_a_prefill_stalled_mid_stream_writes_no_further_layer_once_decode_gave_up():
-    """P is stopped (SIGSTOP) while it streams; D stops hearing it, gives up, closes the side channel
-    and would hand the blocks back to vLLM. When P resumes, it must not write the layers it had
-    not posted yet into those blocks: at most the one it was copying when it stopped lands."""
-    layers, num_blocks, layer_shape = 128, 160, (2, 64, 64)  # 8 KiB blocks, 1 MiB per layer pushed
-    arr = layer_major_buffer(num_blocks, layers, layer_shape, None)
-    regions = kv_regions([view_of(layer) for layer in arr], num_blocks)
-    engine = NixlEngine("D.stall", regions)
-    consumer = Consumer(ConsumerConfig("D.stall", 0, identity(arr, layers=layers), frozenset({"P.stall"}),
-                                       timeout_s=10.0, peer_silence_s=1.0),  # long enough for a running P on a loaded host
-                        engine.name, engine.metadata, tuple(regions))
-    stopped_at = 4  # P stops itself before posting this layer: mid-stream on any machine, however loaded
-    peer = PeerProcess("P.stall", ["D.stall"], num_blocks=num_blocks, block_shape=layer_shape, seed=SEED,
-                       layers=layers, layer_major=True, stream_writes=True, stop_before_post=stopped_at,
-                       stream_drive_s=30.0)
-    blocks = list(range(128))
-    try:
-        consumer.expect("rq", "t-stall", "P.stall", "127.0.0.1", peer.port, blocks, 0, 16 * len(blocks))
-        peer.wait_registered("t-stall")  # P streams as soon as it offers
-        peer.send(offer=["t-stall", "pr", blocks, "D.stall"])
-        deadline = time.monotonic() + 10.0
-        while _stat_fields(peer.proc.pid)[0] != "T":
-            assert time.monotonic() < deadline and not consumer.counters["landed_parts"] > stopped_at, \
-                "P did not stop itself where the test asked"
-            time.sleep(0.01)
-        [outcome] = wait_outcomes(consumer, 1, timeout_s=10.0)
-        landed = consumer.counters["landed_parts"]
-        assert not outcome.ok and "no answer" in outcome.reason
-        assert outcome.may_still_land  # the worker keeps these blocks from vLLM for late_write_hold_s
-        assert landed == stopped_at, f"decode heard of {landed} layers landed; P stopped after {stopped_at}"
-        os.kill(peer.proc.pid, signal.SIGCONT)
-        [record] = peer.status()["records"]  # answered only once P runs again
-        time.sleep(0.3)
-        assert not record["ok"] and "disconnected during the streamed WRITE" in record["reason"]
-        written = [layer for layer in range(layers) if arr[layer, blocks].any()]
-        assert written == list(range(len(written))) and len(written) <= landed + 1, \
-            f"layers {written[landed + 1:]} were written after decode gave up at {landed}"
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(peer.proc.pid, signal.SIGCONT)
-        peer.kill()
-        consumer.close()
-        engine.close()
 
 
 def test_an_authenticated_side_channel_pushes_byte_exact_and_refuses_a_decode_without_the_key():

@@ -21,8 +21,8 @@ HEADS = (HeadLayout.whole(4096),)
 
 
 class StandInPrefill:
-    """Accepts one decode connection: WELCOME to its HELLO, PONG to its PINGs; records the time each
-    REGISTER arrives."""
+    """Serves decode connections one after the other: WELCOME to a HELLO, PONG to PINGs; records
+    when each REGISTER arrives, the CANCELs and how many connections it served."""
 
     def __init__(self, engine_id: str):
         self.engine_id = engine_id
@@ -31,11 +31,19 @@ class StandInPrefill:
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         self.registered: dict[str, float] = {}
+        self.cancelled: list[str] = []
+        self.connections = 0
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
 
     def _serve(self) -> None:
-        conn, _ = self.listener.accept()
+        with contextlib.suppress(OSError):  # the listener closed
+            while True:
+                conn, _ = self.listener.accept()
+                self.connections += 1
+                self._serve_one(conn)
+
+    def _serve_one(self, conn: socket.socket) -> None:
         self.conn = conn
         reader = wire.FrameReader()
         with conn, contextlib.suppress(OSError):
@@ -51,6 +59,11 @@ class StandInPrefill:
                         conn.sendall(wire.encode(wire.Pong()))
                     elif isinstance(msg, wire.Register):
                         self.registered[msg.transfer_id] = time.monotonic()
+                    elif isinstance(msg, wire.Cancel):
+                        self.cancelled.append(msg.transfer_id)
+
+    def say(self, *msgs: wire.Message) -> None:
+        self.conn.sendall(b"".join(wire.encode(m) for m in msgs))
 
     def hang_up(self) -> None:
         """Close the decode connection, as the kernel does for a prefill process that exited."""
@@ -206,3 +219,87 @@ def test_a_prefill_slow_to_admit_is_not_taken_for_silent_and_one_that_never_admi
         consumer.close()
         slow.close()
         never.close()
+
+
+def test_a_prefill_given_up_on_for_silence_keeps_its_connection_and_its_quiesced_ends_the_hold():
+    """D fails the transfer of a silent P at once but, instead of hanging up, cancels it: a P that
+    resumes answers on the same connection, and its QUIESCED (every WRITE it posted ended) is the
+    evidence that frees the blocks. Its FAIL that a WRITE is still copying is not."""
+    p = StandInPrefill("P")
+    consumer = Consumer(ConsumerConfig("D", 0, IDENTITY, frozenset({"P"}), peer_silence_s=1.0, late_write_hold_s=600.0),
+                        "agent-D", b"meta", REGIONS)
+    try:
+        consumer.expect("r", "t", "P", "127.0.0.1", p.port, [1], 0, 16)
+        assert wait_for(lambda: p.registered, 10.0)
+        p.mute = True
+        [outcome] = wait_for(consumer.take_outcomes, 10.0)
+        assert not outcome.ok and outcome.may_still_land and "no answer" in outcome.reason
+        assert wait_for(lambda: p.cancelled == ["t"], 5.0) and p.connections == 1  # cancelled, not hung up on
+        p.mute = False
+        p.say(wire.Fail("t", "still copying", may_still_land=True))
+        time.sleep(0.3)  # the consumer's reactor reads it
+        assert consumer.take() == ([], [], [])
+        p.say(wire.Quiesced("t"))
+        assert wait_for(lambda: consumer.take()[2], 5.0) == ["t"]
+    finally:
+        consumer.close()
+        p.close()
+
+
+def test_the_backstop_drops_the_connection_counts_it_and_the_next_transfer_makes_a_new_one():
+    p = StandInPrefill("P")
+    consumer = Consumer(ConsumerConfig("D", 0, IDENTITY, frozenset({"P"}), peer_silence_s=1.0, late_write_hold_s=1.0),
+                        "agent-D", b"meta", REGIONS)
+    try:
+        consumer.expect("r", "t1", "P", "127.0.0.1", p.port, [1], 0, 16)
+        assert wait_for(lambda: p.registered, 10.0)
+        p.mute = True  # hung for good: no QUIESCED will come
+        [outcome] = wait_for(consumer.take_outcomes, 10.0)
+        assert outcome.may_still_land
+        assert wait_for(lambda: consumer.take()[2], 10.0) == ["t1"]  # the backstop let the blocks go
+        assert consumer.take_counts()["late_write_backstop"] == 1
+        p.mute = False
+        consumer.expect("r2", "t2", "P", "127.0.0.1", p.port, [2], 0, 16)
+        assert wait_for(lambda: "t2" in p.registered, 10.0)
+        assert p.connections == 2  # the dropped connection made anew, with a new handshake
+    finally:
+        consumer.close()
+        p.close()
+
+
+def test_a_transfer_that_ended_before_its_register_went_out_is_never_registered():
+    """A REGISTER waits for its connection; the transfer may end meanwhile (here: no ACCEPTED in
+    time while the connect hangs). When the connection comes, the REGISTER must not go out, or P
+    would write into blocks vLLM may have given to another request; and the failure fences
+    nothing, since P never learnt the blocks."""
+    consumer = Consumer(ConsumerConfig("D", 0, IDENTITY, frozenset({"P"}), connect_timeout_s=10.0, timeout_s=0.2),
+                        "agent-D", b"meta", REGIONS)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    queued = []
+    try:
+        while len(queued) < 8:  # fill the accept queue: decode's connect waits for a retried SYN
+            try:
+                queued.append(socket.create_connection(listener.getsockname(), timeout=0.2))
+            except TimeoutError:
+                break
+        consumer.expect("r", "t", "P", "127.0.0.1", listener.getsockname()[1], [1], 0, 16)
+        [outcome] = wait_for(consumer.take_outcomes, 5.0)
+        assert not outcome.ok and not outcome.may_still_land and "did not accept" in outcome.reason
+        listener.settimeout(10.0)
+        for _ in queued:
+            listener.accept()[0].close()  # room in the queue: decode's connect goes through now
+        conn, _ = listener.accept()
+        conn.settimeout(1.0)
+        reader, got = wire.FrameReader(), []
+        with contextlib.suppress(TimeoutError):
+            while data := conn.recv(65536):
+                got += [type(wire.decode(f)).__name__ for f in reader.feed(data)]
+        assert got and "Hello" in got and "Register" not in got, got
+        conn.close()
+    finally:
+        for q in queued:
+            q.close()
+        listener.close()
+        consumer.close()

@@ -66,3 +66,21 @@ def test_unknown_and_repeated_part_outcomes_are_ignored():
     p.settle(part(KEYS[0]))
     assert p.settle(part(KEYS[0], ok=False)) == (None, [], None)
     assert p.running("t") == [KEYS[1]]
+
+
+def test_a_transfer_is_free_of_writers_once_every_fenced_part_is_unfenced():
+    p = parts()
+    p.settle(part(KEYS[0], ok=False, may_still_land=True))
+    assert p.unfenced(KEYS[0]) is None  # the transfer is not over yet
+    whole, _, _ = p.settle(part(KEYS[1], ok=False, may_still_land=True))
+    assert whole.may_still_land  # KEYS[1] is still fenced
+    assert p.unfenced(KEYS[1]) == "t" and p.unfenced(KEYS[1]) is None
+
+
+def test_a_transfer_whose_fenced_part_ended_before_the_others_is_not_fenced():
+    p = parts()
+    p.settle(part(KEYS[0], ok=False, may_still_land=True))
+    p.unfenced(KEYS[0])
+    whole, _, _ = p.settle(part(KEYS[1], ok=False))
+    assert not whole.ok and not whole.may_still_land
+    assert p.unfenced(KEYS[0]) is None and p.unfenced(rank_key("other", 0)) is None

@@ -118,7 +118,8 @@ def test_decode_names_a_received_request_in_the_step_that_first_computes_it():
     assert s.build_connector_meta(sched_out(other=1)).loading == []
     assert s.build_connector_meta(sched_out(r=1)).loading == ["r"]
     assert s.build_connector_meta(sched_out(r=1)).loading == []
-    assert s.request_finished(r, [1, 2]) == (False, None)  # computed: nothing can land any more
+    assert s.request_finished(r, [1, 2]) == (True, None)  # computed; the worker says when nothing can land
+    assert s.build_connector_meta(sched_out()).releases == [("r", "t1")]
 
 
 def test_decode_abort_after_receipt_before_computing_holds_blocks_until_reported_again():
@@ -191,16 +192,20 @@ def test_decode_drops_blocks_of_a_failed_streamed_write_from_the_prefix_cache():
     assert evicted == [{3, 4}]
 
 
-def test_decode_request_failed_on_its_kv_load_after_computing_leaves_its_blocks_to_the_worker():
-    """A streamed WRITE that failed while its request ran: vLLM fails the request (policy fail), and
-    its blocks wait for the worker's word, since a prefill given up on may still be writing them."""
+@pytest.mark.parametrize("finished", ["FINISHED_ERROR", "FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED", "FINISHED_ABORTED"])
+def test_decode_request_that_finishes_after_computing_leaves_its_blocks_to_the_worker_whatever_the_reason(finished):
+    """A streamed WRITE given up on while its request ran may still be landing: vLLM may fail the
+    request for it, or (a 1-token prompt, recomputed in its first step) let it finish normally,
+    or abort it. In every case its blocks wait for the worker's word that nothing writes there."""
     s = PushScheduler(BS, is_producer=False, engine_id="D.e")
     r = received_request(s)
     assert s.build_connector_meta(sched_out(r=1)).loading == ["r"]
-    r.status = SimpleNamespace(name="FINISHED_ERROR")
+    r.status = SimpleNamespace(name=finished)
     assert s.request_finished(r, [1, 2]) == (True, None)
     assert s.build_connector_meta(sched_out()).releases == [("r", "t1")]
-    other = received_request(s)  # the same transfer id again: finishing normally frees at once
-    s.build_connector_meta(sched_out(r=1))
-    other.status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
-    assert s.request_finished(other, [1, 2]) == (False, None)
+
+
+def test_decode_request_without_a_transfer_frees_its_blocks_at_once():
+    s = PushScheduler(BS, is_producer=False, engine_id="D.e")
+    plain = Req("p", list(range(5)), None, status=SimpleNamespace(name="FINISHED_LENGTH_CAPPED"))
+    assert s.request_finished(plain, [1]) == (False, None)

@@ -52,12 +52,12 @@ def test_the_accepted_transfer_safety_net_is_configurable_and_must_be_positive()
             Settings.from_vllm(vllm_config(extra={"accepted_timeout_s": bad}))
 
 
-def test_blocks_given_up_on_are_held_back_only_where_vllm_would_free_them():
+def test_the_late_write_backstop_applies_under_either_failure_policy():
     assert Settings.from_vllm(vllm_config()).late_write_hold_s == 30.0
-    assert Settings.from_vllm(vllm_config(extra={"late_write_hold_s": 0})).late_write_hold_s == 0.0
+    assert Settings.from_vllm(vllm_config(extra={"late_write_hold_s": 0})).late_write_hold_s == 0.0  # no backstop
     recompute = vllm_config()
-    recompute.kv_transfer_config.kv_load_failure_policy = "recompute"  # the request keeps its blocks
-    assert Settings.from_vllm(recompute).late_write_hold_s == 0.0
+    recompute.kv_transfer_config.kv_load_failure_policy = "recompute"  # vLLM frees a failed load's blocks too
+    assert Settings.from_vllm(recompute).late_write_hold_s == 30.0
     with pytest.raises(UnsupportedDeployment, match="late_write_hold_s must be a number >= 0"):
         Settings.from_vllm(vllm_config(extra={"late_write_hold_s": -1}))
 

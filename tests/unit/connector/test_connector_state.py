@@ -127,6 +127,7 @@ def test_consumer_done_and_fail_outcomes():
     c.add(pending("b"))
     assert c.done("a", "P.e", 100).ok
     out = c.fail("b", "P.e", "why")
+    assert not out.may_still_land
     assert not out.ok and out.reason == "why"
     assert c.done("a", "P.e", 100) is None and c.dropped["unknown_done"] == 1
 
@@ -201,18 +202,86 @@ def test_accepted_registration_waits_past_the_timeout():
     assert "a" not in s.accepted
 
 
-def test_failures_d_declares_while_p_may_still_write_say_so():
+def sent(tid="t", peer="P.e", at=0.0, generation=1):
+    """A pending part whose REGISTER went out on connection `generation`."""
+    return Pending(tid, "req-" + tid, peer, (1, 2), at, generation=generation)
+
+
+def test_failures_d_declares_while_p_may_still_write_fence_the_part():
     c = ConsumerState(timeout_s=1.0, accepted_timeout_s=5.0)
-    for tid in ("silent", "late", "unaccepted", "told"):
-        c.add(pending(tid))
-    c.accept("late", "P.e", now=0.0)
-    [silent] = [o for o in c.peer_gone("P.e", "no answer", may_still_land=True) if o.pending.transfer_id == "silent"]
-    assert silent.may_still_land
-    c.add(pending("late"))
-    c.add(pending("unaccepted"))
-    c.accept("late", "P.e", now=0.0)
-    assert all(o.may_still_land for o in c.expire(now=10.0))
-    c.add(pending("told"))
-    assert not c.fail("told", "P.e", "WRITE failed").may_still_land
-    c.add(pending("gone"))
-    assert not c.peer_gone("P.e", "connection closed by peer")[0].may_still_land
+    for tid in ("silent", "unsent"):
+        c.add(sent(tid, generation=1 if tid == "silent" else 0))
+    outcomes = {o.pending.transfer_id: o for o in c.peer_gone("P.e", "no answer", may_still_land=True, now=2.0)}
+    assert outcomes["silent"].may_still_land and list(c.fences.held) == ["silent"]
+    assert not outcomes["unsent"].may_still_land  # its REGISTER never went out: P cannot write it
+    for tid in ("late", "unaccepted"):
+        c.add(sent(tid))
+    c.accept("late", "P.e", now=0.0, generation=1)
+    assert all(o.may_still_land for o in c.expire(now=10.0)) and set(c.fences.held) == {"silent", "late", "unaccepted"}
+    c.add(sent("told"))
+    assert not c.fail("told", "P.e", "WRITE failed", generation=1).may_still_land and "told" not in c.fences
+    c.add(sent("gone"))
+    assert not c.peer_gone("P.e", "connection closed by peer", generation=1)[0].may_still_land
+    assert not c.fences.held and sorted(c.fences.take_ended()) == ["late", "silent", "unaccepted"]  # P's process is gone
+
+
+def test_quiesced_ends_a_fence_and_only_from_the_parts_connection():
+    c = ConsumerState(5.0)
+    c.add(sent("t", generation=2))
+    [still_copying] = [c.fail("t", "P.e", "WRITE overdue", may_still_land=True, generation=2, now=1.0)]
+    assert still_copying.may_still_land and "t" in c.fences
+    assert c.fail("t", "P.e", "again", may_still_land=True, generation=2) is None and "t" in c.fences
+    assert not c.quiesced("t", "P.e", generation=1) and "t" in c.fences  # another connection's word counts for nothing
+    assert c.dropped["unknown_quiesced"] == 1
+    assert c.quiesced("t", "P.e", generation=2) and c.fences.take_ended() == ["t"]
+    assert not c.quiesced("t", "P.e", generation=2)
+
+
+def test_a_done_or_a_fail_that_nothing_can_land_ends_a_fence_d_set_itself():
+    c = ConsumerState(5.0)
+    for tid in ("a", "b", "c"):
+        c.add(sent(tid))
+    for tid in ("a", "b", "c"):
+        assert c.give_up(tid, "landing overdue", now=1.0).may_still_land
+    assert c.done("a", "P.e", 4096, generation=1) is None  # the late DONE: no second outcome
+    assert c.fail("b", "P.e", "cancelled by decode", generation=1) is None
+    assert c.fail("c", "P.e", "still copying", may_still_land=True, generation=1) is None
+    assert sorted(c.fences.take_ended()) == ["a", "b"] and list(c.fences.held) == ["c"]
+    assert not c.dropped  # none of them is unknown
+
+
+def test_messages_from_another_connection_than_the_registrations_are_refused():
+    c = ConsumerState(5.0)
+    c.add(sent("t", generation=1))
+    assert c.done("t", "P.e", 4096, generation=2) is None and c.fail("t", "P.e", "x", generation=2) is None
+    assert not c.accept("t", "P.e", now=0.0, generation=2) and c.streaming("t", "P.e", generation=2) is None
+    assert c.dropped["stale_generation"] == 4 and "t" in c.pending
+    assert c.done("t", "P.e", 4096, generation=1).ok
+
+
+def test_a_transfer_that_ended_is_never_registered():
+    c = ConsumerState(5.0)
+    c.add(pending("t"))
+    assert c.sent("t", 3) and c.pending["t"].generation == 3
+    c.fail("t", "P.e", "refused", generation=3)
+    assert not c.sent("t", 3)
+
+
+def test_the_backstop_ends_every_fence_of_an_overdue_connection_and_names_it():
+    c = ConsumerState(5.0)
+    for tid, gen, at in (("a", 1, 0.0), ("b", 1, 8.0), ("c", 2, 9.0)):
+        c.add(sent(tid, generation=gen))
+        c.give_up(tid, "silent", now=at)
+    assert c.fences.next_deadline(10.0) == 10.0 and c.fences.overdue(9.9, 10.0) == []
+    assert c.fences.overdue(10.0, 10.0) == [("P.e", 1)]  # b is younger, but its connection is dropped with a's
+    assert sorted(c.fences.take_ended()) == ["a", "b"] and list(c.fences.held) == ["c"]
+    assert c.fences.counts["ended_by_backstop"] == 2
+    assert c.fences.overdue(1e9, 0.0) == [] and c.fences.next_deadline(0.0) is None  # 0: no backstop
+
+
+def test_a_lost_connection_fails_only_what_was_registered_on_it():
+    c = ConsumerState(5.0)
+    c.add(sent("on-it", generation=2))
+    c.add(sent("not-yet", generation=0))  # its REGISTER goes out on the next connection
+    assert [o.pending.transfer_id for o in c.peer_gone("P.e", "lost", generation=2)] == ["on-it"]
+    assert [o.pending.transfer_id for o in c.peer_gone("P.e", "unreachable")] == ["not-yet"]

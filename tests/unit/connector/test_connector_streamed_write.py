@@ -40,13 +40,18 @@ class Conn:
         return self._gone_after is not None and len(self.sent) >= self._gone_after
 
 
+def wanted_while_open(conn):
+    """The producer's check before each part, as far as the connection goes."""
+    return lambda: "decode engine D#0 disconnected" if conn.gone() else ""
+
+
 def parts(n=3):
     return [(SimpleNamespace(name=f"layer{i}", num_bytes=100, num_descriptors=2), (i,)) for i in range(n)]
 
 
 def test_every_part_landed_is_announced_and_released():
     engine, conn = Engine({}), Conn()
-    outcome = stream_parts(engine, conn, "D#0", "t1", parts())
+    outcome = stream_parts(engine, conn, "D#0", "t1", parts(), wanted_while_open(conn))
     assert outcome.error == "" and outcome.landed_bytes == 300 and outcome.num_descriptors == 6 and not outcome.copying
     assert conn.sent == [wire.Streaming("t1"), wire.Landed("t1", (0,)), wire.Landed("t1", (1,)), wire.Landed("t1", (2,))]
     assert engine.released == ["layer0", "layer1", "layer2"]
@@ -55,7 +60,7 @@ def test_every_part_landed_is_announced_and_released():
 def test_a_part_still_copying_is_handed_back_with_the_rest_posted(monkeypatch):
     monkeypatch.setattr(streamed_write, "STREAM_DRIVE_S", 0.0)
     engine, conn = Engine({"layer1": "PROC"}), Conn()
-    outcome = stream_parts(engine, conn, "D#0", "t1", parts())
+    outcome = stream_parts(engine, conn, "D#0", "t1", parts(), wanted_while_open(conn))
     assert [w.name for w in outcome.copying] == ["layer1", "layer2"] and outcome.copying_bytes == 200
     assert engine.posted == ["layer0", "layer1", "layer2"] and engine.released == ["layer0"]
     assert outcome.error == "" and outcome.landed_bytes == 100
@@ -63,21 +68,35 @@ def test_a_part_still_copying_is_handed_back_with_the_rest_posted(monkeypatch):
 
 def test_a_failed_part_fails_the_push_and_releases_what_was_never_posted():
     engine, conn = Engine({"layer0": "ERR"}), Conn()
-    outcome = stream_parts(engine, conn, "D#0", "t1", parts())
+    outcome = stream_parts(engine, conn, "D#0", "t1", parts(), wanted_while_open(conn))
     assert "failed (layer part 1 of 3)" in outcome.error and not outcome.copying
     assert engine.posted == ["layer0"] and sorted(engine.released) == ["layer0", "layer1", "layer2"]
 
 
 def test_decode_gone_midway_stops_the_writes_before_its_blocks_are_touched():
     engine, conn = Engine({}), Conn(gone_after_sends=2)  # STREAMING and the first LANDED went out
-    outcome = stream_parts(engine, conn, "D#0", "t1", parts())
-    assert "disconnected during the streamed WRITE (before layer part 2 of 3)" in outcome.error
+    outcome = stream_parts(engine, conn, "D#0", "t1", parts(), wanted_while_open(conn))
+    assert outcome.error == "decode engine D#0 disconnected during the streamed WRITE (before layer part 2 of 3)"
     assert engine.posted == ["layer0"] and engine.released == ["layer0", "layer1", "layer2"]
+
+
+def test_a_cancel_midway_stops_the_writes_also_once_parts_go_on_in_flight(monkeypatch):
+    monkeypatch.setattr(streamed_write, "STREAM_DRIVE_S", 0.0)
+    engine, conn, asked = Engine({"layer0": "PROC"}), Conn(), []
+
+    def unwanted():
+        asked.append(len(engine.posted))
+        return "cancelled by decode" if len(engine.posted) >= 2 else ""
+
+    outcome = stream_parts(engine, conn, "D#0", "t1", parts(4), unwanted)
+    assert engine.posted == ["layer0", "layer1"] and [w.name for w in outcome.copying] == ["layer0", "layer1"]
+    assert outcome.error == "cancelled by decode during the streamed WRITE" and asked == [0, 1, 2]
+    assert engine.released == ["layer2", "layer3"]  # never posted
 
 
 def test_a_refused_post_fails_the_push_and_releases_the_later_parts():
     engine, conn = Engine({"layer1": "POST_FAILS"}), Conn()
-    outcome = stream_parts(engine, conn, "D#0", "t1", parts())
+    outcome = stream_parts(engine, conn, "D#0", "t1", parts(), wanted_while_open(conn))
     assert outcome.error == "post of layer1 refused"
     assert engine.posted == ["layer0"] and engine.released == ["layer0", "layer2"]
 

@@ -19,6 +19,7 @@ MESSAGES = [
     wire.Welcome("P.e"), wire.Refuse("P.e", "no"),
     wire.Register("t1", (5, 3, 9), 1, 300), wire.Cancel("t1"), wire.Accepted("t1"),
     wire.Done("t1", 4096), wire.Fail("t1", "boom"), wire.Streaming("t1"), wire.Landed("t1", (0, 3)),
+    wire.Fail("t1", "still copying", may_still_land=True), wire.Quiesced("t1"),
 ]
 
 

@@ -10,7 +10,6 @@ from kvpush.connector.metadata import PushMetadata, RecvSpec, SendSpec
 from kvpush.connector.state import Outcome, Pending
 from kvpush.connector.stats import PushStats
 from kvpush.connector.step_marks import StepMarks
-from kvpush.connector import worker as worker_module
 from kvpush.connector.worker import PushWorker
 
 
@@ -54,12 +53,14 @@ class FakeProducer:
 class FakeConsumer:
     def __init__(self):
         self.expected, self.outcomes, self.waits, self.started, self.landing_waits = [], [], [], [], []
+        self.unfenced: list[str] = []  # transfers whose fenced blocks nothing writes into any more
         self.settled: set[str] = set()  # transfer ids whose outcome was handed out
         self.forced_waits = 0  # idle waits asked for with nothing pending
 
     def take(self):
         started, self.started = self.started, []
-        return started, self.take_outcomes()
+        unfenced, self.unfenced = self.unfenced, []
+        return started, self.take_outcomes(), unfenced
 
     def wait_landed(self, transfer_ids, regions, timeout_s):
         self.landing_waits.append((sorted(transfer_ids), regions))
@@ -364,78 +365,77 @@ def test_dropped_and_refused_messages_reach_vllms_stats():
     assert w.take_stats() is None  # nothing new since
 
 
-HOLD_S = 5.0
-
-
-class FakeClock:
-    """Stands in for the worker's `time` module: time moves only when a test advances it."""
-
-    def __init__(self):
-        self.now = 1000.0
-
-    def monotonic(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-
-@pytest.fixture
-def clock(monkeypatch):
-    fake = FakeClock()
-    monkeypatch.setattr(worker_module, "time", fake)
-    return fake
-
-
 def late_failure(tid="t", req="r") -> Outcome:
-    """D gave up on P (silent), which may still be writing into the blocks."""
+    """D gave up on P (silent), which may still be writing into the blocks: the consumer fenced them."""
     return Outcome(Pending(tid, req, "P", (3, 4), 0.0), False, "no answer", may_still_land=True)
 
 
-def test_a_request_whose_prefill_went_silent_fails_now_but_its_blocks_wait_out_the_hold(clock):
-    w = worker(False, late_write_hold_s=HOLD_S)
+def test_a_request_whose_prefill_went_silent_fails_now_but_its_blocks_wait_for_the_fence_to_end():
+    w = worker(False)
     w.bind(PushMetadata(recvs=[RecvSpec("r", "t", "P", "h", 5, 1, (3, 4), 0, 200)]))
     w.consumer.outcomes.append(late_failure())
     # load errors now (vLLM fails the request at once), "received" (vLLM frees its blocks) only later
     assert w.get_finished(set()) == (None, None) and w.load_errors() == {3, 4}
     w.bind(PushMetadata(cancels=["t"], idle=True))  # vLLM ended the request: nothing left to cancel
-    assert w.get_finished(set()) == (None, None) and not w._cancelled
-    assert w.consumer.forced_waits == 1  # the idle step sleeps: vLLM keeps stepping for held blocks
-    clock.advance(HOLD_S - 0.001)
-    assert w.get_finished(set()) == (None, None)  # still held
-    clock.advance(0.001)
+    for _ in range(3):  # however many steps pass: no timer frees them here
+        assert w.get_finished(set()) == (None, None) and not w._cancelled
+    assert w.consumer.forced_waits == 3  # the idle step sleeps: vLLM keeps stepping for held blocks
+    w.consumer.unfenced.append("t")  # prefill's QUIESCED, its death, or the consumer's backstop
     assert w.get_finished(set()) == (None, {"r"})
-    assert w.get_finished(set()) == (None, None) and not w._late and not w._held
+    assert w.get_finished(set()) == (None, None) and not w._fenced and not w._held
 
 
-def test_a_streamed_request_failed_while_running_is_held_when_vllm_hands_it_back(clock):
+def test_a_late_write_after_a_normal_finish_keeps_the_blocks_held():
+    """A 1-token prompt whose streamed WRITE was given up on while it ran: vLLM recomputes the
+    token itself, does not fail the request in its first step and finishes it normally
+    (max_tokens 1). Its blocks stay held until the fence ends, and once more reported as load errors."""
     w = streaming_decode()
-    w.settings.late_write_hold_s = HOLD_S
+    w.bind(PushMetadata(loading=["r"]))
+    w.consumer.outcomes.append(late_failure())
+    assert w.get_finished(set()) == (None, None) and w.load_errors() == {3, 4}
+    w.bind(PushMetadata(releases=[("r", "t")]))  # finished normally: the scheduler hands its blocks over
+    assert w.get_finished(set()) == (None, None)  # held: prefill may still write
+    w.consumer.unfenced.append("t")
+    assert w.get_finished(set()) == (None, {"r"})
+
+
+def test_a_request_that_finished_normally_with_its_transfer_done_is_reported_at_once():
+    w = worker(False)
+    w.bind(PushMetadata(recvs=[RecvSpec("r", "t", "P", "h", 5, 1, (3, 4), 0, 200)]))
+    w.consumer.outcomes.append(Outcome(Pending("t", "r", "P", (3, 4), 0.0), True))
+    assert w.get_finished(set()) == (None, {"r"})
+    w.bind(PushMetadata(loading=["r"]))
+    w.bind(PushMetadata(releases=[("r", "t")], idle=True))
+    assert w.get_finished(set()) == (None, {"r"}) and w.consumer.waits == []  # reported without an idle sleep
+
+
+def test_a_streamed_request_failed_while_running_is_held_when_vllm_hands_it_back():
+    w = streaming_decode()
     w.consumer.outcomes.append(late_failure())
     assert w.get_finished(set()) == (None, None) and w.load_errors() == {3, 4}
     w.bind(PushMetadata(releases=[("r", "t")]))  # vLLM failed it and left its blocks to us
     assert w.get_finished(set()) == (None, None)
-    clock.advance(HOLD_S - 0.001)
-    assert w.get_finished(set()) == (None, None)  # still held
-    clock.advance(0.001)
+    w.consumer.unfenced.append("t")
     assert w.get_finished(set()) == (None, {"r"})
 
 
-def test_a_streamed_request_given_up_on_while_running_is_reported_every_step_until_vllm_ends_it(clock):
+def test_a_streamed_request_given_up_on_while_running_is_reported_every_step_until_its_fence_ends():
     """vLLM fails a request only for blocks computed before the step: in the request's first step
     (the one that computed its prompt's last token itself) the last block is not among them, so a
-    single report would leave it running while P's late WRITE lands in the slots it generates into."""
+    single report would leave it running while P's late WRITE lands in the slots it generates into.
+    Once nothing writes there any more, one last report covers a WRITE that landed after the
+    request last computed those blocks."""
     w = streaming_decode()
-    w.settings.late_write_hold_s = HOLD_S
     w.bind(PushMetadata(loading=["r"]))
     w.consumer.outcomes.append(late_failure())
     assert w.get_finished(set()) == (None, None) and w.load_errors() == {3, 4}
     for _ in range(3):  # vLLM did not act on it: still running
         w.bind(PushMetadata())
         assert w.load_errors() == {3, 4}
-    w.bind(PushMetadata(releases=[("r", "t")]))  # vLLM failed it and left its blocks to us
-    assert w.load_errors() == set()
-    clock.advance(HOLD_S)
+    w.consumer.unfenced.append("t")
+    assert w.get_finished(set()) == (None, None)  # the request still runs: nothing to report received
+    assert w.load_errors() == {3, 4} and w.load_errors() == set()
+    w.bind(PushMetadata(releases=[("r", "t")]))  # vLLM ended it: nothing writes there, free at once
     assert w.get_finished(set()) == (None, {"r"})
 
 
@@ -448,27 +448,23 @@ def test_a_streamed_failure_that_cannot_land_later_is_reported_only_where_vllm_l
     assert w.load_errors() == set()
 
 
-def test_a_request_that_ended_while_its_kv_was_awaited_is_held_after_a_late_failure(clock):
-    w = worker(False, late_write_hold_s=HOLD_S)
+def test_a_request_that_ended_while_its_kv_was_awaited_is_held_after_a_late_failure():
+    w = worker(False)
     w.bind(PushMetadata(recvs=[RecvSpec("r", "t", "P", "h", 5, 1, (3, 4), 0, 200)]))
     w.bind(PushMetadata(cancels=["t"]))
     w.consumer.outcomes.append(late_failure())
     assert w.get_finished(set()) == (None, None)
-    clock.advance(HOLD_S - 0.001)
-    assert w.get_finished(set()) == (None, None)  # still held
-    clock.advance(0.001)
+    w.consumer.unfenced.append("t")
     assert w.get_finished(set()) == (None, {"r"})
 
 
-def test_a_failure_prefill_reported_itself_or_a_zero_hold_frees_at_once():
-    for hold_s, outcome in ((30.0, Outcome(Pending("t", "r", "P", (3, 4), 0.0), False, "WRITE failed")),
-                            (0.0, late_failure())):
-        w = worker(False, late_write_hold_s=hold_s)
-        w.bind(PushMetadata(recvs=[RecvSpec("r", "t", "P", "h", 5, 1, (3, 4), 0, 200)]))
-        w.consumer.outcomes.append(outcome)
-        assert w.get_finished(set()) == (None, {"r"})
-        w.bind(PushMetadata(releases=[("r", "t")]))
-        assert w.get_finished(set()) == (None, {"r"})
+def test_a_failure_prefill_reported_itself_frees_at_once():
+    w = worker(False)
+    w.bind(PushMetadata(recvs=[RecvSpec("r", "t", "P", "h", 5, 1, (3, 4), 0, 200)]))
+    w.consumer.outcomes.append(Outcome(Pending("t", "r", "P", (3, 4), 0.0), False, "WRITE failed"))
+    assert w.get_finished(set()) == (None, {"r"})
+    w.bind(PushMetadata(releases=[("r", "t")]))
+    assert w.get_finished(set()) == (None, {"r"})
 
 
 @pytest.mark.parametrize("found, watched", [({7: "VLLM::Worker_TP1"}, True),
@@ -483,3 +479,10 @@ def test_prefill_watches_its_siblings_only_when_exactly_its_other_local_ranks_ar
     monkeypatch.setattr("kvpush.connector.worker.exit_handles", lambda pids: ({}, [f"{t} (pid {p})" for p, t in pids.items()]))
     w._watch_siblings()
     assert calls == ([({}, ["VLLM::Worker_TP1 (pid 7)"])] if watched else [])
+
+
+def test_the_late_write_backstop_is_its_own_series_not_a_dropped_message():
+    w = worker(producer=False)
+    w.consumer.dropped = {"late_write_backstop": 2, "stale_generation": 1}
+    data = w.take_stats().data
+    assert data["late_write_backstops"] == 2 and data["dropped"] == {"stale_generation": 1}
