@@ -92,6 +92,7 @@ class _RateLimitedLog:
             if now < self._next:
                 return
             count, self._pending, self._next = self._pending, 0, now + LOG_EVERY_S
+        _log_through_vllm()  # at the line, not at start: vLLM may configure its logging after the app is built
         client = scope.get("client") or ("?", 0)
         path = str(scope.get("path", ""))[:120]
         log.warning("kvpush: refused %d request(s) without the instance key in the last %.0f s; latest: %s %r from %s "
@@ -100,13 +101,15 @@ class _RateLimitedLog:
 
 def _log_through_vllm() -> None:
     """Inside vLLM, this module's lines go to vLLM's handlers (its format, the instance's log), as
-    the connector's do: a logger of ours alone reaches no handler there."""
-    ours, vllm_logger = logging.getLogger(__name__), logging.getLogger("vllm")
-    if not ours.handlers and vllm_logger.handlers:
-        for handler in vllm_logger.handlers:
-            ours.addHandler(handler)
-        ours.setLevel(logging.WARNING)
-        ours.propagate = False
+    the connector's do; where vLLM has none (yet), to stderr. Never through the root logger alone:
+    vLLM's SageMaker routes set its level to ERROR."""
+    ours = logging.getLogger(__name__)
+    if ours.handlers:
+        return
+    for handler in logging.getLogger("vllm").handlers or [logging.StreamHandler()]:
+        ours.addHandler(handler)
+    ours.setLevel(logging.WARNING)
+    ours.propagate = False
 
 
 class InstanceKeyMiddleware:
@@ -124,7 +127,6 @@ class InstanceKeyMiddleware:
         self._public = public_paths(environ.get(PUBLIC_PATHS_VARIABLE))
         self._log = _RateLimitedLog(clock)
         self._refused = refused_counter()
-        _log_through_vllm()
 
     def _refusal(self, scope: Scope) -> str | None:
         """None when the request may pass, else the reason it may not."""
