@@ -5,6 +5,7 @@ parameters naming peers) is removed here."""
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,10 +116,64 @@ def strip_transfer_fields(body: dict) -> bool:
     return changed
 
 
+class _NonFinite(ValueError):
+    """A number no JSON may hold (NaN, Infinity, or one past a float's range): Python's json takes
+    them, vLLM's sampling would not survive them."""
+
+    def __init__(self, token: str):
+        super().__init__(token)
+        self.token = token
+
+
+def _refuse_constant(token: str) -> float:
+    raise _NonFinite(token)
+
+
+def _finite_float(token: str) -> float:
+    value = float(token)
+    if math.isinf(value):
+        raise _NonFinite(token)
+    return value
+
+
+_DECODER = json.JSONDecoder(parse_constant=_refuse_constant, parse_float=_finite_float)
+_NOT_FINITE = object()
+
+
+def _first_non_finite(raw: bytes) -> str:
+    """Where the first non-finite number of the body is, e.g. `messages[0].temperature` ('' if not found)."""
+    try:
+        body = json.loads(raw, parse_constant=lambda _: _NOT_FINITE,
+                          parse_float=lambda token: _NOT_FINITE if math.isinf(float(token)) else 0.0)
+    except (ValueError, RecursionError):
+        return ""
+    stack: list[tuple[Any, str]] = [(body, "")]
+    while stack:
+        node, path = stack.pop()
+        if node is _NOT_FINITE:
+            return path
+        if isinstance(node, dict):
+            stack.extend((v, f"{path}.{k}" if path else str(k)) for k, v in reversed(node.items()))
+        elif isinstance(node, list):
+            stack.extend((v, f"{path}[{i}]") for i, v in reversed(list(enumerate(node))))
+    return ""
+
+
+def load_json(raw: bytes) -> Any:
+    """The body as JSON, refusing numbers that are not finite (400 naming the field)."""
+    try:
+        return _DECODER.decode(raw.decode(json.detect_encoding(raw), "surrogatepass"))
+    except _NonFinite as exc:
+        field = _first_non_finite(raw)
+        where = f"`{field}`" if field else "a number"
+        raise RequestRejected(400, f"{where} is not a finite number ({exc.token}); the router takes finite numbers "
+                                   "only", field or None) from None
+
+
 def parse_request(raw: bytes, chat: bool, served_model_name: str, max_prompt_chars: int,
                   max_batch_prompts: int = 1024) -> ParsedRequest:
     try:
-        body = json.loads(raw)
+        body = load_json(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise RequestRejected(400, f"request body is not valid JSON: {exc}") from None
     except RecursionError:

@@ -84,3 +84,22 @@ def test_a_request_id_is_bounded_printable_ascii(value, ok):
     else:
         with pytest.raises(RequestRejected):
             check_request_id(value)
+
+
+@pytest.mark.parametrize("raw, field, token", [
+    (b'{"prompt": "x", "temperature": NaN}', "temperature", "NaN"),
+    (b'{"prompt": "x", "top_p": Infinity}', "top_p", "Infinity"),
+    (b'{"prompt": "x", "logit_bias": {"50256": -Infinity}}', "logit_bias.50256", "-Infinity"),
+    (b'{"prompt": "x", "repetition_penalty": 1e999}', "repetition_penalty", "1e999"),
+    (b'{"prompt": "x", "response_format": {"schema": [0.5, {"max": -1E400}]}}', "response_format.schema[1].max", "-1E400"),
+])
+def test_numbers_that_are_not_finite_are_a_400_naming_the_field(raw, field, token):
+    exc = reject(raw)
+    assert (exc.status, exc.param) == (400, field)
+    assert exc.message == f"`{field}` is not a finite number ({token}); the router takes finite numbers only"
+
+
+def test_finite_numbers_and_the_words_in_strings_pass():
+    body = parse_request(b'{"prompt": "NaN Infinity", "temperature": 0.7, "top_p": 1e308, "seed": 1e3}',
+                         False, "tiny", 100).body
+    assert body == {"prompt": "NaN Infinity", "temperature": 0.7, "top_p": 1e308, "seed": 1000.0}
