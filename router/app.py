@@ -21,6 +21,7 @@ from .fanout import split
 from .keys import Keys
 from .metrics import CLIENT_ERROR, RouterMetrics
 from .pool import Pool
+from .reload import InstanceListReloader
 from .rotation import Rotation
 from .upstream_http import UpstreamClient, UpstreamError
 from .validation import RequestRejected, check_request_id, parse_request
@@ -51,6 +52,7 @@ class Router:
         self.upstream: UpstreamClient | None = None
         self.dispatcher: Dispatcher | None = None
         self.rotation: Rotation | None = None
+        self.reloader: InstanceListReloader | None = None
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -61,6 +63,7 @@ class Router:
         self.dispatcher = Dispatcher(self.config, self.prefill, self.decode, self.metrics, self.upstream,
                                      self.keys.instance)
         self.rotation = Rotation(self.config, self.prefill, self.decode, self.metrics, self._get)
+        self.reloader = InstanceListReloader(self.config.instances_file, self.rotation.take)
         await self.rotation.start()
 
     async def stop(self) -> None:
@@ -71,10 +74,10 @@ class Router:
         if self.upstream is not None:
             self.upstream.close()
 
-    def reload(self) -> None:
-        """Take the instance list of instances_file again (on SIGHUP)."""
-        if self.rotation is not None:
-            self.rotation.reload()
+    def reload(self) -> asyncio.Task | None:
+        """Read the instance list of instances_file again (on SIGHUP), off the event loop; the task
+        that takes it."""
+        return self.reloader.request() if self.reloader is not None else None
 
     def pools(self) -> list[Pool]:
         return [self.prefill, self.decode]

@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import stat
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,7 +29,7 @@ from kvpush.common.vllm_metrics import samples
 
 from .config import Upstream
 from .metrics import DRAINING_METRIC, INSTANCE_LIST_METRIC
-MAX_FILE_BYTES = 4 << 20
+MAX_FILE_BYTES = 16 << 20  # about 70,000 instances written with indents
 
 
 class InstanceList(BaseModel):
@@ -40,8 +43,8 @@ class InstanceList(BaseModel):
     @model_validator(mode="after")
     def _unique_names(self) -> "InstanceList":
         for role in ("prefill", "decode"):
-            names = [u.name for u in getattr(self, role)]
-            twice = sorted({n for n in names if names.count(n) > 1})
+            counts = Counter(u.name for u in getattr(self, role))
+            twice = sorted(name for name, count in counts.items() if count > 1)
             if twice:
                 raise ValueError(f"{role}: instance name {twice[0]!r} is listed twice; give each instance its own name")
         return self
@@ -57,22 +60,48 @@ def list_digest(prefill: list[Upstream], decode: list[Upstream]) -> str:
 
 
 def load_instance_list(path: str | Path) -> InstanceList:
-    """The file's list; UsageError naming the file and what is wrong with it."""
+    """The file's list; UsageError naming the file and what is wrong with it. Only a regular file is
+    read: opening a FIFO or a device does not wait for a writer, and the file is refused."""
     try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_FILE_BYTES + 1)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            mode = os.fstat(fd).st_mode
+            if not stat.S_ISREG(mode):
+                raise UsageError(f"router instances file {path}: is {_file_kind(mode)}, not a regular file; point "
+                                 "instances_file at the file `kvpush up` writes")
+            data = _read_at_most(fd, MAX_FILE_BYTES + 1)
+        finally:
+            os.close(fd)
     except OSError as exc:
         raise UsageError(f"router instances file {path}: {exc.strerror or exc}; `kvpush up` writes it, "
                          "or fix instances_file in the router config") from None
     if len(data) > MAX_FILE_BYTES:
         raise UsageError(f"router instances file {path}: over {MAX_FILE_BYTES >> 20} MiB")
     try:
-        return InstanceList.model_validate_json(data)
+        listed = InstanceList.model_validate_json(data)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "(file)"
         message = first["msg"].removeprefix("Value error, ")
         raise UsageError(f"router instances file {path}: {where}: {message}") from None
+    return listed
+
+
+def _read_at_most(fd: int, limit: int) -> bytes:
+    chunks, size = [], 0
+    while size < limit:
+        chunk = os.read(fd, limit - size)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)
+
+
+def _file_kind(mode: int) -> str:
+    kinds = [(stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")]
+    return next((name for test, name in kinds if test(mode)), "not a regular file")
 
 
 @dataclass

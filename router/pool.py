@@ -181,14 +181,15 @@ class Pool:
             listed.append(inst)
         self.instances = listed
         removed = list(old.values())
+        names = {i.name for i in listed}
         for inst in removed:
-            self._remove(inst)
+            self._remove(inst, inst.name in names)
         return added, removed
 
-    def _remove(self, inst: Instance) -> None:
+    def _remove(self, inst: Instance, replaced: bool) -> None:
         inst.removed = True
         inst.in_rotation = False
-        if not any(i.name == inst.name for i in self.instances):  # a changed instance's new self keeps its labels
+        if not replaced:  # a changed instance's new self keeps its labels
             self.metrics.in_rotation.labels(inst.name, self.role).set(0)
         if inst.busy:
             self.draining.append(inst)

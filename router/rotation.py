@@ -22,11 +22,10 @@ import logging
 import math
 from typing import Awaitable, Callable
 
-from kvpush.common.errors import UsageError
 from kvpush.common.vllm_metrics import prefix_caching, process_start_time
 
 from .config import RouterConfig
-from .instances import list_digest, load_instance_list
+from .instances import InstanceList, list_digest
 from .metrics import RouterMetrics
 from .pool import Instance, Pool, parse_load
 from .upstream_http import UpstreamError
@@ -145,24 +144,14 @@ class Rotation:
 
     # --- the instance list -------------------------------------------------------------------
 
-    def reload(self) -> None:
-        """Read instances_file again and take its list: removed instances leave rotation and drain,
-        added ones are probed and enter on their first healthy answer. A file that cannot be read
-        or is invalid changes nothing (the log says why)."""
-        path = self.config.instances_file
-        if path is None:
-            log.warning("reload asked for, but the router config names no instances_file: nothing to reload")
-            return
-        try:
-            listed = load_instance_list(path)
-        except UsageError as exc:
-            log.error("%s; still serving the instance list it had", exc)
-            return
+    def take(self, listed: InstanceList, path: str, digest: str) -> None:
+        """Take the list read again from instances_file (reload.py; `digest` is the list's, worked
+        out off the event loop): removed instances leave rotation and drain, added ones are probed
+        and enter on their first healthy answer."""
         if self.config.protocol == "colocated" and listed.prefill:
             log.error("router instances file %s: lists prefill instances, but the protocol is colocated; "
                       "still serving the instance list it had", path)
             return
-        digest = listed.digest()
         if digest == self.digest:
             log.info("instance list %s read again: unchanged", path)
             return

@@ -84,3 +84,37 @@ def test_reload_progress_reads_every_workers_list_and_sums_what_removed_instance
     assert progress.left_on(["decode-1", "decode-2", "decode-3"]) == {"decode-1": 3.0}
     assert reload_progress(page.replace('digest="old",pid="12"} 1.0', 'digest="new",pid="12"} 1.0')).took("new")
     assert not reload_progress("").took("new")
+
+
+def test_a_name_listed_twice_is_found_in_one_pass_over_a_long_list():
+    many = [{**up(f"decode-{i}", 8000), "name": f"decode-{i}"} for i in range(20_000)]
+    assert len(InstanceList.model_validate({"decode": many}).decode) == 20_000
+    with pytest.raises(ValueError, match="'decode-3' is listed twice"):
+        InstanceList.model_validate({"decode": [*many, many[7], many[3]]})  # the first of them by name is said
+
+
+@pytest.mark.parametrize("kind, said", [("fifo", "is a FIFO"), ("dir", "is a directory"), ("dev", "is a character device")])
+def test_only_a_regular_file_is_read_and_a_fifo_does_not_wait_for_a_writer(tmp_path, kind, said):
+    import os
+
+    path = tmp_path / "instances.json"
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "dir":
+        path.mkdir()
+    else:
+        path = "/dev/zero"
+    with pytest.raises(UsageError) as info:
+        load_instance_list(path)  # a FIFO opened to read would block here until a writer came
+    assert str(info.value) == (f"router instances file {path}: {said}, not a regular file; point instances_file at "
+                               "the file `kvpush up` writes")
+
+
+def test_a_list_over_the_size_bound_is_refused_without_parsing(tmp_path, monkeypatch):
+    from kvpush.router import instances
+
+    monkeypatch.setattr(instances, "MAX_FILE_BYTES", 1000)
+    path = tmp_path / "instances.json"
+    path.write_text(json.dumps({"decode": [up(f"d{i}", 8000 + i) for i in range(10)]}))
+    with pytest.raises(UsageError, match="over 0 MiB"):
+        load_instance_list(path)

@@ -110,6 +110,13 @@ def test_a_restart_is_counted_when_the_instances_start_time_changed():
 # --- the instance list -------------------------------------------------------------------------
 
 
+async def reload_now(dep) -> None:
+    """SIGHUP's reload, awaited: the list is read on a thread of its own."""
+    task = dep.router.reload()
+    if task is not None:
+        await task
+
+
 def write_list(path, prefill, decode) -> str:
     listed = InstanceList(prefill=[upstream(n, f, 5600 + i) for i, (n, f) in enumerate(prefill)],
                           decode=[upstream(n, f, 5700 + i) for i, (n, f) in enumerate(decode)])
@@ -127,7 +134,7 @@ def test_an_added_instance_enters_rotation_only_once_healthy(tmp_path):
             try:
                 d1.behavior.unhealthy = True  # still loading
                 digest = write_list(path, [("p0", dep.prefill[0])], [("d0", dep.decode[0]), ("d1", d1)])
-                dep.router.reload()
+                await reload_now(dep)
                 assert reload_progress(await dep.metrics()).took(digest)
                 for _ in range(4):
                     assert (await dep.post("/v1/completions", COMPLETION))[0] == 200
@@ -155,7 +162,7 @@ def test_a_removed_instance_leaves_rotation_at_once_and_its_stream_finishes_whol
                                         json={**COMPLETION, "max_tokens": 30, "stream": True}) as resp:
                 await resp.content.readuntil(b"\n\n")
                 digest = write_list(path, pair, [("d0", dep.decode[0])])
-                dep.router.reload()
+                await reload_now(dep)
                 progress = reload_progress(await dep.metrics())
                 assert progress.took(digest) and progress.left_on(["d1", "gone"]) == {"d1": 1}
                 for _ in range(3):
@@ -178,7 +185,7 @@ def test_an_instance_whose_address_changed_is_a_new_instance_and_the_old_one_dra
             await moved.start()
             try:
                 write_list(path, [("p0", dep.prefill[0])], [("d0", moved)])
-                dep.router.reload()
+                await reload_now(dep)
                 new = dep.router.decode.instances[0]
                 assert new is not old and old.removed and not old.in_rotation
                 await eventually(lambda: new.in_rotation, ROTATION_CHANGE_S)
@@ -203,7 +210,7 @@ def test_an_unreadable_or_invalid_list_changes_nothing_and_says_why(tmp_path, ca
             if content is not None:
                 path.write_text(content)
             with caplog.at_level(logging.ERROR, logger="kvpush.router"):
-                dep.router.reload()
+                await reload_now(dep)
             assert said in caplog.text and "still serving the instance list it had" in caplog.text
             assert dep.router.rotation.digest == before and reload_progress(await dep.metrics()).took(before)
             assert (await dep.post("/v1/completions", COMPLETION))[0] == 200
@@ -215,7 +222,7 @@ def test_a_reload_without_an_instances_file_is_a_no_op(caplog):
     async def scenario():
         async with deployment("kvpush") as dep:
             with caplog.at_level(logging.WARNING, logger="kvpush.router"):
-                dep.router.reload()
+                await reload_now(dep)
             assert "names no instances_file" in caplog.text
             assert len(dep.router.decode) == 1
 
