@@ -13,8 +13,10 @@ import time
 from pathlib import Path
 
 from aiohttp import web
+from aiohttp.http import HttpVersion11
 
 from .config import RouterConfig
+from .connections import ConnectionGuard, GuardedSite, closing, listening_socket, raise_open_files_limit
 from .dispatch import Dispatcher, RequestContext
 from .errors import error_response
 from .fanout import split
@@ -33,8 +35,9 @@ CHAT = "/v1/chat/completions"
 # Far below vLLM's (uvicorn's) 5 s keep-alive: on a loaded host the two timers drift, and a leg
 # sent on a connection the server is closing that instant fails with a reset (seen at 4 s).
 UPSTREAM_KEEPALIVE_S = 2.0
-LISTEN_BACKLOG = 1024
-MAX_BODY_BYTES_PER_CHAR = 8  # JSON escapes can inflate a prompt; the prompt limit is checked after parsing
+# How long a refused request's unread body is read and dropped before the connection closes, so
+# the client reads the refusal instead of a reset (aiohttp's default, 10 s, holds a connection).
+LINGER_S = 1.0
 
 ROUTER_KEY = web.AppKey("router", "Router")
 
@@ -45,6 +48,7 @@ class Router:
         self.keys = keys
         self.public_paths = frozenset(config.public_paths)
         self.metrics = RouterMetrics()
+        self.guard = ConnectionGuard(config, self.metrics)
         self.prefill = Pool("prefill", config.prefill, config.policy, config.eject_after_failures, self.metrics,
                             config.prefix_aware)
         self.decode = Pool("decode", config.decode, config.policy, config.eject_after_failures, self.metrics,
@@ -57,6 +61,7 @@ class Router:
     # --- lifecycle -----------------------------------------------------------------------------
 
     async def start(self) -> None:
+        self.guard.start()
         # Idle upstream connections are dropped before vLLM's (uvicorn's) 5 s keep-alive closes them,
         # so a leg never goes out on a connection the server is closing at that moment.
         self.upstream = UpstreamClient(keepalive_s=UPSTREAM_KEEPALIVE_S)
@@ -67,6 +72,7 @@ class Router:
         await self.rotation.start()
 
     async def stop(self) -> None:
+        self.guard.stop()
         if self.rotation is not None:
             await self.rotation.stop()
         if self.dispatcher is not None:
@@ -107,12 +113,9 @@ class Router:
         chat = endpoint == CHAT
         try:
             request_id = check_request_id(request.headers.get("X-Request-Id"))
-            raw = await request.read()
+            raw = await self.guard.read_body(request)
             parsed = parse_request(raw, chat, config.served_model_name, config.max_prompt_chars, config.max_batch_prompts)
             parts = split(parsed, chat, config.protocol == "colocated")
-        except web.HTTPRequestEntityTooLarge:
-            return self._rejected(endpoint, RequestRejected(
-                413, f"request body too large for max_prompt_chars {config.max_prompt_chars}"))
         except RequestRejected as exc:
             return self._rejected(endpoint, exc)
         assert self.dispatcher is not None
@@ -121,13 +124,13 @@ class Router:
 
     def _rejected(self, endpoint: str, exc: RequestRejected) -> web.Response:
         self.metrics.request_done(endpoint, CLIENT_ERROR)
-        return error_response(exc.status, exc.message, exc.param)
+        return rejection(exc)
 
     async def _forward(self, request: web.Request) -> web.Response | None:
         """The request as-is to the first decode instance that answers; None if none does."""
         assert self.upstream is not None
         headers = {"Content-Type": "application/json", **self._instance_headers()}
-        body = await request.read()
+        body = await self.guard.read_body(request)
         timeouts = self.config.timeouts
         for inst in self.decode.available():
             try:
@@ -174,6 +177,30 @@ class Router:
     async def not_found(self, request: web.Request) -> web.Response:
         return error_response(404, f"{request.method} {request.path} is not served by the kvpush router")
 
+    # --- before a body is read -----------------------------------------------------------------
+
+    def refusal_before_body(self, request: web.BaseRequest) -> web.Response | None:
+        """401 for a caller without the key (on every path, unknown ones included, except those the
+        config opens: nothing is forwarded, with the instances' key attached, for such a caller),
+        413 for a body declared too large; None to go on."""
+        key = self.keys.client
+        if key and request.path not in self.public_paths and not authorized(request.headers.get("Authorization", ""), key):
+            unauthorized = web.json_response({"error": "Unauthorized"}, status=401)  # vLLM's exact answer
+            return unauthorized if request.content.is_eof() else closing(unauthorized)  # a body left unread
+        return self.guard.refuse_declared_body(request)
+
+    async def expect(self, request: web.Request) -> web.Response | None:
+        """`Expect: 100-continue`: a request refused before its body is refused before the client
+        sends the body; any other is told to go on."""
+        refusal = self.refusal_before_body(request)
+        if refusal is not None:
+            return closing(refusal)
+        if request.version != HttpVersion11 or request.headers.get("Expect", "").lower() != "100-continue":
+            raise web.HTTPExpectationFailed(text=f"Unknown Expect: {request.headers.get('Expect', '')}")
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # the answer's own size counts from here
+        return None
+
 
 def authorized(given: str, key: str) -> bool:
     """Constant-time check of an Authorization header; header bytes that are not UTF-8 (aiohttp
@@ -181,38 +208,40 @@ def authorized(given: str, key: str) -> bool:
     return secrets.compare_digest(given.encode("utf-8", "surrogateescape"), f"Bearer {key}".encode())
 
 
+def rejection(exc: RequestRejected) -> web.Response:
+    answer = error_response(exc.status, exc.message, exc.param)
+    return closing(answer) if exc.status in (408, 413) else answer  # its body was not read whole
+
+
 @web.middleware
 async def _auth_and_errors(request: web.Request, handler):
     router: Router = request.app[ROUTER_KEY]
-    key = router.keys.client
-    # every path, unknown ones included, except those the config opens: nothing is forwarded,
-    # with the instances' key attached, for a caller without the router's key
-    if key and request.path not in router.public_paths and not authorized(request.headers.get("Authorization", ""), key):
-        return web.json_response({"error": "Unauthorized"}, status=401)  # vLLM's exact answer
+    refusal = router.refusal_before_body(request)
+    if refusal is not None:
+        return refusal
+    connection = router.guard.request_started(request)
     try:
         return await handler(request)
+    except RequestRejected as exc:
+        return rejection(exc)
     except web.HTTPException as exc:
         if exc.status == 405:
             return error_response(405, f"method {request.method} not allowed on {request.path}")
         if exc.status == 404:
             return await router.not_found(request)
-        if exc.status == 413:
-            return error_response(413, f"request body too large (limit {max_body_bytes(router.config)} bytes)")
         raise
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception:  # a bug must still answer like vLLM does, not hang or leak a traceback
         log.exception("unexpected error on %s", request.path)
         return error_response(500, "internal router error; see the router log")
-
-
-def max_body_bytes(config: RouterConfig) -> int:
-    return config.max_prompt_chars * MAX_BODY_BYTES_PER_CHAR + (1 << 20)
+    finally:
+        router.guard.request_ended(connection)
 
 
 def build_app(config: RouterConfig, keys: Keys) -> web.Application:
     router = Router(config, keys)
-    app = web.Application(middlewares=[_auth_and_errors], client_max_size=max_body_bytes(config))
+    app = web.Application(middlewares=[_auth_and_errors], client_max_size=config.max_body_bytes)
     app[ROUTER_KEY] = router
 
     async def lifecycle(_app: web.Application):
@@ -221,11 +250,11 @@ def build_app(config: RouterConfig, keys: Keys) -> web.Application:
         await router.stop()
 
     app.cleanup_ctx.append(lifecycle)
-    app.router.add_post(COMPLETIONS, router.completions)
-    app.router.add_post(CHAT, router.chat)
+    app.router.add_post(COMPLETIONS, router.completions, expect_handler=router.expect)
+    app.router.add_post(CHAT, router.chat, expect_handler=router.expect)
     app.router.add_get("/v1/models", router.models)
-    app.router.add_post("/tokenize", router.passthrough)
-    app.router.add_post("/detokenize", router.passthrough)
+    app.router.add_post("/tokenize", router.passthrough, expect_handler=router.expect)
+    app.router.add_post("/detokenize", router.passthrough, expect_handler=router.expect)
     app.router.add_get("/version", router.passthrough)
     app.router.add_get("/health", router.health)
     app.router.add_get("/metrics", router.metrics_endpoint)
@@ -234,14 +263,15 @@ def build_app(config: RouterConfig, keys: Keys) -> web.Application:
 
 async def start_site(app: web.Application, host: str, port: int,
                      listen_socket: socket.socket | None = None) -> web.AppRunner:
-    """Start serving, on host:port or on a socket already listening (a worker's); handler
-    cancellation on so a client that leaves cancels both legs."""
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    """Start serving, on host:port or on a socket already listening (a worker's), each connection
+    through the router's guard (connections.py); handler cancellation on so a client that leaves
+    cancels both legs."""
+    router = app[ROUTER_KEY]
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                           keepalive_timeout=router.config.keepalive_timeout_s, lingering_time=LINGER_S)
     await runner.setup()
-    if listen_socket is not None:
-        await web.SockSite(runner, listen_socket).start()
-    else:
-        await web.TCPSite(runner, host, port, backlog=LISTEN_BACKLOG).start()
+    sock = listen_socket if listen_socket is not None else listening_socket(host, port)
+    await GuardedSite(runner, sock, router.guard).start()
     return runner
 
 
@@ -305,6 +335,7 @@ def run(config: RouterConfig, keys: Keys, listen_socket: socket.socket | None = 
         supervise(config, logging.getLevelName(logging.getLogger().getEffectiveLevel()), run_dir_parent)
         return
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS | {RELOAD_SIGNAL})  # every thread: only serve's waiter takes them
+    raise_open_files_limit()  # before the guard sizes its connection cap by it
     try:
         import uvloop
     except ImportError:

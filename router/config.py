@@ -22,10 +22,16 @@ RETRY_DEADLINE_S = 60.0  # default of retry_deadline_s, here and in a topology's
 # defaults of the prefix-aware policy's weights, here and in a topology's router section
 PREFIX_WEIGHT = 1.0
 LOAD_WEIGHT = 0.25
+# What one client connection may hold (connections.py); defaults here and in a topology's router section.
+MAX_CONNECTIONS = 4096  # per router process; lowered at start to what its open-files limit allows
+HEADER_TIMEOUT_S = 10.0  # a request head must arrive in full within this
+BODY_TIMEOUT_S = 30.0  # a request body must arrive in full within this of its head
+KEEPALIVE_TIMEOUT_S = 30.0  # an idle kept-alive connection is closed after this
+MAX_BODY_BYTES_PER_CHAR = 8  # JSON escapes can inflate a prompt; the prompt limit is checked after parsing
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class Upstream(_Model):
@@ -90,11 +96,22 @@ class RouterConfig(_Model):
     eject_after_failures: int = Field(2, ge=1)  # consecutive connection/health failures that take an instance out
     probe_interval_s: float = Field(0.5, gt=0)  # how often each instance's /health is probed
     workers: int = Field(1, ge=1, le=64)  # router processes sharing the port (see workers.py)
+    # What a client may hold (connections.py). Past max_connections a new connection takes the place
+    # of the least recently active one that has no request in progress, or gets a 503.
+    max_connections: int = Field(MAX_CONNECTIONS, ge=1, le=1_000_000)
+    header_timeout_s: float = Field(HEADER_TIMEOUT_S, gt=0)  # from a connection's open, or a head's first byte
+    body_timeout_s: float = Field(BODY_TIMEOUT_S, gt=0)  # from the head's end to the body's
+    keepalive_timeout_s: float = Field(KEEPALIVE_TIMEOUT_S, gt=0)  # an idle connection between requests
     # A JSON file {"prefill": [...], "decode": [...]} read at start and again on SIGHUP (a path
     # relative to the config file's folder); or the instances inline:
     instances_file: str | None = None
     prefill: list[Upstream] = Field(default_factory=list)
     decode: list[Upstream] = Field(default_factory=list)
+
+    @property
+    def max_body_bytes(self) -> int:
+        """The largest request body taken: room for max_prompt_chars escaped, and the rest of the request."""
+        return self.max_prompt_chars * MAX_BODY_BYTES_PER_CHAR + (1 << 20)
 
     @model_validator(mode="before")
     @classmethod

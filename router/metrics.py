@@ -107,10 +107,20 @@ class RouterMetrics:
         self.prefix_record = Gauge("kvpush_router_prefix_record_blocks",
                                    "Entries (instance, prompt block) in the prefix-aware policy's record, by role.",
                                    ["role"], registry=r, multiprocess_mode="livesum")
+        self.refused_connections = Counter(
+            "kvpush_router_refused_connections",
+            "Client connections refused or cut to bound what clients hold, by reason: connection_cap (503: every "
+            "connection had a request in progress), evicted (an idle one closed to make room for a new one), silent "
+            "(sent nothing within header_timeout_s), header_timeout (a head not complete within it), body_timeout "
+            "(408), body_too_large (413 on a declared Content-Length, before reading), malformed_head (400: a head that "
+            "is not valid HTTP, a line over 8190 bytes or over 128 header fields).", ["reason"], registry=r)
+        self.client_connections = Gauge("kvpush_router_client_connections", "Client connections open.",
+                                        registry=r, multiprocess_mode="livesum")
         self.workers = Gauge("kvpush_router_worker_up", "1 per router process serving (one sample per worker's pid).",
                              registry=r, multiprocess_mode="liveall")
         self.workers.set(1)
         self._request_counts: dict[tuple[str, str], Counter] = {}
+        self._refusals: dict[str, Counter] = {}
 
     def request_done(self, endpoint: str, outcome: str) -> None:
         """Count one request; each label pair's child is looked up once (labels() takes a lock and
@@ -118,6 +128,12 @@ class RouterMetrics:
         child = self._request_counts.get((endpoint, outcome))
         if child is None:
             child = self._request_counts[(endpoint, outcome)] = self.requests.labels(endpoint, outcome)
+        child.inc()
+
+    def refused_connection(self, reason: str) -> None:
+        child = self._refusals.get(reason)
+        if child is None:
+            child = self._refusals[reason] = self.refused_connections.labels(reason)
         child.inc()
 
     def exposition(self) -> tuple[bytes, str]:

@@ -34,3 +34,19 @@ def test_a_config_with_the_retired_retry_count_is_refused_with_the_fix():
                                      "decode": [upstream("http://d:1").model_dump()]})
     problem = validation_problem(info.value)
     assert "remove max_retries" in problem and "retry_deadline_s" in problem
+
+
+def test_what_a_client_may_hold_has_defaults_and_refuses_numbers_that_are_not_finite():
+    from kvpush.router import config as cfg
+    from kvpush.router.config import RouterConfig
+
+    base = {"protocol": "kvpush", "served_model_name": "m", "decode": [upstream("http://d:1").model_dump()]}
+    config = RouterConfig.model_validate(base)
+    assert (config.max_connections, config.header_timeout_s, config.body_timeout_s, config.keepalive_timeout_s) == (
+        cfg.MAX_CONNECTIONS, cfg.HEADER_TIMEOUT_S, cfg.BODY_TIMEOUT_S, cfg.KEEPALIVE_TIMEOUT_S)
+    assert config.max_body_bytes == config.max_prompt_chars * cfg.MAX_BODY_BYTES_PER_CHAR + (1 << 20)
+    for field, value in (("header_timeout_s", 0), ("body_timeout_s", float("inf")), ("keepalive_timeout_s", float("nan")),
+                         ("max_connections", 0)):
+        with pytest.raises(ValidationError, match=field):
+            RouterConfig.model_validate({**base, field: value})
+    assert RouterConfig.model_validate_json(config.to_file_json()) == config
