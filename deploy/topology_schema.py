@@ -14,7 +14,8 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from kvpush.common.errors import UsageError
-from kvpush.router.config import LOAD_WEIGHT, PREFIX_WEIGHT, RETRY_DEADLINE_S, Policy
+from kvpush.router.config import (BODY_TIMEOUT_S, HEADER_TIMEOUT_S, KEEPALIVE_TIMEOUT_S, LOAD_WEIGHT, MAX_CONNECTIONS,
+                                  PREFIX_WEIGHT, RETRY_DEADLINE_S, Policy)
 
 from .host_address import HostAddress
 from . import topology_values as values
@@ -245,6 +246,17 @@ class RouterSpec(_Model):
         "request is tried on every other pair in rotation, then by decode alone, within this bound"))
     max_prompt_chars: IntNotBool = Field(4_000_000, ge=1, le=100_000_000, description="longest prompt accepted, in "
                                          "characters (a longer request is refused)")
+    max_connections: IntNotBool = Field(MAX_CONNECTIONS, ge=1, le=1_000_000, description=(
+        "client connections each router process holds at most (lowered to what its open-files limit allows); past "
+        "it a new one takes the place of the least recently active one without a request in progress, or gets "
+        "503 with Retry-After"))
+    header_timeout_s: float = Field(HEADER_TIMEOUT_S, gt=0, le=3600, description=(
+        "a client's request head must arrive in full within this of its connection's open (on a kept-alive "
+        "connection, of the head's first byte), else the connection is closed"))
+    body_timeout_s: float = Field(BODY_TIMEOUT_S, gt=0, le=3600, description=(
+        "a client's request body must arrive in full within this of its head, else 408 and the connection closes"))
+    keepalive_timeout_s: float = Field(KEEPALIVE_TIMEOUT_S, gt=0, le=3600, description=(
+        "an idle kept-alive client connection is closed after this"))
     cpu_cores: CoreList | None = Field(None, description="cores the router process runs on (taskset); may share an instance's")
     workers: IntNotBool = Field(1, ge=1, le=64, description="router processes sharing the port, each relaying its share of "
                                                     "the streams; give the router at least as many cpu_cores")

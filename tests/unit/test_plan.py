@@ -351,3 +351,17 @@ def test_a_fraction_of_a_gib_of_kv_cache_is_given_to_vllm_in_bytes():
     plan = build_plan(parse_topology(TWO_HOSTS.replace("kv_cache_gib: 1", "kv_cache_gib: 0.25") % "kvpush"))
     argv = plan.process("prefill-0").argv
     assert argv[argv.index("--kv-cache-memory-bytes") + 1] == str(256 * 1024 * 1024)
+
+
+def test_what_a_router_client_may_hold_reaches_the_router_config_and_a_bad_bound_is_refused_naming_it():
+    limits = "max_connections: 500, header_timeout_s: 4, body_timeout_s: 20, keepalive_timeout_s: 15"
+    text = (TWO_HOSTS % "kvpush").replace("router: {host: a, port: 9000}", f"router: {{host: a, port: 9000, {limits}}}")
+    config = RouterConfig.model_validate_json(build_plan(parse_topology(text)).host("a").files[0].content)
+    assert (config.max_connections, config.header_timeout_s, config.body_timeout_s, config.keepalive_timeout_s) == (
+        500, 4.0, 20.0, 15.0)
+    default = RouterConfig.model_validate_json(build_plan(parse_topology(TWO_HOSTS % "kvpush")).host("a").files[0].content)
+    assert default.header_timeout_s == RouterConfig.model_fields["header_timeout_s"].default
+    for bad in ("header_timeout_s: .inf", "body_timeout_s: 0", "max_connections: 0"):
+        text = (TWO_HOSTS % "kvpush").replace("router: {host: a, port: 9000}", f"router: {{host: a, port: 9000, {bad}}}")
+        with pytest.raises(UsageError, match=bad.split(":")[0]):
+            parse_topology(text)
