@@ -52,6 +52,7 @@ class Handshake:
     hello_digest: str = ""
     layout_digest: str = ""  # what D's proof says its LAYOUT hashes to
     layout_taken: bool = False  # its LAYOUT went to the transfer thread (once per connection)
+    proven_at: float = 0.0  # monotonic time D proved the key (or sent HELLO, unauthenticated)
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,7 @@ class Pairing:
     layout: wire.Layout
     peer: Peer
     plan: Plan
+    proven_at: float  # when D proved the key: admission's time runs from there (liveness.py's bound)
 
 
 class Admission:
@@ -96,6 +98,7 @@ class Admission:
         conn.auth_state = Handshake(hello)
         if not key:
             conn.trust()  # an unauthenticated side channel (tests, benchmarks): the LAYOUT may come
+            conn.auth_state.proven_at = time.monotonic()
             return
         if not hello.nonce:
             self.side_counts["failed_auth"] += 1
@@ -118,7 +121,7 @@ class Admission:
             self.warnings.warn("failed_auth", "kvpush: a side-channel peer at %s failed authentication as %s rank %d; dropped",
                                conn.peer, hello.engine_id, hello.tp_rank)
             return
-        state.layout_digest = msg.layout_digest
+        state.layout_digest, state.proven_at = msg.layout_digest, time.monotonic()
         conn.trust()
 
     def take_layout(self, conn: Connection) -> Handshake | None:
@@ -157,7 +160,7 @@ class Admission:
             self._count("refused_handshake")
             self._refuse(conn, hello, reason, "refused_handshake")
             return None
-        return Pairing(hello, layout, peer, plan)
+        return Pairing(hello, layout, peer, plan, state.proven_at)
 
     # ---- either ------------------------------------------------------------------------------------
     def _refuse(self, conn: Connection, hello: wire.Hello, reason: str, kind: str) -> None:

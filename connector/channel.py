@@ -171,7 +171,7 @@ class Reactor:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
-        sock.listen(64)
+        sock.listen(MAX_CONNECTIONS)  # a flood that fills the accept queue would make a real decode's SYN wait 1 s
         sock.setblocking(False)
         self._listener = sock
         self.call_soon(lambda: self._sel.register(sock, selectors.EVENT_READ, "listen"))

@@ -50,7 +50,9 @@ class ConsumerConfig:
     identity: LayoutIdentity
     allowed_engines: frozenset[str]
     timeout_s: float = 5.0
-    connect_timeout_s: float = 1.0
+    # a prefill's kernel answers a SYN at once however busy the prefill is, but a SYN lost to a full
+    # accept queue is sent again only after 1 s: a 1 s bound would fail transfers for that alone
+    connect_timeout_s: float = 5.0
     peer_silence_s: float = DEFAULT_SILENCE_S  # a P waited on that answers no ping this long is gone
     admission_timeout_s: float = DEFAULT_ADMISSION_S  # a P that proved its key must admit D within this (liveness.py)
     accepted_timeout_s: float = 300.0  # a P that accepted a transfer and then sent nothing this long

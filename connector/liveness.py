@@ -6,9 +6,18 @@ transfer has no deadline of its own. So while D has transfers pending on a P, it
 every `interval_s`; P's reactor thread answers at once, whatever its compute thread is doing. Any
 message from P counts as an answer. A P that has left a ping unanswered for `silence_s` is gone.
 
+P's reactor thread does nothing else (no NIXL call, no lock the engine holds), so how long a PING
+waits is how long P's process waits for a core and its GIL, not how long its engine's step is.
+Measured on a 2-core host with prefill computing at full load and two busy loops beside it
+(benchmarks/results/side-channel-pong-saturated-2026-12-05): the slowest PONG of every run took
+well under a tenth of a second. DEFAULT_SILENCE_S is a multiple of that large enough for a garbage
+collection pause or a descheduled decode on top; the price is that a prefill that really hangs
+fails its transfers that much later (one that dies closes the connection and fails them at once).
+
 A P admits a decode rank (WELCOME) only after making it a NIXL peer, which under CPU contention
-took over a second; until then nothing from it can be expected, so a P that has proven its key but
-not yet admitted D is not pinged, and has `admission_s` to do so instead.
+took over a second (measured again on the saturated host: at most a fraction of a second); until
+then nothing from it can be expected, so a P that has proven its key but not yet admitted D is not
+pinged, and has `admission_s` to do so instead.
 Pure logic, driven by the consumer's reactor thread.
 """
 from __future__ import annotations
@@ -17,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 DEFAULT_PING_INTERVAL_S = 0.2
-DEFAULT_SILENCE_S = 1.0
+DEFAULT_SILENCE_S = 5.0
 DEFAULT_ADMISSION_S = 10.0
 
 

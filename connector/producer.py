@@ -407,5 +407,6 @@ class Producer:
         if old is not None:
             self._reactor.close(old, "replaced by a new connection")
         conn.send(wire.Welcome(self.config.engine_id))
-        log.info("kvpush: handshake with decode engine %s rank %d (%s) done: %d segment(s) per block run",
-                 hello.engine_id, hello.tp_rank, conn.peer, len(pairing.plan.segments))
+        log.info("kvpush: handshake with decode engine %s rank %d (%s) done %.3f s after its proof: %d segment(s) per "
+                 "block run", hello.engine_id, hello.tp_rank, conn.peer, time.monotonic() - pairing.proven_at,
+                 len(pairing.plan.segments))

@@ -20,6 +20,7 @@ import psutil
 import pytest
 from tokenizers import Tokenizer
 
+from kvpush.connector.liveness import DEFAULT_SILENCE_S
 from kvpush.deploy.runners.local import LocalRunner
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -229,9 +230,9 @@ def test_kv_usage_returns_to_zero(cluster, sequential_run):
 
 
 def test_a_stalled_prefill_fails_decode_fast_and_its_blocks_come_back_after_the_hold(cluster, pool):
-    """Prefill stopped (SIGSTOP) with requests in flight: decode gives up on it within ~1 s (its
-    pings go unanswered) and fails those requests, but keeps their blocks from reuse, since a
-    prefill that resumes may finish a copy it had begun. With prefill stopped for good neither its
+    """Prefill stopped (SIGSTOP) with requests in flight: decode gives up on it within
+    peer_silence_s (its pings go unanswered) and fails those requests, but keeps their blocks from
+    reuse, since a prefill that resumes may finish a copy it had begun. With prefill stopped for good neither its
     word nor its death comes, so the backstop (late_write_hold_s) drops its connection and lets
     the blocks go; once it resumes, its own are freed too and decode reconnects."""
     c = cluster
@@ -243,7 +244,7 @@ def test_a_stalled_prefill_fails_decode_fast_and_its_blocks_come_back_after_the_
     stopped = time.monotonic()
     try:
         held = []
-        while time.monotonic() < stopped + 10 and not held:
+        while time.monotonic() < stopped + DEFAULT_SILENCE_S + 10 and not held:
             held = grep_log(c["decode"], "kvpush: holding the .* blocks of transfer")
             time.sleep(0.1)
         assert held, "decode held back no blocks: the stop hit nothing in flight"
@@ -257,7 +258,7 @@ def test_a_stalled_prefill_fails_decode_fast_and_its_blocks_come_back_after_the_
     results = [f.result(timeout=60) for f in futures]
     failed = [r for r in results if r.decode_status != 200]
     # Seconds (unanswered pings), where an accepted transfer would otherwise wait minutes.
-    assert failed and max(r.decode_done_at - stopped for r in failed) < 5.0
+    assert failed and max(r.decode_done_at - stopped for r in failed) < DEFAULT_SILENCE_S + 5.0
     assert wait_kv_usage_zero(c["prefill"]) == 0
     after = push_request(c["prefill"].url, c["decode"].url, c["plan"], completion_body(prompts[0], MAX_TOKENS), pool)
     assert after.decode_status == 200  # decode reconnects to the resumed prefill

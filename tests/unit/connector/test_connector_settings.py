@@ -37,6 +37,18 @@ def test_settings_from_config():
         Settings.from_vllm(vllm_config(extra={"secret_file": ""}))
 
 
+def test_decode_gives_a_silent_prefill_seconds_not_one():
+    """A saturated host answered every ping within 0.22 s (liveness.py); a 1 s bound had failed a
+    busy prefill's transfers."""
+    from kvpush.connector.consumer import ConsumerConfig
+    from kvpush.connector.liveness import DEFAULT_ADMISSION_S, DEFAULT_SILENCE_S
+
+    assert Settings.from_vllm(vllm_config()).peer_silence_s == DEFAULT_SILENCE_S >= 5.0
+    assert DEFAULT_ADMISSION_S >= 10.0
+    assert Settings.from_vllm(vllm_config(extra={"peer_silence_s": 2})).peer_silence_s == 2.0
+    assert ConsumerConfig("D", 0, None, frozenset()).connect_timeout_s >= 5.0  # a lost SYN comes again after 1 s
+
+
 def test_huge_pages_default_on_and_switchable_with_a_boolean_only():
     assert Settings.from_vllm(vllm_config()).huge_pages is True
     assert Settings.from_vllm(vllm_config(extra={"huge_pages": False})).huge_pages is False
