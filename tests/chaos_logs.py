@@ -9,7 +9,9 @@ import shutil
 from collections import defaultdict
 from pathlib import Path
 
-SILENCE = "no answer on the side channel"  # decode's words for a prefill it judged dead or hung
+# decode's words for a prefill it judged dead or hung from its silence ("no answer for 1 s", "no
+# answer on the side channel for 1 s")
+SILENCE = re.compile(r"no answer (?:on the side channel )?for")
 TRANSFER_FAILED = re.compile(r"kvpush: (?:\d+ )?transfer")
 
 
@@ -60,7 +62,7 @@ def silence_failures(logs: list[Path]) -> int:
     total = 0
     for lines in transfer_failures(logs).values():
         for line in lines:
-            if SILENCE in line:
+            if SILENCE.search(line):
                 m = re.search(r"kvpush: (\d+) transfer\(s\)", line)
                 total += int(m.group(1)) if m else 1
     return total

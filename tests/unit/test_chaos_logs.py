@@ -12,7 +12,8 @@ pytestmark = pytest.mark.unit
 DECODE_LOG = """INFO cmpl-chaos1-2p2d-000007-0a1b-0 added
 WARNING kvpush: 3 transfer(s) from chaos-2p2d.prefill-1 failed: side channel to prefill prefill-1 lost (no answer on the side channel for 1 s; prefill is dead or hung)
 WARNING kvpush: transfer t1 (request cmpl-chaos1-2p2d-000012-ff-0) failed: no KV within 30 s
-WARNING kvpush: 1 transfer(s) from chaos-2p2d.prefill-0 failed: side channel to prefill prefill-0 lost (no answer on the side channel for 1 s; prefill is dead or hung)
+WARNING kvpush: 1 transfer(s) from chaos-2p2d.prefill-0 failed: side channel to prefill prefill-0 rank 0: no answer for 1 s; prefill is dead or hung
+WARNING kvpush: 2 transfer(s) from chaos-2p2d.prefill-0 failed: side channel to prefill prefill-0 rank 0 lost (connection error: [Errno 104] Connection reset by peer)
 """
 
 
@@ -32,4 +33,4 @@ def test_transfers_failed_for_silence_are_counted_by_the_number_each_line_gives(
     (tmp_path / "decode-1.log").write_text("INFO nothing failed\n")
     logs = [tmp_path / "decode-0.log.gz", tmp_path / "decode-1.log"]
     assert silence_failures(logs) == 4
-    assert list(transfer_failures(logs)) == ["decode-0.log.gz"] and len(transfer_failures(logs)["decode-0.log.gz"]) == 3
+    assert list(transfer_failures(logs)) == ["decode-0.log.gz"] and len(transfer_failures(logs)["decode-0.log.gz"]) == 4
