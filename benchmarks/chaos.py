@@ -9,7 +9,7 @@ server's answer to the same prompt.
 
 Per topology DIR/<topology>/ gets requests.jsonl.gz (one row per request: streamed or not, prompt
 length, status, latency, whether it equals the reference, the faults under way), faults.jsonl,
-topology.yaml (the deployment, for `kvpush up`), evidence.json (log lines naming each failed or
+topology.yaml (the deployment, for `kvpush up`), evidence.json.gz (log lines naming each failed or
 wrong request; decode's lines about failed transfers) and logs/ (every process's log, and each
 killed process's log, compressed). DIR/summary.md and summary.json hold the tables.
 
@@ -154,8 +154,8 @@ def write_outcome(outcome: ChaosOutcome, folder: Path, logs: list[Path], extra: 
     (folder / "faults.jsonl").write_text("".join(json.dumps(f) + "\n" for f in faults))
     bad = {r["request_id"] for r in requests if not r["answered"] or r["matches_reference"] is False}
     decode_logs = [p for p in logs if p.name.startswith("decode")]
-    (folder / "evidence.json").write_text(json.dumps({
-        "requests": evidence(bad, logs), "decode_transfer_failures": transfer_failures(decode_logs)}, indent=1))
+    with gzip.open(folder / "evidence.json.gz", "wt") as f:
+        json.dump({"requests": evidence(bad, logs), "decode_transfer_failures": transfer_failures(decode_logs)}, f, indent=1)
     summary = {**summarize(outcome.topology, requests, faults), **extra, "error": outcome.error,
                "silence_failures_in_decode_logs": silence_failures(decode_logs)}
     (folder / "summary.json").write_text(json.dumps(summary, indent=1))
