@@ -25,6 +25,7 @@ import argparse
 import gzip
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -220,22 +221,34 @@ def main(argv: list[str]) -> int:
             held["set"] = reference_answers(args, deployment, workdir)
         return held["set"]
 
-    summaries = []
-    for shape in args.shapes:
-        summaries.append(run_topology(args, shape, workdir, prompts_for))
-        (args.out / "summary.json").write_text(json.dumps(summaries, indent=1))
-    rows = []
-    for shape in args.shapes:
-        with gzip.open(args.out / shape / "requests.jsonl.gz", "rt") as f:
-            requests = [json.loads(line) for line in f]
-        faults = [json.loads(line) for line in (args.out / shape / "faults.jsonl").read_text().splitlines()]
-        rows += failure_causes(requests, faults)
-    text = (f"{summary_table(summaries)}\n\nFailed or wrong requests by the fault under way and what the client got:\n\n"
-            f"{causes_table(rows)}\n")
-    (args.out / "summary.md").write_text(text)
-    print(text)
-    return 0 if all(s["error"] is None for s in summaries) else 1
+    made = args.workdir is None
+    try:
+        errors = [run_topology(args, shape, workdir, prompts_for)["error"] for shape in args.shapes]
+    finally:
+        if made:
+            shutil.rmtree(workdir, ignore_errors=True)
+    print(write_tables(args.out))
+    return 0 if all(e is None for e in errors) else 1
 
+
+def write_tables(out: Path) -> str:
+    """DIR/summary.md and summary.json from every topology folder in DIR (so runs of one topology
+    at a time into the same DIR make one table)."""
+    summaries, causes = [], []
+    for shape in SHAPES:
+        folder = out / shape
+        if not (folder / "summary.json").exists():
+            continue
+        summaries.append(json.loads((folder / "summary.json").read_text()))
+        with gzip.open(folder / "requests.jsonl.gz", "rt") as f:
+            requests = [json.loads(line) for line in f]
+        faults = [json.loads(line) for line in (folder / "faults.jsonl").read_text().splitlines()]
+        causes += failure_causes(requests, faults)
+    (out / "summary.json").write_text(json.dumps(summaries, indent=1))
+    text = (f"{summary_table(summaries)}\n\nFailed or wrong requests by the fault under way and what the client got:\n\n"
+            f"{causes_table(causes)}\n")
+    (out / "summary.md").write_text(text)
+    return text
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -61,11 +61,25 @@ def summarize(topology: str, requests: list[dict], faults: list[dict]) -> dict:
     }
 
 
+COUNTS = ("requests", "streamed", "answered", "answered_streamed", "wrong", "failed_with_peer", "failed_without_peer",
+          "cut_by_killed_decode", "failed_streamed", "slow", "stops", "kills")
+
+
+def total(summaries: list[dict]) -> dict:
+    """The topologies together: counts added, the slowest request and the `up` range over all."""
+    ups = [s[k] for s in summaries for k in ("up_min_s", "up_max_s") if s[k] is not None]
+    latencies = [s["latency_max_s"] for s in summaries if s["latency_max_s"] is not None]
+    return {"topology": "all", **{k: sum(s[k] for s in summaries) for k in COUNTS}, "latency_p50_s": None,
+            "latency_p99_s": None, "latency_max_s": max(latencies, default=None),
+            "up_min_s": min(ups, default=None), "up_max_s": max(ups, default=None)}
+
+
 def _cells(s: dict) -> dict[str, str]:
     return {
         "topology": s["topology"], "requests": f"{s['requests']:,} ({s['streamed']:,})", "answered": f"{s['answered']:,}",
-        "wrong": str(s["wrong"]), "failed_with_peer": str(s["failed_with_peer"]),
-        "failed_without_peer": str(s["failed_without_peer"]), "cut": str(s["cut_by_killed_decode"]), "slow": str(s["slow"]),
+        "wrong": f"{s['wrong']:,}", "failed_with_peer": f"{s['failed_with_peer']:,}",
+        "failed_without_peer": f"{s['failed_without_peer']:,}", "cut": f"{s['cut_by_killed_decode']:,}",
+        "slow": f"{s['slow']:,}",
         "latency": " / ".join("-" if s[k] is None else f"{s[k]:.2f}" for k in ("latency_p50_s", "latency_p99_s", "latency_max_s")),
         "faults": f"{s['stops']} / {s['kills']}",
         "up_s": "-" if s["up_min_s"] is None else f"{s['up_min_s']:.1f}-{s['up_max_s']:.1f}",
@@ -73,9 +87,9 @@ def _cells(s: dict) -> dict[str, str]:
 
 
 def summary_table(summaries: list[dict]) -> str:
-    """A markdown table, one row per topology."""
+    """A markdown table, one row per topology (and one for all of them, when there are several)."""
     head = [title for _, title in SUMMARY_COLUMNS]
-    rows = [[_cells(s)[key] for key, _ in SUMMARY_COLUMNS] for s in summaries]
+    rows = [[_cells(s)[key] for key, _ in SUMMARY_COLUMNS] for s in summaries + ([total(summaries)] if len(summaries) > 1 else [])]
     return "\n".join("| " + " | ".join(row) + " |" for row in [head, ["---"] * len(head), *rows])
 
 

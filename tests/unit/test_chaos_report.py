@@ -39,12 +39,13 @@ def test_a_stream_cut_after_its_first_token_while_a_decode_was_killed_counts_apa
     assert (s["cut_by_killed_decode"], s["failed_with_peer"], s["failed_without_peer"]) == (1, 3, 0)
 
 
-def test_the_summary_table_has_a_row_per_topology_under_its_header():
+def test_the_summary_table_has_a_row_per_topology_and_one_for_all_under_its_header():
     table = summary_table([summarize("1p1d", [request(topology="1p1d")], []), summarize("2p2d", [request()], FAULTS)])
     lines = table.splitlines()
-    assert len(lines) == 4 and lines[0].startswith("| topology |") and lines[1].startswith("| --- |")
+    assert len(lines) == 5 and lines[0].startswith("| topology |") and lines[1].startswith("| --- |")
     assert lines[2].startswith("| 1p1d | 1 (0) | 1 | 0 | 0 | 0 | 0 | 0 | 1.00 / 1.00 / 1.00 | 0 / 0 | - |")
     assert "| 1 / 2 | 22.0-31.5 |" in lines[3]
+    assert lines[4].startswith("| all | 2 (0) | 2 | 0 | 0 | 0 | 0 | 0 | - / - / 1.00 | 1 / 2 | 22.0-31.5 |")
 
 
 def test_failures_group_by_fault_and_what_the_client_got_without_the_ids_and_numbers_that_differ():
