@@ -50,7 +50,7 @@ class SendRecord:
     num_bytes: int
     offered: float  # prefill step end (monotonic)
     registered: float  # D's registration arrival
-    posted: float  # WRITE started (after NIXL's post returned)
+    posted: float  # WRITE started (NIXL's post called)
     finished: float
     reason: str = ""
     num_descriptors: int = 0
@@ -187,12 +187,14 @@ class Pushes:
         try:
             if write is None:
                 write = self.engine.prepare_write(peer, match.src_blocks, match.dst_blocks)
+            # from the post call on: over CUDA IPC the post can return with most of the copy done (2 GiB
+            # pushes inside vLLM ended 0.35 ms after it returned, a third of a device copy of 2 GiB)
+            posted = time.monotonic()
             self.engine.post(write, engine_id)
         except TransferError as exc:
             with self._lock:
                 self.finish(match, conn, now, time.monotonic(), False, str(exc))
             return None
-        posted = time.monotonic()
         log.debug("kvpush P post %s bytes=%d descs=%d ahead=%s wait=%.6f t=%.6f", match.offer.transfer_id,
                   write.num_bytes, write.num_descriptors, ahead, match.wait_s, now)
         return InFlight(match, [write], conn, posted, ahead, num_bytes=write.num_bytes,
