@@ -15,60 +15,20 @@ import psutil
 import pytest
 
 from kvpush.router.config import RouterConfig, Upstream
+from router_process_harness import FAKE, fake_instances, wait_http
+from router_process_harness import config_file as shared_config_file
 
-FAKE = """
-import asyncio, signal, sys
-from kvpush.router.fake_upstream import FakeVllm
-async def main():
-    fake = FakeVllm(model="tiny")
-    await fake.start("127.0.0.1", int(sys.argv[1]))
-    stop = asyncio.Event()
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-    await stop.wait()
-    await fake.stop()
-asyncio.run(main())
-"""
 PORTS = {"decode": 18500, "prefill": 18501, "router": 18502, "decode-1": 18503}
-
-
-def wait_http(url: str, proc: subprocess.Popen, timeout_s: float = 20) -> int:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.stderr.read() if proc.stderr else proc.returncode
-        try:
-            with urllib.request.urlopen(url, timeout=1) as r:
-                return r.status
-        except urllib.error.HTTPError as exc:
-            return exc.code
-        except (urllib.error.URLError, ConnectionError, TimeoutError):  # a worker still starting: not answering yet
-            time.sleep(0.1)
-    raise AssertionError(f"{url} never answered")
 
 
 @pytest.fixture
 def fakes():
-    procs = [subprocess.Popen([sys.executable, "-c", FAKE, str(PORTS[role])]) for role in ("decode", "prefill")]
-    try:
-        for role, proc in zip(("decode", "prefill"), procs):
-            wait_http(f"http://127.0.0.1:{PORTS[role]}/health", proc)
+    with fake_instances(PORTS):
         yield
-    finally:
-        for proc in procs:
-            proc.send_signal(signal.SIGTERM)
-        for proc in procs:
-            proc.wait(timeout=10)
 
 
 def config_file(tmp_path: Path, **overrides) -> Path:
-    def up(role: str) -> Upstream:
-        return Upstream(name=f"{role}-0", url=f"http://127.0.0.1:{PORTS[role]}", engine_id=f"t.{role}-0",
-                        side_channel_host="127.0.0.1", side_channel_port=PORTS[role] + 100)
-
-    config = RouterConfig(protocol="kvpush", served_model_name="tiny", port=PORTS["router"],
-                          prefill=[up("prefill")], decode=[up("decode")], **overrides)
-    path = tmp_path / "router.json"
-    path.write_text(config.model_dump_json(indent=2))
-    return path
+    return shared_config_file(tmp_path, PORTS, **overrides)
 
 
 def test_router_process_serves_and_stops_cleanly_on_sigterm(fakes, tmp_path):
