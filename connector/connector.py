@@ -122,12 +122,17 @@ class KVPushConnector(KVConnectorBase_V1):
     # ---- worker side ---------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         assert self._worker is not None
+        if self._cross_layer_blocks:  # asked for cross-layer blocks (before vLLM 0.29) and got per-layer tensors
+            log.warning("kvpush: vLLM allocated one KV tensor per layer, not the cross-layer cache asked for (vLLM's V2 model "
+                        "runner, its default for many models, has none; VLLM_USE_V2_MODEL_RUNNER=0 selects the V1 runner, "
+                        "which has it): a push takes a descriptor per layer per run of blocks")
         self._worker.register_kv_caches(kv_caches)
 
     def register_cross_layers_kv_cache(self, kv_cache: Any, attn_backend: Any) -> None:
         """vLLM before 0.29, where prefer_cross_layer_blocks made it allocate one tensor for all layers."""
         log.info("kvpush: vLLM allocated a cross-layer KV cache of shape %s", tuple(kv_cache.shape))
-        self.register_kv_caches(vllm_compat.cross_layer_views(kv_cache, attn_backend, self._kv_cache_config))
+        assert self._worker is not None
+        self._worker.register_kv_caches(vllm_compat.cross_layer_views(kv_cache, attn_backend, self._kv_cache_config))
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)

@@ -8,6 +8,7 @@ releases, each with the release that brought it:
 |---|---|---|
 | 0.27 | `requires_kv_delivery` property | has it too; older releases never read it |
 | 0.29 | block-outermost KV cache layouts (`BLHNC`, ...) asked for by `get_required_kvcache_layout`; `prefer_cross_layer_blocks` / `register_cross_layers_kv_cache` gone | asks for cross-layer blocks (`cross_layer_blocks`): one tensor whose blocks hold every layer (NHD inside), the same one descriptor per run of blocks; vLLM passes that tensor to `register_cross_layers_kv_cache`, which the connector turns back into per-layer views (`cross_layer_views`) |
+| (0.25) | the V2 model runner (vLLM 0.25's default for Llama and others) allocates no cross-layer cache, whatever the connector prefers | gets per-layer tensors: a descriptor per layer per run of blocks (32 for Llama-3.1-8B), logged; `VLLM_USE_V2_MODEL_RUNNER=0` selects the V1 runner, which allocates the cross-layer cache (not run on a GPU yet) |
 | 0.30 | `bind_kv_cache_manager` (the scheduler's KVCacheManager) | gets only `bind_gpu_block_pool`: `ScheduledBlocks` answers a request's block ids from the scheduler's outputs and evicts through the block pool |
 | 0.30 | `get_transfer_results`, `finish_forward` | nothing: their defaults wrap `get_finished` / do nothing |
 | 0.32 | `CacheHitSource` (`vllm.v1.metrics.cache_hit_source`, the `prompt_tokens_by_source` label of external hits), `get_loaded_kv_cache_group_ids` | labels no hit source; the method is never called |
