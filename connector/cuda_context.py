@@ -1,12 +1,14 @@
 """The calling thread's CUDA context, for NIXL calls made on threads CUDA has not seen.
 
-UCX decides whether it can reach a peer's GPU memory through CUDA IPC when it unpacks the peer's
-memory keys (NIXL's add_remote_agent). Where the peer's key names no device, UCX asks the
-calling thread's current CUDA context; a thread that never made a CUDA call has none, UCX takes
-the memory as unreachable by CUDA IPC for good, and every WRITE into it then goes through its
-software emulation over TCP (hundreds of MB/s instead of hundreds of GB/s). The connector makes
-peers on its own threads, so it binds the device's primary context (the one PyTorch and vLLM
-use) to such a thread first. Through libcuda directly: no torch import on these threads.
+UCX's CUDA IPC transport decides whether it can reach a peer's GPU memory when it unpacks the
+peer's memory keys (NIXL's add_remote_agent); UCX releases whose key names no device ask the
+calling thread's current CUDA context there, and a thread that never made a CUDA call has none:
+such a UCX takes the memory as out of CUDA IPC's reach and moves every WRITE into it through its
+software emulation over TCP. The connector makes peers and WRITEs on threads of its own, so it
+binds the device's primary context (the one PyTorch and vLLM use) to such a thread first, through
+libcuda directly (no torch import on these threads). The UCX inside nixl-cu13 1.5.1 did not need
+it on an H200 (benchmarks/gpu_nixl_context.py: WRITEs from a context-less thread went over CUDA
+IPC); it is a safeguard for UCX builds that do.
 """
 from __future__ import annotations
 
