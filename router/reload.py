@@ -31,7 +31,7 @@ class InstanceListReloader:
         self._read_timeout_s = read_timeout_s
         self._task: asyncio.Task | None = None
         self._again = False
-        self._reader: threading.Thread | None = None  # the last read's thread; alive while it hangs
+        self.reading = False  # a read's thread has not handed its result back (it may hang)
         self._reader_since = 0.0
 
     def request(self) -> asyncio.Task | None:
@@ -56,7 +56,7 @@ class InstanceListReloader:
 
     async def _read(self, path: str) -> tuple[InstanceList, str] | None:
         """The list and its digest, both worked out on a thread of their own; None if it failed (logged)."""
-        if self._reader is not None and self._reader.is_alive():
+        if self.reading:
             log.error("router instances file %s: the read started %.0f s ago has not returned; not reading it again "
                       "until it does; still serving the instance list it had", path, time.monotonic() - self._reader_since)
             return None
@@ -64,6 +64,7 @@ class InstanceListReloader:
         done: asyncio.Future[tuple[InstanceList, str]] = loop.create_future()
 
         def settle(result: tuple[InstanceList, str] | None, error: BaseException | None) -> None:
+            self.reading = False
             if done.done():  # given up on already
                 return
             if error is not None:
@@ -83,9 +84,9 @@ class InstanceListReloader:
                 pass
 
         # a daemon thread, not an executor's: a read that never returns must not hold up the exit
-        self._reader = threading.Thread(target=read, name="kvpush-router-reload", daemon=True)
+        self.reading = True
         self._reader_since = time.monotonic()
-        self._reader.start()
+        threading.Thread(target=read, name="kvpush-router-reload", daemon=True).start()
         try:
             return await asyncio.wait_for(done, self._read_timeout_s)
         except asyncio.TimeoutError:

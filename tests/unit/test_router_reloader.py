@@ -75,7 +75,7 @@ def test_a_read_that_hangs_is_given_up_while_requests_are_served_and_not_started
             assert dep.router.rotation.digest == before
             digest = write_list(path, dep, decodes=2)
             hanging.release.set()
-            await eventually(lambda: not dep.router.reloader._reader.is_alive())
+            await eventually(lambda: not dep.router.reloader.reading)
             await dep.router.reload()  # the hung read's late result was dropped; this one is taken
             assert hanging.calls == 2 and dep.router.rotation.digest == digest
 
