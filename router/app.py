@@ -267,7 +267,7 @@ async def start_site(app: web.Application, host: str, port: int,
     through the router's guard (connections.py); handler cancellation on so a client that leaves
     cancels both legs."""
     router = app[ROUTER_KEY]
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, logger=router.guard.server_log,
                            keepalive_timeout=router.config.keepalive_timeout_s, lingering_time=LINGER_S)
     await runner.setup()
     sock = listen_socket if listen_socket is not None else listening_socket(host, port)

@@ -137,7 +137,7 @@ class ConnectionGuard:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sweeper: asyncio.TimerHandle | None = None
         self._sweep_s = min(SWEEP_S, config.header_timeout_s / 4)
-        self._malformed_heads = MalformedHeads(metrics)
+        self.server_log = ServerLog(metrics)  # aiohttp's server logs through it (app.start_site)
         body = json.dumps(error_payload(503, f"the router holds its limit of {self.cap} client connections, each "
                                              "with a request in progress; retry shortly")).encode()
         self._full_answer = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
@@ -149,10 +149,8 @@ class ConnectionGuard:
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._sweeper = self._loop.call_later(self._sweep_s, self._sweep)
-        logging.getLogger("aiohttp.server").addFilter(self._malformed_heads)
 
     def stop(self) -> None:
-        logging.getLogger("aiohttp.server").removeFilter(self._malformed_heads)
         if self._sweeper is not None:
             self._sweeper.cancel()
             self._sweeper = None
@@ -249,31 +247,39 @@ class ConnectionGuard:
                                        "(from max_prompt_chars)") from None
 
 
-class MalformedHeads(logging.Filter):
-    """On aiohttp's server log: each head its parser refused is counted; one line says how many
-    (and the latest) at most every MALFORMED_LOG_EVERY_S, without a traceback."""
+class ServerLog:
+    """The logger aiohttp's server is given (AppRunner's `logger`): a head its parser refused is
+    counted, and said in one line (how many, the latest) at most every MALFORMED_LOG_EVERY_S,
+    without a traceback; everything else goes to aiohttp's own logger as it would."""
 
-    def __init__(self, metrics: RouterMetrics):
-        super().__init__()
+    def __init__(self, metrics: RouterMetrics, logger: logging.Logger = logging.getLogger("aiohttp.server")):
         self.metrics = metrics
+        self.logger = logger
         self.unlogged = 0
         self.logged_at = float("-inf")
 
-    def filter(self, record: logging.LogRecord) -> bool:
-        exc = record.exc_info[1] if record.exc_info else None
+    def exception(self, msg: str, *args, exc_info=None, **kwargs) -> None:
+        if not self._malformed_head(args, exc_info):
+            self.logger.exception(msg, *args, exc_info=exc_info, **kwargs)
+
+    def debug(self, msg: str, *args, exc_info=None, **kwargs) -> None:
+        if not self._malformed_head(args, exc_info):  # aiohttp says a first line that is not HTTP at debug level
+            self.logger.debug(msg, *args, exc_info=exc_info, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self.logger, name)
+
+    def _malformed_head(self, args: tuple, exc: object) -> bool:
         if not isinstance(exc, HttpProcessingError):
-            return True
+            return False
         self.metrics.refused_connection(MALFORMED_HEAD)
         self.unlogged += 1
         now = time.monotonic()
-        if now - self.logged_at < MALFORMED_LOG_EVERY_S:
-            return False
-        client = record.args[0] if isinstance(record.args, tuple) and record.args else "?"
-        record.msg = "refused %d request head(s) that are not valid HTTP (400) since the last such line; latest from %s: %s"
-        record.args = (self.unlogged, client, str(exc).replace("\n", " ")[:200])
-        record.exc_info, record.exc_text = None, None
-        record.levelno, record.levelname = logging.WARNING, "WARNING"
-        self.unlogged, self.logged_at = 0, now
+        if now - self.logged_at >= MALFORMED_LOG_EVERY_S:
+            self.logger.warning("refused %d request head(s) that are not valid HTTP (400) since the last such line; "
+                                "latest from %s: %s", self.unlogged, args[0] if args else "?",
+                                str(exc).replace("\n", " ")[:200])
+            self.unlogged, self.logged_at = 0, now
         return True
 
 
