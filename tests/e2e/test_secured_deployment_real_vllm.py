@@ -1,6 +1,8 @@
 """Real vLLM 1P1D on CPU over two SSH hosts with the router's API key set: `up` and its proof carry
-the keys, clients without the router's key and everyone without the instances' key are refused,
-and the bench's client (vLLM's `vllm bench serve`) sends the key. One deployment.
+the keys, clients without the router's key and everyone without the instances' key are refused on
+every path but /health and /metrics (/invocations included, which vLLM's own check leaves open),
+counted and logged, while the router's traffic goes on, and the bench's client (vLLM's `vllm bench
+serve`) sends the key. One deployment.
 
 Heavy (two vLLM servers): run under `flock /tmp/kvpush-heavy.lock`.
 """
@@ -11,9 +13,11 @@ import os
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 from kvpush.common import deployment_secret as ds
+from kvpush.common.vllm_metrics import metric_sum
 from kvpush.deploy.bench.client import BenchClient, LoadSpec
 from kvpush.deploy.bench.results import parse_client_result
 from kvpush.deploy.hosts import connected
@@ -49,6 +53,52 @@ def _argvs_holding(needles: list[str]) -> list[str]:
         if any(n in text for n in needles):
             found.append(text[:200])
     return found
+
+
+# vLLM's own --api-key check leaves all but /invocations of these unguarded (it checks /v1, /v2,
+# /inference, /cohere only); /invocations generates (upstream issue #58144).
+UNGUARDED_BY_VLLM = [("POST", "/invocations"), ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/pooling"),
+                     ("POST", "/classify"), ("POST", "/score"), ("POST", "/rerank"), ("GET", "/version"), ("GET", "/ping"),
+                     ("GET", "/load"), ("GET", "/docs"), ("GET", "/openapi.json"), ("GET", "/server_info"),
+                     ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
+                     ("GET", "/metrics/anything"), ("GET", "//health")]
+REFUSED = "vllm:kvpush_refused_requests_total"
+
+
+def _refused_count(runner, base_url: str) -> float:
+    page = runner.http("GET", base_url + "/metrics", timeout=60)  # open: no key needed
+    assert page.status == 200
+    return metric_sum(page.body.decode(errors="replace"), REFUSED) or 0.0
+
+
+def _every_path_needs_the_instance_key(runner, base_url: str, keys: AccessKeys, body: bytes) -> None:
+    """Each path refused without the key (401, counted), /health and /metrics open, and with the key
+    /invocations generates and /tokenize answers."""
+    before = _refused_count(runner, base_url)
+    statuses = {path: runner.http(method, base_url + path, body if method == "POST" else None, timeout=120).status
+                for method, path in UNGUARDED_BY_VLLM}
+    assert set(statuses.values()) == {401}, statuses
+    wrong = runner.http("POST", base_url + "/invocations", body, timeout=120, headers={"Authorization": f"Bearer {CLIENT_KEY}"})
+    assert wrong.status == 401
+    assert _refused_count(runner, base_url) == before + len(UNGUARDED_BY_VLLM) + 1
+    assert runner.http("GET", base_url + "/health", timeout=60).status == 200
+    invoked = runner.http("POST", base_url + "/invocations", body, timeout=120, headers=keys.headers("decode"))
+    assert invoked.status == 200 and json.loads(invoked.body)["choices"][0]["text"], invoked.body[:300]
+    tokenized = runner.http("POST", base_url + "/tokenize", json.dumps({"model": "tiny", "prompt": "one two"}).encode(),
+                            timeout=120, headers=keys.headers("decode"))
+    assert tokenized.status == 200 and json.loads(tokenized.body)["tokens"]
+
+
+def _listening(marker: str) -> list[tuple[str, str, int]]:
+    """(process name, address, port) of every listening TCP socket of the deployment's vLLM processes."""
+    found = set()
+    for proc in processes_under(marker):
+        try:
+            found |= {(proc.name(), c.laddr.ip, c.laddr.port) for c in proc.net_connections(kind="tcp")
+                      if c.status == psutil.CONN_LISTEN}
+        except psutil.Error:
+            continue
+    return sorted(found)
 
 
 def test_keys_guard_a_real_deployment_end_to_end(e2e_hosts, tmp_path, state_dir, monkeypatch):
@@ -97,6 +147,16 @@ def test_keys_guard_a_real_deployment_end_to_end(e2e_hosts, tmp_path, state_dir,
                            headers={"Authorization": f"Bearer {CLIENT_KEY}"}).status == 401
             assert h1.http("POST", decode_url + "/v1/completions", body, timeout=120,
                            headers=keys.headers("decode")).status == 200
+            _every_path_needs_the_instance_key(h0, state.processes["prefill-0"].base_url, keys, body)
+            _every_path_needs_the_instance_key(h1, decode_url, keys, body)
+            # ... and the router's own traffic is unharmed by all of it
+            answered = h0.http("POST", router_url + "/v1/completions", body, timeout=120, headers=keys.headers("router"))
+            assert answered.status == 200 and json.loads(answered.body)["choices"][0]["text"]
+        decode_log = Path(decode.log_path.replace("~", str(Path.home()), 1))
+        # one line per 10 s at most: the first refusal (this test's first request without the key) is logged
+        logged = [ln for ln in decode_log.read_text(errors="replace").splitlines() if "kvpush: refused" in ln]
+        assert logged and "request(s) without the instance key in the last 10 s; latest: POST '/v1/completions'" in logged[0]
+        print(f"listening sockets of the instances' processes: {_listening(str(model))}")
 
         load = LoadSpec(base_url=router_url, served_model="tiny", tokenizer=str(model), rate=8.0, num_prompts=3,
                         input_len=64, output_len=4, seed=11, result_dir=str(tmp_path / "raw"), result_filename="keyed.json")
