@@ -19,9 +19,10 @@ Protocol = Literal["kvpush", "nixl-push", "nixl-pull", "colocated"]
 Policy = Literal["prefix-aware", "least-loaded", "round-robin"]
 PublicPath = Literal["/health", "/metrics"]  # the only paths that may be served without the API key
 RETRY_DEADLINE_S = 60.0  # default of retry_deadline_s, here and in a topology's router section
-# defaults of the prefix-aware policy's weights, here and in a topology's router section
+# defaults of the prefix-aware policy's weights, here and in a topology's router section: a candidate
+# holding the whole prompt is worth two legs in flight (docs/router.md says what chose 0.5 over 0.25)
 PREFIX_WEIGHT = 1.0
-LOAD_WEIGHT = 0.25
+LOAD_WEIGHT = 0.5
 # What one client connection may hold (connections.py); defaults here and in a topology's router section.
 MAX_CONNECTIONS = 4096  # per router process; lowered at start to what its open-files limit allows
 HEADER_TIMEOUT_S = 10.0  # a request head must arrive in full within this

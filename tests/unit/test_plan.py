@@ -198,7 +198,7 @@ def test_router_policy_and_its_weights_reach_the_router_config():
     assert (config.policy, config.prefix_aware.prefix_weight, config.prefix_aware.load_weight) == ("prefix-aware", 2.0, 0.5)
     default = RouterConfig.model_validate_json(build_plan(parse_topology(TWO_HOSTS % "kvpush")).host("a").files[0].content)
     assert default.policy == RouterConfig.model_fields["policy"].default == "prefix-aware"
-    assert (default.prefix_aware.prefix_weight, default.prefix_aware.load_weight) == (1.0, 0.25)
+    assert (default.prefix_aware.prefix_weight, default.prefix_aware.load_weight) == (1.0, 0.5)
     least = (TWO_HOSTS % "kvpush").replace("router: {host: a, port: 9000}", "router: {host: a, port: 9000, policy: least-loaded}")
     assert RouterConfig.model_validate_json(build_plan(parse_topology(least)).host("a").files[0].content).policy == "least-loaded"
 
