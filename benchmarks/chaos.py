@@ -191,7 +191,8 @@ def run_topology(args, shape: str, workdir: Path, prompts_for) -> dict:
                                                 / (outcome.end - outcome.epoch), 2)
         for loop in loops:
             loop.kill()
-        failed_transfers = decode_metric(deployment, FAILED_TRANSFERS) - failed_before
+        # a decode's counters start again with each revival: across kills only its log counts them all
+        failed_transfers = decode_metric(deployment, FAILED_TRANSFERS) - failed_before if args.saturate else None
         logs = outcome.kept_logs + keep_all_logs(deployment, folder / "logs")
         summary = write_outcome(outcome, folder, logs, {
             "up_first_s": round(up_s, 1), "clients": args.clients, "saturated": args.saturate,
