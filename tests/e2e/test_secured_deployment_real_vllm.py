@@ -89,12 +89,14 @@ def _every_path_needs_the_instance_key(runner, base_url: str, keys: AccessKeys, 
     assert tokenized.status == 200 and json.loads(tokenized.body)["tokens"]
 
 
-def _listening(marker: str) -> list[tuple[str, str, int]]:
-    """(process name, address, port) of every listening TCP socket of the deployment's vLLM processes."""
+def _listening(marker: str) -> list[tuple[str, str, str, int]]:
+    """(process name, its first arguments, address, port) of every listening TCP socket of the
+    deployment's processes (those started from, or running in, the test's directory)."""
     found = set()
     for proc in processes_under(marker):
         try:
-            found |= {(proc.name(), c.laddr.ip, c.laddr.port) for c in proc.net_connections(kind="tcp")
+            words = " ".join(a for a in proc.cmdline()[1:6] if not a.startswith("/"))[:60]
+            found |= {(proc.name(), words, c.laddr.ip, c.laddr.port) for c in proc.net_connections(kind="tcp")
                       if c.status == psutil.CONN_LISTEN}
         except psutil.Error:
             continue
@@ -156,7 +158,7 @@ def test_keys_guard_a_real_deployment_end_to_end(e2e_hosts, tmp_path, state_dir,
         # one line per 10 s at most: the first refusal (this test's first request without the key) is logged
         logged = [ln for ln in decode_log.read_text(errors="replace").splitlines() if "kvpush: refused" in ln]
         assert logged and "request(s) without the instance key in the last 10 s; latest: POST '/v1/completions'" in logged[0]
-        print(f"listening sockets of the instances' processes: {_listening(str(model))}")
+        print(f"listening sockets of the deployment's processes: {_listening(str(tmp_path))}")
 
         load = LoadSpec(base_url=router_url, served_model="tiny", tokenizer=str(model), rate=8.0, num_prompts=3,
                         input_len=64, output_len=4, seed=11, result_dir=str(tmp_path / "raw"), result_filename="keyed.json")
