@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from dataclasses import replace
 
-from . import auth, wire
+from . import auth, frame_mac, wire
 from .channel import AUTH_DEADLINE_S, Connection, Reactor
 from .arrivals import Arrivals
 from .fanin import RANK_SEPARATOR, base_name, rank_key, rank_of
@@ -225,9 +225,11 @@ class Consumer:
             self._reactor.close(conn, f"the side channel at {conn.peer} failed to prove it is {_named(peer_engine)}")
             return  # on_closed fails what waited for it
         del self._handshakes[peer_engine]
-        conn.trust()
+        keys = frame_mac.session_keys(key, hello.nonce, msg.nonce)
+        conn.trust(keys.opener("decode"))  # every frame of P's after its CHALLENGE carries its MAC
         conn.send(wire.Auth(auth.prove(key, "decode", msg.nonce, hello.nonce, self.config.engine_id, self.config.tp_rank,
                                        hello_digest, self._layout_digest), self._layout_digest))
+        conn.seal_sends(keys.sealer("decode"))  # ... and every frame of this side's after its AUTH
         conn.send(self._layout)  # what P makes a NIXL peer of, only to a P that proved the key
         self._established(peer_engine, conn)
 
@@ -291,23 +293,26 @@ class Consumer:
             self._send_existing(peer_engine, wire.Cancel(base_name(o.pending.transfer_id)))
 
     def _backstop(self, now: float) -> None:
-        """Fences older than late_write_hold_s: drop the connection they came on (a resumed P sees
-        the close before posting anything more; the next use makes a new one) and let the blocks
-        go. The one way blocks come back without evidence: counted and logged."""
+        """Fences older than late_write_hold_s: drop the connection they came on, then let the
+        blocks go. In that order: the close (this thread's own socket close, so the FIN is on its
+        way before anything else happens here) is what a resumed P checks right before each post;
+        blocks handed back first could be another request's while P still finds the connection
+        open. The one way blocks come back without evidence: counted and logged."""
         with self._lock:
-            before = self._state.fences.counts["ended_by_backstop"]
             overdue = self._state.fences.overdue(now, self.config.late_write_hold_s)
-            released = self._state.fences.counts["ended_by_backstop"] - before
-            self.counters["late_write_backstop"] += released
-            self._arrivals.collect_unfenced()
-        for peer_engine, generation in overdue:
+        for (peer_engine, generation), _ in overdue.items():
             conn = self._conns.get(peer_engine)
             live = conn is not None and self._generations.get(conn) == generation
-            log.warning("kvpush: prefill %s neither said its WRITEs into given-up blocks ended nor went away within "
-                        "late_write_hold_s (%g s); %s and releasing the blocks", _named(peer_engine),
-                        self.config.late_write_hold_s, "dropping its connection" if live else "its connection is gone")
             if live:
                 self._close_here(conn, f"no word from prefill on its late WRITEs within {self.config.late_write_hold_s:g} s")
+            log.warning("kvpush: prefill %s neither said its WRITEs into given-up blocks ended nor went away within "
+                        "late_write_hold_s (%g s); %s and released the blocks", _named(peer_engine),
+                        self.config.late_write_hold_s, "dropped its connection" if live else "its connection was gone")
+        if overdue:
+            with self._lock:
+                released = self._state.fences.end_by_backstop([f for fences in overdue.values() for f in fences])
+                self.counters["late_write_backstop"] += released
+                self._arrivals.collect_unfenced()
 
     def _busy_peers(self) -> set[str]:
         """P engines with a transfer pending and a connection to ask them on (lock held)."""

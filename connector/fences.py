@@ -9,8 +9,8 @@ recall was still copying). Its blocks stay out of vLLM's hands until evidence en
 - prefill's death: that connection closed by prefill's side (the kernel closes a dead process's
   sockets);
 - the backstop: `hold_s` after the fence began, the caller drops that prefill's connection (so a
-  resumed prefill sees the close before posting anything) and the fence ends. Counted: it is the
-  one way a block comes back without evidence.
+  resumed prefill sees the close before posting anything) and only then the fence ends. Counted:
+  it is the one way a block comes back without evidence.
 """
 from __future__ import annotations
 
@@ -55,18 +55,24 @@ class Fences:
         self.counts["ended_by_death"] += len(keys)
         return len(keys)
 
-    def overdue(self, now: float, hold_s: float) -> list[tuple[str, int]]:
+    def overdue(self, now: float, hold_s: float) -> dict[tuple[str, int], list[tuple[str, Fence]]]:
         """The connections (prefill rank, generation) with a fence older than `hold_s` (0: none
-        ever is). Every fence of those connections ends: the caller drops them."""
+        ever is), each with every fence of that connection, younger ones too: the caller drops
+        those connections and only then ends the fences (`end_by_backstop`), so the blocks never
+        come back while a resumed prefill could still find its connection open. Changes nothing."""
         if hold_s <= 0:
-            return []
+            return {}
         due = sorted({(f.peer_engine, f.generation) for f in self.held.values() if now - f.since >= hold_s})
-        for peer_engine, generation in due:
-            keys = [k for k, f in self.held.items() if f.peer_engine == peer_engine and f.generation == generation]
-            for key in keys:
-                self._end(key)
-            self.counts["ended_by_backstop"] += len(keys)
-        return due
+        return {conn: [(k, f) for k, f in self.held.items() if (f.peer_engine, f.generation) == conn] for conn in due}
+
+    def end_by_backstop(self, fences: list[tuple[str, Fence]]) -> int:
+        """End these fences (from `overdue`) once their connections are dropped; one that ended
+        meanwhile (prefill's word, its death) or was made anew is left alone. Returns how many ended."""
+        ended = [key for key, fence in fences if self.held.get(key) is fence]
+        for key in ended:
+            self._end(key)
+        self.counts["ended_by_backstop"] += len(ended)
+        return len(ended)
 
     def next_deadline(self, hold_s: float) -> float | None:
         if hold_s <= 0 or not self.held:

@@ -1,7 +1,7 @@
 """Runners: how kvpush drives a host (locally or over SSH), and parallel fan-out across hosts."""
 from __future__ import annotations
 
-from ..host_address import HostAddress
+from kvpush.deploy.topology.host_address import HostAddress
 from .base import CommandResult, HostError, HttpResponse, ProcessInfo, Runner, Started
 from .fanout import FanOutError, HostResult, fan_out, values_or_raise
 from .local import LocalRunner

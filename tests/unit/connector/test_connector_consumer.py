@@ -3,6 +3,7 @@ wire protocol (no NIXL): connecting to one prefill never holds up the traffic wi
 from __future__ import annotations
 
 import contextlib
+import select
 import socket
 import threading
 import time
@@ -254,9 +255,16 @@ def test_the_backstop_drops_the_connection_counts_it_and_the_next_transfer_makes
         consumer.expect("r", "t1", "P", "127.0.0.1", p.port, [1], 0, 16)
         assert wait_for(lambda: p.registered, 10.0)
         p.mute = True  # hung for good: no QUIESCED will come
+        prefill_end = p.conn.dup()  # prefill's socket as its posting thread sees it, whatever its reader does
         [outcome] = wait_for(consumer.take_outcomes, 10.0)
         assert outcome.may_still_land
         assert wait_for(lambda: consumer.take()[2], 10.0) == ["t1"]  # the backstop let the blocks go
+        # ... only once prefill's kernel already saw the connection closed: a prefill resuming
+        # right now finds the close in its check before a post, not a moment after
+        poller = select.poll()
+        poller.register(prefill_end, select.POLLRDHUP | select.POLLHUP)
+        assert poller.poll(0)
+        prefill_end.close()
         assert consumer.take_counts()["late_write_backstop"] == 1
         p.mute = False
         consumer.expect("r2", "t2", "P", "127.0.0.1", p.port, [2], 0, 16)

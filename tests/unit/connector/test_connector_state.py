@@ -272,11 +272,26 @@ def test_the_backstop_ends_every_fence_of_an_overdue_connection_and_names_it():
     for tid, gen, at in (("a", 1, 0.0), ("b", 1, 8.0), ("c", 2, 9.0)):
         c.add(sent(tid, generation=gen))
         c.give_up(tid, "silent", now=at)
-    assert c.fences.next_deadline(10.0) == 10.0 and c.fences.overdue(9.9, 10.0) == []
-    assert c.fences.overdue(10.0, 10.0) == [("P.e", 1)]  # b is younger, but its connection is dropped with a's
+    assert c.fences.next_deadline(10.0) == 10.0 and c.fences.overdue(9.9, 10.0) == {}
+    due = c.fences.overdue(10.0, 10.0)
+    assert list(due) == [("P.e", 1)]  # b is younger, but its connection is dropped with a's
+    assert sorted(c.fences.held) == ["a", "b", "c"] and c.fences.take_ended() == []  # nothing ends before the drop
+    assert c.fences.end_by_backstop(due[("P.e", 1)]) == 2
     assert sorted(c.fences.take_ended()) == ["a", "b"] and list(c.fences.held) == ["c"]
     assert c.fences.counts["ended_by_backstop"] == 2
-    assert c.fences.overdue(1e9, 0.0) == [] and c.fences.next_deadline(0.0) is None  # 0: no backstop
+    assert c.fences.overdue(1e9, 0.0) == {} and c.fences.next_deadline(0.0) is None  # 0: no backstop
+
+
+def test_a_fence_that_ended_or_was_made_anew_while_its_connection_was_dropped_is_left_alone():
+    c = ConsumerState(5.0)
+    for tid in ("a", "b"):
+        c.add(sent(tid, generation=1))
+        c.give_up(tid, "silent", now=0.0)
+    due = c.fences.overdue(10.0, 10.0)[("P.e", 1)]
+    assert c.fences.word("a", "P.e", 1)  # prefill's word came while the connection was being dropped
+    c.fences.take_ended()
+    c.fences.hold("b", "P.e", 1, 10.0)  # made anew: not the fence the backstop found overdue
+    assert c.fences.end_by_backstop(due) == 0 and list(c.fences.held) == ["b"]
 
 
 def test_a_lost_connection_fails_only_what_was_registered_on_it():

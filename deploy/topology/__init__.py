@@ -1,0 +1,1 @@
+"""The topology stage: a topology file read, checked and completed (deploy pipeline, step 1)."""
