@@ -22,7 +22,9 @@ FILE_ARG = typer.Argument(None, help=FILE_HELP)
 FILE_OPTION = typer.Option(None, "--file", help=FILE_HELP)
 
 ACCEPT = typer.Option(False, "--accept-new-host-keys", help="Record unknown SSH host keys in known_hosts (trust on first use).")
-KNOWN_HOSTS = typer.Option("~/.ssh/known_hosts", "--known-hosts", envvar="KVPUSH_KNOWN_HOSTS", help="known_hosts file to verify SSH hosts against.")
+KNOWN_HOSTS = typer.Option(None, "--known-hosts", envvar="KVPUSH_KNOWN_HOSTS", show_default=False,
+                           help="known_hosts file to verify SSH hosts against (default: the SSH config's "
+                                "UserKnownHostsFile, ~/.ssh/known_hosts).")
 CONNECT_TIMEOUT = typer.Option(10.0, "--connect-timeout", help="Seconds to connect and authenticate to each host.")
 DEPLOYMENT = typer.Option(None, "--deployment", "-d", help="Deployment name (default: the topology's name).")
 
@@ -72,7 +74,7 @@ def one_argument(command: str, what: str, args: list[str], file: Optional[Path])
     return args[0] if args else None
 
 
-def ssh_options(accept_new: bool, known_hosts: str, connect_timeout: float) -> SshOptions:
+def ssh_options(accept_new: bool, known_hosts: Optional[str], connect_timeout: float) -> SshOptions:
     return SshOptions(known_hosts=known_hosts, accept_new_host_keys=accept_new,
                       connect_timeout_s=connect_timeout, auth_timeout_s=connect_timeout)
 

@@ -1,59 +1,26 @@
 """Runner over SSH (paramiko): one connection per host, reused for every call within a command."""
 from __future__ import annotations
 
-import base64
-import hashlib
 import logging
-import os
 import posixpath
 import socket
 import threading
 import time
 import uuid
-from pathlib import Path
 
 import paramiko
 
 from .base import (CommandResult, Deadline, HostError, HttpResponse, ProcessInfo, Runner,
                    parse_proc_table, proc_table_command, signal_groups_command)
 from .http import exchange, split_url
-from ..host_address import HostAddress
+from kvpush.deploy.topology.host_address import HostAddress
 from .options import SshOptions
-from .ssh_config import SshTarget, read_config, resolve
+from .ssh_config import SshTarget, resolve
+from .ssh_connect import ACCEPT_HINT, open_chain
 
-ACCEPT_HINT = "--accept-new-host-keys"
-_known_hosts_write = threading.Lock()
+__all__ = ["ACCEPT_HINT", "SshRunner"]
 # paramiko logs refused forwarding channels itself; callers get the same facts as exceptions.
 logging.getLogger("paramiko.transport").setLevel(logging.CRITICAL)
-
-
-def known_hosts_name(address: str, port: int) -> str:
-    return address if port == 22 else f"[{address}]:{port}"
-
-
-class _UnknownHostKey(Exception):
-    pass
-
-
-class _HostKeyPolicy(paramiko.MissingHostKeyPolicy):
-    """Unknown key: refuse, or record it when the user asked for trust on first use.
-
-    A key that differs from the recorded one never reaches this policy: paramiko raises
-    BadHostKeyException for it, and that is always refused.
-    """
-
-    def __init__(self, known_hosts: Path, accept_new: bool):
-        self.known_hosts, self.accept_new = known_hosts, accept_new
-
-    def missing_host_key(self, client, hostname, key):
-        if not self.accept_new:
-            digest = base64.b64encode(hashlib.sha256(key.asbytes()).digest()).decode().rstrip("=")
-            raise _UnknownHostKey(f"{key.get_name()} SHA256:{digest}")
-        with _known_hosts_write:
-            self.known_hosts.parent.mkdir(parents=True, exist_ok=True)
-            with self.known_hosts.open("a") as f:
-                f.write(f"{hostname} {key.get_name()} {key.get_base64()}\n")
-        client.get_host_keys().add(hostname, key.get_name(), key)
 
 
 class SshRunner(Runner):
@@ -80,69 +47,8 @@ class SshRunner(Runner):
             return self._client
 
     def _open(self) -> paramiko.SSHClient:
-        opts = self.options
-        self._target = target = resolve(self.host, read_config(opts.config_file), opts.config_file)
-        sock = None
-        for hop, after in zip(target.jumps, [*target.jumps[1:], target]):
-            client = self._handshake(hop, sock, f"{self._where()}: jump host {hop.name} ({hop.user}@{hop.hostname}:{hop.port})")
-            self._hops.append(client)
-            try:
-                sock = client.get_transport().open_channel("direct-tcpip", (after.hostname, after.port), ("127.0.0.1", 0),
-                                                           timeout=opts.connect_timeout_s)
-            except (paramiko.SSHException, OSError, EOFError) as exc:
-                self._close_clients()
-                raise HostError(f"{self._where()}: jump host {hop.name} could not connect to {after.hostname}:{after.port} "
-                                f"({exc or type(exc).__name__}); check that it reaches the host and allows TCP forwarding") from None
-        try:
-            return self._handshake(target, sock, self._where())
-        except HostError:
-            self._close_clients()
-            raise
-
-    def _handshake(self, target: SshTarget, sock, where: str) -> paramiko.SSHClient:
-        """An authenticated client for `target`, over `sock` (a hop's channel) or a new TCP connection."""
-        opts = self.options
-        known_hosts = Path(os.path.expanduser(opts.known_hosts))
-        client = paramiko.SSHClient()
-        if known_hosts.is_file():
-            client.load_host_keys(str(known_hosts))
-        client.set_missing_host_key_policy(_HostKeyPolicy(known_hosts, opts.accept_new_host_keys))
-        if sock is None:
-            try:
-                sock = socket.create_connection((target.hostname, target.port), timeout=opts.connect_timeout_s)
-            except ConnectionRefusedError:
-                raise HostError(f"{where}: connection refused; is sshd running and listening on port {target.port}?") from None
-            except (socket.timeout, OSError) as exc:
-                raise HostError(f"{where}: unreachable ({exc.strerror or exc}); check the address, network and firewall") from None
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        try:
-            client.connect(
-                target.hostname, port=target.port, username=target.user, sock=sock,
-                key_filename=list(target.key_files) or None, look_for_keys=not target.key_files,
-                allow_agent=target.agent, timeout=opts.connect_timeout_s, banner_timeout=opts.connect_timeout_s,
-                auth_timeout=opts.auth_timeout_s,
-            )
-        except _UnknownHostKey as exc:
-            sock.close()
-            raise HostError(
-                f"{where}: host key unknown ({exc}), not in {opts.known_hosts}; "
-                f"verify it and rerun with {ACCEPT_HINT} to record it"
-            ) from None
-        except paramiko.BadHostKeyException:
-            sock.close()
-            raise HostError(
-                f"{where}: host key CHANGED from the one in {opts.known_hosts}; refusing to connect. If the host "
-                f"was legitimately reinstalled, remove its entry: ssh-keygen -f {opts.known_hosts} -R "
-                f"'{known_hosts_name(target.hostname, target.port)}'"
-            ) from None
-        except paramiko.AuthenticationException:
-            sock.close()
-            raise HostError(f"{where}: authentication failed; check 'user' and 'key' for this host in the topology "
-                            f"or {opts.config_file}") from None
-        except (paramiko.SSHException, OSError, EOFError) as exc:
-            sock.close()
-            raise HostError(f"{where}: SSH handshake failed: {exc or type(exc).__name__}") from None
-        client.get_transport().set_keepalive(15)
+        self._target = resolve(self.host, self.options)
+        *self._hops, client = open_chain(self._target, self.options, self._where())
         return client
 
     def _close_clients(self) -> None:

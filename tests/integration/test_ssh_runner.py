@@ -4,9 +4,10 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
+import paramiko
 import pytest
 
-from kvpush.deploy.host_address import HostAddress
+from kvpush.deploy.topology.host_address import HostAddress
 from kvpush.deploy.runners import HostError, LocalRunner, SshOptions, SshRunner, fan_out
 
 
@@ -24,7 +25,9 @@ def test_unknown_host_key_is_refused_with_the_fix_then_recorded_on_request(sshd_
     accepting = _runner(sshd_cluster, known_hosts=str(empty), accept_new_host_keys=True)
     assert accepting.run("echo hi").stdout == "hi\n"
     accepting.close()
-    assert empty.read_text() == sshd_cluster.hosts[0].known_hosts_line()
+    host = sshd_cluster.hosts[0]
+    recorded = paramiko.HostKeys(str(empty)).lookup(f"[{host.address}]:{host.port}")  # hashed where HashKnownHosts says so
+    assert recorded is not None and recorded["ssh-ed25519"].get_base64() == host.known_hosts_line().split()[2]
     assert _runner(sshd_cluster, known_hosts=str(empty)).run("true").ok  # now known
 
 
