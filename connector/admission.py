@@ -19,7 +19,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
 
-from . import auth, wire
+from . import auth, frame_mac, wire
 from .channel import Connection
 from .coalesce import CoalesceError, Plan, slice_segments
 from .regions import HeadLayout
@@ -111,6 +111,7 @@ class Admission:
         conn.send(wire.Challenge(self.config.engine_id, self.config.tp_rank, state.nonce,
                                  auth.prove(key, "prefill", hello.nonce, state.nonce, self.config.engine_id,
                                             self.config.tp_rank, state.hello_digest)))
+        conn.seal_sends(frame_mac.session_keys(key, hello.nonce, state.nonce).sealer("prefill"))  # all after CHALLENGE
 
     def _on_auth(self, conn: Connection, msg: wire.Auth, state: Handshake) -> None:
         hello = state.hello
@@ -122,7 +123,7 @@ class Admission:
                                conn.peer, hello.engine_id, hello.tp_rank)
             return
         state.layout_digest, state.proven_at = msg.layout_digest, time.monotonic()
-        conn.trust()
+        conn.trust(frame_mac.session_keys(self.config.side_channel_key, hello.nonce, state.nonce).opener("prefill"))
 
     def take_layout(self, conn: Connection) -> Handshake | None:
         """A proven connection's LAYOUT: its handshake, to pair on the transfer thread; None (and

@@ -1,21 +1,20 @@
-"""The side channel: TCP connections carrying wire frames, served by one reactor thread.
+"""The side channel's reactor: one thread serving every TCP connection (frame_connection.py) of a
+listener and of the connections this side dials.
 
 The thread sleeps in select() until a socket is readable or writable, another thread wakes it, or
 the owner's next deadline comes (`timeout()`); it never spins. Callbacks run on the reactor thread.
 
-Nothing here waits on a peer: a send only queues bytes (any thread may send, also under its own
-locks) and the reactor writes them as the peer reads them; a peer that reads too little for too
-long is cut off. Every read is bounded: a frame by the connection's limit (a few KiB until the
-peer has proven who it is, checked on the length prefix before the body is read), the number of
-connections by the listener's cap, and an unauthenticated connection by a deadline. An unproven
-connection whose frame is over the limit or not a valid message is closed at once: nothing it
-sends after that is read.
+Nothing here waits on a peer: sends are queued by the connection and written here as the peer
+reads them. Every read is bounded: a frame by the connection's limit (a few KiB until the peer has
+proven who it is, checked on the length prefix before the body is read), the number of connections
+by the listener's cap, and an unauthenticated connection by a deadline. A connection whose frame is
+over the limit or fails its MAC (frame_mac.py), or an unproven one whose frame is not a valid
+message, is closed at once: nothing it sends after that is read.
 """
 from __future__ import annotations
 
 import logging
 import os
-import select
 import selectors
 import socket
 import threading
@@ -24,11 +23,11 @@ from dataclasses import dataclass
 from typing import Callable, Protocol
 
 from . import wire
+from .frame_connection import Connection
+from .frame_mac import FrameMacError
 
 log = logging.getLogger(__name__)
 _SELECT_RESOLUTION_S = 0.001
-MAX_QUEUED_BYTES = 8 * 1024 * 1024  # unsent bytes a peer may leave behind before it is cut off
-SEND_STALL_S = 5.0  # ... or for how long it may read nothing at all while bytes wait for it
 MAX_CONNECTIONS = 256  # per listener, accepted connections not yet proven; proven peers are not counted
 AUTH_DEADLINE_S = 5.0  # an accepted connection that has not proven who it is by then is closed
 READ_BYTES = 1 << 20  # one recv from a proven peer
@@ -41,98 +40,8 @@ class Handler(Protocol):
     def on_tick(self) -> None: ...
     def timeout(self) -> float | None: ...
     def on_malformed(self, conn: "Connection", error: str, kind: str) -> None:
-        """A frame that is not a valid message (`kind` "malformed") or over the connection's
-        limit ("oversized_frame"), counted under `kind`."""
-
-
-class Connection:
-    def __init__(self, sock: socket.socket, peer: str, reactor: "Reactor | None" = None):
-        self.sock = sock
-        self.peer = peer  # "host:port", for messages
-        self.engine_id: str | None = None  # set once the peer's identity is established
-        self.authenticated = False  # the peer proved it holds the deployment's key (see auth.py)
-        self.auth_state: object = None  # the owner's handshake in progress (auth.py)
-        self.closed = False
-        self.accepted_at = time.monotonic()
-        self.accepted = False  # came in through this side's listener (else this side dialled it)
-        self._reader = wire.FrameReader(wire.MAX_UNAUTHENTICATED_FRAME_BYTES)
-        self._send_lock = threading.Lock()
-        self._out = bytearray()
-        self._stalled_since: float | None = None  # unsent bytes and no progress since
-        self._reactor = reactor
-        self.overflowed = ""  # why the connection must be closed (set by send, acted on by the reactor)
-        sock.setblocking(False)
-
-    def trust(self) -> None:
-        """The peer is authenticated: its frames may be as large as any message may be."""
-        self.authenticated = True
-        self._reader.max_frame = wire.MAX_FRAME_BYTES
-
-    def gone(self) -> bool:
-        """Closed here, or closed by the peer: asks the kernel, so a thread other than the reactor
-        learns of a FIN or reset that the reactor has not read yet (e.g. when the whole process
-        was stalled and both threads resume together)."""
-        if self.closed or self.overflowed:
-            return True
-        poller = select.poll()
-        try:
-            poller.register(self.sock, select.POLLRDHUP | select.POLLHUP | select.POLLERR)
-        except (ValueError, OSError):  # the reactor closed the socket meanwhile
-            return True
-        return bool(poller.poll(0))
-
-    def send(self, msg: wire.Message) -> bool:
-        """Queue one message (never waits on the peer); False if the connection is gone or the
-        peer has left too much unread (the reactor closes it)."""
-        data = wire.encode(msg)
-        with self._send_lock:
-            if self.closed or self.overflowed:
-                return False
-            self._out += data
-            self._flush_locked()
-            if len(self._out) > MAX_QUEUED_BYTES:
-                self.overflowed = f"peer left {len(self._out)} bytes unread"
-            pending = bool(self._out) or bool(self.overflowed)
-        if pending and self._reactor is not None:
-            self._reactor.watch(self)
-        return not self.overflowed
-
-    def wants_write(self) -> bool:
-        with self._send_lock:
-            return bool(self._out)
-
-    def flush(self, now: float) -> str:
-        """Write what the socket takes (reactor thread); why to close the connection, or ""."""
-        with self._send_lock:
-            if self.overflowed:
-                return self.overflowed
-            before = len(self._out)
-            try:
-                self._flush_locked()
-            except OSError as exc:
-                return f"send failed: {exc}"
-            if not self._out or len(self._out) < before:
-                self._stalled_since = now if self._out else None
-            elif self._stalled_since is None:
-                self._stalled_since = now
-            elif now - self._stalled_since > SEND_STALL_S:
-                return f"peer read nothing for {SEND_STALL_S:g} s with {len(self._out)} bytes waiting"
-            return ""
-
-    def _flush_locked(self) -> None:
-        while self._out:
-            try:
-                sent = self.sock.send(self._out)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
-                self.overflowed = self.overflowed or "send failed"
-                return
-            del self._out[:sent]
-
-    def stalled_deadline(self) -> float | None:
-        with self._send_lock:
-            return None if self._stalled_since is None else self._stalled_since + SEND_STALL_S
+        """A frame that is not a valid message (`kind` "malformed"), over the connection's limit
+        ("oversized_frame") or without its MAC ("bad_frame_mac"), counted under `kind`."""
 
 
 @dataclass(frozen=True)
@@ -368,12 +277,17 @@ class Reactor:
         if not data:
             self.close(conn, "connection closed by peer")
             return
-        conn._reader.add(data)
-        # Frame by frame: the frame that proves the peer raises the limit for the frames behind it,
-        # and a frame over the limit is refused on its length prefix, before its body is looked at.
+        conn.received(data)
+        # Frame by frame: the frame that proves the peer raises the limit for the frames behind it
+        # and makes them carry their MAC, and a frame over the limit is refused on its length
+        # prefix, before its body is looked at.
         while not conn.closed:
             try:
-                frame = conn._reader.next_frame()
+                frame = conn.next_frame()
+            except FrameMacError as exc:  # forged, replayed, reordered...: the connection is done
+                self.handler.on_malformed(conn, str(exc), "bad_frame_mac")
+                self.close(conn, f"frame failed its MAC: {exc}")
+                return
             except wire.WireError as exc:
                 self.handler.on_malformed(conn, str(exc), "oversized_frame" if isinstance(exc, wire.FrameTooLarge) else "malformed")
                 self.close(conn, f"unframeable data: {exc}")

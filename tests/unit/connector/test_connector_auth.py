@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvpush.connector import auth, channel, wire
+from kvpush.connector import auth, frame_connection, frame_mac, wire
 from kvpush.connector.consumer import Consumer, ConsumerConfig
 from kvpush.connector.producer import Producer, ProducerConfig
 from kvpush.connector.regions import HeadLayout, LayoutIdentity, Region
@@ -65,9 +65,15 @@ class Client:
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=3)
         self.reader = wire.FrameReader()
         self.got: list = []
+        self.sealer: frame_mac.FrameSealer | None = None  # once the handshake made the session keys
+        self.opener: frame_mac.FrameOpener | None = None
+
+    def frame(self, msg) -> bytes:
+        data = wire.encode(msg)
+        return data if self.sealer is None else self.sealer.seal(data)
 
     def send(self, msg) -> None:
-        self.sock.sendall(wire.encode(msg))
+        self.sock.sendall(self.frame(msg))
 
     def read(self, kind, timeout_s: float = 3.0):
         deadline = time.monotonic() + timeout_s
@@ -82,7 +88,9 @@ class Client:
                 return None
             if not data:
                 return None  # closed by the other side
-            self.got += [wire.decode(f) for f in self.reader.feed(data)]
+            self.reader.add(data)
+            while (f := self.reader.next_frame()) is not None:
+                self.got.append(wire.decode(f if self.opener is None else self.opener.open(f)))
         raise AssertionError(f"no {kind.__name__} within {timeout_s} s")
 
     def handshake(self, key: bytes, engine="D", rank=0, lay=None, sent_layout=None):
@@ -93,9 +101,12 @@ class Client:
         challenge = self.read(wire.Challenge)
         digest, layout_digest = auth.digest(wire.encode(h)), auth.digest(wire.encode(lay))
         assert auth.verify(key, challenge.proof, "prefill", challenge.nonce, h.nonce, "P", 0, digest)
-        self.sock.sendall(wire.encode(wire.Auth(auth.prove(key, "decode", challenge.nonce, h.nonce, engine, rank, digest,
-                                                           layout_digest), layout_digest))
-                          + wire.encode(sent_layout or lay))  # one write: the LAYOUT may ride with the AUTH
+        keys = frame_mac.session_keys(key, h.nonce, challenge.nonce)
+        self.opener = keys.opener("decode")
+        proof = wire.encode(wire.Auth(auth.prove(key, "decode", challenge.nonce, h.nonce, engine, rank, digest,
+                                                 layout_digest), layout_digest))
+        self.sealer = keys.sealer("decode")
+        self.sock.sendall(proof + self.frame(sent_layout or lay))  # one write: the LAYOUT may ride with the AUTH
         return self.read((wire.Welcome, wire.Refuse))
 
 
@@ -240,7 +251,7 @@ def test_past_the_cap_the_oldest_stranger_makes_room_and_a_proven_peer_stays(pro
 
 
 def test_a_peer_that_never_reads_is_cut_off_and_sending_never_waits(producer, monkeypatch):
-    monkeypatch.setattr(channel, "MAX_QUEUED_BYTES", 1 << 20)
+    monkeypatch.setattr(frame_connection, "MAX_QUEUED_BYTES", 1 << 20)
     p = producer()
     c = Client(p.port)
     assert isinstance(c.handshake(KEY), wire.Welcome)

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvpush.connector import auth, wire
+from kvpush.connector import auth, frame_mac, wire
 from kvpush.connector.producer import Producer, ProducerConfig
 from kvpush.connector.regions import HeadLayout, LayoutIdentity, Region
 from kvpush.connector.transfer import Write
@@ -90,9 +90,11 @@ class Decode:
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=HANG_S)
         self.reader = wire.FrameReader()
         self.got: list = []
+        self.sealer = self.opener = None  # the session's frame MAC, once the handshake made its keys
 
     def send(self, *msgs) -> None:
-        self.sock.sendall(b"".join(wire.encode(m) for m in msgs))
+        self.sock.sendall(b"".join(wire.encode(m) if self.sealer is None else self.sealer.seal(wire.encode(m))
+                                   for m in msgs))
 
     def read(self, kind):
         deadline = time.monotonic() + HANG_S
@@ -101,7 +103,8 @@ class Decode:
                 if isinstance(m, kind):
                     self.got.remove(m)
                     return m
-            self.got += [wire.decode(f) for f in self.reader.feed(self.sock.recv(65536))]
+            self.got += [wire.decode(f if self.opener is None else self.opener.open(f))
+                         for f in self.reader.feed(self.sock.recv(65536))]
         raise AssertionError(f"no {kind}")
 
     def handshake(self) -> None:
@@ -110,7 +113,11 @@ class Decode:
         self.send(hello)
         challenge = self.read(wire.Challenge)
         digests = (auth.digest(wire.encode(hello)), auth.digest(wire.encode(layout)))
-        self.send(wire.Auth(auth.prove(KEY, "decode", challenge.nonce, hello.nonce, "D", 0, *digests), digests[1]), layout)
+        keys = frame_mac.session_keys(KEY, hello.nonce, challenge.nonce)
+        self.opener = keys.opener("decode")
+        self.send(wire.Auth(auth.prove(KEY, "decode", challenge.nonce, hello.nonce, "D", 0, *digests), digests[1]))
+        self.sealer = keys.sealer("decode")
+        self.send(layout)
         self.read(wire.Welcome)
 
 
