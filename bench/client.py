@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvpush.common.errors import KvpushError
-from ..placement import on_cores
+from kvpush.deploy.topology.placement import on_cores
 from .conversation_client import API_KEY_VARIABLE, argv_for as conversations_argv
 from .conversations import Workload
 
@@ -89,7 +89,7 @@ def bench_serve_argv(load: LoadSpec, command: list[str] | None = None) -> list[s
     ]
 
 
-WORKER_MODULE = "kvpush.deploy.bench.client_worker"
+WORKER_MODULE = "kvpush.bench.client_worker"
 
 
 class BenchClient:

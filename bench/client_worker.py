@@ -7,7 +7,7 @@ vLLM's own CLI `main()` with that argv and environment (null: unset; the router'
 this way, never in an argv), its stdout and stderr going to PATH, and answers one JSON line (`{"rc": N}`) on its original
 stdout. It prints `{"ready": true}` once the import is done. A job whose argv starts with
 `kvpush-conversations` runs the multi-turn client (conversation_client.py) instead. Run as
-`python -m kvpush.deploy.bench.client_worker`.
+`python -m kvpush.bench.client_worker`.
 """
 from __future__ import annotations
 

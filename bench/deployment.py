@@ -17,16 +17,16 @@ from typing import Iterator
 
 from kvpush.common.errors import KvpushError, UsageError
 
-from ..client import COMPLETIONS_PATH, completion_body
-from ..hosts import connected
-from ..lifecycle import up
-from ..plan import build_plan
-from ..router_ready import wait_router_ready
-from ..runners import LocalRunner, Runner
-from ..secrets import AccessKeys, client_api_key, kept_secret
-from ..state import HostRecord, load_state
-from ..tiny_model import make_tiny_model
-from ..topology import Topology
+from kvpush.deploy.lifecycle.client import COMPLETIONS_PATH, completion_body
+from kvpush.deploy.lifecycle.hosts import connected
+from kvpush.deploy.lifecycle.lifecycle import up
+from kvpush.deploy.plan.plan import build_plan
+from kvpush.deploy.lifecycle.router_ready import wait_router_ready
+from kvpush.deploy.runners import LocalRunner, Runner
+from kvpush.deploy.lifecycle.secrets import AccessKeys, client_api_key, kept_secret
+from kvpush.deploy.lifecycle.state import HostRecord, load_state
+from kvpush.deploy.lifecycle.tiny_model import make_tiny_model
+from kvpush.deploy.topology.topology import Topology
 from .idle_cpu import idle_cores
 from .options import BenchEvents, BenchOptions
 from .results import ModeRun

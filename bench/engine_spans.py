@@ -4,7 +4,7 @@ With `--otlp-traces-endpoint`, a vLLM API server exports one `llm_request` span 
 request: its start is the request's arrival at the server (wall clock), its attributes the request
 id vLLM derived from the X-Request-Id header and the engine's own timings. `parse_export` turns an
 OTLP ExportTraceServiceRequest (protobuf, as opentelemetry-proto defines it) into plain records:
-the instance that sent it (the resource attributes deploy/engine_tracing.py sets) and the span's
+the instance that sent it (the resource attributes deploy/plan/engine_tracing.py sets) and the span's
 attributes as they came. The bench keeps these records as its raw spans; `EngineSpan.of` reads the
 figures the handoff diagnostic needs from one record, the same way live and in `--recompute`.
 """
@@ -16,7 +16,7 @@ from typing import Any
 
 from kvpush.common.errors import KvpushError
 
-from ..engine_tracing import DEPLOYMENT_ATTRIBUTE, INSTANCE_ATTRIBUTE, ROLE_ATTRIBUTE
+from kvpush.deploy.plan.engine_tracing import DEPLOYMENT_ATTRIBUTE, INSTANCE_ATTRIBUTE, ROLE_ATTRIBUTE
 
 REQUEST_SPAN = "llm_request"  # vLLM's one span per request (v1 OutputProcessor.do_tracing)
 # vLLM's span attributes (vllm.tracing.utils.SpanAttributes), in seconds where they are times

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from kvpush.common.errors import KvpushError
 from kvpush.router.protocols import client_id_in_transfer_id
 
-from ..topology import Topology
+from kvpush.deploy.topology.topology import Topology
 from .modes import SPAN_EXPORT_DELAY_MS
 from .engine_spans import REQUEST_ID, EngineSpan
 from .handoff import HandoffSamples, client_request_id, missing, spans_document

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import shlex
 
-from ..runners import Runner
+from kvpush.deploy.runners import Runner
 
 SAMPLE_S = 3.0
 _MARK = "--kvpush-sample--"

@@ -6,8 +6,8 @@ from pathlib import Path
 
 from kvpush.common.errors import KvpushError
 
-from ..runners import Runner
-from ..secrets import AccessKeys
+from kvpush.deploy.runners import Runner
+from kvpush.deploy.lifecycle.secrets import AccessKeys
 from .client import BenchClient, LoadSpec
 from .deployment import Deployed, Endpoint, timed
 from .engine_timings import collect

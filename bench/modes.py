@@ -9,7 +9,7 @@ from typing import get_args
 
 from kvpush.common.errors import UsageError
 from kvpush.router.config import Policy
-from ..topology import ConnectorType, Topology, TinyModelSpec, TracingSpec, listening_side_channel_ports, side_channel_ports
+from kvpush.deploy.topology.topology import ConnectorType, Topology, TinyModelSpec, TracingSpec, listening_side_channel_ports, side_channel_ports
 
 # A bench mode is a connector type, or a `-stock` control: vLLM's connector exactly as vLLM ships it
 # (connector.stock_vllm), beside the variant kvpush tunes for shared CPU cores; either may name the

@@ -6,8 +6,8 @@ from pathlib import Path
 
 from kvpush.common.errors import UsageError
 
-from ..lifecycle import Events, LifecycleOptions
-from ..topology import Topology
+from kvpush.deploy.lifecycle.lifecycle import Events, LifecycleOptions
+from kvpush.deploy.topology.topology import Topology
 from .conversations import Workload
 from .modes import DEFAULT_BASELINE, ROUNDS_NEED_PORT_BASE, bench_topology
 from .results import RatePoint

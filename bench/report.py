@@ -7,8 +7,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..tiny_model import describe
-from ..topology import Topology
+from kvpush.deploy.lifecycle.tiny_model import describe
+from kvpush.deploy.topology.topology import Topology
 from . import environment
 from .modes import kv_bytes_per_token, topology_hash
 from .options import BenchOptions, mode_topology, seed_for

@@ -15,9 +15,9 @@ from typing import Callable
 
 from kvpush.common.errors import KvpushError
 
-from ..lifecycle import DownResult, LifecycleOptions, down
-from ..secrets import client_api_key
-from ..topology import Topology
+from kvpush.deploy.lifecycle.lifecycle import DownResult, LifecycleOptions, down
+from kvpush.deploy.lifecycle.secrets import client_api_key
+from kvpush.deploy.topology.topology import Topology
 from .client import BenchClient
 from .deployment import Deployed, client_cores, deploy_mode, no_interrupts, save_logs, timed
 from .engine_timings import engine_timings_note, engine_timings_unavailable, read_kept

@@ -43,8 +43,8 @@ from chaos_report import causes_table, failure_causes, summarize, summary_table 
 from chaos_run import ChaosOutcome, run_chaos  # noqa: E402
 from chaos_topologies import SHAPES  # noqa: E402
 from kvpush.common.vllm_metrics import metric_sum  # noqa: E402
-from kvpush.deploy.tiny_model import make_tiny_model  # noqa: E402
-from kvpush.deploy.topology import TinyModelSpec  # noqa: E402
+from kvpush.deploy.lifecycle.tiny_model import make_tiny_model  # noqa: E402
+from kvpush.deploy.topology.topology import TinyModelSpec  # noqa: E402
 
 FAILED_TRANSFERS = "vllm:kvpush_failed_transfers_total"
 

@@ -28,10 +28,10 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
 from sshd_hosts import SshdCluster  # noqa: E402
 
 from kvpush.deploy.doctor import DoctorOptions, run_doctor  # noqa: E402
-from kvpush.deploy.plan import build_plan  # noqa: E402
+from kvpush.deploy.plan.plan import build_plan  # noqa: E402
 from kvpush.deploy.runners import SshOptions, SshRunner  # noqa: E402
-from kvpush.deploy.tiny_model import make_tiny_model  # noqa: E402
-from kvpush.deploy.topology import TinyModelSpec, parse_topology  # noqa: E402
+from kvpush.deploy.lifecycle.tiny_model import make_tiny_model  # noqa: E402
+from kvpush.deploy.topology.topology import TinyModelSpec, parse_topology  # noqa: E402
 
 
 def topology(cluster: SshdCluster, model: Path, workdir: Path, port_base: int):

@@ -39,9 +39,9 @@ from typing import Iterable
 
 import aiohttp
 
-from kvpush.deploy.plan import build_plan, router_config
-from kvpush.deploy.secrets import AccessKeys, kept_secret
-from kvpush.deploy.topology import load_topology
+from kvpush.deploy.plan.plan import build_plan, router_config
+from kvpush.deploy.lifecycle.secrets import AccessKeys, kept_secret
+from kvpush.deploy.topology.topology import load_topology
 from kvpush.router.protocols import concurrent_legs, new_transfer_id
 
 CONNECTOR_LINE = re.compile(r"kvpush (?P<side>[PD]) (?P<event>\w+) (?P<tid>[0-9a-f]+)\b.*? t=(?P<t>[\d.]+)")

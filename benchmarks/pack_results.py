@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from kvpush.deploy.bench.raw import ARCHIVE, pack
+from kvpush.bench.raw import ARCHIVE, pack
 
 
 def main(argv: list[str]) -> int:

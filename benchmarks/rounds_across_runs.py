@@ -25,7 +25,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvpush.deploy.bench.raw import KeptFiles
+from kvpush.bench.raw import KeptFiles
 
 Z95 = 1.96
 

@@ -33,8 +33,8 @@ from typing import Awaitable, Callable
 
 import aiohttp
 
-from kvpush.deploy.bench.scrape import histogram
-from kvpush.deploy.placement import on_cores
+from kvpush.bench.scrape import histogram
+from kvpush.deploy.topology.placement import on_cores
 from kvpush.router.config import RouterConfig, Upstream
 from kvpush.router.protocols import pull_decode_leg, pull_prefill_leg
 
@@ -234,7 +234,7 @@ def main() -> int:
                         side_channel_port=port + 500)
 
     if args.router_cores:
-        from kvpush.deploy.topology import parse_core_list
+        from kvpush.deploy.topology.topology import parse_core_list
 
         others = os.sched_getaffinity(0) - parse_core_list(args.router_cores)
         if not others:

@@ -33,8 +33,8 @@ from pathlib import Path
 
 from kvpush.common.deployment_secret import SIDE_CHANNEL, derive_key, read_secret
 from kvpush.connector import auth, wire
-from kvpush.deploy.plan import build_plan
-from kvpush.deploy.topology import load_topology
+from kvpush.deploy.plan.plan import build_plan
+from kvpush.deploy.topology.topology import load_topology
 
 PROBE_ENGINE = "pong-probe"  # never admitted (it sends no LAYOUT): proven connections are answered all the same
 BUSY_LOOP = "while 1: pass"

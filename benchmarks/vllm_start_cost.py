@@ -29,9 +29,9 @@ from pathlib import Path
 import psutil
 import yaml
 
-from kvpush.deploy.plan import build_plan
-from kvpush.deploy.tiny_model import make_tiny_model
-from kvpush.deploy.topology import TinyModelSpec, parse_topology
+from kvpush.deploy.plan.plan import build_plan
+from kvpush.deploy.lifecycle.tiny_model import make_tiny_model
+from kvpush.deploy.topology.topology import TinyModelSpec, parse_topology
 from kvpush.templates import template_text
 
 PLAN_ENTRY = ["-m", "vllm.entrypoints.openai.api_server"]

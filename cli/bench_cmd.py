@@ -1,4 +1,4 @@
-"""`kvpush bench`: push vs pull under load; thin over kvpush.deploy.bench."""
+"""`kvpush bench`: push vs pull under load; thin over kvpush.bench."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,18 +13,18 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 from rich.table import Table
 from rich.text import Text
 
-from kvpush.deploy.bench.modes import DEFAULT_BASELINE, DEFAULT_MODES as BENCH_DEFAULT_MODES, MODES, parse_modes, parse_rates
-from kvpush.deploy.bench.recompute import recompute
-from kvpush.deploy.bench import conversation_table, handoff_table, tails_table
-from kvpush.deploy.bench.raw import read_text
-from kvpush.deploy.bench.tails import CONFIDENCE, DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS, Slo
-from kvpush.deploy.bench.results import ModeRun, figure, paired_ratios, point_at, rates_of, ratio
-from kvpush.deploy.bench.options import BenchEvents, BenchOptions
-from kvpush.deploy.bench.report import BenchReport
-from kvpush.deploy.bench.runner import run_bench
+from kvpush.bench.modes import DEFAULT_BASELINE, DEFAULT_MODES as BENCH_DEFAULT_MODES, MODES, parse_modes, parse_rates
+from kvpush.bench.recompute import recompute
+from kvpush.bench import conversation_table, handoff_table, tails_table
+from kvpush.bench.raw import read_text
+from kvpush.bench.tails import CONFIDENCE, DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS, Slo
+from kvpush.bench.results import ModeRun, figure, paired_ratios, point_at, rates_of, ratio
+from kvpush.bench.options import BenchEvents, BenchOptions
+from kvpush.bench.report import BenchReport
+from kvpush.bench.runner import run_bench
 from kvpush.common.errors import KvpushError
-from kvpush.deploy.lifecycle import Events, LifecycleOptions
-from kvpush.deploy.topology import check_key_files, resolve_topology
+from kvpush.deploy.lifecycle.lifecycle import Events, LifecycleOptions
+from kvpush.deploy.topology.topology import check_key_files, resolve_topology
 
 from .console import err, note, out, print_json, styled
 from .tables import print_table, table as make_table

@@ -10,12 +10,12 @@ from typing import Optional
 import typer
 
 from kvpush.deploy.doctor import CHECK_NAMES, DoctorOptions, run_doctor
-from kvpush.deploy.plan import build_plan
-from kvpush.deploy.hosts import connected
+from kvpush.deploy.plan.plan import build_plan
+from kvpush.deploy.lifecycle.hosts import connected
 from kvpush.common.errors import KvpushError
-from kvpush.deploy.process_view import deployment_pids
-from kvpush.deploy.state import HostRecord, load_state
-from kvpush.deploy.topology import check_key_files, resolve_topology
+from kvpush.deploy.lifecycle.process_view import deployment_pids
+from kvpush.deploy.lifecycle.state import HostRecord, load_state
+from kvpush.deploy.topology.topology import check_key_files, resolve_topology
 
 from .console import note, print_json
 from .doctor_report import render_report
@@ -63,8 +63,8 @@ def register(app: typer.Typer) -> None:
         started = time.monotonic()  # the whole check, connecting to the hosts included
         with ExitStack() as stack:
             if topo.launcher == "slurm":  # the checks run as one job step per node of an allocation
-                from kvpush.deploy.lifecycle import Events
-                from kvpush.deploy.slurm_allocation import allocation_for_checks
+                from kvpush.deploy.lifecycle.lifecycle import Events
+                from kvpush.deploy.lifecycle.slurm_allocation import allocation_for_checks
 
                 topo = stack.enter_context(allocation_for_checks(topo, Events()))
             hosts = {h.name: HostRecord.from_plan(h) for h in build_plan(topo).hosts}

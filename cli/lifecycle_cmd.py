@@ -1,4 +1,4 @@
-"""`kvpush up | down | status | logs | provision`: thin commands over kvpush.deploy.lifecycle/observe."""
+"""`kvpush up | down | status | logs | provision`: thin commands over kvpush.deploy.lifecycle.lifecycle/observe."""
 from __future__ import annotations
 
 import threading
@@ -13,12 +13,12 @@ from rich.table import Table
 from rich.text import Text
 
 from kvpush.common.errors import KvpushError, UsageError
-from kvpush.deploy.lifecycle import Events, LifecycleOptions, down, up
-from kvpush.deploy.observe import ProcessStatus, deployment_status, require_state, stream_logs
-from kvpush.deploy.plan import build_plan
-from kvpush.deploy.secrets import observed_keys
-from kvpush.deploy.state import DeploymentState, load_state
-from kvpush.deploy.topology import NAME_PATTERN, check_key_files, resolve_topology
+from kvpush.deploy.lifecycle.lifecycle import Events, LifecycleOptions, down, up
+from kvpush.deploy.lifecycle.observe import ProcessStatus, deployment_status, require_state, stream_logs
+from kvpush.deploy.plan.plan import build_plan
+from kvpush.deploy.lifecycle.secrets import observed_keys
+from kvpush.deploy.lifecycle.state import DeploymentState, load_state
+from kvpush.deploy.topology.topology import NAME_PATTERN, check_key_files, resolve_topology
 
 from .console import err, note, out, print_json, styled
 from .ls_cmd import others_hint
@@ -261,7 +261,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Make every host's Python import kvpush at this source version (build, upload, install a wheel)."""
         file = topology_file(file, file_option)
-        from kvpush.deploy.provision import provision_all
+        from kvpush.deploy.lifecycle.provision import provision_all
 
         topo, source = resolve_topology(file)
         check_key_files(topo)

@@ -10,11 +10,11 @@ from dataclasses import dataclass, field
 import typer
 
 from kvpush.common.errors import KvpushError
-from kvpush.deploy.host_address import http_url
-from kvpush.deploy.observe import ProcessStatus, deployment_status
+from kvpush.deploy.topology.host_address import http_url
+from kvpush.deploy.lifecycle.observe import ProcessStatus, deployment_status
 from kvpush.deploy.runners import SshOptions, fan_out
-from kvpush.deploy.secrets import observed_keys
-from kvpush.deploy.state import DeploymentState, load_state, recorded_deployments
+from kvpush.deploy.lifecycle.secrets import observed_keys
+from kvpush.deploy.lifecycle.state import DeploymentState, load_state, recorded_deployments
 
 from .console import out, print_json
 from .options import CONNECT_TIMEOUT, KNOWN_HOSTS, examples, ssh_options

@@ -9,7 +9,7 @@ from importlib.metadata import version as package_version
 import typer
 
 from kvpush.common.errors import KvpushError
-from kvpush.deploy.host_probe import source_digest
+from kvpush.deploy.lifecycle.host_probe import source_digest
 
 from . import bench_cmd, doctor_cmd, lifecycle_cmd, ls_cmd, plan_cmd, request_cmd, router_cmd, schema_cmd
 from .console import err, styled

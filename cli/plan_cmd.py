@@ -9,9 +9,10 @@ import typer
 from pydantic import ValidationError
 
 from kvpush.common.errors import UsageError, validation_message
-from kvpush.deploy.plan import Plan, build_plan
-from kvpush.deploy.redact import redact_plan
-from kvpush.deploy.topology import TinyModelSpec, parse_topology, resolve_topology
+from kvpush.deploy.plan.plan import build_plan
+from kvpush.deploy.plan.plan_model import Plan
+from kvpush.deploy.plan.redact import redact_plan
+from kvpush.deploy.topology.topology import TinyModelSpec, parse_topology, resolve_topology
 from kvpush.templates import DEFAULT_TEMPLATE, template_names, template_summary, template_text
 
 from .console import heading, note, out, print_json, styled
@@ -71,7 +72,7 @@ def register(app: typer.Typer) -> None:
         if slurm_script:
             if topo.launcher != "slurm":
                 raise UsageError(f"--slurm-script: {source} uses launcher {topo.launcher}; set 'launcher: slurm' (see `kvpush init --template slurm-cpu`)")
-            from kvpush.deploy.slurm_render import standalone_script
+            from kvpush.deploy.plan.slurm_render import standalone_script
 
             # the script runs what it says: never a redacted value (it refuses secret-looking ones)
             out.print(standalone_script(topo, launched.hosts, source), highlight=False, end="")
@@ -134,7 +135,7 @@ def register(app: typer.Typer) -> None:
         force: bool = typer.Option(False, "--force", help="Overwrite an existing model directory."),
     ) -> None:
         """Make a tiny random-weight causal LM with a locally trained tokenizer (no model hub)."""
-        from kvpush.deploy.tiny_model import describe, make_tiny_model
+        from kvpush.deploy.lifecycle.tiny_model import describe, make_tiny_model
 
         try:
             spec = TinyModelSpec(seed=seed, layers=layers, kv_heads=kv_heads, heads=heads, head_dim=head_dim, hidden_size=hidden_size)

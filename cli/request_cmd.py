@@ -7,10 +7,10 @@ from typing import Optional
 import typer
 
 from kvpush.common.errors import KvpushError
-from kvpush.deploy.client import stream_completion
-from kvpush.deploy.plan import build_plan
-from kvpush.deploy.secrets import client_api_key
-from kvpush.deploy.topology import resolve_topology
+from kvpush.deploy.lifecycle.client import stream_completion
+from kvpush.deploy.plan.plan import build_plan
+from kvpush.deploy.lifecycle.secrets import client_api_key
+from kvpush.deploy.topology.topology import resolve_topology
 
 from .console import note, out, print_json, styled
 from .options import EXTRA_ARGUMENTS, FILE_OPTION, one_argument, examples

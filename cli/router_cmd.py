@@ -46,8 +46,8 @@ def register(app: typer.Typer) -> None:
                 raise UsageError(f"{config}: {validation_problem(exc)}") from None
             source = str(config)
         else:
-            from kvpush.deploy.plan import router_config as plan_router_config
-            from kvpush.deploy.topology import resolve_topology
+            from kvpush.deploy.plan.plan import router_config as plan_router_config
+            from kvpush.deploy.topology.topology import resolve_topology
 
             topo, source = resolve_topology(topology)
             planned = plan_router_config(topo)

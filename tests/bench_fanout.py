@@ -21,11 +21,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from kvpush.deploy.hosts import connected  # noqa: E402
-from kvpush.deploy.lifecycle import LifecycleOptions, down, up  # noqa: E402
-from kvpush.deploy.observe import deployment_status, require_state  # noqa: E402
+from kvpush.deploy.lifecycle.hosts import connected  # noqa: E402
+from kvpush.deploy.lifecycle.lifecycle import LifecycleOptions, down, up  # noqa: E402
+from kvpush.deploy.lifecycle.observe import deployment_status, require_state  # noqa: E402
 from kvpush.deploy.runners import SshOptions, fan_out, values_or_raise  # noqa: E402
-from kvpush.deploy.state import HostRecord  # noqa: E402
+from kvpush.deploy.lifecycle.state import HostRecord  # noqa: E402
 from lifecycle_helpers import kill_leftovers  # noqa: E402
 from sshd_hosts import SshdCluster, topology_for, write_standin_python  # noqa: E402
 

@@ -8,9 +8,10 @@ from pathlib import Path
 from chaos_topologies import chaos_topology
 from e2e_instances import KV_CACHE_GIB
 from fault_helpers import port_free
-from kvpush.deploy.lifecycle import LifecycleOptions, down, up
-from kvpush.deploy.plan import Plan, build_plan
-from kvpush.deploy.topology import Topology, parse_topology
+from kvpush.deploy.lifecycle.lifecycle import LifecycleOptions, down, up
+from kvpush.deploy.plan.plan import build_plan
+from kvpush.deploy.plan.plan_model import Plan
+from kvpush.deploy.topology.topology import Topology, parse_topology
 from lifecycle_helpers import kill_leftovers, processes_under
 
 # provision off: the instances run this checkout's venv; doctor's gate on, as a user's `up` runs it

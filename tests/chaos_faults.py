@@ -19,8 +19,8 @@ from typing import Callable
 
 from fault_helpers import instance_pids, status_rows
 from kvpush.common.vllm_metrics import metric_sum
-from kvpush.deploy.lifecycle import LifecycleOptions, up
-from kvpush.deploy.topology import Topology
+from kvpush.deploy.lifecycle.lifecycle import LifecycleOptions, up
+from kvpush.deploy.topology.topology import Topology
 
 IN_ROTATION = "kvpush_router_instance_in_rotation"
 

@@ -15,9 +15,9 @@ from chaos_logs import keep_log
 from chaos_prompts import PromptSet
 from chaos_requests import READ_TIMEOUT_S, RequestRecord, Sender, backs_off, random_job
 from fault_load import Load
-from kvpush.deploy.lifecycle import LifecycleOptions
-from kvpush.deploy.plan import build_plan
-from kvpush.deploy.topology import Topology
+from kvpush.deploy.lifecycle.lifecycle import LifecycleOptions
+from kvpush.deploy.plan.plan import build_plan
+from kvpush.deploy.topology.topology import Topology
 
 FAILED_BACK_OFF_S = 1.0  # a client whose request failed waits this long (a dead 1P1D decode fails every request)
 PROGRESS_EVERY_S = 30.0

@@ -74,8 +74,8 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     """The tiny model (seed 0) real vLLM loads on the CPU, made once per module."""
-    from kvpush.deploy.tiny_model import make_tiny_model
-    from kvpush.deploy.topology import TinyModelSpec
+    from kvpush.deploy.lifecycle.tiny_model import make_tiny_model
+    from kvpush.deploy.topology.topology import TinyModelSpec
 
     path = tmp_path_factory.mktemp("model") / "tiny"
     make_tiny_model(path, TinyModelSpec(seed=0))

@@ -11,7 +11,7 @@ import sys
 import time
 from typing import Callable, TypeVar
 
-from kvpush.deploy.observe import deployment_status, require_state
+from kvpush.deploy.lifecycle.observe import deployment_status, require_state
 from kvpush.deploy.runners import SshOptions
 
 

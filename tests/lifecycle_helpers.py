@@ -6,7 +6,7 @@ from contextlib import contextmanager
 
 import psutil
 
-from kvpush.deploy.lifecycle import Events, LifecycleOptions, down
+from kvpush.deploy.lifecycle.lifecycle import Events, LifecycleOptions, down
 from kvpush.deploy.runners import SshOptions
 from sshd_hosts import topology_for, write_standin_python
 

@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 from kvpush.common.deployment_secret import new_secret
-from kvpush.deploy.plan import Plan
+from kvpush.deploy.plan.plan_model import Plan
 from kvpush.deploy.runners import LocalRunner
-from kvpush.deploy.secrets import AccessKeys, SecretDelivery
+from kvpush.deploy.lifecycle.secrets import AccessKeys, SecretDelivery
 
 
 def write_secret_files(plan: Plan) -> AccessKeys:

@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 
 from e2e_instances import KV_CACHE_GIB
-from kvpush.deploy.plan import ProcessPlan, build_plan
-from kvpush.deploy.tiny_model import make_tiny_model
-from kvpush.deploy.topology import TinyModelSpec, parse_topology
+from kvpush.deploy.plan.plan import build_plan
+from kvpush.deploy.plan.plan_model import ProcessPlan
+from kvpush.deploy.lifecycle.tiny_model import make_tiny_model
+from kvpush.deploy.topology.topology import TinyModelSpec, parse_topology
 from plan_secrets import keyless
 from server_process import ServerProcess
 

@@ -185,7 +185,7 @@ def slurm_topology_for(cluster: SlurmCluster, name: str, python: str, workdir: P
     """A `launcher: slurm` Topology on this cluster: prefill on n1, decode on n2, ports from port_base."""
     import yaml
 
-    from kvpush.deploy.topology import parse_topology
+    from kvpush.deploy.topology.topology import parse_topology
 
     address = {n.name: n.address for n in cluster.nodes}
     instance_env = instance_env or {}

@@ -175,7 +175,7 @@ class SshdCluster:
 
     def host_address(self, host: SshdHost):
         """How kvpush reaches `host` (root, with the test client key)."""
-        from kvpush.deploy.host_address import HostAddress
+        from kvpush.deploy.topology.host_address import HostAddress
 
         return HostAddress(address=host.address, ssh_port=host.port, user="root", key=str(self.client_key))
 
@@ -209,7 +209,7 @@ def topology_for(cluster: SshdCluster, name: str, python: str, workdir: Path, *,
 
     Every host gets its own workdir under `workdir` because all test hosts share one filesystem.
     """
-    from kvpush.deploy.topology import parse_topology
+    from kvpush.deploy.topology.topology import parse_topology
 
     used = sorted(set(prefill) | set(decode) | {router})
     hosts = {f"h{i}": {**cluster.host_yaml(cluster.hosts[i]), "python": python, "workdir": str(workdir / f"h{i}")} for i in used}

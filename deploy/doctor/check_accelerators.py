@@ -1,7 +1,7 @@
 """Accelerators: the GPUs (or CPU cores) each instance is given exist, are free, and TP fits."""
 from __future__ import annotations
 
-from kvpush.deploy.topology import core_list_text, parse_core_list, rank_core_lists
+from kvpush.deploy.topology.topology import core_list_text, parse_core_list, rank_core_lists
 
 from .context import Check, DoctorContext, hung
 from .facts import HostFacts, Section

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from kvpush.connector.sharding import tp_problem
-from kvpush.deploy.model_config import kv_heads_from_config
+from kvpush.deploy.topology.model_config import kv_heads_from_config
 
 from .context import Check, DoctorContext, agreement
 from .facts import HostFacts

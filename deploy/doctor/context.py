@@ -4,9 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from kvpush.deploy.plan import Plan, ProcessPlan
+from kvpush.deploy.plan.plan_model import Plan, ProcessPlan
 from kvpush.deploy.runners.base import ProcessInfo
-from kvpush.deploy.topology import Topology
+from kvpush.deploy.topology.topology import Topology
 
 from .facts import HostFacts
 from .port_map import PortClaim, ReachTarget

@@ -17,10 +17,10 @@ from dataclasses import dataclass, field, replace
 from typing import Mapping
 
 from kvpush.common.errors import UsageError
-from kvpush.deploy.placement import bind_address
-from kvpush.deploy.plan import build_plan
+from kvpush.deploy.topology.placement import bind_address
+from kvpush.deploy.plan.plan import build_plan
 from kvpush.deploy.runners.base import parse_port_holders, port_holders_command
-from kvpush.deploy.topology import Topology
+from kvpush.deploy.topology.topology import Topology
 
 from . import (check_accelerators, check_fabric, check_limits, check_model, check_nixl, check_ports,
                check_software, check_transfer)

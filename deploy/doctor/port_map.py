@@ -4,8 +4,8 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from kvpush.deploy.placement import bind_address
-from kvpush.deploy.topology import Topology, listening_side_channel_ports
+from kvpush.deploy.topology.placement import bind_address
+from kvpush.deploy.topology.topology import Topology, listening_side_channel_ports
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,8 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
-from .plan import HostPlan, Plan, ProcessPlan
-from .runners import ProcessInfo
+from kvpush.deploy.plan.plan_model import HostPlan, Plan, ProcessPlan
+from kvpush.deploy.runners import ProcessInfo
 from .state import DeploymentState, ProcessRecord
 
 START_TIME_TOLERANCE_S = 1.5

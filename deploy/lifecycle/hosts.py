@@ -4,7 +4,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Iterator
 
-from .runners import HostResult, Runner, SshOptions, fan_out, runner_for
+from kvpush.deploy.runners import HostResult, Runner, SshOptions, fan_out, runner_for
 from .state import HostRecord
 
 
@@ -16,7 +16,7 @@ def _connect(runner: Runner) -> Runner:
 def runner_for_record(name: str, h: HostRecord, options: SshOptions) -> Runner:
     """The runner a recorded (or planned) host is driven through: SSH/local, or a Slurm node."""
     if h.slurm is not None:
-        from .runners.slurm import SlurmRunner
+        from kvpush.deploy.runners.slurm import SlurmRunner
 
         return SlurmRunner(name, h.address, h.slurm.get("job_id"), h.slurm.get("node"), h.slurm.get("srun_options"))
     return runner_for(name, h, options)

@@ -18,17 +18,18 @@ from kvpush.common.errors import KvpushError
 from . import slurm_allocation
 from .changes import Changes, diff_deployment
 from .hosts import connected
-from .plan import Plan, build_plan
+from kvpush.deploy.plan.plan import build_plan
+from kvpush.deploy.plan.plan_model import Plan
 from .process_view import ProcessView, view_deployment
 from .processes import Events, StartFailure, prepare_host, start_on_host, stop_processes, stop_records, wait_ready
 from .proof import Proof, prove_kv_transfer
 from .provision import ProvisionResult, WheelSource, local_digest, provision_host
 from .router_reload import hand_over
-from .runners import Runner, SshOptions, fan_out, values_or_raise
+from kvpush.deploy.runners import Runner, SshOptions, fan_out, values_or_raise
 from .secrets import (AccessKeys, SecretDelivery, client_api_key, ensure_local_secret, forget_local_secret,
                       read_user_secrets, remove_secret_files, restart_users_of)
 from .state import DeploymentState, HostRecord, ProcessRecord, load_state, locked, remove_state, save_state
-from .topology import Topology
+from kvpush.deploy.topology.topology import Topology
 
 __all__ = ["DownResult", "Events", "LifecycleOptions", "Proof", "StartFailure", "UpResult", "down",
            "prove_kv_transfer", "stop_processes", "up"]
@@ -89,7 +90,7 @@ def _clear_leftovers(runners: dict[str, Runner], state: DeploymentState, views: 
 
 def _doctor_gate(topo: Topology, runners: dict[str, Runner], running: frozenset[str], events: Events) -> None:
     """Doctor's fast checks on every host before anything running stops or anything starts."""
-    from .doctor import fast_checks
+    from kvpush.deploy.doctor import fast_checks
 
     events.process("doctor", "checking hosts")
     report = fast_checks(topo, runners, running=running)

@@ -11,7 +11,7 @@ from kvpush.common.errors import KvpushError, UsageError
 from .hosts import connected
 from .process_view import view_processes
 from .supervise import SupervisorStatus
-from .runners import Runner, SshOptions, fan_out
+from kvpush.deploy.runners import Runner, SshOptions, fan_out
 from .secrets import AccessKeys
 from .slurm_allocation import ended_message
 from .state import DeploymentState, ProcessRecord, load_state

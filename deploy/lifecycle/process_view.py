@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 
 from .changes import is_running
-from .runners import ProcessInfo, Runner, fan_out, values_or_raise
+from kvpush.deploy.runners import ProcessInfo, Runner, fan_out, values_or_raise
 from .state import DeploymentState, ProcessRecord
 from .supervise import SupervisorStatus
 

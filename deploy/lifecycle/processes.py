@@ -8,12 +8,12 @@ import time
 from kvpush.common.errors import KvpushError
 
 from .changes import is_running, launch_digest, reload_digest
-from .plan import HostPlan
-from .runners import Runner, fan_out, values_or_raise
+from kvpush.deploy.plan.plan_model import HostPlan
+from kvpush.deploy.runners import Runner, fan_out, values_or_raise
 from .secrets import AccessKeys
 from .state import ProcessRecord
 from .tiny_model import MARKER as TINY_MODEL_MARKER
-from .topology import Topology
+from kvpush.deploy.topology.topology import Topology
 
 LOG_TAIL_LINES = 30
 
@@ -95,7 +95,7 @@ def prepare_host(runner: Runner, host: HostPlan, topo: Topology) -> None:
         spec = shlex.quote(topo.model.tiny.model_dump_json())
         runner.run(
             f"test -f {shlex.quote(model + '/' + TINY_MODEL_MARKER)} || "
-            f"{py} -m kvpush.deploy.tiny_model {shlex.quote(model)} --spec {spec}", timeout=600,
+            f"{py} -m kvpush.deploy.lifecycle.tiny_model {shlex.quote(model)} --spec {spec}", timeout=600,
         ).check(f"making the tiny model at {topo.model.path}")
 
 

@@ -10,9 +10,9 @@ from kvpush.common.errors import KvpushError
 from kvpush.common.vllm_metrics import external_kv_tokens
 
 from .client import COMPLETIONS_PATH, completion_body
-from .plan import Plan
+from kvpush.deploy.plan.plan_model import Plan
 from .router_ready import wait_router_ready
-from .runners import Runner
+from kvpush.deploy.runners import Runner
 from .secrets import AccessKeys
 
 ROUTER_ROTATION_WAIT_S = 60.0

@@ -17,8 +17,8 @@ from pathlib import Path
 
 from . import host_probe
 from kvpush.common.errors import KvpushError
-from .plan import HostPlan
-from .runners import HostError, Runner
+from kvpush.deploy.plan.plan_model import HostPlan
+from kvpush.deploy.runners import HostError, Runner
 
 WHEEL_CACHE = Path.home() / ".cache" / "kvpush" / "wheels"
 REMOTE_WHEEL_DIR = "~/.kvpush/wheels"
@@ -183,8 +183,8 @@ def install_vllm_stack(runner: Runner, host: HostPlan, venv: str) -> None:
 def provision_all(topo, ssh, with_vllm: bool = False) -> list[ProvisionResult]:
     """`kvpush provision`: every host of the plan, in parallel; raises naming each failed host."""
     from .hosts import connected
-    from .plan import build_plan
-    from .runners import fan_out, values_or_raise
+    from kvpush.deploy.plan.plan import build_plan
+    from kvpush.deploy.runners import fan_out, values_or_raise
     from .state import HostRecord
 
     plan = build_plan(topo)

@@ -15,7 +15,7 @@ from typing import Callable, Collection
 from kvpush.common.errors import KvpushError
 from kvpush.common.vllm_metrics import samples
 
-from .runners import Runner
+from kvpush.deploy.runners import Runner
 from .secrets import AccessKeys
 
 ROUTER_IN_ROTATION = "kvpush_router_instance_in_rotation"

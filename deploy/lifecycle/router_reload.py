@@ -16,9 +16,10 @@ from typing import Callable
 from kvpush.router.instances import InstanceList, ReloadProgress, reload_progress
 
 from .changes import Changes, reload_digest
-from .plan import ROUTER_INSTANCES_FILE, HostPlan, Plan, ProcessPlan
+from kvpush.deploy.plan.plan import ROUTER_INSTANCES_FILE
+from kvpush.deploy.plan.plan_model import HostPlan, Plan, ProcessPlan
 from .processes import Events
-from .runners import HostError, Runner
+from kvpush.deploy.runners import HostError, Runner
 from .secrets import AccessKeys
 from .state import DeploymentState, ProcessRecord, save_state
 

@@ -4,8 +4,8 @@
 a fresh deployment secret when it starts and derives every secret file from it with this module,
 so the derivation is kvpush's own (secrets.secret_file_content), not a copy in shell.
 
-    python -m kvpush.deploy.secret_content new > SECRET             # a fresh deployment secret file
-    python -m kvpush.deploy.secret_content KIND --secret SECRET \\
+    python -m kvpush.deploy.lifecycle.secret_content new > SECRET             # a fresh deployment secret file
+    python -m kvpush.deploy.lifecycle.secret_content KIND --secret SECRET \\
         [--client-key-env NAME | --client-key-file PATH]            # one secret file of the plan, on stdout
         [--user-secret NAME=env:VAR | --user-secret NAME=file:PATH ...]   # instance-env: the topology's secrets
 
@@ -22,9 +22,9 @@ from pydantic import ValidationError
 from kvpush.common import deployment_secret as ds
 from kvpush.common.errors import KvpushError
 
-from .placement import SecretKind
+from kvpush.deploy.topology.placement import SecretKind
 from .secrets import AccessKeys, read_client_key, read_user_secrets, secret_file_content
-from .topology_schema import SecretSource
+from kvpush.deploy.topology.topology_schema import SecretSource
 
 NEW = "new"
 IN_THE_JOB = ("in the job's environment", "export it before `sbatch` (the job takes the submitter's environment)",
@@ -68,7 +68,7 @@ def content(kind: str, secret_path: str | None, client_key_env: str | None = Non
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvpush.deploy.secret_content")
+    parser = argparse.ArgumentParser(prog="python -m kvpush.deploy.lifecycle.secret_content")
     parser.add_argument("kind", help=f"{NEW} or one of {', '.join(get_args(SecretKind))}")
     parser.add_argument("--secret", help="the deployment secret file to derive from")
     parser.add_argument("--client-key-env", help="the variable holding the router's client key (router.api_key_env)")

@@ -25,13 +25,13 @@ from kvpush.common.errors import UsageError
 from kvpush.common.instance_auth import KEY_VARIABLE
 
 from .changes import Changes
-from .placement import secret_paths_in
-from .plan import HostPlan, Plan, SecretFilePlan
-from .private_file import private_write_command
-from .runners import Runner, fan_out, values_or_raise
+from kvpush.deploy.topology.placement import secret_paths_in
+from kvpush.deploy.plan.plan_model import HostPlan, Plan, SecretFilePlan
+from kvpush.deploy.plan.private_file import private_write_command
+from kvpush.deploy.runners import Runner, fan_out, values_or_raise
 from .state import state_dir, write_private_atomically
-from .topology import Topology
-from .topology_schema import SecretSource
+from kvpush.deploy.topology.topology import Topology
+from kvpush.deploy.topology.topology_schema import SecretSource
 
 API_KEY_VARIABLE = KEY_VARIABLE  # VLLM_API_KEY: vLLM's --api-key, and the instance key kvpush's middleware checks
 

@@ -16,11 +16,11 @@ from typing import Iterator
 
 from kvpush.common.errors import KvpushError, UsageError
 
-from .runners.slurm_cli import HOPELESS_REASONS, JobInfo, SlurmClient, job_gone_words, sbatch_error_field
-from .slurm_render import hold_script, job_name, sbatch_options
-from .slurm_topology import bind_allocation, node_count
+from kvpush.deploy.runners.slurm_cli import HOPELESS_REASONS, JobInfo, SlurmClient, job_gone_words, sbatch_error_field
+from kvpush.deploy.plan.slurm_render import hold_script, job_name, sbatch_options
+from kvpush.deploy.topology.slurm_topology import bind_allocation, node_count
 from .state import DeploymentState, load_state, remove_state, save_state
-from .topology import Topology
+from kvpush.deploy.topology.topology import Topology
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Iterator
 
 from kvpush.common.errors import KvpushError
-from .host_address import HostAddress, base_url
-from .plan import HostPlan
+from kvpush.deploy.topology.host_address import HostAddress, base_url
+from kvpush.deploy.plan.plan_model import HostPlan
 
 STATE_VERSION = 1
 

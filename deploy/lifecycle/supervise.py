@@ -1,4 +1,4 @@
-"""`python -m kvpush.deploy.supervise ... -- CMD ARGS`: one small process that owns CMD's whole tree.
+"""`python -m kvpush.deploy.lifecycle.supervise ... -- CMD ARGS`: one small process that owns CMD's whole tree.
 
 Any launcher (local, SSH, Slurm) starts a vLLM server or the router wrapped in it. It:
 - leads its own process group, so signalling the group reaches everything (what `kvpush down` does);
@@ -27,7 +27,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
-MODULE = "kvpush.deploy.supervise"
+MODULE = "kvpush.deploy.lifecycle.supervise"
 RESTART_POLICIES = ("never", "on-failure")
 STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 # Passed on to the command, not acted on: e.g. a reload request. The supervisor has no terminal

@@ -2,7 +2,7 @@
 
 No model hub is reachable, so demos and tests use this. Same spec -> byte-identical files.
 Runs wherever vLLM's Python stack is installed (torch, tokenizers, transformers, safetensors);
-`kvpush up` runs it on each host that lacks the model: `python -m kvpush.deploy.tiny_model PATH --spec JSON`.
+`kvpush up` runs it on each host that lacks the model: `python -m kvpush.deploy.lifecycle.tiny_model PATH --spec JSON`.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from .topology import TinyModelSpec
+from kvpush.deploy.topology.topology import TinyModelSpec
 
 MARKER = "kvpush-tiny-model.json"  # written last: its presence means the model is complete
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .topology import InstanceSpec, Role, Topology
+    from kvpush.deploy.topology.topology import InstanceSpec, Role, Topology
 
 TRACES_FLAG = "--otlp-traces-endpoint"
 INSTANCE_ATTRIBUTE = "service.name"  # the instance's name (prefill-0, decode-0, ...)

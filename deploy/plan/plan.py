@@ -7,135 +7,19 @@ a host in placement.py; this module assembles them, with the router's config and
 """
 from __future__ import annotations
 
-import hashlib
-import json
-from dataclasses import asdict, dataclass, field
-from typing import Literal
-
 from kvpush.router.config import PrefixAwareSettings, RouterConfig, Timeouts, Upstream
 from kvpush.router.instances import InstanceList
 
 from . import slurm_render
-from .host_address import HEALTH_PATH, HostAddress, base_url, http_url
-from .placement import SecretKind, bind_address, deployment_dir, on_cores, secret_path
-from .supervise import supervisor_argv
-from .topology import ROUTER_PROCESS_NAME, HostSpec, InstanceSpec, RestartSpec, Role, Topology, listening_side_channel_ports
+from kvpush.deploy.topology.host_address import HEALTH_PATH, http_url
+from kvpush.deploy.topology.placement import bind_address, deployment_dir, on_cores, secret_path
+from .plan_model import FilePlan, HostPlan, Plan, ProcessPlan, SecretFilePlan, digest
+from kvpush.deploy.lifecycle.supervise import supervisor_argv
+from kvpush.deploy.topology.topology import ROUTER_PROCESS_NAME, HostSpec, InstanceSpec, RestartSpec, Role, Topology, listening_side_channel_ports
 from .vllm_launch import engine_id, instance_env_names, kv_transfer_config, vllm_argv, vllm_env
 
-ProcessRole = Literal["prefill", "decode", "router"]
 ROUTER_INSTANCES_FILE = "router-instances.json"
 ROUTER_MODULE = "kvpush.router"
-
-
-@dataclass(frozen=True)
-class ProcessPlan:
-    name: str
-    role: ProcessRole
-    host: str
-    argv: list[str]
-    env: dict[str, str]  # added to the host's environment
-    cwd: str
-    log_path: str
-    http_port: int
-    health_url: str
-    side_channel_ports: list[int] = field(default_factory=list)
-    env_file: str | None = None  # a 0600 file of secret variables the launch sources (written by `up`)
-    env_file_names: list[str] = field(default_factory=list)  # the variables it holds (their names only)
-    # What argv runs under (kvpush.deploy.supervise: the tree dies with it, restarts, status file).
-    supervisor: list[str] = field(default_factory=list)
-    status_path: str = ""
-    # Host files the process reads again on SIGHUP (the router's instance list): `up` rewrites them
-    # and signals it, instead of restarting it.
-    reload_files: list[str] = field(default_factory=list)
-
-    @property
-    def base_url(self) -> str:
-        return base_url(self.health_url)
-
-    @property
-    def launch_argv(self) -> list[str]:
-        """What a launcher starts: argv under its supervisor."""
-        return self.supervisor + self.argv
-
-    def digest(self) -> str:
-        """Changes whenever anything about how this process is launched changes (what it reloads
-        is not how it is launched)."""
-        launch = asdict(self)
-        del launch["reload_files"]
-        return _digest(launch)
-
-
-@dataclass(frozen=True)
-class FilePlan:
-    path: str
-    content: str
-
-
-@dataclass(frozen=True)
-class SecretFilePlan:
-    path: str
-    kind: SecretKind
-    used_by: list[str]  # processes that read it at start: a new content restarts them
-
-
-@dataclass(kw_only=True)
-class HostPlan(HostAddress):
-    name: str
-    workdir: str
-    python: str
-    files: list[FilePlan]
-    processes: list[ProcessPlan]
-    secret_files: list[SecretFilePlan] = field(default_factory=list)
-    slurm: dict | None = None  # launcher slurm: job_id, node, srun_options (deploy/slurm_render.py)
-
-
-@dataclass(frozen=True)
-class Plan:
-    deployment: str
-    connector: str
-    platform: str
-    model_path: str
-    served_model_name: str
-    router_url: str
-    hosts: list[HostPlan]
-    topology_digest: str
-    slurm: dict | None = None  # launcher slurm: sbatch options and script, each process's srun line
-
-    def processes(self) -> list[ProcessPlan]:
-        return [p for h in self.hosts for p in h.processes]
-
-    def instance_names(self) -> set[str]:
-        """The vLLM instances (what the router's instance list names)."""
-        return {p.name for p in self.processes() if p.role != "router"}
-
-    def process(self, name: str) -> ProcessPlan:
-        for proc in self.processes():
-            if proc.name == name:
-                return proc
-        raise KeyError(name)
-
-    def router_url_from_here(self) -> str:
-        """The router's URL for a client where kvpush runs: `router_url` (as its own host reaches it)
-        when the router runs on this machine, else its host's address."""
-        router = next(p for p in self.processes() if p.role == "router")
-        host = self.host(router.host)
-        return self.router_url if host.is_local else http_url(host.address, router.http_port)
-
-    def host(self, name: str) -> HostPlan:
-        for host in self.hosts:
-            if host.name == name:
-                return host
-        raise KeyError(name)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)
-
-
-def _digest(obj: object) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _supervision(host: HostSpec, workdir: str, name: str, restart: RestartSpec) -> dict:
@@ -303,6 +187,6 @@ def build_plan(topo: Topology) -> Plan:
         served_model_name=topo.model.name,
         router_url=router.base_url,
         hosts=hosts,
-        topology_digest=_digest(topo.model_dump(mode="json")),
+        topology_digest=digest(topo.model_dump(mode="json")),
         slurm=slurm_render.plan_fields(topo, hosts),
     )

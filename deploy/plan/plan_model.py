@@ -11,8 +11,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-from kvpush.deploy.topology.topology.host_address import HostAddress, base_url, http_url
-from kvpush.deploy.topology.topology.placement import SecretKind
+from kvpush.deploy.topology.host_address import HostAddress, base_url, http_url
+from kvpush.deploy.topology.placement import SecretKind
 
 ProcessRole = Literal["prefill", "decode", "router"]
 

@@ -11,10 +11,10 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from . import slurm_render
-from .secret_looking import REDACTED, is_secret_env_name, redact_argv, redact_env
+from kvpush.deploy.topology.secret_looking import REDACTED, is_secret_env_name, redact_argv, redact_env
 
 if TYPE_CHECKING:
-    from .plan import HostPlan, Plan, ProcessPlan
+    from .plan_model import HostPlan, Plan, ProcessPlan
 
 __all__ = ["REDACTED", "is_secret_env_name", "redact_argv", "redact_env", "redact_plan"]
 

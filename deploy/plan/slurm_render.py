@@ -12,19 +12,20 @@ from typing import TYPE_CHECKING
 from kvpush.common.errors import UsageError
 
 from .private_file import private_write_command
-from .secret_looking import secret_looking_fields
-from .runners.base import shell_word
-from .runners.slurm_step import srun_argv, step_shell
-from .slurm_topology import node_count, used_hosts
-from .tiny_model import MARKER as TINY_MODEL_MARKER
-from .topology import Topology
+from kvpush.deploy.topology.secret_looking import secret_looking_fields
+from kvpush.deploy.runners.base import shell_word
+from kvpush.deploy.runners.slurm_step import srun_argv, step_shell
+from kvpush.deploy.topology.slurm_topology import node_count, used_hosts
+from kvpush.deploy.lifecycle.secret_content import user_secret_word
+from kvpush.deploy.lifecycle.tiny_model import MARKER as TINY_MODEL_MARKER
+from kvpush.deploy.topology.topology import Topology
 
 if TYPE_CHECKING:
-    from .plan import HostPlan, ProcessPlan
+    from .plan_model import HostPlan, ProcessPlan
 
 HOLD_COMMAND = "exec sleep infinity"
 SCRIPT_EOF = "KVPUSH_FILE_END"
-SECRET_MODULE = "kvpush.deploy.secret_content"  # run by the job: derives each secret file (never in the script)
+SECRET_MODULE = "kvpush.deploy.lifecycle.secret_content"  # run by the job: derives each secret file (never in the script)
 
 
 def job_name(topo: Topology) -> str:
@@ -145,7 +146,7 @@ def standalone_script(topo: Topology, hosts: list["HostPlan"], source: str) -> s
         if topo.model.tiny is not None and any(p.role != "router" for p in host.processes):
             model = topo.model.path
             make = (f"test -f {shell_word(model + '/' + TINY_MODEL_MARKER)} || {shell_word(host.python)} -m "
-                    f"kvpush.deploy.tiny_model {shell_word(model)} --spec {shlex.quote(topo.model.tiny.model_dump_json())}")
+                    f"kvpush.deploy.lifecycle.tiny_model {shell_word(model)} --spec {shlex.quote(topo.model.tiny.model_dump_json())}")
             lines += [f"# the tiny model on {host.name}", shlex.join(step_argv_for(host, "make-model", make))]
     lines.append("# the processes")
     for host in hosts:
@@ -183,8 +184,6 @@ def _secret_file_lines(topo: Topology, hosts: list["HostPlan"]) -> list[str]:
         "esac",
         f'"$kvpush_python" -m {SECRET_MODULE} new >"$kvpush_private/secret" || exit 1',
     ]
-    from .secret_content import user_secret_word  # it imports the plan, which imports this module
-
     router = topo.router
     for kind in kinds:
         sources = ""

@@ -8,8 +8,8 @@ import json
 from kvpush.common.instance_auth import KEY_VARIABLE, MIDDLEWARE_PATH, PUBLIC_PATHS_VARIABLE
 
 from .engine_tracing import tracing_argv, tracing_env
-from .placement import bind_address, on_cores, secret_path
-from .topology import InstanceSpec, Role, Topology, core_list_text, parse_core_list
+from kvpush.deploy.topology.placement import bind_address, on_cores, secret_path
+from kvpush.deploy.topology.topology import InstanceSpec, Role, Topology, core_list_text, parse_core_list
 
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 QUIET_ENDPOINTS = "/health,/metrics"  # paths the instance's access log leaves out

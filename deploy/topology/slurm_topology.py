@@ -11,7 +11,7 @@ from typing import Callable
 
 from kvpush.common.errors import UsageError
 
-from .topology import SlurmSpec, Topology
+from .topology_schema import SlurmSpec, Topology
 
 SSH_ONLY_FIELDS = ("ssh_port", "user", "key")
 

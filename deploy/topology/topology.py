@@ -19,6 +19,7 @@ from .topology_defaults import apply_defaults, listening_side_channel_ports, sid
 from .topology_schema import (NAME_PATTERN, ROUTER_PROCESS_NAME, Backend, ConnectorSpec, ConnectorType, HostSpec,
                               InstanceSpec, ModelSpec, RestartSpec, Role, RouterSpec, SlurmSpec, TinyModelSpec, Topology,
                               TopologyError, TracingSpec, topology_field_names)
+from .slurm_topology import check_slurm_fields  # the Slurm launcher's own rules live with it
 from .topology_security import check_security_fields
 from .topology_values import core_list_text, parse_core_list, rank_core_lists
 from .yaml_source import SourceDocument, YamlSyntaxError, load_yaml_file, parse_yaml
@@ -58,8 +59,6 @@ def topology_from_document(doc: SourceDocument) -> Topology:
     apply_defaults(topo, problems.fail)
     check_cross_fields(topo, problems)
     check_security_fields(topo, problems.fail)
-    from .slurm_topology import check_slurm_fields  # the launcher's own rules live with it
-
     check_slurm_fields(topo, problems.fail)
     return topo
 

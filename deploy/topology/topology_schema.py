@@ -167,7 +167,7 @@ def _restart_shorthand(value: Any) -> Any:
 
 
 class RestartSpec(_Model):
-    """What the process's supervisor does when it exits on its own (see kvpush.deploy.supervise)."""
+    """What the process's supervisor does when it exits on its own (see kvpush.deploy.lifecycle.supervise)."""
 
     policy: Literal["never", "on-failure"] = Field("never", description="on-failure: start it again after a crash")
     max_restarts: IntNotBool = Field(3, ge=1, le=1000, description="restarts allowed within window_s; then it stays down")
@@ -309,7 +309,7 @@ def _otlp_endpoint(value: str) -> str:
 class TracingSpec(_Model):
     """vLLM's own OpenTelemetry spans, one per request, sent by every instance (`--otlp-traces-endpoint`).
     Each instance names itself by its service name and the kvpush.deployment and kvpush.role resource
-    attributes (deploy/engine_tracing.py). `kvpush bench` sets this itself where it measures."""
+    attributes (deploy/plan/engine_tracing.py). `kvpush bench` sets this itself where it measures."""
 
     otlp_endpoint: Annotated[str, AfterValidator(_otlp_endpoint)] = Field(
         description="where the spans go, e.g. http://collector:4318/v1/traces (http/protobuf) or http://collector:4317 (grpc)")

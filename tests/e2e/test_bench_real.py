@@ -15,14 +15,14 @@ import os
 
 import pytest
 
-from kvpush.deploy.bench.engine_timings import read_kept
-from kvpush.deploy.bench.modes import bench_topology
-from kvpush.deploy.bench.options import BenchOptions
-from kvpush.deploy.bench.recompute import recompute
-from kvpush.deploy.bench.runner import run_bench
-from kvpush.deploy.lifecycle import LifecycleOptions
-from kvpush.deploy.state import load_state
-from kvpush.deploy.topology import parse_topology
+from kvpush.bench.engine_timings import read_kept
+from kvpush.bench.modes import bench_topology
+from kvpush.bench.options import BenchOptions
+from kvpush.bench.recompute import recompute
+from kvpush.bench.runner import run_bench
+from kvpush.deploy.lifecycle.lifecycle import LifecycleOptions
+from kvpush.deploy.lifecycle.state import load_state
+from kvpush.deploy.topology.topology import parse_topology
 from kvpush.templates import DEFAULT_TEMPLATE, template_text
 from e2e_instances import KV_CACHE_GIB
 from fault_helpers import port_free

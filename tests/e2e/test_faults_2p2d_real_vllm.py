@@ -30,10 +30,10 @@ from dataclasses import dataclass
 
 from kvpush.common.kv_params import CONSUMER, PushParams
 from kvpush.common.vllm_metrics import metric_sum
-from kvpush.deploy.lifecycle import LifecycleOptions, down, up
-from kvpush.deploy.plan import build_plan
-from kvpush.deploy.secrets import observed_keys
-from kvpush.deploy.topology import parse_topology
+from kvpush.deploy.lifecycle.lifecycle import LifecycleOptions, down, up
+from kvpush.deploy.plan.plan import build_plan
+from kvpush.deploy.lifecycle.secrets import observed_keys
+from kvpush.deploy.topology.topology import parse_topology
 from kvpush.router.vllm_errors import GENERATION, classify_event, event_failure_kind, failure_kind
 from fault_helpers import cli_status, hang_instance, kill_until_shown_dead, port_free, status_rows, wait_healthy
 from e2e_instances import KV_CACHE_GIB

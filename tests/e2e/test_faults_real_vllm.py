@@ -31,9 +31,10 @@ from pathlib import Path
 
 import pytest
 
-from kvpush.deploy.lifecycle import LifecycleOptions, down, up
-from kvpush.deploy.plan import Plan, build_plan
-from kvpush.deploy.topology import Topology, parse_topology
+from kvpush.deploy.lifecycle.lifecycle import LifecycleOptions, down, up
+from kvpush.deploy.plan.plan import build_plan
+from kvpush.deploy.plan.plan_model import Plan
+from kvpush.deploy.topology.topology import Topology, parse_topology
 from deployment_slot import DeploymentSlot
 from e2e_instances import KV_CACHE_GIB
 from fault_helpers import cli_status, hang_instance, kill_until_shown_dead, port_free, status_rows, wait_healthy

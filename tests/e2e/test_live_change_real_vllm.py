@@ -20,10 +20,10 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
-from kvpush.deploy.lifecycle import LifecycleOptions, down, up
-from kvpush.deploy.observe import require_state
-from kvpush.deploy.plan import build_plan
-from kvpush.deploy.topology import parse_topology
+from kvpush.deploy.lifecycle.lifecycle import LifecycleOptions, down, up
+from kvpush.deploy.lifecycle.observe import require_state
+from kvpush.deploy.plan.plan import build_plan
+from kvpush.deploy.topology.topology import parse_topology
 from lifecycle_helpers import RecordingEvents, kill_leftovers, processes_under
 from random_prompts import VOCAB
 from fault_helpers import port_free, status_rows

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from kvpush.deploy.plan import build_plan
-from kvpush.deploy.topology import parse_topology
+from kvpush.deploy.plan.plan import build_plan
+from kvpush.deploy.topology.topology import parse_topology
 from kvpush.common.vllm_metrics import PROMPT_TOKENS_BY_SOURCE, metric_sum
 from deployment_slot import DeploymentSlot
 from e2e_instances import KV_CACHE_GIB

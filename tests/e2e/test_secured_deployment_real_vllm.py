@@ -18,15 +18,15 @@ import pytest
 
 from kvpush.common import deployment_secret as ds
 from kvpush.common.vllm_metrics import metric_sum
-from kvpush.deploy.bench.client import BenchClient, LoadSpec
-from kvpush.deploy.bench.results import parse_client_result
-from kvpush.deploy.hosts import connected
-from kvpush.deploy.lifecycle import down, up
-from kvpush.deploy.observe import deployment_status, require_state
-from kvpush.deploy.secrets import AccessKeys, local_secret_path
-from kvpush.deploy.state import load_state
-from kvpush.deploy.tiny_model import make_tiny_model
-from kvpush.deploy.topology import TinyModelSpec
+from kvpush.bench.client import BenchClient, LoadSpec
+from kvpush.bench.results import parse_client_result
+from kvpush.deploy.lifecycle.hosts import connected
+from kvpush.deploy.lifecycle.lifecycle import down, up
+from kvpush.deploy.lifecycle.observe import deployment_status, require_state
+from kvpush.deploy.lifecycle.secrets import AccessKeys, local_secret_path
+from kvpush.deploy.lifecycle.state import load_state
+from kvpush.deploy.lifecycle.tiny_model import make_tiny_model
+from kvpush.deploy.topology.topology import TinyModelSpec
 from e2e_instances import KV_CACHE_GIB
 from lifecycle_helpers import RecordingEvents, kill_leftovers, options, processes_under
 from sshd_hosts import SshdCluster, topology_for

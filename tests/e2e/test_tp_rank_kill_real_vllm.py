@@ -20,9 +20,9 @@ import pytest
 
 from kvpush.common.kv_params import PushParams
 from kvpush.common.vllm_metrics import metric_sum
-from kvpush.deploy.plan import build_plan, router_config
-from kvpush.deploy.tiny_model import make_tiny_model
-from kvpush.deploy.topology import TinyModelSpec, parse_topology
+from kvpush.deploy.plan.plan import build_plan, router_config
+from kvpush.deploy.lifecycle.tiny_model import make_tiny_model
+from kvpush.deploy.topology.topology import TinyModelSpec, parse_topology
 from plan_secrets import keyless, write_secret_files
 from e2e_instances import KV_CACHE_GIB
 from random_prompts import full_length_prompts

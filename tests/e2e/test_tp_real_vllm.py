@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import pytest
 
 from kvpush.common.vllm_metrics import PROMPT_TOKENS_BY_SOURCE, metric_sum
-from kvpush.deploy.plan import build_plan, router_config
-from kvpush.deploy.tiny_model import make_tiny_model
-from kvpush.deploy.topology import TinyModelSpec, parse_topology
+from kvpush.deploy.plan.plan import build_plan, router_config
+from kvpush.deploy.lifecycle.tiny_model import make_tiny_model
+from kvpush.deploy.topology.topology import TinyModelSpec, parse_topology
 from e2e_instances import KV_CACHE_GIB
 from plan_secrets import keyless, write_secret_files
 from random_prompts import full_length_prompts, random_prompts

@@ -22,11 +22,11 @@ import yaml
 
 from kvpush.cli.main import run as cli_run
 from kvpush.common.vllm_metrics import external_kv_tokens
-from kvpush.deploy.plan import build_plan
+from kvpush.deploy.plan.plan import build_plan
 from kvpush.deploy.runners.slurm_cli import SlurmClient
-from kvpush.deploy.state import load_state
-from kvpush.deploy.tiny_model import make_tiny_model
-from kvpush.deploy.topology import TinyModelSpec, load_topology
+from kvpush.deploy.lifecycle.state import load_state
+from kvpush.deploy.lifecycle.tiny_model import make_tiny_model
+from kvpush.deploy.topology.topology import TinyModelSpec, load_topology
 from kvpush.templates import template_text
 from deployment_slot import DeploymentSlot
 from e2e_instances import KV_CACHE_GIB

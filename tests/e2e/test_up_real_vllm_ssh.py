@@ -11,13 +11,13 @@ import sys
 import psutil
 import pytest
 
-from kvpush.deploy.lifecycle import down, up
-from kvpush.deploy.plan import build_plan
-from kvpush.deploy.observe import deployment_status, require_state
+from kvpush.deploy.lifecycle.lifecycle import down, up
+from kvpush.deploy.plan.plan import build_plan
+from kvpush.deploy.lifecycle.observe import deployment_status, require_state
 from kvpush.deploy.runners import LocalRunner
-from kvpush.deploy.state import load_state
-from kvpush.deploy.tiny_model import make_tiny_model
-from kvpush.deploy.topology import TinyModelSpec
+from kvpush.deploy.lifecycle.state import load_state
+from kvpush.deploy.lifecycle.tiny_model import make_tiny_model
+from kvpush.deploy.topology.topology import TinyModelSpec
 from kvpush.common.vllm_metrics import external_kv_tokens
 from e2e_instances import KV_CACHE_GIB
 from lifecycle_helpers import RecordingEvents, kill_leftovers, options, processes_under
@@ -81,7 +81,7 @@ def test_1p1d_over_ssh_matches_a_single_server_and_moves_kv(e2e_hosts, reference
         router_workers = psutil.Process(router.pid).children()
         assert len(router_workers) == 2
 
-        from kvpush.deploy.hosts import connected
+        from kvpush.deploy.lifecycle.hosts import connected
 
         with connected(state.hosts, opts.ssh) as (runners, _):
             decode = state.processes["decode-0"]

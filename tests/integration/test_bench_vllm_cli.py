@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 
-from kvpush.deploy.bench.client import LoadSpec, bench_serve_argv
+from kvpush.bench.client import LoadSpec, bench_serve_argv
 
 
 def _load(tmp_path) -> LoadSpec:

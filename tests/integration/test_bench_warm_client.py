@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from kvpush.deploy.bench.client import BenchClient, LoadSpec
-from kvpush.deploy.topology import TinyModelSpec
+from kvpush.bench.client import BenchClient, LoadSpec
+from kvpush.deploy.topology.topology import TinyModelSpec
 from kvpush.router.fake_upstream import FakeVllm
 
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory) -> Path:
-    from kvpush.deploy.tiny_model import make_tiny_model
+    from kvpush.deploy.lifecycle.tiny_model import make_tiny_model
 
     path = tmp_path_factory.mktemp("tiny") / "model"
     make_tiny_model(path, TinyModelSpec())

@@ -21,9 +21,9 @@ import yaml
 from kvpush.deploy.doctor import DoctorOptions, Status, run_doctor
 from kvpush.deploy.doctor.check_accelerators import bf16_is_emulated
 from kvpush.deploy.doctor.facts_probe import cpu_flags
-from kvpush.deploy.plan import build_plan
+from kvpush.deploy.plan.plan import build_plan
 from kvpush.deploy.runners import SshOptions, SshRunner
-from kvpush.deploy.topology import parse_topology
+from kvpush.deploy.topology.topology import parse_topology
 
 SSHD_FIRST = os.environ.get("KVPUSH_DOCTOR_SSHD_FIRST", "127.0.1.2")
 PORT_BASE = int(os.environ.get("KVPUSH_DOCTOR_PORT_BASE", "16000"))
@@ -40,8 +40,8 @@ def cluster(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
-    from kvpush.deploy.tiny_model import make_tiny_model
-    from kvpush.deploy.topology import TinyModelSpec
+    from kvpush.deploy.lifecycle.tiny_model import make_tiny_model
+    from kvpush.deploy.topology.topology import TinyModelSpec
 
     path = tmp_path_factory.mktemp("model") / "tiny"
     make_tiny_model(path, TinyModelSpec())

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import yaml
 
-from kvpush.deploy.lifecycle import LifecycleOptions, down, up
-from kvpush.deploy.observe import deployment_status, require_state
+from kvpush.deploy.lifecycle.lifecycle import LifecycleOptions, down, up
+from kvpush.deploy.lifecycle.observe import deployment_status, require_state
 from kvpush.deploy.runners import SshOptions
-from kvpush.deploy.state import load_state
-from kvpush.deploy.topology import parse_topology
+from kvpush.deploy.lifecycle.state import load_state
+from kvpush.deploy.topology.topology import parse_topology
 from sshd_hosts import write_standin_python
 
 from lifecycle_helpers import kill_leftovers, processes_under

@@ -12,12 +12,12 @@ import subprocess
 import psutil
 import pytest
 
-from kvpush.deploy.lifecycle import down, up
-from kvpush.deploy.observe import deployment_status, require_state
+from kvpush.deploy.lifecycle.lifecycle import down, up
+from kvpush.deploy.lifecycle.observe import deployment_status, require_state
 from kvpush.deploy.runners import SshOptions
 from kvpush.deploy.runners.slurm_cli import SlurmClient
-from kvpush.deploy.state import load_state
-from kvpush.deploy.lifecycle import LifecycleOptions
+from kvpush.deploy.lifecycle.state import load_state
+from kvpush.deploy.lifecycle.lifecycle import LifecycleOptions
 from lifecycle_helpers import RecordingEvents, kill_leftovers, run_cli, wait_for
 from slurm_cluster import slurm_topology_for
 from sshd_hosts import write_standin_python
@@ -73,7 +73,7 @@ def test_up_launches_every_process_as_a_job_step_and_down_cancels_the_job(deploy
     code, out, _ = run_cli(["logs", "prefill", "-d", "s", "-n", "5"], capsys)
     assert code == 0 and out.startswith("prefill-0 | ") and "GET /health" in out
 
-    from kvpush.deploy.hosts import connected
+    from kvpush.deploy.lifecycle.hosts import connected
 
     with connected(state.hosts, SshOptions()) as (runners, _):
         members = runners["n1"].group_members([state.processes["prefill-0"].pgid])[state.processes["prefill-0"].pgid]
@@ -83,7 +83,7 @@ def test_up_launches_every_process_as_a_job_step_and_down_cancels_the_job(deploy
     again = up(topo, OPTIONS)
     assert again.changes.nothing_to_do  # same job, steps still running: nothing to launch
 
-    from kvpush.deploy.plan import build_plan
+    from kvpush.deploy.plan.plan import build_plan
 
     secret_files = sorted(os.path.expanduser(f.path) for h in build_plan(topo).hosts for f in h.secret_files)
     assert all(os.path.exists(p) for p in secret_files) and len(secret_files) == 5
@@ -215,7 +215,7 @@ def test_plan_slurm_script_runs_the_deployment_when_submitted(deploy, slurm_clus
     import urllib.request
 
     from kvpush.common import deployment_secret as ds
-    from kvpush.deploy.plan import build_plan
+    from kvpush.deploy.plan.plan import build_plan
 
     client_key = "client-key-" + os.urandom(8).hex()
     topo, script, job = _submit_script(deploy, slurm_cluster, tmp_path, capsys, "script", {"KVPUSH_TEST_CLIENT_KEY": client_key})
@@ -255,7 +255,7 @@ def test_plan_slurm_script_runs_the_deployment_when_submitted(deploy, slurm_clus
 
 
 def test_plan_slurm_script_without_the_client_key_fails_at_once_in_one_line(deploy, slurm_cluster, tmp_path, capsys):
-    from kvpush.deploy.plan import build_plan
+    from kvpush.deploy.plan.plan import build_plan
 
     topo, _, job = _submit_script(deploy, slurm_cluster, tmp_path, capsys, "nokey", {})
     try:
@@ -336,7 +336,7 @@ def test_a_failed_up_cancels_the_job_it_submitted(deploy, slurm_cluster):
 def test_logs_follow_tails_each_step_through_a_step_on_its_node_and_stops_cleanly(deploy, slurm_cluster):
     import threading
 
-    from kvpush.deploy.observe import stream_logs
+    from kvpush.deploy.lifecycle.observe import stream_logs
 
     up(deploy(name="follow"), OPTIONS)
     state = load_state("follow")

@@ -12,9 +12,9 @@ import pytest
 import yaml
 
 from kvpush.common.errors import KvpushError
-from kvpush.deploy.lifecycle import StartFailure, down, up
-from kvpush.deploy.observe import deployment_status, require_state
-from kvpush.deploy.state import load_state
+from kvpush.deploy.lifecycle.lifecycle import StartFailure, down, up
+from kvpush.deploy.lifecycle.observe import deployment_status, require_state
+from kvpush.deploy.lifecycle.state import load_state
 from lifecycle_helpers import STANDIN_PORTS, RecordingEvents, options, processes_under, run_cli, standin_deployments, wait_for
 
 
@@ -142,7 +142,7 @@ def test_cli_up_and_down_exit_codes(deploy, sshd_cluster, tmp_path, capsys):
 def test_logs_follow_prefixes_new_lines_by_process(deploy, sshd_cluster):
     import threading
 
-    from kvpush.deploy.observe import stream_logs
+    from kvpush.deploy.lifecycle.observe import stream_logs
 
     topo = deploy()
     up(topo, options(sshd_cluster))
@@ -156,9 +156,9 @@ def test_logs_follow_prefixes_new_lines_by_process(deploy, sshd_cluster):
     follower = threading.Thread(target=stream_logs, args=(state, "decode", 0, True, options(sshd_cluster).ssh, emit, stop))
     follower.start()
     try:
-        from kvpush.deploy.lifecycle import prove_kv_transfer  # each proof is one request: decode logs a POST
-        from kvpush.deploy.hosts import connected
-        from kvpush.deploy.plan import build_plan
+        from kvpush.deploy.lifecycle.lifecycle import prove_kv_transfer  # each proof is one request: decode logs a POST
+        from kvpush.deploy.lifecycle.hosts import connected
+        from kvpush.deploy.plan.plan import build_plan
 
         # `tail -n 0 -F` starts only after the follower's own SSH connect and misses lines written
         # before it: send a request again each second until one shows up.

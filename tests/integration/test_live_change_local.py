@@ -13,10 +13,10 @@ import urllib.request
 import yaml
 
 from kvpush.common.vllm_metrics import samples
-from kvpush.deploy.lifecycle import LifecycleOptions, down, up
+from kvpush.deploy.lifecycle.lifecycle import LifecycleOptions, down, up
 from kvpush.deploy.runners import SshOptions
-from kvpush.deploy.state import load_state
-from kvpush.deploy.topology import parse_topology
+from kvpush.deploy.lifecycle.state import load_state
+from kvpush.deploy.topology.topology import parse_topology
 
 from lifecycle_helpers import RecordingEvents, kill_leftovers, processes_under
 

@@ -8,8 +8,8 @@ import sysconfig
 
 import pytest
 
-from kvpush.deploy.lifecycle import down, up
-from kvpush.deploy.provision import probe
+from kvpush.deploy.lifecycle.lifecycle import down, up
+from kvpush.deploy.lifecycle.provision import probe
 from kvpush.deploy.runners import HostError, SshOptions, SshRunner
 from sshd_hosts import topology_for, write_standin_python
 
@@ -66,8 +66,8 @@ def test_missing_python_is_one_clear_line(sshd_cluster, tmp_path, state_dir):
 def test_editable_checkout_on_a_host_is_never_overwritten(sshd_cluster, tmp_path):
     host = sshd_cluster.hosts[0]
     runner = SshRunner("h0", sshd_cluster.host_address(host), SshOptions(known_hosts=str(sshd_cluster.known_hosts)))
-    from kvpush.deploy.plan import build_plan
-    from kvpush.deploy.provision import WheelSource, provision_host
+    from kvpush.deploy.plan.plan import build_plan
+    from kvpush.deploy.lifecycle.provision import WheelSource, provision_host
 
     topo = topology_for(sshd_cluster, "ed", sys.executable, tmp_path, prefill=[0], decode=[0], router=0, port_base=19960)
     with pytest.raises(HostError, match="source checkout .*editable"):

@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from kvpush.deploy.lifecycle import up
-from kvpush.deploy.observe import deployment_status, require_state
-from kvpush.deploy.state import load_state
+from kvpush.deploy.lifecycle.lifecycle import up
+from kvpush.deploy.lifecycle.observe import deployment_status, require_state
+from kvpush.deploy.lifecycle.state import load_state
 from lifecycle_helpers import RecordingEvents, options, run_cli, standin_deployments
 
 # The stand-in prefill starts a child on its side-channel port that outlives it, like vLLM's engine core.

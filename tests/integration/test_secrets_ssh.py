@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from kvpush.common import deployment_secret as ds
-from kvpush.deploy.hosts import connected
-from kvpush.deploy.lifecycle import down, up
-from kvpush.deploy.secrets import local_secret_path
-from kvpush.deploy.state import load_state
+from kvpush.deploy.lifecycle.hosts import connected
+from kvpush.deploy.lifecycle.lifecycle import down, up
+from kvpush.deploy.lifecycle.secrets import local_secret_path
+from kvpush.deploy.lifecycle.state import load_state
 from sshd_hosts import topology_for, write_standin_python
 
 from lifecycle_helpers import kill_leftovers, options, processes_under, run_cli

@@ -1,4 +1,4 @@
-"""kvpush.deploy.supervise with real processes on this machine: what it does when its command ends,
+"""kvpush.deploy.lifecycle.supervise with real processes on this machine: what it does when its command ends,
 when it is told to stop, and with what it passes on. (Over SSH, with killed servers and a restart
 policy: tests/integration/test_recovery_ssh.py.)"""
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpush.deploy.supervise import supervisor_argv
+from kvpush.deploy.lifecycle.supervise import supervisor_argv
 
 # A command that records the signals it gets, starts a child that ignores SIGTERM and outlives it,
 # and then exits with the code in its first argument after the seconds in its second.

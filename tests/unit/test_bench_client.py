@@ -1,4 +1,4 @@
-"""kvpush.deploy.bench.client: the exact `vllm bench serve` command, and how the warm client process
+"""kvpush.bench.client: the exact `vllm bench serve` command, and how the warm client process
 runs load levels, fails and ends. The worker here is a small stand-in speaking the same line protocol;
 tests/integration/test_bench_warm_client.py runs the real one with vLLM's client."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from kvpush.deploy.bench.client import BenchClient, LoadSpec, bench_serve_argv
+from kvpush.bench.client import BenchClient, LoadSpec, bench_serve_argv
 from kvpush.common.errors import KvpushError
 
 

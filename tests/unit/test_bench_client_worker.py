@@ -1,4 +1,4 @@
-"""kvpush.deploy.bench.client_worker: each job runs the entry point with its argv, output into its
+"""kvpush.bench.client_worker: each job runs the entry point with its argv, output into its
 log, exit status answered; the answers channel carries nothing else."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import io
 import json
 import sys
 
-from kvpush.deploy.bench.client_worker import run_job, serve
+from kvpush.bench.client_worker import run_job, serve
 
 
 def _entry():

@@ -1,10 +1,10 @@
-"""kvpush.deploy.bench.conversation_table: per mode and rate, KV moved per turn against the new
+"""kvpush.bench.conversation_table: per mode and rate, KV moved per turn against the new
 tokens, TTFT by turn, and answers compared with the reference mode's."""
 from __future__ import annotations
 
 import json
 
-from kvpush.deploy.bench.conversation_table import conversation_rows, markdown
+from kvpush.bench.conversation_table import conversation_rows, markdown
 
 
 def raw(answers: list[list[int]], errors: list[str], ttfts: list[float]) -> str:

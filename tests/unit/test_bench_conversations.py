@@ -1,4 +1,4 @@
-"""kvpush.deploy.bench.conversations and conversation_client: the multi-turn workload, its client
+"""kvpush.bench.conversations and conversation_client: the multi-turn workload, its client
 against a streaming server, and its result file as the bench reads it."""
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import pytest
 from aiohttp import web
 
 from kvpush.common.errors import UsageError
-from kvpush.deploy.bench.client import LoadSpec, job_argv
-from kvpush.deploy.bench.conversation_client import (PROGRAM, StreamReader, parse_args, result_document, run,
+from kvpush.bench.client import LoadSpec, job_argv
+from kvpush.bench.conversation_client import (PROGRAM, StreamReader, parse_args, result_document, run,
                                                      turn_body)
-from kvpush.deploy.bench.conversations import Workload, new_tokens, next_prompt, plan, request_index
-from kvpush.deploy.bench.options import BenchOptions
-from kvpush.deploy.bench.results import completed_request_ids, parse_client_result, parse_request_samples
+from kvpush.bench.conversations import Workload, new_tokens, next_prompt, plan, request_index
+from kvpush.bench.options import BenchOptions
+from kvpush.bench.results import completed_request_ids, parse_client_result, parse_request_samples
 
 VOCAB = list(range(100, 600))
 

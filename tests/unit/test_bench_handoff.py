@@ -1,11 +1,11 @@
-"""kvpush.deploy.bench.engine_spans and .handoff: vLLM's request spans read field by field (never trusted
+"""kvpush.bench.engine_spans and .handoff: vLLM's request spans read field by field (never trusted
 as given) and a request's prefill and decode spans joined into the engine handoff, the same for every mode."""
 from __future__ import annotations
 
 import pytest
 
-from kvpush.deploy.bench.engine_spans import EngineSpan
-from kvpush.deploy.bench.handoff import (HandoffSamples, client_request_id, join, missing, pooled, spans_document,
+from kvpush.bench.engine_spans import EngineSpan
+from kvpush.bench.handoff import (HandoffSamples, client_request_id, join, missing, pooled, spans_document,
                                          summarize)
 from kvpush.router.protocols import new_transfer_id
 

@@ -1,4 +1,4 @@
-"""kvpush.deploy.bench.idle_cpu: parse two /proc stat snapshots; and one real sample of this machine."""
+"""kvpush.bench.idle_cpu: parse two /proc stat snapshots; and one real sample of this machine."""
 from __future__ import annotations
 
 import subprocess
@@ -8,7 +8,7 @@ import time
 import psutil
 import pytest
 
-from kvpush.deploy.bench.idle_cpu import cores_busy, idle_cores, sample_command
+from kvpush.bench.idle_cpu import cores_busy, idle_cores, sample_command
 from kvpush.deploy.runners import LocalRunner
 
 

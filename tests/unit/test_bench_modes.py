@@ -1,15 +1,15 @@
-"""kvpush.deploy.bench.modes: one topology per mode, derived without touching the input."""
+"""kvpush.bench.modes: one topology per mode, derived without touching the input."""
 from __future__ import annotations
 
 import pytest
 
-from kvpush.deploy.bench.modes import (
+from kvpush.bench.modes import (
     KV_HEAVY_SPEC, MODE_PORT_STRIDE, MODES, bench_topology, kv_bytes_per_token, mode_label, parse_modes, parse_rates,
     ports_of, topology_hash,
 )
 from kvpush.common.errors import UsageError
-from kvpush.deploy.plan import build_plan
-from kvpush.deploy.topology import parse_topology
+from kvpush.deploy.plan.plan import build_plan
+from kvpush.deploy.topology.topology import parse_topology
 from kvpush.templates import DEFAULT_TEMPLATE, template_text
 
 
@@ -44,7 +44,7 @@ def test_stock_and_tuned_modes_are_labelled_apart_on_cpu_and_alike_on_gpu():
 
 
 def test_stock_vllm_applies_to_nixl_connectors_only():
-    from kvpush.deploy.topology import TopologyError
+    from kvpush.deploy.topology.topology import TopologyError
     text = template_text(DEFAULT_TEMPLATE).replace("connector:", "connector:\n  stock_vllm: true", 1)
     assert "stock_vllm" in text
     with pytest.raises(TopologyError, match="connector.stock_vllm: applies to connector types nixl-push and nixl-pull only"):

@@ -1,10 +1,10 @@
-"""kvpush.deploy.bench.plots: real PNGs from recorded figures."""
+"""kvpush.bench.plots: real PNGs from recorded figures."""
 from __future__ import annotations
 
 import dataclasses
 
-from kvpush.deploy.bench.plots import write_plots
-from kvpush.deploy.bench.results import ModeRun
+from kvpush.bench.plots import write_plots
+from kvpush.bench.results import ModeRun
 
 from test_bench_results import recorded_point  # noqa: F401  (fixture from recorded output)
 
@@ -21,7 +21,7 @@ def test_ttft_tpot_and_handoff_plots_are_written(tmp_path, recorded_point):  # n
 
 
 def test_the_goodput_plot_comes_first_when_the_points_have_tails(tmp_path, recorded_point):  # noqa: F811
-    from kvpush.deploy.bench.tails import Slo, summarize
+    from kvpush.bench.tails import Slo, summarize
 
     tails = summarize([100.0, 2000.0], [10.0, 10.0], [500.0, 2500.0], sent=2, duration_s=2.0, slo=Slo())
     point = dataclasses.replace(recorded_point, tails=tails)

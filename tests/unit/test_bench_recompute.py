@@ -1,4 +1,4 @@
-"""kvpush.deploy.bench.raw, .recompute, .tails_table and .handoff_table: a bench's raw per-request files are
+"""kvpush.bench.raw, .recompute, .tails_table and .handoff_table: a bench's raw per-request files are
 kept (gzip when large) and `kvpush bench --recompute DIR` rebuilds the goodput and tail tables, and the engine
 handoff from the kept spans, from them alone, also once they are packed into one raw.tar.xz."""
 from __future__ import annotations
@@ -13,13 +13,13 @@ import tarfile
 import pytest
 
 from kvpush.common.errors import UsageError
-from kvpush.deploy.bench import raw
-from kvpush.deploy.bench.handoff import spans_document
-from kvpush.deploy.bench.handoff_table import markdown as handoff_markdown
-from kvpush.deploy.bench.recompute import recompute
-from kvpush.deploy.bench.results import parse_request_samples, pooled_samples
-from kvpush.deploy.bench.tails import Slo
-from kvpush.deploy.bench.tails_table import COLUMNS, markdown, rows
+from kvpush.bench import raw
+from kvpush.bench.handoff import spans_document
+from kvpush.bench.handoff_table import markdown as handoff_markdown
+from kvpush.bench.recompute import recompute
+from kvpush.bench.results import parse_request_samples, pooled_samples
+from kvpush.bench.tails import Slo
+from kvpush.bench.tails_table import COLUMNS, markdown, rows
 
 
 def _detailed(ttfts_s, output_len=4, tpot_s=0.01, duration=4.0) -> str:

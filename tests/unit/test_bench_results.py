@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from kvpush.deploy.bench.results import (
+from kvpush.bench.results import (
     ModeRun, RatePoint, RequestSamples, figure, paired_ratios, parse_client_result, parse_request_samples, point_to_dict,
     pool_points, ratios_vs_baseline,
 )
-from kvpush.deploy.bench.scrape import instance_figures, router_figures
-from kvpush.deploy.bench.tails import Slo
+from kvpush.bench.scrape import instance_figures, router_figures
+from kvpush.bench.tails import Slo
 from kvpush.common.errors import KvpushError
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "bench"

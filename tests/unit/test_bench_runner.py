@@ -1,4 +1,4 @@
-"""kvpush.deploy.bench.runner: teardown always happens, a failed mode doesn't stop the others,
+"""kvpush.bench.runner: teardown always happens, a failed mode doesn't stop the others,
 Ctrl-C stops the bench and still writes what was measured. The steps that touch processes are
 fakes passed in BenchSteps; tests/e2e/test_bench_real.py runs the real thing."""
 from __future__ import annotations
@@ -10,22 +10,22 @@ import json
 import pytest
 
 from kvpush.common.errors import KvpushError, UsageError
-from kvpush.deploy.bench.deployment import Deployed, timed
-from kvpush.deploy.bench.handoff import spans_document
-from kvpush.deploy.bench.modes import bench_topology, topology_hash
-from kvpush.deploy.bench.options import BenchOptions, seed_for
-from kvpush.deploy.bench.results import ClientResult, RatePoint, Stats
-from kvpush.deploy.bench.runner import BenchSteps, run_bench
-from kvpush.deploy.bench.scrape import RouterFigures
-from kvpush.deploy.lifecycle import DownResult
-from kvpush.deploy.topology import parse_topology
+from kvpush.bench.deployment import Deployed, timed
+from kvpush.bench.handoff import spans_document
+from kvpush.bench.modes import bench_topology, topology_hash
+from kvpush.bench.options import BenchOptions, seed_for
+from kvpush.bench.results import ClientResult, RatePoint, Stats
+from kvpush.bench.runner import BenchSteps, run_bench
+from kvpush.bench.scrape import RouterFigures
+from kvpush.deploy.lifecycle.lifecycle import DownResult
+from kvpush.deploy.topology.topology import parse_topology
 from kvpush.templates import DEFAULT_TEMPLATE, template_text
 
 
 @pytest.fixture(autouse=True)
 def no_plots(monkeypatch):
     """Drawing the PNGs is test_bench_plots.py's subject; here it would only cost seconds per test."""
-    monkeypatch.setattr("kvpush.deploy.bench.report.write_plots", lambda runs, out, subtitle: [])
+    monkeypatch.setattr("kvpush.bench.report.write_plots", lambda runs, out, subtitle: [])
 
 
 @pytest.fixture

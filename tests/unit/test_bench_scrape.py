@@ -1,9 +1,9 @@
-"""kvpush.deploy.bench.scrape: histogram quantiles and before/after deltas of /metrics pages."""
+"""kvpush.bench.scrape: histogram quantiles and before/after deltas of /metrics pages."""
 from __future__ import annotations
 
 import pytest
 
-from kvpush.deploy.bench.scrape import histogram, instance_figures, router_figures
+from kvpush.bench.scrape import histogram, instance_figures, router_figures
 
 
 def _gap_page(counts: dict[str, int], total: float) -> str:

@@ -1,4 +1,4 @@
-"""kvpush.deploy.bench.span_receiver and engine_spans.parse_export: what the OpenTelemetry SDK's own OTLP/HTTP
+"""kvpush.bench.span_receiver and engine_spans.parse_export: what the OpenTelemetry SDK's own OTLP/HTTP
 exporter sends (as vLLM's API server does) arrives as records; anything else is refused and bounded."""
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
 from kvpush.common.errors import KvpushError
-from kvpush.deploy.bench import span_receiver
-from kvpush.deploy.bench.engine_spans import EngineSpan, parse_export
-from kvpush.deploy.bench.span_receiver import SpanReceiver
+from kvpush.bench import span_receiver
+from kvpush.bench.engine_spans import EngineSpan, parse_export
+from kvpush.bench.span_receiver import SpanReceiver
 
 ARRIVAL_NS = 1_800_000_000_123_456_789
 
@@ -29,7 +29,7 @@ def receiver():
 
 
 def send_spans(endpoint: str, compression: Compression = Compression.NoCompression) -> None:
-    """Spans as vLLM sends them: the SDK's OTLP/HTTP exporter, the resource named as deploy/engine_tracing.py says."""
+    """Spans as vLLM sends them: the SDK's OTLP/HTTP exporter, the resource named as deploy/plan/engine_tracing.py says."""
     resource = Resource.create({"service.name": "prefill-0", "kvpush.deployment": "dep", "kvpush.role": "prefill"})
     provider = TracerProvider(resource=resource)
     provider.add_span_processor(SimpleSpanProcessor(OTLPSpanExporter(endpoint=endpoint, compression=compression)))

@@ -1,11 +1,11 @@
-"""kvpush.deploy.bench.tails: percentiles with distribution-free intervals, goodput with a Wilson interval."""
+"""kvpush.bench.tails: percentiles with distribution-free intervals, goodput with a Wilson interval."""
 from __future__ import annotations
 
 import random
 
 import pytest
 
-from kvpush.deploy.bench.tails import (
+from kvpush.bench.tails import (
     Slo, order_statistic_ranks, percentile, percentile_estimate, summarize, wilson_interval,
 )
 

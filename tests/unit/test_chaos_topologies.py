@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 
 from chaos_topologies import SHAPES, chaos_topology
-from kvpush.deploy.plan import build_plan
-from kvpush.deploy.topology import parse_topology
+from kvpush.deploy.plan.plan import build_plan
+from kvpush.deploy.topology.topology import parse_topology
 
 pytestmark = pytest.mark.unit
 

@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 from kvpush.cli import bench_cmd
 from kvpush.cli.bench_cmd import paired_lines, rate_table, spinning_lines
 from kvpush.cli.main import app
-from kvpush.deploy.bench.results import ModeRun
+from kvpush.bench.results import ModeRun
 from kvpush.common.errors import KvpushError
 
 from cli_in_process import run_cli as kvpush

@@ -13,7 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvpush.cli.main import app
-from kvpush.deploy.host_probe import source_digest
+from kvpush.deploy.lifecycle.host_probe import source_digest
 
 KVPUSH = Path(sys.executable).parent / "kvpush"  # the console script, as a user's shell runs it
 COMMANDS = sorted(c.name for c in app.registered_commands)

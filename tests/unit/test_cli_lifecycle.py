@@ -11,8 +11,8 @@ from typer.testing import CliRunner
 from cli_in_process import run_cli
 from kvpush.cli import lifecycle_cmd
 from kvpush.cli.main import app
-from kvpush.deploy.observe import ProcessStatus
-from kvpush.deploy.state import DeploymentState, HostRecord, ProcessRecord, save_state
+from kvpush.deploy.lifecycle.observe import ProcessStatus
+from kvpush.deploy.lifecycle.state import DeploymentState, HostRecord, ProcessRecord, save_state
 
 
 def kvpush(*args: str, state_dir, cwd=None) -> subprocess.CompletedProcess:
@@ -93,8 +93,8 @@ def test_status_into_a_pipe_prints_every_name_and_value_whole(monkeypatch):
 
 
 def test_down_removes_the_secret_files_on_the_hosts_and_keeps_this_machine_s_secret_unless_asked(tmp_path, monkeypatch):
-    from kvpush.deploy.placement import secret_paths_in
-    from kvpush.deploy.secrets import ensure_local_secret, local_secret_path
+    from kvpush.deploy.topology.placement import secret_paths_in
+    from kvpush.deploy.lifecycle.secrets import ensure_local_secret, local_secret_path
 
     monkeypatch.setenv("KVPUSH_STATE_DIR", str(tmp_path / "state"))
     workdir = tmp_path / "w" / "t"

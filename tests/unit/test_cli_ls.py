@@ -9,8 +9,8 @@ from typer.testing import CliRunner
 from cli_in_process import run_cli
 from kvpush.cli import ls_cmd
 from kvpush.cli.main import app
-from kvpush.deploy.observe import ProcessStatus
-from kvpush.deploy.state import DeploymentState, HostRecord, ProcessRecord, save_state, state_path
+from kvpush.deploy.lifecycle.observe import ProcessStatus
+from kvpush.deploy.lifecycle.state import DeploymentState, HostRecord, ProcessRecord, save_state, state_path
 
 
 def _record(name: str, role: str, host: str, port: int) -> ProcessRecord:

@@ -148,7 +148,7 @@ def test_plan_into_a_pipe_has_plain_section_lines_and_whole_values(tmp_path):
     result = run_cli_process("plan", cwd=tmp_path)
     assert result.returncode == 0 and "…" not in result.stdout
     assert "== host local (127.0.0.1, local)  workdir ~/.kvpush/local-cpu" in result.stdout.splitlines()
-    assert "    supervisor " in result.stdout and "-m kvpush.deploy.supervise --name prefill-0" in result.stdout
+    assert "    supervisor " in result.stdout and "-m kvpush.deploy.lifecycle.supervise --name prefill-0" in result.stdout
 
 
 def test_plan_names_each_ssh_host_as_it_is_reached_with_a_port_only_where_the_topology_gives_one(tmp_path):

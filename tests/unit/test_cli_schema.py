@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from kvpush.cli.main import app
 from kvpush.cli.topology_reference import DOC_PATH, topology_json_schema, topology_markdown
-from kvpush.deploy.topology import TopologyError, parse_topology
+from kvpush.deploy.topology.topology import TopologyError, parse_topology
 from kvpush.templates import template_names, template_text
 
 jsonschema = pytest.importorskip("jsonschema")

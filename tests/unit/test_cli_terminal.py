@@ -14,7 +14,7 @@ import pytest
 from rich.cells import cell_len
 
 from kvpush.cli.main import app
-from kvpush.deploy.state import DeploymentState, HostRecord, ProcessRecord, save_state
+from kvpush.deploy.lifecycle.state import DeploymentState, HostRecord, ProcessRecord, save_state
 
 pytestmark = pytest.mark.skipif(shutil.which("script") is None, reason="needs script(1) from util-linux for a pty")
 

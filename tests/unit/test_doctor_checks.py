@@ -17,8 +17,8 @@ from kvpush.deploy.doctor.port_map import port_claims, reach_targets
 from kvpush.deploy.doctor.probes import run_nixl_probe
 from kvpush.deploy.doctor.result import Status
 from kvpush.common.errors import UsageError
-from kvpush.deploy.plan import build_plan
-from kvpush.deploy.topology import parse_topology
+from kvpush.deploy.plan.plan import build_plan
+from kvpush.deploy.topology.topology import parse_topology
 from kvpush.templates import template_text
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "doctor"

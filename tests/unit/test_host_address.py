@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvpush.deploy.host_address import HostAddress, base_url, http_url
-from kvpush.deploy.plan import build_plan
-from kvpush.deploy.state import HostRecord
-from kvpush.deploy.topology import parse_topology
+from kvpush.deploy.topology.host_address import HostAddress, base_url, http_url
+from kvpush.deploy.plan.plan import build_plan
+from kvpush.deploy.lifecycle.state import HostRecord
+from kvpush.deploy.topology.topology import parse_topology
 
 TOPOLOGY = """
 model: {path: /m}

@@ -7,14 +7,14 @@ import time
 
 import pytest
 
-from kvpush.deploy.changes import diff_deployment, is_running, launch_digest, reload_digest
+from kvpush.deploy.lifecycle.changes import diff_deployment, is_running, launch_digest, reload_digest
 from kvpush.common.errors import KvpushError
-from kvpush.deploy.plan import build_plan
+from kvpush.deploy.plan.plan import build_plan
 from kvpush.deploy.runners import HostError, ProcessInfo, fan_out, values_or_raise
 from kvpush.deploy.runners.base import (detached_start_command, parse_proc_table, signal_groups_command)
 from kvpush.deploy.runners.local import LocalRunner
-from kvpush.deploy.state import DeploymentState, ProcessRecord, load_state, locked, save_state, state_path
-from kvpush.deploy.topology import parse_topology
+from kvpush.deploy.lifecycle.state import DeploymentState, ProcessRecord, load_state, locked, save_state, state_path
+from kvpush.deploy.topology.topology import parse_topology
 from kvpush.common.vllm_metrics import external_kv_tokens, vllm_load
 from kvpush.templates import DEFAULT_TEMPLATE, template_text
 
@@ -252,7 +252,7 @@ def test_vllm_metrics():
 
 
 def test_source_digest_follows_content_not_caches(tmp_path):
-    from kvpush.deploy.host_probe import PACKAGES, digest_of
+    from kvpush.deploy.lifecycle.host_probe import PACKAGES, digest_of
 
     dirs = {p: str(tmp_path / p) for p in PACKAGES}
     for d in dirs.values():
@@ -292,7 +292,7 @@ class _ProofRunner:
 
 
 def test_proof_asks_again_when_the_router_let_decode_compute_the_prompt(monkeypatch):
-    import kvpush.deploy.proof as proof
+    import kvpush.deploy.lifecycle.proof as proof
 
     monkeypatch.setattr(proof.time, "sleep", lambda s: None)
     plan = build_plan(parse_topology(template_text(DEFAULT_TEMPLATE)))
@@ -307,8 +307,8 @@ def test_proof_asks_again_when_the_router_let_decode_compute_the_prompt(monkeypa
 
 
 def test_proof_sends_the_routers_key_to_the_router_and_the_instances_key_to_decode(monkeypatch):
-    import kvpush.deploy.lifecycle as lifecycle
-    from kvpush.deploy.secrets import AccessKeys
+    import kvpush.deploy.lifecycle.lifecycle as lifecycle
+    from kvpush.deploy.lifecycle.secrets import AccessKeys
 
     plan = build_plan(parse_topology(template_text(DEFAULT_TEMPLATE)))
     runner = _ProofRunner(fallbacks=0)
@@ -318,7 +318,8 @@ def test_proof_sends_the_routers_key_to_the_router_and_the_instances_key_to_deco
 
 
 def test_doctor_gate_names_doctor_once(monkeypatch):
-    from kvpush.deploy import doctor, lifecycle
+    from kvpush.deploy import doctor
+    from kvpush.deploy.lifecycle import lifecycle
     from kvpush.deploy.doctor import DoctorReport, Status
     from kvpush.deploy.doctor.result import CheckResult
 

@@ -6,9 +6,9 @@ import json
 import pytest
 
 from kvpush.common.errors import UsageError
-from kvpush.deploy.plan import build_plan
-from kvpush.deploy.vllm_launch import kv_transfer_config
-from kvpush.deploy.topology import parse_topology
+from kvpush.deploy.plan.plan import build_plan
+from kvpush.deploy.plan.vllm_launch import kv_transfer_config
+from kvpush.deploy.topology.topology import parse_topology
 from kvpush.router.config import RouterConfig
 from kvpush.templates import template_names, template_text
 
@@ -313,7 +313,7 @@ def test_every_process_starts_under_its_supervisor_with_its_restart_policy():
     plan = build_plan(topo)
     decode, prefill = plan.process("decode-0"), plan.process("prefill-0")
     assert decode.launch_argv == decode.supervisor + decode.argv
-    assert decode.supervisor == ["/opt/venv/bin/python", "-m", "kvpush.deploy.supervise", "--name", "decode-0",
+    assert decode.supervisor == ["/opt/venv/bin/python", "-m", "kvpush.deploy.lifecycle.supervise", "--name", "decode-0",
                                  "--status-file", "~/.kvpush/t/run/decode-0.json", "--restart", "on-failure",
                                  "--max-restarts", "2", "--window-s", "60", "--"]
     assert "--restart" not in prefill.supervisor and prefill.supervisor[-1] == "--"
@@ -341,7 +341,7 @@ def test_tracing_sends_each_instances_request_spans_named_by_instance_deployment
 
 @pytest.mark.parametrize("endpoint", ["127.0.0.1:4318", "http://a b/v1/traces", "http://host/x?y=1", "file:///tmp/x"])
 def test_tracing_endpoint_must_be_a_plain_http_url(endpoint):
-    from kvpush.deploy.topology import TopologyError
+    from kvpush.deploy.topology.topology import TopologyError
 
     with pytest.raises(TopologyError, match="tracing.otlp_endpoint"):
         parse_topology(TWO_HOSTS % "kvpush" + f"tracing: {{otlp_endpoint: '{endpoint}'}}\n")

@@ -1,11 +1,11 @@
 """What `status` and `up` conclude from a host's process table and supervisor status files."""
 from __future__ import annotations
 
-from kvpush.deploy.process_view import ProcessView, view_processes
+from kvpush.deploy.lifecycle.process_view import ProcessView, view_processes
 from kvpush.deploy.runners import CommandResult, ProcessInfo
 from kvpush.deploy.runners.base import parse_listening_ports
-from kvpush.deploy.state import ProcessRecord
-from kvpush.deploy.supervise import SupervisorStatus
+from kvpush.deploy.lifecycle.state import ProcessRecord
+from kvpush.deploy.lifecycle.supervise import SupervisorStatus
 
 SUPERVISOR, SERVER, ENGINE, WATCHER = 100, 102, 103, 101
 

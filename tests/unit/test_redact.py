@@ -1,13 +1,13 @@
-"""kvpush.deploy.redact: secret-looking values of a topology are hidden wherever a plan is shown."""
+"""kvpush.deploy.plan.redact: secret-looking values of a topology are hidden wherever a plan is shown."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from kvpush.deploy.plan import build_plan
-from kvpush.deploy.redact import REDACTED, is_secret_env_name, redact_argv, redact_env, redact_plan
-from kvpush.deploy.topology import parse_topology
+from kvpush.deploy.plan.plan import build_plan
+from kvpush.deploy.plan.redact import REDACTED, is_secret_env_name, redact_argv, redact_env, redact_plan
+from kvpush.deploy.topology.topology import parse_topology
 
 
 @pytest.mark.parametrize("name", ["HF_TOKEN", "AWS_SECRET_ACCESS_KEY", "OPENAI_API_KEY", "DB_PASSWORD", "KEY", "github_token",

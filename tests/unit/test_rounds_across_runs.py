@@ -7,7 +7,7 @@ import math
 import pytest
 from benchmark_scripts import load_benchmark
 
-from kvpush.deploy.bench.raw import pack
+from kvpush.bench.raw import pack
 
 pytestmark = pytest.mark.unit
 

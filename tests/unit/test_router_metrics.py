@@ -1,7 +1,7 @@
 """kvpush.router.metrics: the router's own histograms, read back the way the bench reads them."""
 from __future__ import annotations
 
-from kvpush.deploy.bench.scrape import router_figures
+from kvpush.bench.scrape import router_figures
 from kvpush.router.metrics import RouterMetrics
 
 

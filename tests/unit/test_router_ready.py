@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 
 from kvpush.common.errors import KvpushError
-from kvpush.deploy.router_ready import out_of_rotation, wait_router_ready
+from kvpush.deploy.lifecycle.router_ready import out_of_rotation, wait_router_ready
 from kvpush.deploy.runners.base import HttpResponse
-from kvpush.deploy.secrets import AccessKeys
+from kvpush.deploy.lifecycle.secrets import AccessKeys
 
 RECORDED = (Path(__file__).parents[1] / "fixtures" / "bench" / "router_metrics_after.txt").read_text()
 EJECTED = RECORDED.replace('kvpush_router_instance_in_rotation{instance="decode-0",role="decode"} 1.0',

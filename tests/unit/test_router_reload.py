@@ -3,14 +3,14 @@ from __future__ import annotations
 
 import pytest
 
-from kvpush.deploy import router_reload
-from kvpush.deploy.changes import diff_deployment, launch_digest, reload_digest
-from kvpush.deploy.plan import build_plan
-from kvpush.deploy.router_reload import hand_over, planned_list, reload_router, without
+from kvpush.deploy.lifecycle import router_reload
+from kvpush.deploy.lifecycle.changes import diff_deployment, launch_digest, reload_digest
+from kvpush.deploy.plan.plan import build_plan
+from kvpush.deploy.lifecycle.router_reload import hand_over, planned_list, reload_router, without
 from kvpush.deploy.runners.base import HttpResponse
-from kvpush.deploy.secrets import AccessKeys
-from kvpush.deploy.state import DeploymentState, ProcessRecord
-from kvpush.deploy.topology import parse_topology
+from kvpush.deploy.lifecycle.secrets import AccessKeys
+from kvpush.deploy.lifecycle.state import DeploymentState, ProcessRecord
+from kvpush.deploy.topology.topology import parse_topology
 from kvpush.router.instances import InstanceList
 
 TOPOLOGY = """

@@ -1,4 +1,4 @@
-"""kvpush.deploy.secret_content: the secret files a standalone Slurm job derives for itself."""
+"""kvpush.deploy.lifecycle.secret_content: the secret files a standalone Slurm job derives for itself."""
 from __future__ import annotations
 
 import os
@@ -9,7 +9,7 @@ import pytest
 
 from kvpush.common import deployment_secret as ds
 from kvpush.common.errors import KvpushError, UsageError
-from kvpush.deploy.secret_content import content, main
+from kvpush.deploy.lifecycle.secret_content import content, main
 
 
 @pytest.fixture
@@ -62,7 +62,7 @@ def test_run_as_a_module_it_prints_the_file_or_one_error_line(secret_file, capsy
     assert main(["router-upstream-key", "--secret", str(secret_file)]) == 0
     assert capsys.readouterr().out == content("router-upstream-key", str(secret_file)).decode()
     env = {k: v for k, v in os.environ.items() if k != "NOT_SET_ANYWHERE"}
-    ran = subprocess.run([sys.executable, "-m", "kvpush.deploy.secret_content", "router-client-key", "--secret", str(secret_file),
+    ran = subprocess.run([sys.executable, "-m", "kvpush.deploy.lifecycle.secret_content", "router-client-key", "--secret", str(secret_file),
                           "--client-key-env", "NOT_SET_ANYWHERE"], env=env, capture_output=True, text=True)
     assert ran.returncode == 1 and ran.stdout == ""
     assert ran.stderr.splitlines() == ["kvpush: router.api_key_env: NOT_SET_ANYWHERE is unset or empty in the job's "

@@ -1,4 +1,4 @@
-"""kvpush.deploy.secrets: the secret kept on this machine, the router's client key, the files `up`
+"""kvpush.deploy.lifecycle.secrets: the secret kept on this machine, the router's client key, the files `up`
 writes on the hosts (here: this machine through LocalRunner) and what a changed file restarts."""
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ import pytest
 
 from kvpush.common import deployment_secret as ds
 from kvpush.common.errors import KvpushError, UsageError
-from kvpush.deploy.changes import Changes
-from kvpush.deploy.plan import build_plan
+from kvpush.deploy.lifecycle.changes import Changes
+from kvpush.deploy.plan.plan import build_plan
 from kvpush.deploy.runners.local import LocalRunner
-from kvpush.deploy.secrets import (AccessKeys, SecretDelivery, client_api_key, ensure_local_secret, kept_secret,
+from kvpush.deploy.lifecycle.secrets import (AccessKeys, SecretDelivery, client_api_key, ensure_local_secret, kept_secret,
                                    local_secret_path, observed_keys, restart_users_of, write_private_file)
-from kvpush.deploy.topology import parse_topology
+from kvpush.deploy.topology.topology import parse_topology
 
 
 def _topology(tmp_path, router: str = "", connector: str = "kvpush"):
@@ -149,13 +149,13 @@ def test_vllms_own_connectors_do_not_restart_for_a_secret_they_never_read(tmp_pa
 
 
 def _sources(**kinds):
-    from kvpush.deploy.topology_schema import SecretSource
+    from kvpush.deploy.topology.topology_schema import SecretSource
 
     return {name: SecretSource(**{how: where}) for name, (how, where) in kinds.items()}
 
 
 def test_the_topologys_secrets_are_read_here_from_the_environment_or_a_private_file(tmp_path, monkeypatch):
-    from kvpush.deploy.secrets import read_user_secrets
+    from kvpush.deploy.lifecycle.secrets import read_user_secrets
 
     monkeypatch.setenv("HF_HERE", "hf value")
     value_file = tmp_path / "db"
@@ -172,7 +172,7 @@ def test_the_topologys_secrets_are_read_here_from_the_environment_or_a_private_f
     ("empty", r"^secrets\.S: .*/empty is empty; put the value in it$"),
 ])
 def test_a_secret_that_cannot_be_read_is_one_line_naming_it_and_never_a_value(tmp_path, monkeypatch, setup, message):
-    from kvpush.deploy.secrets import read_user_secrets
+    from kvpush.deploy.lifecycle.secrets import read_user_secrets
 
     monkeypatch.delenv("UNSET_HERE", raising=False)
     (tmp_path / "open").write_text("value-of-an-open-file")
@@ -189,7 +189,7 @@ def test_a_secret_that_cannot_be_read_is_one_line_naming_it_and_never_a_value(tm
 def test_the_instances_env_file_gives_a_shell_exactly_the_values(tmp_path):
     import subprocess
 
-    from kvpush.deploy.secrets import instance_env_text
+    from kvpush.deploy.lifecycle.secrets import instance_env_text
 
     values = {"A": "it's $(not run) `either` \\ \"quoted\"", "B": "two\nlines", "C": "x=y; echo injected"}
     env_file = tmp_path / "env"

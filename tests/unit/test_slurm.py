@@ -9,16 +9,16 @@ import time
 import pytest
 
 from kvpush.common.errors import UsageError
-from kvpush.deploy.plan import build_plan
+from kvpush.deploy.plan.plan import build_plan
 from kvpush.deploy.runners.slurm import SlurmRunner
-from kvpush.deploy.slurm_allocation import acquire, refusal_line
+from kvpush.deploy.lifecycle.slurm_allocation import acquire, refusal_line
 from kvpush.deploy.runners.slurm_cli import (JobInfo, SlurmClient, expand_hostlist, job_gone_words, parse_job_line,
                                           parse_scontrol_record, parse_steps, sbatch_error_field, slurm_reason)
 from kvpush.deploy.runners.slurm_step import step_shell
-from kvpush.deploy.slurm_render import hold_script, sbatch_options, standalone_script
-from kvpush.deploy.slurm_topology import bind_allocation
-from kvpush.deploy.state import DeploymentState
-from kvpush.deploy.topology import TopologyError, parse_topology
+from kvpush.deploy.plan.slurm_render import hold_script, sbatch_options, standalone_script
+from kvpush.deploy.topology.slurm_topology import bind_allocation
+from kvpush.deploy.lifecycle.state import DeploymentState
+from kvpush.deploy.topology.topology import TopologyError, parse_topology
 from kvpush.templates import template_text
 
 BASE = """
@@ -183,9 +183,9 @@ def test_the_standalone_script_holds_no_secret_and_makes_its_own_on_the_job_s_no
     index = lines.index
     umask, private = index("kvpush_umask=$(umask); umask 077"), index('kvpush_private=$(mktemp -d) || exit 1')
     assert umask < private and "trap 'rm -rf \"$kvpush_private\"' EXIT" in lines
-    derive = [ln for ln in lines if "-m kvpush.deploy.secret_content" in ln]
-    assert derive[0] == '"$kvpush_python" -m kvpush.deploy.secret_content new >"$kvpush_private/secret" || exit 1'
-    assert derive[1].startswith('"$kvpush_python" -m kvpush.deploy.secret_content router-client-key '
+    derive = [ln for ln in lines if "-m kvpush.deploy.lifecycle.secret_content" in ln]
+    assert derive[0] == '"$kvpush_python" -m kvpush.deploy.lifecycle.secret_content new >"$kvpush_private/secret" || exit 1'
+    assert derive[1].startswith('"$kvpush_python" -m kvpush.deploy.lifecycle.secret_content router-client-key '
                                 '--secret "$kvpush_private/secret" --client-key-env CLIENT_KEY_VAR >')  # a missing key fails first
     writes = [ln for ln in lines if "--job-name=write-secret" in ln]
     assert len(writes) == sum(len(h.secret_files) for h in plan.hosts) == 6

@@ -4,12 +4,12 @@ from __future__ import annotations
 import os
 import signal
 
-from kvpush.deploy.supervise import SupervisorStatus, describe_exit, supervisor_argv
+from kvpush.deploy.lifecycle.supervise import SupervisorStatus, describe_exit, supervisor_argv
 
 
 def test_a_command_is_wrapped_after_a_double_dash_with_its_policy():
     assert supervisor_argv("/py", "prefill-0", "/w/run/prefill-0.json") == [
-        "/py", "-m", "kvpush.deploy.supervise", "--name", "prefill-0", "--status-file", "/w/run/prefill-0.json", "--"]
+        "/py", "-m", "kvpush.deploy.lifecycle.supervise", "--name", "prefill-0", "--status-file", "/w/run/prefill-0.json", "--"]
     assert supervisor_argv("/py", "d", "/s", "on-failure", 5, 30.0)[-7:] == [
         "--restart", "on-failure", "--max-restarts", "5", "--window-s", "30", "--"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpush.deploy.topology import TopologyError, check_key_files, load_topology, parse_topology, side_channel_ports
+from kvpush.deploy.topology.topology import TopologyError, check_key_files, load_topology, parse_topology, side_channel_ports
 
 MINIMAL = """\
 model:

@@ -1,10 +1,10 @@
-"""kvpush.deploy.topology_security and the schema's security fields: the connector's security
+"""kvpush.deploy.topology.topology_security and the schema's security fields: the connector's security
 entries stay kvpush's, secrets are given in one place, the instances' open paths are a known few."""
 from __future__ import annotations
 
 import pytest
 
-from kvpush.deploy.topology import TopologyError, load_topology
+from kvpush.deploy.topology.topology import TopologyError, load_topology
 
 BASE = "model: {path: /m}\nprefill: [{}]\ndecode: [{}]\n"
 

@@ -5,9 +5,9 @@ import re
 
 import pytest
 
-from kvpush.deploy import topology_values as values
-from kvpush.deploy.plan import build_plan
-from kvpush.deploy.topology import TopologyError, parse_topology
+from kvpush.deploy.topology import topology_values as values
+from kvpush.deploy.plan.plan import build_plan
+from kvpush.deploy.topology.topology import TopologyError, parse_topology
 
 BASE = "name: t\nmodel: {path: /m}\nprefill: [{}]\ndecode: [{}]\n"
 

@@ -1,11 +1,11 @@
-"""kvpush.deploy.vllm_launch: what every vLLM instance is started with for its access control."""
+"""kvpush.deploy.plan.vllm_launch: what every vLLM instance is started with for its access control."""
 from __future__ import annotations
 
 import json
 
 from kvpush.common.instance_auth import MIDDLEWARE_PATH
-from kvpush.deploy.plan import build_plan
-from kvpush.deploy.topology import parse_topology
+from kvpush.deploy.plan.plan import build_plan
+from kvpush.deploy.topology.topology import parse_topology
 
 BASE = "model: {path: /m, extra_args: [--middleware, my.Middleware]}\nprefill: [{}]\ndecode: [{extra_args: [--max-num-seqs, '4']}]\n"
 

@@ -7,7 +7,7 @@ import math
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvpush.common.vllm_metrics import metric_sum, samples
-from kvpush.deploy.bench.scrape import histogram
+from kvpush.bench.scrape import histogram
 
 
 def _page() -> str:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpush.deploy.yaml_source import MAX_DEPTH, MAX_VALUES, MAX_YAML_BYTES, YamlSyntaxError, load_yaml_file, parse_yaml
+from kvpush.deploy.topology.yaml_source import MAX_DEPTH, MAX_VALUES, MAX_YAML_BYTES, YamlSyntaxError, load_yaml_file, parse_yaml
 
 
 def test_positions_still_point_at_each_value():

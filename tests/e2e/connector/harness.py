@@ -16,12 +16,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvpush.deploy.plan import build_plan
+from kvpush.deploy.plan.plan import build_plan
 from e2e_instances import KV_CACHE_GIB
 from plan_secrets import write_secret_files
 from server_process import ServerProcess
-from kvpush.deploy.tiny_model import make_tiny_model
-from kvpush.deploy.topology import TinyModelSpec, parse_topology
+from kvpush.deploy.lifecycle.tiny_model import make_tiny_model
+from kvpush.deploy.topology.topology import TinyModelSpec, parse_topology
 
 LATE_WRITE_HOLD_S = 4  # short, so a test can watch held blocks come back
 PORTS = {"prefill_http": 17100, "decode_http": 17101, "prefill_side": 17200, "decode_side": 17210, "router": 17000}

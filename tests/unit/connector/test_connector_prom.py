@@ -2,7 +2,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 
 from kvpush.connector.prom import PushPromMetrics
 from kvpush.connector.stats import PushStats
-from kvpush.deploy.bench.scrape import instance_figures
+from kvpush.bench.scrape import instance_figures
 
 
 def _metrics(registry: CollectorRegistry) -> PushPromMetrics:
