@@ -18,13 +18,17 @@ from .options import EXTRA_ARGUMENTS, FILE_OPTION, one_argument, examples
 
 def register(app: typer.Typer) -> None:
     @app.command("request", epilog=examples(('kvpush request --file my.yaml "hello"', 'answer and TTFT'),
-                      ('kvpush request --file my.yaml -n 64 --json "hello"', '64 tokens, as JSON')), context_settings=EXTRA_ARGUMENTS)
+                      ('kvpush request --file my.yaml -n 64 --json "hello"', '64 tokens, as JSON'),
+                      ('kvpush request --file my.yaml --router-url http://127.0.0.1:18000 "hi"', 'through `kvpush tunnel`')),
+                 context_settings=EXTRA_ARGUMENTS)
     def request_command(
         ctx: typer.Context,
         prompt: str = typer.Argument(..., help="Prompt text (quoted)."),
         file: Optional[Path] = FILE_OPTION,
         max_tokens: int = typer.Option(32, "--max-tokens", "-n", help="Tokens to generate (greedy)."),
         json_output: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+        router_url_option: Optional[str] = typer.Option(None, "--router-url", help="Send it here instead of the "
+                                                        "router's own address, e.g. the URL `kvpush tunnel` prints."),
     ) -> None:
         """Send one streamed, greedy completion through the router; print the answer and its TTFT."""
         prompt = one_argument("request", "PROMPT", [prompt, *ctx.args], file)
@@ -32,7 +36,7 @@ def register(app: typer.Typer) -> None:
         try:
             topo, source = resolve_topology(file)
             plan = build_plan(topo)
-            router_url = plan.router_url_from_here()
+            router_url = router_url_option or plan.router_url_from_here()
             result = stream_completion(router_url, plan.served_model_name, prompt, max_tokens=max_tokens,
                                        api_key=client_api_key(topo))
         except KvpushError as exc:

@@ -9,7 +9,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import BinaryIO, Callable, Literal
 
 from kvpush.common.errors import KvpushError
 
@@ -107,6 +107,14 @@ class Runner(ABC):
     @abstractmethod
     def follow(self, command: str, on_line: Callable[[str], None], stop: threading.Event) -> None:
         """Run a long command (e.g. `tail -F`), calling on_line per output line until stop is set."""
+
+    def stream(self, command: str, stdout: BinaryIO, stderr: BinaryIO) -> int:
+        """Run a shell command, writing its output to stdout/stderr as it comes; its exit status
+        (255 where the host gives none, as `ssh` does). No timeout: it runs until it ends."""
+        result = self.run(command, timeout=None)
+        stdout.write(result.stdout.encode())
+        stderr.write(result.stderr.encode())
+        return result.exit_code
 
     def group_members(self, pgids: list[int]) -> dict[int, list[ProcessInfo]]:
         """Every process (zombies included) currently in each process group."""

@@ -10,6 +10,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import BinaryIO
 
 import psutil
 
@@ -35,6 +36,9 @@ class LocalRunner(Runner):
             raise HostError(f"host {self.name}: command timed out after {timeout:.0f} s: {command[:80]}") from None
         return CommandResult(self.name, command, proc.returncode, proc.stdout.decode(errors="replace"),
                              proc.stderr.decode(errors="replace"), time.monotonic() - started)
+
+    def stream(self, command: str, stdout: BinaryIO, stderr: BinaryIO) -> int:
+        return stream_process(["bash", "-c", command], stdout, stderr)
 
     def read_file(self, path: str) -> bytes | None:
         try:
@@ -128,3 +132,26 @@ def _terminate(proc: subprocess.Popen) -> None:
         except ProcessLookupError:
             pass
         proc.wait()
+
+
+def stream_process(argv: list[str], stdout: BinaryIO, stderr: BinaryIO) -> int:
+    """Run argv (stdin closed), copying its stdout and stderr to the given streams chunk by chunk
+    as they come; its exit status (128 + N for a process killed by signal N, as a shell says)."""
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    def copy(source, target) -> None:
+        while chunk := source.read1(65536):
+            target.write(chunk)
+            target.flush()
+
+    copier = threading.Thread(target=copy, args=(proc.stderr, stderr), daemon=True)
+    copier.start()
+    try:
+        copy(proc.stdout, stdout)
+        copier.join()
+        code = proc.wait()
+    finally:
+        if proc.poll() is None:  # interrupted (Ctrl-C): end the command too
+            proc.terminate()
+            proc.wait()
+    return 128 - code if code < 0 else code

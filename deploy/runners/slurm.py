@@ -17,7 +17,7 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Callable
+from typing import BinaryIO, Callable
 
 import psutil
 
@@ -25,7 +25,7 @@ from .slurm_cli import SlurmClient, SlurmError, job_gone_words
 from .slurm_step import srun_argv, step_shell
 from .base import CommandResult, HostError, HttpResponse, ProcessInfo, Runner, Started
 from .http import exchange, split_url
-from .local import LocalRunner
+from .local import LocalRunner, stream_process
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 STEP_APPEAR_TIMEOUT_S = 60.0
@@ -79,6 +79,10 @@ class SlurmRunner(Runner):
         except SlurmError as exc:
             raise HostError(f"{self._where()}: {exc}") from None
         return CommandResult(self.name, command, code, out, err, time.monotonic() - started)
+
+    def stream(self, command: str, stdout: BinaryIO, stderr: BinaryIO) -> int:
+        """The command as a job step on this node of the allocation; srun's exit status is the command's."""
+        return stream_process(self._srun("kvpush-exec", command), stdout, stderr)
 
     def read_file(self, path: str) -> bytes | None:
         q = shlex.quote(self.expand(path))

@@ -7,6 +7,7 @@ import socket
 import threading
 import time
 import uuid
+from typing import BinaryIO
 
 import paramiko
 
@@ -110,6 +111,32 @@ class SshRunner(Runner):
         return CommandResult(self.name, command, code, out.decode(errors="replace"),
                              err.decode(errors="replace"), time.monotonic() - started)
 
+    def stream(self, command: str, stdout: BinaryIO, stderr: BinaryIO) -> int:
+        try:
+            chan = self.connect().get_transport().open_session(timeout=self.options.connect_timeout_s)
+            chan.exec_command(command)
+            chan.shutdown_write()
+        except (paramiko.SSHException, OSError, EOFError) as exc:
+            raise HostError(f"{self._where()}: SSH session failed: {exc or type(exc).__name__}") from None
+        with chan:
+            while True:
+                got = False
+                while chan.recv_ready():
+                    stdout.write(chan.recv(65536))
+                    got = True
+                while chan.recv_stderr_ready():
+                    stderr.write(chan.recv_stderr(65536))
+                    got = True
+                if got:
+                    stdout.flush()
+                    stderr.flush()
+                elif chan.eof_received or chan.closed:  # end of output, as in run()
+                    break
+                else:
+                    time.sleep(0.01)
+            code = chan.recv_exit_status()
+        return 255 if code < 0 else code
+
     # -- files ------------------------------------------------------------------------------
 
     def _makedirs(self, directory: str) -> None:
@@ -184,14 +211,16 @@ class SshRunner(Runner):
                 for line in lines:
                     on_line(line.decode(errors="replace"))
 
+    def channel_to(self, host: str, port: int, timeout: float, origin: tuple[str, int] = ("127.0.0.1", 0)) -> paramiko.Channel:
+        """A TCP connection the host makes to host:port, as a channel of this connection (ssh -L, -W)."""
+        try:
+            return self.connect().get_transport().open_channel("direct-tcpip", (host, port), origin, timeout=timeout)
+        except paramiko.ChannelException as exc:
+            raise ConnectionRefusedError(f"{host}:{port} refused through {self.name}: {exc}") from None
+
     def http(self, method: str, url: str, body: bytes | None = None, timeout: float = 5.0,
              headers: dict[str, str] | None = None) -> HttpResponse:
         host, port, path = split_url(url)
-        try:
-            chan = self.connect().get_transport().open_channel(
-                "direct-tcpip", (host, port), ("127.0.0.1", 0), timeout=timeout)
-        except paramiko.ChannelException as exc:
-            raise ConnectionRefusedError(f"{host}:{port} refused through {self.name}: {exc}") from None
-        with chan:
+        with self.channel_to(host, port, timeout) as chan:
             chan.settimeout(timeout)
             return exchange(chan, host, port, method, path, body, headers)
