@@ -14,6 +14,7 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 "$root/scripts/setup.sh"
+"$root/scripts/test-setup.sh"  # the system packages only the tests use (sshd, Slurm, munge)
 cd "$root"
 export PYTHONUNBUFFERED=1
 # The suite imports kvpush in hundreds of processes (xdist workers, routers, CLIs, vLLM servers); with

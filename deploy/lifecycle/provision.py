@@ -2,9 +2,12 @@
 
 When a host's digest differs (or kvpush is missing), a wheel of the local source tree is built
 once per digest, uploaded over SFTP and installed with `pip --no-deps --force-reinstall`.
+With --with-vllm, each host's venv and the pinned CPU vLLM stack come first (vllm_stack.py, piped
+to the host's python3). Only what runs there is installed: no system packages, nothing as root.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shlex
@@ -15,8 +18,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import host_probe
-from kvpush.common.errors import KvpushError
+from . import host_probe, vllm_stack
+from kvpush.common.errors import KvpushError, UsageError
 from kvpush.deploy.plan.plan_model import HostPlan
 from kvpush.deploy.runners import HostError, Runner
 
@@ -171,13 +174,26 @@ class WheelSource:
             return self._path
 
 
-def install_vllm_stack(runner: Runner, host: HostPlan, venv: str) -> None:
-    """Create the host's venv and install the pinned CPU vLLM stack with the project's setup.sh."""
-    script = source_root() / "scripts" / "setup.sh"
-    remote = "~/.kvpush/setup.sh"
-    runner.upload(str(script), remote)
-    cmd = f"KVPUSH_VENV={shlex.quote(runner.expand(venv))} bash {shlex.quote(runner.expand(remote))} --no-dev --no-kvpush"
-    runner.run(cmd, timeout=3600).check("installing the vLLM stack (scripts/setup.sh)")
+def install_vllm_stack(runner: Runner, venv: str) -> str:
+    """Create the host's venv if missing and install the pinned CPU vLLM stack into it, with
+    vllm_stack.py piped to the host's python3 (nothing else is uploaded, nothing runs as root);
+    returns "installed" or "up-to-date"."""
+    source = Path(vllm_stack.__file__).read_bytes()
+    base = "$(command -v python3.11 || command -v python3)"
+    result = runner.run(f'"{base}" - --venv {shlex.quote(runner.expand(venv))}', timeout=3600, stdin=source)
+    result.check("installing the CPU vLLM stack (kvpush.deploy.lifecycle.vllm_stack)")
+    try:
+        return json.loads(result.stdout.strip().splitlines()[-1])["action"]
+    except (ValueError, IndexError, KeyError):
+        raise HostError(f"host {runner.name}: the vLLM stack installer printed no result; its output: "
+                        f"{(result.stderr.strip().splitlines() or ['none'])[-1]}") from None
+
+
+def refuse_unsupported_stack(topo) -> None:
+    """--with-vllm installs the CPU stack only: a cuda topology would get a vLLM that cannot use its GPUs."""
+    if topo.platform != "cpu":
+        raise UsageError(f"--with-vllm: platform {topo.platform}: kvpush installs only the CPU vLLM stack so far; install "
+                         "vLLM, torch and NIXL for your CUDA into each host's venv, then run `kvpush provision` without --with-vllm")
 
 
 def provision_all(topo, ssh, with_vllm: bool = False) -> list[ProvisionResult]:
@@ -187,6 +203,8 @@ def provision_all(topo, ssh, with_vllm: bool = False) -> list[ProvisionResult]:
     from kvpush.deploy.runners import fan_out, values_or_raise
     from .state import HostRecord
 
+    if with_vllm:
+        refuse_unsupported_stack(topo)
     plan = build_plan(topo)
     digest = local_digest()
     wheel = WheelSource(digest)
@@ -196,11 +214,13 @@ def provision_all(topo, ssh, with_vllm: bool = False) -> list[ProvisionResult]:
 
         def one(host: HostPlan) -> ProvisionResult:
             runner = runners[host.name]
+            stack = ""
             if with_vllm:
                 venv = topo.hosts[host.name].venv
                 if not venv:
                     raise HostError(f"host {host.name}: --with-vllm needs hosts.{host.name}.venv in the topology (where to create it)")
-                install_vllm_stack(runner, host, venv)
-            return provision_host(runner, host, digest, wheel)
+                stack = f"; CPU vLLM stack {install_vllm_stack(runner, venv)}"
+            result = provision_host(runner, host, digest, wheel)
+            return dataclasses.replace(result, detail=result.detail + stack)
 
         return list(values_or_raise(fan_out(plan.hosts, one, name=lambda h: h.name)).values())

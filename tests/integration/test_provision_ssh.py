@@ -102,3 +102,78 @@ def test_provision_command_installs_then_reports_up_to_date(sshd_cluster, bare_v
     with pytest.raises(SystemExit) as exc:
         cli_run(["provision", str(path), "--with-vllm", "--known-hosts", str(sshd_cluster.known_hosts)])
     assert exc.value.code == 1 and "--with-vllm needs hosts.h0.venv" in capsys.readouterr().err
+
+
+# -- runtime packages only: no sudo, no system package manager on the host --------------------------
+ROOT_TOOLS = ("sudo", "su", "doas", "apt", "apt-get", "dpkg", "yum", "dnf")
+
+
+@pytest.fixture(scope="module")
+def watched_host(tmp_path_factory):
+    """One real sshd host whose sessions find recording stand-ins for sudo and the system package
+    managers first on PATH: whatever provisioning runs there, a call to one of them is on record."""
+    from sshd_hosts import SshdCluster
+
+    root = tmp_path_factory.mktemp("watched")
+    shims, record = root / "shims", root / "root-tool-calls.log"
+    shims.mkdir()
+    for tool in ROOT_TOOLS:
+        (shims / tool).write_text(f'#!/bin/sh\necho "{tool} $*" >> {record}\nexit 1\n')
+        (shims / tool).chmod(0o755)
+
+    class WatchedCluster(SshdCluster):
+        def _config(self, host):
+            # one SetEnv line: sshd takes the first of a keyword
+            return super()._config(host).replace("SetEnv SHLVL=1", f"SetEnv SHLVL=1 PATH={shims}:/usr/local/bin:/usr/bin:/bin")
+
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    address = f"127.0.0.{8 + 10 * worker}"  # past this worker's module cluster (127.0.0.2-4, 12-14, ...)
+    with WatchedCluster(1, first_address=address, port=2222, root=root / "sshd") as cluster:
+        yield cluster, record
+
+
+def _topology_file(cluster, tmp_path, venv, **top) -> str:
+    import yaml
+
+    topo = topology_for(cluster, "rt", str(venv / "bin/python"), tmp_path, prefill=[0], decode=[0], router=0, port_base=19990)
+    doc = topo.model_dump(mode="json", exclude_none=True)
+    host = doc["hosts"]["h0"]
+    del host["python"]
+    host["venv"] = str(venv)
+    for role, devices in top.pop("devices", {}).items():
+        doc[role][0]["devices"] = devices
+    doc.update(top)
+    path = tmp_path / "rt.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return str(path)
+
+
+def test_provision_with_vllm_runs_no_sudo_and_no_package_manager(watched_host, bare_venv, tmp_path, state_dir):
+    from cli_in_process import run_cli
+
+    cluster, record = watched_host
+    runner = SshRunner("h0", cluster.host_address(cluster.hosts[0]), SshOptions(known_hosts=str(cluster.known_hosts)))
+    assert runner.run("sudo true; apt-get install x").exit_code != 0
+    assert record.read_text().splitlines() == ["sudo true", "apt-get install x"]  # the stand-ins are in effect
+    record.unlink()
+    runner.close()
+
+    path = _topology_file(cluster, tmp_path, bare_venv)
+    result = run_cli("provision", path, "--with-vllm", "--known-hosts", str(cluster.known_hosts))
+    assert result.returncode == 0, result.stderr
+    # the venv sees the dev venv's pinned CPU stack: the installer finds it and installs nothing
+    assert "host h0: installed" in result.stdout and "CPU vLLM stack up-to-date" in result.stdout, result.stdout
+    assert not record.exists(), record.read_text()
+
+
+def test_provision_with_vllm_refuses_a_cuda_topology_in_one_line(watched_host, bare_venv, tmp_path, state_dir):
+    from cli_in_process import run_cli
+
+    cluster, record = watched_host
+    path = _topology_file(cluster, tmp_path, bare_venv, platform="cuda",
+                          devices={"prefill": [0], "decode": [1]})
+    result = run_cli("provision", path, "--with-vllm", "--known-hosts", str(cluster.known_hosts))
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2 and len(errors) == 1, result.stderr
+    assert "--with-vllm: platform cuda" in errors[0] and "without --with-vllm" in errors[0]
+    assert not record.exists()
