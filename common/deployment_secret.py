@@ -32,6 +32,8 @@ MAX_FILE_BYTES = 4096  # a secret or key file is one short line; never read more
 SIDE_CHANNEL = "side-channel"  # the connector's side-channel challenge-response
 INSTANCE_API_KEY = "instance-api-key"  # vLLM's --api-key: what the router and kvpush send to the instances
 FINGERPRINT = "fingerprint"  # a public name for the secret, safe to print
+# The router signs each leg's kv_transfer_params with this key; the connector checks them (common/kv_params.py)
+TRANSFER_PARAMS = "kv-transfer-params-v1"
 
 
 class SecretFileError(KvpushError):

@@ -19,7 +19,7 @@ from .engine_wakeups import tune_step_queues
 from .metadata import Evictions, PushMetadata
 from .prom import PushPromMetrics
 from .scheduler import PushScheduler
-from .settings import Settings
+from .settings import Settings, transfer_params_key
 from .stats import PushStats
 from .worker import PushWorker
 
@@ -93,7 +93,8 @@ class KVPushConnector(KVConnectorBase_V1):
         self._scheduler: PushScheduler | None = None
         self._worker: PushWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = PushScheduler(self.settings.block_size, self.settings.is_producer, self.settings.engine_id, KVPushMetadata)
+            self._scheduler = PushScheduler(self.settings.block_size, self.settings.is_producer, self.settings.engine_id,
+                                            KVPushMetadata, transfer_params_key(self.settings))
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -169,6 +170,13 @@ class KVPushConnector(KVConnectorBase_V1):
         return self._worker.load_errors() if self._worker is not None else set()
 
     def get_kv_connector_stats(self) -> KVPushStats | None:
+        if self._scheduler is not None:  # what the scheduler refused; vLLM adds it to the workers' stats
+            refused = self._scheduler.take_refused()
+            if not refused:
+                return None
+            stats = PushStats()
+            stats.record_refused_params(refused)
+            return KVPushStats(data=stats.data)
         stats = self._worker.take_stats() if self._worker is not None else None
         return KVPushStats(data=stats.data) if stats is not None else None
 

@@ -35,6 +35,7 @@ from .liveness import DEFAULT_ADMISSION_S, DEFAULT_SILENCE_S, PeerLiveness
 from .regions import HeadLayout, LayoutIdentity, Region
 from .sharding import HeadSharding, ShardingError, pieces_for_decode
 from .state import ConsumerState, Outcome, Pending, counts_since
+from kvpush.common.kv_params import PromptIdentity
 
 log = logging.getLogger(__name__)
 # How the reactor (channel.py) names a connection P's side ended (its FIN, or a reset: a process that
@@ -97,12 +98,17 @@ class Consumer:
 
     # ---- compute thread ----------------------------------------------------------------------
     def expect(self, req_id: str, transfer_id: str, peer_engine: str, host: str, port: int,
-               block_ids: list[int], first_block: int, num_tokens: int, peer_tp_size: int = 1) -> None:
+               block_ids: list[int], first_block: int, num_tokens: int, peer_tp_size: int = 1,
+               prompt: PromptIdentity | None = None, refused: str = "") -> None:
         """Register these blocks with every rank of prefill `peer_engine` (TP `peer_tp_size`, side
-        channel on `port` + rank) that holds KV heads of this rank."""
+        channel on `port` + rank) that holds KV heads of this rank; P writes only if its request's
+        prompt is `prompt`. `refused`: the request's params were refused, its load fails at once."""
         now = time.monotonic()
         whole = Pending(transfer_id, req_id, peer_engine, tuple(block_ids), now)
         with self._lock:
+            if refused:
+                self._arrivals.add_whole(Outcome(whole, False, refused))
+                return
             if peer_engine not in self.config.allowed_engines:
                 self.counters["refused_peer"] += 1
                 self._arrivals.add_whole(Outcome(whole, False, f"prefill engine {peer_engine!r} is not in allowed_engines {sorted(self.config.allowed_engines)}"))
@@ -132,7 +138,8 @@ class Consumer:
             sources = [piece.p_rank for piece in pieces]
         log.debug("kvpush D expect %s req=%s blocks=%d first=%d from ranks %s t=%.6f", transfer_id, req_id, len(block_ids),
                   first_block, sources, now)
-        msg = wire.Register(transfer_id, tuple(block_ids), first_block, num_tokens)
+        msg = wire.Register(transfer_id, tuple(block_ids), first_block, num_tokens,
+                            prompt.tokens if prompt else -1, prompt.digest if prompt else "")
         for rank in sources:
             self._reactor.call_soon(lambda r=rank: self._send(rank_key(peer_engine, r), host, port + r, msg))
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvpush.common.kv_params import PromptIdentity
+
 
 @dataclass(frozen=True)
 class SendSpec:
@@ -32,13 +34,16 @@ class RecvSpec:
     first_block: int
     num_tokens: int
     report: bool = True  # False: nothing to load (local hit); only tell P, vLLM waits for nothing
+    prompt: PromptIdentity | None = None  # what P's request must agree with before it writes (REGISTER)
+    refused: str = ""  # why the request's kv_transfer_params were refused: its load fails, P is not contacted
 
 
 @dataclass
 class PushMetadata:
     sends: list[SendSpec] = field(default_factory=list)
     recvs: list[RecvSpec] = field(default_factory=list)
-    accepts: list[tuple[str, int]] = field(default_factory=list)  # P: (transfer id, decode TP size) of new requests
+    # P: (transfer id, decode TP size, the prompt's identity) of new requests
+    accepts: list[tuple[str, int, PromptIdentity | None]] = field(default_factory=list)
     aborts: list[tuple[str, str, int]] = field(default_factory=list)  # P: (transfer id, reason, decode TP size)
     cancels: list[str] = field(default_factory=list)  # D: transfer ids
     # D: requests this step computes for the first time since their KV was reported received

@@ -41,6 +41,7 @@ from .state import Match, Offer, ProducerState, Registration, Rejection, counts_
 from .streamed_write import MAX_SLEEP_S
 from .transfer import NixlEngine, Peer
 from .transfer_thread import TransferThread
+from kvpush.common.kv_params import PromptIdentity
 
 log = logging.getLogger(__name__)
 POLL_S = 0.0002  # completion polling period, only while WRITEs are in flight, easing off on a
@@ -58,6 +59,8 @@ class Producer:
         self._state = ProducerState(config.timeout_s)
         self._peers = Peers()
         self._writing: set[str] = set()  # transfer ids the compute thread writes right now (no lock held)
+        # transfer id -> its request's prompt, from the accept until its offer (or abort)
+        self._prompt_of: dict[str, PromptIdentity | None] = {}
         self._counted: Counter = Counter()  # what take_counts already handed out
         self._warnings = ThrottledWarnings()
         self.counters: Counter = Counter()  # under the lock
@@ -81,12 +84,15 @@ class Producer:
         nothing was made."""
         made = False
         for rank in self._targets(peer_tp_size):
-            made |= self._prepare(rank_key(transfer_id, rank), block_ids, rank_key(peer_engine, rank))
+            made |= self._prepare(rank_key(transfer_id, rank), block_ids, rank_key(peer_engine, rank), transfer_id)
         return made
 
-    def _prepare(self, transfer_id: str, block_ids: list[int] | tuple[int, ...], peer_engine: str) -> bool:
+    def _prepare(self, key: str, block_ids: list[int] | tuple[int, ...], peer_engine: str, transfer_id: str) -> bool:
         with self._lock:
-            return self._pushes.prepare(transfer_id, block_ids, peer_engine, self._state.registrations.get(transfer_id))
+            reg = self._state.registrations.get(key)
+            if reg is not None and reg.prompt != self._prompt_of.get(transfer_id):
+                return False  # its offer is refused (state._match): nothing to make
+            return self._pushes.prepare(key, block_ids, peer_engine, reg)
 
     def has_registration(self, transfer_id: str, peer_tp_size: int = 1) -> bool:
         """Whether every decode rank this rank writes into has registered its blocks for the transfer."""
@@ -118,9 +124,10 @@ class Producer:
                 self._pushes.free_now(req_id)  # else no decode rank takes heads from this rank
                 return
             self._pushes.expect(req_id, len(targets))
+            prompt = self._prompt_of.pop(transfer_id, None)
             for rank in targets:
                 key = rank_key(transfer_id, rank)
-                result = self._state.offer(Offer(key, req_id, tuple(block_ids), rank_key(peer_engine, rank), now))
+                result = self._state.offer(Offer(key, req_id, tuple(block_ids), rank_key(peer_engine, rank), now, prompt))
                 log.debug("kvpush P offer %s req=%s blocks=%d t=%.6f matched=%s", key, req_id, len(block_ids), now, result is not None)
                 if isinstance(result, Match) and self.config.drive_writes:  # this thread copies it
                     self._writing.add(key)
@@ -155,11 +162,13 @@ class Producer:
             return []  # refused at the decode rank's handshake; nothing to write
         return targets_of(self.config.tp_rank, self.config.sharding, decode)
 
-    def accept(self, transfers: list[tuple[str, int]]) -> None:
+    def accept(self, transfers: list[tuple[str, int, PromptIdentity | None]]) -> None:
         """P's scheduler has these requests (queued or prefilling), given as (transfer id, decode
-        TP size): tell each decode rank, whose no-show timer stops, now or when it registers."""
+        TP size, its prompt's identity): tell each decode rank, whose no-show timer stops, now or
+        when it registers. The identity goes with the request's offer, which a registration must match."""
         with self._lock:
-            for tid, peer_tp_size in transfers:
+            for tid, peer_tp_size, prompt in transfers:
+                self._prompt_of[tid] = prompt
                 for rank in self._targets(peer_tp_size):
                     reg = self._state.accept(rank_key(tid, rank))
                     if reg is not None:
@@ -168,6 +177,7 @@ class Producer:
     def abort(self, transfer_id: str, reason: str, peer_tp_size: int = 1) -> None:
         """P's request ended before its prefill completed: tell D's ranks now or when they register."""
         with self._lock:
+            self._prompt_of.pop(transfer_id, None)
             for rank in self._targets(peer_tp_size):
                 reg = self._state.abort(rank_key(transfer_id, rank), reason, time.monotonic())
                 if reg is not None:
@@ -178,6 +188,7 @@ class Producer:
         pass that wrote it failed): D's ranks hear FAIL, now or when they register, and its blocks
         are free."""
         with self._lock:
+            self._prompt_of.pop(transfer_id, None)
             self.counters["failed"] += 1
             log.warning("kvpush: push %s (request %s) withdrawn: %s", transfer_id, req_id, reason)
             for rank in self._targets(peer_tp_size):
@@ -344,8 +355,9 @@ class Producer:
                         self._pushes.push_ended(offer.req_id)
                     conn.send(wire.Fail(msg.transfer_id, bad or self._lost))
                     return
+                claimed = PromptIdentity(msg.prompt_tokens, msg.prompt_digest) if msg.prompt_digest else None
                 result = self._state.register(Registration(key, peer_key, msg.block_ids, msg.first_block, now,
-                                                           self._peers.generation(conn)))
+                                                           self._peers.generation(conn), claimed))
                 if result is None and key in self._state.accepted:
                     conn.send(wire.Accepted(msg.transfer_id))
                 if isinstance(result, Match):  # its offer came first: written here, outside the lock

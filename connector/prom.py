@@ -26,6 +26,9 @@ _COUNTERS = {
 _DROPPED = ("vllm:kvpush_dropped_messages",
             "Side-channel messages and requests this instance dropped or refused, by reason "
             "(malformed, unknown or duplicate transfer, expired, engine not allowed, ...).")
+_REFUSED_PARAMS = ("vllm:kvpush_refused_transfer_params",
+                   "Requests whose kvpush kv_transfer_params this instance refused, by reason (unsigned, "
+                   "bad_signature, expired, wrong_engine, wrong_prompt, malformed): nothing of them was transferred.")
 # Histogram sums are the byte totals (one name per side, so a transfer is never counted twice
 # within one instance).
 _HISTOGRAMS = {
@@ -59,6 +62,8 @@ class PushPromMetrics:
         self._counters = {key: by_name[name] for key, (name, _) in _COUNTERS.items()}
         dropped = counter_cls(name=_DROPPED[0], documentation=_DROPPED[1], labelnames=[*labelnames, "reason"])
         self._dropped = {idx: (dropped, list(values)) for idx, values in per_engine_labelvalues.items()}
+        refused = counter_cls(name=_REFUSED_PARAMS[0], documentation=_REFUSED_PARAMS[1], labelnames=[*labelnames, "reason"])
+        self._refused = {idx: (refused, list(values)) for idx, values in per_engine_labelvalues.items()}
         self._histograms = {key: per_engine(histogram_cls(name=name, documentation=doc, buckets=list(buckets),
                                                           labelnames=labelnames))
                             for key, (name, doc, buckets) in _HISTOGRAMS.items()}
@@ -69,6 +74,9 @@ class PushPromMetrics:
                 self._counters[key][engine_idx].inc(int(data[key]))
         metric, values = self._dropped[engine_idx]
         for reason, n in data.get("dropped", {}).items():
+            metric.labels(*values, reason).inc(int(n))
+        metric, values = self._refused[engine_idx]
+        for reason, n in data.get("refused_params", {}).items():
             metric.labels(*values, reason).inc(int(n))
         for key, histogram in self._histograms.items():
             for value in data.get(key, ()):

@@ -10,13 +10,33 @@ worker for that). Pure bookkeeping: no sockets, no NIXL.
 from __future__ import annotations
 
 import logging
+import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from .admission import ThrottledWarnings
 from .metadata import PushMetadata, RecvSpec, SendSpec
-from kvpush.common.kv_params import ParamsError, PushParams
+from kvpush.common.kv_params import MALFORMED, ParamsError, PromptIdentity, PushParams
 
 log = logging.getLogger(__name__)
+
+
+def prompt_identity(request: Any) -> PromptIdentity:
+    """What prefill and decode compare before KV moves: the prompt's token ids and what else makes
+    equal ids cache differently in vLLM (cache salt, LoRA adapter, multimodal inputs)."""
+    lora = getattr(request, "lora_request", None)
+    extra = [str(getattr(f, "identifier", None) or getattr(f, "mm_hash", "")) for f in getattr(request, "mm_features", None) or ()]
+    return PromptIdentity.of(request.prompt_token_ids, getattr(request, "cache_salt", None),
+                             getattr(lora, "lora_name", None), extra)
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A request whose kvpush params this instance refused, and why (kv_params' reason constants)."""
+
+    reason: str
+    params: PushParams | None  # as parsed (unchecked), None if malformed
 
 
 @dataclass
@@ -27,8 +47,16 @@ class _Producing:
 
 class PushScheduler:
     def __init__(self, block_size: int, is_producer: bool, engine_id: str,
-                 metadata_cls: type[PushMetadata] = PushMetadata):
+                 metadata_cls: type[PushMetadata] = PushMetadata, params_key: bytes | None = None,
+                 clock: Any = time.time):
         self.metadata_cls = metadata_cls
+        # The key signed kv_transfer_params are checked with (None: a deployment without a secret,
+        # whose params are taken unsigned) and the wall clock their expiry is read on.
+        self.params_key = params_key
+        self._clock = clock
+        self._checked: dict[str, PushParams | Refused | None] = {}  # req id -> its params, checked once
+        self.refused: Counter = Counter()  # reason -> requests refused (taken by take_refused)
+        self._warnings = ThrottledWarnings()
         self.block_size = block_size
         self.is_producer = is_producer
         self.engine_id = engine_id
@@ -46,40 +74,80 @@ class PushScheduler:
         self._received: dict[str, str] = {}
         self._transfer_of: dict[str, str] = {}  # req id -> transfer id, every consumer request with one
 
-    @staticmethod
-    def params_of(request: Any) -> PushParams | None:
+    def params_of(self, request: Any) -> PushParams | None:
+        """The request's kvpush params once checked, None if it has none or they were refused."""
+        verdict = self.check(request)
+        return verdict if isinstance(verdict, PushParams) else None
+
+    def check(self, request: Any) -> PushParams | Refused | None:
+        """The request's kvpush params, checked on first sight (its arrival) and remembered until it
+        finishes: a refusal is counted and logged once, and its expiry is judged when it arrived."""
+        req_id = request.request_id
+        if req_id in self._checked:
+            return self._checked[req_id]
+        verdict: PushParams | Refused | None
         try:
-            return PushParams.parse(request.kv_transfer_params)
+            verdict = PushParams.parse(request.kv_transfer_params)
         except ParamsError as exc:
-            log.error("kvpush: request %s: %s; serving it without KV transfer", request.request_id, exc)
-            return None
+            verdict = Refused(MALFORMED, None)
+            self._refuse(request, MALFORMED, str(exc))
+        if isinstance(verdict, PushParams) and self.params_key is not None:
+            reason = verdict.refusal(self.params_key, self.engine_id, self._clock(), request.prompt_token_ids)
+            if reason is not None:
+                self._refuse(request, reason, f"{verdict.role} params of transfer {verdict.transfer_id!r} are {reason}")
+                verdict = Refused(reason, verdict)
+        self._checked[req_id] = verdict
+        return verdict
+
+    def _refuse(self, request: Any, reason: str, detail: str) -> None:
+        self.refused[reason] += 1
+        what = ("its KV load fails" if not self.is_producer else "it is computed, nothing of it is sent")
+        self._warnings.warn(f"params_{reason}", "kvpush: refused the kv_transfer_params of request %s (%s): %s; %s",
+                            request.request_id, reason, detail, what)
+
+    def take_refused(self) -> dict[str, int]:
+        """Requests refused for their kv_transfer_params since the last call, by reason."""
+        out, self.refused = dict(self.refused), Counter()
+        return out
 
     def on_new_request(self, request: Any) -> None:
-        params = self.params_of(request) if self.is_producer else None
+        verdict = self.check(request)
+        params = verdict if self.is_producer and isinstance(verdict, PushParams) else None
         if params is not None and params.role == "producer":
             # known from arrival on, so an abort while still queued reaches D too
             self._producing[request.request_id] = _Producing(request, params)
-            self._meta.accepts.append((params.transfer_id, params.peer_tp_size))
+            self._meta.accepts.append((params.transfer_id, params.peer_tp_size, prompt_identity(request)))
 
     # ---- D ------------------------------------------------------------------------------------
+    def _consumer_params(self, request: Any) -> PushParams | None:
+        """D: the consumer params of a request, refused ones included (their load is made to fail)."""
+        verdict = self.check(request)
+        if isinstance(verdict, Refused):
+            verdict = verdict.params
+        return verdict if verdict is not None and verdict.role == "consumer" else None
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        params = self.params_of(request)
-        if self.is_producer or params is None or params.role != "consumer" or request.request_id in self._handled:
+        params = None if self.is_producer else self._consumer_params(request)
+        if params is None or request.request_id in self._handled:
             return 0, False
         count = len(request.prompt_token_ids or ()) - num_computed_tokens
         self._local_hit[request.request_id] = num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        params = self.params_of(request)
-        if params is None:
-            return
         req_id = request.request_id
         if self.is_producer:
-            if params.role == "producer" and req_id not in self._promised:
+            params = self.params_of(request)
+            if params is not None and params.role == "producer" and req_id not in self._promised:
                 self._producing[req_id] = _Producing(request, params)
             return
-        if params.role != "consumer" or req_id in self._handled:
+        params = self._consumer_params(request)
+        if params is None or req_id in self._handled:
+            return
+        verdict = self._checked.get(req_id)
+        refusal = verdict.reason if isinstance(verdict, Refused) else ""
+        if refusal and num_external_tokens <= 0:  # nothing to load: nothing to refuse, P is not contacted
+            self._handled.add(req_id)
             return
         self._handled.add(req_id)
         local = self._local_hit.pop(req_id, 0)
@@ -94,7 +162,8 @@ class PushScheduler:
             spec_blocks, report = (), False
         self._meta.recvs.append(RecvSpec(req_id, params.transfer_id, params.peer_engine_id, params.peer_host,
                                          params.peer_port, params.peer_tp_size, spec_blocks, first_block,
-                                         num_external_tokens, report))
+                                         num_external_tokens, report, prompt_identity(request),
+                                         f"the request's kv_transfer_params are refused ({refusal})" if refusal else ""))
 
     # ---- both ---------------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: Any) -> PushMetadata:
@@ -120,6 +189,7 @@ class PushScheduler:
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
+        self._checked.pop(req_id, None)
         if self.is_producer:
             item = self._producing.pop(req_id, None)
             if req_id in self._promised:

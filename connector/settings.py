@@ -146,6 +146,19 @@ def side_channel_key(settings: Settings) -> bytes:
         raise UnsupportedDeployment(f"kvpush: kv_connector_extra_config.secret_file: {exc}") from None
 
 
+def transfer_params_key(settings: Settings) -> bytes | None:
+    """The key the router signs kv_transfer_params with (kvpush.common.kv_params), derived from the
+    deployment secret; None without a secret file (params are then taken unsigned)."""
+    from kvpush.common.deployment_secret import TRANSFER_PARAMS, SecretFileError, derive_key, read_secret
+
+    if not settings.secret_file:
+        return None
+    try:
+        return derive_key(read_secret(settings.secret_file), TRANSFER_PARAMS)
+    except SecretFileError as exc:
+        raise UnsupportedDeployment(f"kvpush: kv_connector_extra_config.secret_file: {exc}") from None
+
+
 def _flag(value: Any, key: str) -> bool:
     if isinstance(value, bool):
         return value

@@ -10,6 +10,7 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 
 from .fences import Fences
+from kvpush.common.kv_params import PromptIdentity
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,7 @@ class Offer:
     block_ids: tuple[int, ...]
     peer_engine: str
     created: float
+    prompt: PromptIdentity | None = None  # P's request's prompt: D's registration must name the same
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,7 @@ class Registration:
     first_block: int
     created: float
     generation: int = 0  # the connection it came on (P numbers the connections it admits); a post checks it is still live
+    prompt: PromptIdentity | None = None  # the prompt D loads the KV for
 
 
 @dataclass(frozen=True)
@@ -118,6 +121,10 @@ class ProducerState:
         if offer.peer_engine != reg.peer_engine:
             self.dropped["wrong_peer"] += 1
             return Rejection(offer.transfer_id, reg.peer_engine, f"transfer belongs to engine {offer.peer_engine!r}, not {reg.peer_engine!r}", offer.req_id)
+        if offer.prompt != reg.prompt:  # KV of one prompt must never be cached under another's
+            self.dropped["prompt_mismatch"] += 1
+            return Rejection(offer.transfer_id, reg.peer_engine, f"decode's prompt ({_tokens(reg.prompt)}) is not prefill's "
+                                                                 f"({_tokens(offer.prompt)}): nothing is written", offer.req_id)
         end = reg.first_block + len(reg.block_ids)
         if end > len(offer.block_ids):
             return Rejection(offer.transfer_id, reg.peer_engine, f"D registered blocks [{reg.first_block}, {end}) but P has {len(offer.block_ids)}", offer.req_id)
@@ -185,6 +192,10 @@ class ProducerState:
         created = [o.created for o in self.offers.values()] + [
             r.created for r in self.registrations.values() if r.transfer_id not in self.accepted]
         return min(created) + self.timeout_s if created else None
+
+
+def _tokens(prompt: PromptIdentity | None) -> str:
+    return "unknown" if prompt is None else f"{prompt.tokens} tokens, digest {prompt.digest[:12]}"
 
 
 @dataclass(frozen=True)

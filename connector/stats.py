@@ -21,7 +21,8 @@ _COUNTS = ("sends_ok", "sends_failed", "recvs_ok", "recvs_failed", "marks_on_com
 def _empty() -> dict[str, Any]:
     # "dropped": reason -> messages or requests the side channel dropped or refused (malformed,
     # unknown, duplicate, expired, foreign engine, ...), see Producer/Consumer.take_counts
-    return {**{k: [] for k in _SERIES}, **{k: 0 for k in _COUNTS}, "dropped": {}}
+    # "refused_params": reason -> requests whose kv_transfer_params the scheduler refused (kv_params)
+    return {**{k: [] for k in _SERIES}, **{k: 0 for k in _COUNTS}, "dropped": {}, "refused_params": {}}
 
 
 @dataclass
@@ -50,6 +51,11 @@ class PushStats:
         for reason, n in counts.items():
             dropped[reason] = dropped.get(reason, 0) + int(n)
 
+    def record_refused_params(self, counts: dict[str, int]) -> None:
+        refused = self.data.setdefault("refused_params", {})
+        for reason, n in counts.items():
+            refused[reason] = refused.get(reason, 0) + int(n)
+
     def record_late_write_backstops(self, n: int) -> None:
         self.data["late_write_backstops"] += n
 
@@ -72,11 +78,13 @@ class PushStats:
         for k in _COUNTS:
             self.data[k] += int(other.data.get(k, 0))
         self.record_dropped(other.data.get("dropped", {}))
+        self.record_refused_params(other.data.get("refused_params", {}))
         return self
 
     def reduce(self) -> dict[str, int | float]:
         out: dict[str, int | float] = {k: self.data[k] for k in _COUNTS}
         out["dropped"] = sum(self.data["dropped"].values())
+        out["refused_params"] = sum(self.data.get("refused_params", {}).values())
         for k in _SERIES:
             values = sorted(self.data[k])
             if k.endswith("_s"):
@@ -87,4 +95,4 @@ class PushStats:
         return out
 
     def is_empty(self) -> bool:
-        return not any(self.data[k] for k in _COUNTS + _SERIES + ("dropped",))
+        return not any(self.data.get(k) for k in _COUNTS + _SERIES + ("dropped", "refused_params"))

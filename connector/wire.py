@@ -106,6 +106,10 @@ class Register:
     block_ids: tuple[int, ...]
     first_block: int
     num_tokens: int
+    # The prompt's identity (kv_params.PromptIdentity) D loads it for: P writes nothing unless its
+    # own request's is the same. -1 and "": not given (P then refuses to write).
+    prompt_tokens: int = -1
+    prompt_digest: str = ""
 
 
 @dataclass(frozen=True)
@@ -350,6 +354,8 @@ def _register(body: dict) -> Register:
         block_ids=block_ids,
         first_block=_int(body["first_block"], "first_block"),
         num_tokens=_int(body["num_tokens"], "num_tokens"),
+        prompt_tokens=_int(body["prompt_tokens"], "prompt_tokens", lo=-1),
+        prompt_digest=_hex(body["prompt_digest"], "prompt_digest", allow_empty=True),
     )
 
 

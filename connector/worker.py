@@ -190,7 +190,7 @@ class PushWorker:
             if not r.report:
                 self._silent.add(r.transfer_id)
             self.consumer.expect(r.req_id, r.transfer_id, r.peer_engine, r.peer_host, r.peer_port,
-                                 list(r.block_ids), r.first_block, r.num_tokens, r.peer_tp_size)
+                                 list(r.block_ids), r.first_block, r.num_tokens, r.peer_tp_size, r.prompt, r.refused)
         for tid in meta.cancels:
             if self.consumer.cancel(tid):  # else its outcome is in: nothing more to wait for
                 self._cancelled.add(tid)

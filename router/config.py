@@ -9,11 +9,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Literal
-from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvpush.common.errors import UsageError
+from kvpush.common.kv_params import DEFAULT_TTL_S
+
+from .instances import load_instance_list
+from .upstream_spec import Upstream
 
 Protocol = Literal["kvpush", "nixl-push", "nixl-pull", "colocated"]
 Policy = Literal["prefix-aware", "least-loaded", "round-robin"]
@@ -33,26 +36,6 @@ MAX_BODY_BYTES_PER_CHAR = 8  # JSON escapes can inflate a prompt; the prompt lim
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-
-class Upstream(_Model):
-    """One vLLM instance the router may send a leg to."""
-
-    name: str
-    url: str  # http://host:port, no trailing slash
-    engine_id: str  # the instance's kv_transfer_config engine_id
-    side_channel_host: str
-    side_channel_port: int
-    tp_size: int = 1
-    pp_size: int = 1
-
-    @field_validator("url")
-    @classmethod
-    def _plain_http_base(cls, url: str) -> str:
-        parts = urlsplit(url)
-        if parts.scheme != "http" or not parts.hostname or parts.path not in ("", "/") or parts.query:
-            raise ValueError(f"{url!r} is not an instance base URL; write http://host:port")
-        return url.rstrip("/")
 
 
 class Timeouts(_Model):
@@ -86,6 +69,10 @@ class RouterConfig(_Model):
     # The key the router presents to the instances (vLLM's --api-key); unset: the router's own key.
     instance_api_key_env: str | None = None
     instance_api_key_file: str | None = None
+    # The key kvpush kv_transfer_params are signed with (kvpush.common.kv_params), derived from the
+    # deployment secret and written by `kvpush up`; unset: legs go unsigned (a deployment without a secret).
+    transfer_params_key_file: str | None = None
+    transfer_params_ttl_s: float = Field(DEFAULT_TTL_S, gt=0, le=3600)  # a signed leg's params expire this long after
     public_paths: list[PublicPath] = Field(default_factory=lambda: ["/health"])
     max_prompt_chars: int = 4_000_000
     max_batch_prompts: int = Field(1024, ge=1)  # prompts in one completion request (vLLM's own default limit)
@@ -134,8 +121,6 @@ class RouterConfig(_Model):
     @classmethod
     def from_file(cls, path: str | Path) -> "RouterConfig":
         """The config, with the instances of its instances_file (whose path becomes absolute)."""
-        from .instances import load_instance_list
-
         path = Path(path)
         config = cls.model_validate_json(path.read_text())
         if config.instances_file is None:

@@ -19,6 +19,7 @@ from aiohttp import web
 
 from . import metrics as M
 from .config import RouterConfig
+from .legs_signing import LegSigner, read_signing_key
 from .pool import Instance, LeftRotation, Pool
 from .upstream_http import UpstreamClient, UpstreamError, UpstreamResponse, answer_head
 from .vllm_errors import CLIENT, GENERATION, classify_event, client_fault, error_message, event_failure_kind, failure_kind
@@ -135,6 +136,7 @@ class LegRunner:
         self.upstream = upstream
         self.metrics = metrics
         self.instance_key = instance_key
+        self.signer = LegSigner(read_signing_key(config.transfer_params_key_file), config.transfer_params_ttl_s)
 
     def headers(self, request_id: str | None) -> dict[str, str]:
         headers = {"Content-Type": "application/json"}
@@ -148,7 +150,7 @@ class LegRunner:
              timeout_s: float) -> tuple[Leg, UpstreamResponse]:
         """Count the leg and send it: written now on a pooled connection, else once connected."""
         leg = Leg(pool, inst, self.metrics)
-        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        data = body if isinstance(body, bytes) else json.dumps(self.signer.sign(body, inst.upstream)).encode()
         try:
             resp = self.upstream.start("POST", inst.upstream.url, path, headers, data, self.config.timeouts.connect_s,
                                        timeout_s)

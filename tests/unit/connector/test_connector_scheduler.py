@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvpush.common.kv_params import ParamsError, PushParams
+from kvpush.common.kv_params import ParamsError, PromptIdentity, PushParams
 from kvpush.connector.scheduler import PushScheduler
 
 BS = 4
@@ -137,7 +137,7 @@ def test_prefill_marks_request_in_the_step_its_prefill_completes():
     s.on_new_request(r)
     s.update_state_after_alloc(r, Blocks([4, 6]), 0)
     meta = s.build_connector_meta(sched_out(r=6))  # first chunk: 6 of 10
-    assert meta.sends == [] and meta.accepts == [("t1", 1)]
+    assert meta.sends == [] and meta.accepts == [("t1", 1, PromptIdentity.of(range(10)))]
     r.num_computed_tokens = 6
     [send] = s.build_connector_meta(sched_out(r=4)).sends
     assert send.block_ids == (4, 6, 8) and send.peer_engine == "X.e"

@@ -336,7 +336,7 @@ def test_decode_hands_the_prefills_tp_size_and_base_port_to_the_consumer():
     w = worker(False)
     w.tp_rank = 1
     w.bind(PushMetadata(recvs=[RecvSpec("r", "t", "P", "h", 5, 2, (3,), 0, 100)]))
-    assert w.consumer.expected == [("r", "t", "P", "h", 5, [3], 0, 100, 2)]
+    assert w.consumer.expected == [("r", "t", "P", "h", 5, [3], 0, 100, 2, None, "")]
 
 
 def test_stats_reduce_and_aggregate():
