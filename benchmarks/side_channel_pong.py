@@ -32,7 +32,7 @@ import urllib.request
 from pathlib import Path
 
 from kvpush.common.deployment_secret import SIDE_CHANNEL, derive_key, read_secret
-from kvpush.connector import auth, wire
+from kvpush.connector import auth, frame_mac, wire
 from kvpush.deploy.plan.plan import build_plan
 from kvpush.deploy.topology.topology import load_topology
 
@@ -47,6 +47,7 @@ class Probe:
         self.sock = socket.create_connection((host, port), timeout=timeout_s)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.reader = wire.FrameReader()
+        self.opener: frame_mac.FrameOpener | None = None
         hello = wire.Hello(PROBE_ENGINE, 0, 1, auth.new_nonce())
         started = time.monotonic()
         self.sock.sendall(wire.encode(hello))
@@ -59,6 +60,8 @@ class Probe:
             raise RuntimeError(f"the side channel at {host}:{port} did not prove the deployment's key: {challenge!r}")
         self.sock.sendall(wire.encode(wire.Auth(auth.prove(key, "decode", challenge.nonce, hello.nonce, PROBE_ENGINE, 0,
                                                            hello_digest, layout_digest), layout_digest)))
+        keys = frame_mac.session_keys(key, hello.nonce, challenge.nonce)  # every frame from now on carries its MAC
+        self.sealer, self.opener = keys.sealer("decode"), keys.opener("decode")
 
     def read(self) -> wire.Message:
         while (frame := self.reader.next_frame()) is None:
@@ -66,11 +69,11 @@ class Probe:
             if not data:
                 raise ConnectionError("closed by prefill")
             self.reader.add(data)
-        return wire.decode(frame)
+        return wire.decode(frame if self.opener is None else self.opener.open(frame))
 
     def ping(self) -> float:
         started = time.monotonic()
-        self.sock.sendall(wire.encode(wire.Ping()))
+        self.sock.sendall(self.sealer.seal(wire.encode(wire.Ping())))
         while not isinstance(self.read(), wire.Pong):
             pass
         return time.monotonic() - started
