@@ -28,7 +28,7 @@ import numpy as np
 os.environ.setdefault("UCX_MODULES", "^ib")
 os.environ.setdefault("UCX_MEM_EVENTS", "no")
 
-from kvpush.connector import auth, wire  # noqa: E402
+from kvpush.connector import auth, frame_mac, wire  # noqa: E402
 from kvpush.connector.regions import HeadLayout, LayoutIdentity, Region  # noqa: E402
 from kvpush.connector.transfer import NixlEngine  # noqa: E402
 
@@ -62,13 +62,13 @@ def prefill() -> None:
     os._exit(0)
 
 
-def read(sock: socket.socket, reader: wire.FrameReader) -> wire.Message:
+def read(sock: socket.socket, reader: wire.FrameReader, opener: frame_mac.FrameOpener | None = None) -> wire.Message:
     while (frame := reader.next_frame()) is None:
         data = sock.recv(65536)
         if not data:
             raise ConnectionError("closed by prefill")
         reader.add(data)
-    return wire.decode(frame)
+    return wire.decode(frame if opener is None else opener.open(frame))
 
 
 def admit_once(port: int, round_: int) -> dict:
@@ -87,16 +87,18 @@ def admit_once(port: int, round_: int) -> dict:
         challenge = read(sock, reader)
         challenged = time.monotonic()
         digests = (auth.digest(wire.encode(hello)), auth.digest(wire.encode(layout)))
+        keys = frame_mac.session_keys(KEY, hello.nonce, challenge.nonce)  # every frame after AUTH carries its MAC
+        sealer, opener = keys.sealer("decode"), keys.opener("decode")
         sock.sendall(wire.encode(wire.Auth(auth.prove(KEY, "decode", challenge.nonce, hello.nonce, "D.bench", 0, *digests),
-                                           digests[1])) + wire.encode(layout))
-        welcome = read(sock, reader)
+                                           digests[1])) + sealer.seal(wire.encode(layout)))
+        welcome = read(sock, reader, opener)
         admitted = time.monotonic()
         assert isinstance(welcome, wire.Welcome), welcome
         pings = []
         for _ in range(5):
             t0 = time.monotonic()
-            sock.sendall(wire.encode(wire.Ping()))
-            assert isinstance(read(sock, reader), wire.Pong)
+            sock.sendall(sealer.seal(wire.encode(wire.Ping())))
+            assert isinstance(read(sock, reader, opener), wire.Pong)
             pings.append(time.monotonic() - t0)
             time.sleep(0.05)
         sock.close()

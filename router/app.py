@@ -23,6 +23,7 @@ from .fanout import split
 from .keys import Keys
 from .metrics import CLIENT_ERROR, RouterMetrics
 from .pool import Pool
+from .process_signals import RELOAD_SIGNAL, STOP_SIGNALS, describe_process
 from .reload import InstanceListReloader
 from .rotation import Rotation
 from .upstream_http import UpstreamClient, UpstreamError
@@ -273,18 +274,6 @@ async def start_site(app: web.Application, host: str, port: int,
     sock = listen_socket if listen_socket is not None else listening_socket(host, port)
     await GuardedSite(runner, sock, router.guard).start()
     return runner
-
-
-STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
-RELOAD_SIGNAL = signal.SIGHUP  # read the instance list again (`kvpush up` sends it after rewriting the file)
-
-
-def describe_process(pid: int) -> str:
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-    except OSError:
-        cmdline = "already gone"
-    return f"pid {pid} ({cmdline[:200]})"
 
 
 async def serve(config: RouterConfig, keys: Keys, listen_socket: socket.socket | None = None) -> None:

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from kvpush.common.errors import UsageError
 from kvpush.common.vllm_metrics import samples
 
-from .config import Upstream
+from .upstream_spec import Upstream
 from .metrics import DRAINING_METRIC, INSTANCE_LIST_METRIC
 MAX_FILE_BYTES = 16 << 20  # about 70,000 instances written with indents
 

@@ -29,12 +29,20 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Sequence
+from typing import Protocol, Sequence, TypeVar
 
 from .prompt_blocks import PromptBlocks
 
-if TYPE_CHECKING:
-    from .pool import Instance
+
+class Candidate(Protocol):
+    """What the policy reads of an instance (pool.Instance)."""
+
+    prefix_salt: int
+
+    def score(self) -> float: ...
+
+
+C = TypeVar("C", bound=Candidate)
 
 
 def new_salt() -> int:
@@ -86,11 +94,11 @@ class PrefixAware:
         self.load_weight = load_weight
         self.record = PrefixRecord(record_blocks)
 
-    def held(self, inst: "Instance", prompt: PromptBlocks) -> int:
+    def held(self, inst: Candidate, prompt: PromptBlocks) -> int:
         """Prompt units (tokens or characters) `inst` holds, as far as the record knows."""
         return prompt.units(self.record.held(inst.prefix_salt, prompt.keys))
 
-    def choose(self, candidates: list["Instance"], prompt: PromptBlocks | None) -> "Instance":
+    def choose(self, candidates: list[C], prompt: PromptBlocks | None) -> C:
         """The best of `candidates` (non-empty, in round-robin order) for `prompt`."""
         loads = [c.score() for c in candidates]
         lowest = min(loads)
@@ -103,5 +111,5 @@ class PrefixAware:
                 best, best_score = inst, score
         return best
 
-    def sent(self, inst: "Instance", prompt: PromptBlocks) -> None:
+    def sent(self, inst: Candidate, prompt: PromptBlocks) -> None:
         self.record.add(inst.prefix_salt, prompt.keys)

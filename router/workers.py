@@ -28,7 +28,7 @@ from pathlib import Path
 
 from kvpush.common.errors import KvpushError
 
-from .app import RELOAD_SIGNAL, STOP_SIGNALS, describe_process
+from .process_signals import RELOAD_SIGNAL, STOP_SIGNALS, describe_process
 from .config import RouterConfig
 from .connections import LISTEN_BACKLOG
 from .metrics import PROMETHEUS_DIR_ENV, WORKERS_DIR_ENV

@@ -19,7 +19,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from peer_proc import DecodeSide, PeerProcess, identity, kv_buffer, view_of, wait_outcomes  # noqa: E402
 
-from kvpush.connector import auth, wire
+from kvpush.connector import auth, frame_mac, wire
 from kvpush.connector.layout import kv_regions
 from kvpush.connector.regions import HeadLayout
 from kvpush.connector.transfer import NixlEngine
@@ -42,6 +42,7 @@ class ProvenDecode:
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.reader = wire.FrameReader()
+        self.opener: frame_mac.FrameOpener | None = None
         hello = wire.Hello(engine_id, 0, 1, auth.new_nonce())
         layout = wire.Layout(self.engine.name, self.engine.metadata, identity(self.arr), regions,
                              tuple(HeadLayout.whole(r.block_len) for r in regions))
@@ -49,22 +50,24 @@ class ProvenDecode:
         challenge = self.read()
         assert isinstance(challenge, wire.Challenge), challenge
         digests = (auth.digest(wire.encode(hello)), auth.digest(wire.encode(layout)))
+        keys = frame_mac.session_keys(KEY, hello.nonce, challenge.nonce)  # every frame after AUTH carries its MAC
+        self.sealer, self.opener = keys.sealer("decode"), keys.opener("decode")
         self.sock.sendall(wire.encode(wire.Auth(auth.prove(KEY, "decode", challenge.nonce, hello.nonce, engine_id, 0,
-                                                           *digests), digests[1])) + wire.encode(layout))
+                                                           *digests), digests[1])) + self.sealer.seal(wire.encode(layout)))
         assert isinstance(self.read(), wire.Welcome)
 
     def read(self) -> wire.Message:
         while True:
             frame = self.reader.next_frame()
             if frame is not None:
-                return wire.decode(frame)
+                return wire.decode(frame if self.opener is None else self.opener.open(frame))
             data = self.sock.recv(65536)
             assert data, "prefill closed the proven decode's connection"
             self.reader.add(data)
 
     def ping(self) -> float:
         started = time.monotonic()
-        self.sock.sendall(wire.encode(wire.Ping()))
+        self.sock.sendall(self.sealer.seal(wire.encode(wire.Ping())))
         assert isinstance(self.read(), wire.Pong)
         return time.monotonic() - started
 
