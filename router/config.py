@@ -14,7 +14,6 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvpush.common.errors import UsageError
 from kvpush.common.kv_params import DEFAULT_TTL_S
-from kvpush.common.kv_params import DEFAULT_TTL_S
 
 from .instances import load_instance_list
 from .upstream_spec import Upstream
@@ -70,10 +69,6 @@ class RouterConfig(_Model):
     # The key the router presents to the instances (vLLM's --api-key); unset: the router's own key.
     instance_api_key_env: str | None = None
     instance_api_key_file: str | None = None
-    # The key kvpush kv_transfer_params are signed with (kvpush.common.kv_params), derived from the
-    # deployment secret and written by `kvpush up`; unset: legs go unsigned (a deployment without a secret).
-    transfer_params_key_file: str | None = None
-    transfer_params_ttl_s: float = Field(DEFAULT_TTL_S, gt=0, le=3600)  # a signed leg's params expire this long after
     # The key kvpush kv_transfer_params are signed with (kvpush.common.kv_params), derived from the
     # deployment secret and written by `kvpush up`; unset: legs go unsigned (a deployment without a secret).
     transfer_params_key_file: str | None = None
