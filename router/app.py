@@ -17,7 +17,7 @@ from aiohttp.http import HttpVersion11
 
 from .config import RouterConfig
 from .connections import ConnectionGuard, GuardedSite, closing, listening_socket, raise_open_files_limit
-from .dispatch import Dispatcher, RequestContext
+from .dispatch import Dispatcher
 from .errors import error_response
 from .fanout import split
 from .keys import Keys
@@ -25,6 +25,7 @@ from .metrics import CLIENT_ERROR, RouterMetrics
 from .pool import Pool
 from .process_signals import RELOAD_SIGNAL, STOP_SIGNALS, describe_process
 from .reload import InstanceListReloader
+from .request_context import RequestContext
 from .rotation import Rotation
 from .upstream_http import UpstreamClient, UpstreamError
 from .validation import RequestRejected, check_request_id, parse_request

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
 
 from aiohttp import web
 
@@ -31,6 +30,7 @@ from .fanout import FALLBACKS, LOCAL, Part, wants_prefill, way_to_decode
 from .legs import DecodeHead, LegFailure, LegRunner, UpstreamClientError
 from .pairs import PartTries
 from .pool import Pool
+from .request_context import RequestContext
 from .respond import Responder
 from .upstream_http import UpstreamClient
 
@@ -45,20 +45,6 @@ class EarlyAnswer(Exception):
     def __init__(self, response: web.Response, outcome: str):
         super().__init__(outcome)
         self.response, self.outcome = response, outcome
-
-
-@dataclass
-class RequestContext:
-    request: web.Request
-    endpoint: str  # "/v1/completions" or "/v1/chat/completions"
-    stream: bool
-    parts: list[Part]
-    client_request_id: str | None = None  # the client's X-Request-Id, already checked
-    started: float = field(default_factory=time.perf_counter)
-
-    @property
-    def chat(self) -> bool:
-        return self.endpoint.endswith("/chat/completions")
 
 
 class Dispatcher:

@@ -12,7 +12,6 @@ import asyncio
 import json
 import time
 import uuid
-from typing import TYPE_CHECKING
 
 from aiohttp import web
 
@@ -22,11 +21,9 @@ from .errors import error_response, sse_error_event
 from .legs import DecodeHead
 from .merge import DONE_EVENT, StreamMerger, merge_answers
 from .relay import StreamRelay
+from .request_context import RequestContext
 from .upstream_http import UpstreamError
 from .validation import choices_per_prompt
-
-if TYPE_CHECKING:
-    from .dispatch import RequestContext
 
 
 class AnswerCut(Exception):
@@ -46,7 +43,7 @@ class Responder:
         self.config = config
         self.metrics = metrics
 
-    async def answer(self, ctx: "RequestContext", heads: list[DecodeHead],
+    async def answer(self, ctx: RequestContext, heads: list[DecodeHead],
                      headers: dict[str, str]) -> tuple[web.StreamResponse, str]:
         try:
             if not ctx.stream:
@@ -58,13 +55,13 @@ class Responder:
             for head in heads:
                 head.abandon()  # a no-op for legs that ended
 
-    def _response_id(self, ctx: "RequestContext") -> str:
+    def _response_id(self, ctx: RequestContext) -> str:
         prefix = "chatcmpl-" if ctx.chat else "cmpl-"
         return prefix + (ctx.client_request_id or uuid.uuid4().hex)
 
     # --- non-streamed ------------------------------------------------------------------------
 
-    async def _whole(self, ctx: "RequestContext", heads: list[DecodeHead],
+    async def _whole(self, ctx: RequestContext, heads: list[DecodeHead],
                      headers: dict[str, str]) -> tuple[web.StreamResponse, str]:
         bodies = [h.held for h in heads]  # read whole in the retryable phase (legs.decode_head)
         if len(heads) == 1:
@@ -81,7 +78,7 @@ class Responder:
 
     # --- one stream, relayed -----------------------------------------------------------------
 
-    async def _relay(self, ctx: "RequestContext", head: DecodeHead,
+    async def _relay(self, ctx: RequestContext, head: DecodeHead,
                      headers: dict[str, str]) -> tuple[web.StreamResponse, str]:
         client = web.StreamResponse(status=200, headers={"Content-Type": head.content_type, **headers})
         outcome = M.OK
@@ -134,7 +131,7 @@ class Responder:
 
     # --- a batch's streams, merged -----------------------------------------------------------
 
-    async def _merged_stream(self, ctx: "RequestContext", heads: list[DecodeHead],
+    async def _merged_stream(self, ctx: RequestContext, heads: list[DecodeHead],
                              headers: dict[str, str]) -> tuple[web.StreamResponse, str]:
         client = web.StreamResponse(status=200, headers={"Content-Type": heads[0].content_type, **headers})
         merger = StreamMerger(len(heads), choices_per_prompt(ctx.parts[0].body), self._response_id(ctx))

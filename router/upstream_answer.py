@@ -5,12 +5,21 @@ deadline or, once streaming, by the instance's silence.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
 from .upstream_parse import AnswerParser, UpstreamError
 
-if TYPE_CHECKING:
-    from .upstream_http import _Connection
+
+class _Connection(Protocol):
+    """What an answer uses of its connection (upstream_http.py's, which imports this module)."""
+
+    transport: asyncio.Transport | None
+
+    def send(self, response: "UpstreamResponse", request: bytes) -> None: ...
+
+    def answer_ended(self, reusable: bool) -> None: ...
+
+    def abort(self) -> None: ...
 
 _PAUSE_ABOVE = 1 << 18  # unread answer bytes above which the instance's socket stops being read
 
