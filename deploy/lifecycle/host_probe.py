@@ -10,7 +10,8 @@ import json
 import os
 import sys
 
-PACKAGES = ["kvpush.cli", "kvpush.connector", "kvpush.deploy", "kvpush.router", "kvpush.templates"]
+PACKAGES = ["kvpush.bench", "kvpush.cli", "kvpush.common", "kvpush.connector", "kvpush.deploy", "kvpush.router",
+            "kvpush.templates"]
 HASHED_SUFFIXES = (".py", ".yaml")
 FOUND_ONLY = ["vllm", "nixl"]  # importing vLLM takes seconds; finding it is enough here
 IMPORTED = ["pydantic", "aiohttp", "kvpush.connector"]
