@@ -56,3 +56,8 @@ def print_json(obj: Any, indent: int | None = 2) -> None:
 
 def note(message: str) -> None:
     err.print(Text(message, style="dim"), highlight=False)
+
+
+def warn(message: str) -> None:
+    """A warning: one line on stderr, the command goes on."""
+    err.print(styled("[yellow]warning:[/yellow] {}", message), highlight=False)

@@ -20,8 +20,8 @@ from kvpush.deploy.lifecycle.secrets import observed_keys
 from kvpush.deploy.lifecycle.state import DeploymentState, load_state
 from kvpush.deploy.topology.topology import NAME_PATTERN, check_key_files, resolve_topology
 
-from .console import err, note, out, print_json, styled
-from .ls_cmd import others_hint
+from .console import err, note, out, print_json, styled, warn
+from .ls_cmd import others_hint, router_url
 from .options import ACCEPT, CONNECT_TIMEOUT, DEPLOYMENT, FILE_ARG, FILE_OPTION, EXTRA_ARGUMENTS, KNOWN_HOSTS, one_argument, ssh_options, topology_file, examples
 from .tables import fitted, print_table, table
 
@@ -47,8 +47,8 @@ def _recorded_state(name: str) -> DeploymentState:
         raise
 
 
-def _status_document(name: str, rows: list[ProcessStatus], error: str | None = None) -> dict:
-    document = {"deployment": name, "healthy": error is None and all(r.healthy for r in rows),
+def _status_document(name: str, rows: list[ProcessStatus], error: str | None = None, router: str | None = None) -> dict:
+    document = {"deployment": name, "healthy": error is None and all(r.healthy for r in rows), "router": router,
                 "processes": [r.to_dict() for r in rows]}
     return document if error is None else {**document, "error": error}
 
@@ -106,6 +106,8 @@ def register(app: typer.Typer) -> None:
         topo, source = resolve_topology(file)
         check_key_files(topo)
         note(f"topology: {source}")
+        for line in build_plan(topo).warnings:
+            warn(line)
         options = LifecycleOptions(ssh=ssh_options(accept_new_host_keys, known_hosts, connect_timeout),
                                    ready_timeout_s=timeout, provision=not no_provision, doctor=not skip_doctor,
                                    rotate_secret=rotate_secret)
@@ -196,9 +198,13 @@ def register(app: typer.Typer) -> None:
         json_output = json_output or (watch and not out.is_terminal)
         json_indent = None if watch else 2
 
+        router: list[str | None] = [None]  # the router's URL for clients here, from the state last read
+
         def current_rows() -> list[ProcessStatus]:
             try:
-                return deployment_status(_recorded_state(name), ssh, keys)
+                state = _recorded_state(name)
+                router[0] = router_url(state)
+                return deployment_status(state, ssh, keys)
             except KvpushError as exc:
                 if json_output:  # a script reading stdout still gets a document
                     print_json(_status_document(name, [], str(exc)), json_indent)
@@ -206,7 +212,8 @@ def register(app: typer.Typer) -> None:
 
         if watch and json_output:
             while True:
-                print_json(_status_document(name, current_rows()), json_indent)
+                rows = current_rows()
+                print_json(_status_document(name, rows, router=router[0]), json_indent)
                 time.sleep(interval)
         if watch:
             with Live(console=out, auto_refresh=False) as live:
@@ -215,9 +222,11 @@ def register(app: typer.Typer) -> None:
                     time.sleep(interval)
         rows = current_rows()
         if json_output:
-            print_json(_status_document(name, rows))
+            print_json(_status_document(name, rows, router=router[0]))
         else:
             print_table(_status_table(rows))
+            if router[0]:
+                out.print(f"router: {router[0]}", highlight=False)
             for r in rows:
                 if r.error:
                     err.print(styled("[yellow]{}:[/yellow] {}", r.name, r.error), highlight=False)

@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 import typer
 
 from kvpush.common.errors import KvpushError
-from kvpush.deploy.topology.host_address import http_url
 from kvpush.deploy.lifecycle.observe import ProcessStatus, deployment_status
 from kvpush.deploy.runners import SshOptions, fan_out
 from kvpush.deploy.lifecycle.secrets import observed_keys
+from kvpush.deploy.plan.router_address import client_router_url
 from kvpush.deploy.lifecycle.state import DeploymentState, load_state, recorded_deployments
 
 from .console import out, print_json
@@ -52,7 +52,7 @@ def router_url(state: DeploymentState) -> str | None:
     if router is None:
         return None
     host = state.hosts.get(router.host)
-    return router.base_url if host is None or host.is_local else http_url(host.address, router.http_port)
+    return router.base_url if host is None else client_router_url(host, router.base_url)
 
 
 def summarize(deployment: str, ssh: SshOptions | None) -> DeploymentSummary:

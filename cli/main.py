@@ -11,7 +11,7 @@ import typer
 from kvpush.common.errors import KvpushError
 from kvpush.deploy.lifecycle.host_probe import source_digest
 
-from . import bench_cmd, doctor_cmd, exec_cmd, lifecycle_cmd, ls_cmd, plan_cmd, request_cmd, router_cmd, schema_cmd, tunnel_cmd
+from . import bench_cmd, doctor_cmd, exec_cmd, lifecycle_cmd, ls_cmd, monitor_cmd, plan_cmd, request_cmd, router_cmd, schema_cmd, tunnel_cmd
 from .console import err, styled
 from .options import examples, unwrapped
 
@@ -32,6 +32,7 @@ lifecycle_cmd.register(app)
 ls_cmd.register(app)
 bench_cmd.register(app)
 schema_cmd.register(app)
+monitor_cmd.register(app)
 exec_cmd.register(app)
 tunnel_cmd.register(app)
 for _command in app.registered_commands:

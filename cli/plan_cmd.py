@@ -15,7 +15,7 @@ from kvpush.deploy.plan.redact import redact_plan
 from kvpush.deploy.topology.topology import TinyModelSpec, parse_topology, resolve_topology
 from kvpush.templates import DEFAULT_TEMPLATE, template_names, template_summary, template_text
 
-from .console import heading, note, out, print_json, styled
+from .console import heading, note, out, print_json, styled, warn
 from .tables import print_table, table
 from .options import FILE_ARG, FILE_OPTION, topology_file, examples
 
@@ -24,7 +24,7 @@ from .options import FILE_ARG, FILE_OPTION, topology_file, examples
 def render_plan(plan: Plan) -> None:
     out.print(
         styled("[bold]deployment[/bold] {}  [bold]connector[/bold] {}  [bold]platform[/bold] {}  [bold]router[/bold] {}",
-               plan.deployment, plan.connector, plan.platform, plan.router_url),
+               plan.deployment, plan.connector, plan.platform, plan.router_client_url),
         highlight=False,
     )
     for host in plan.hosts:
@@ -82,6 +82,8 @@ def register(app: typer.Typer) -> None:
         else:
             note(f"topology: {source}")
             render_plan(plan)
+        for line in plan.warnings:
+            warn(line)
 
     @app.command("templates", epilog=examples(('kvpush templates', 'names and what each deploys'),
                       ('kvpush init my.yaml -t xpyd', 'start from one')))

@@ -13,6 +13,7 @@ from kvpush.router.instances import InstanceList
 from . import slurm_render
 from kvpush.deploy.topology.host_address import HEALTH_PATH, http_url
 from kvpush.deploy.topology.placement import bind_address, deployment_dir, on_cores, secret_path
+from .router_address import client_router_url, loopback_bind_warning
 from .plan_model import FilePlan, HostPlan, Plan, ProcessPlan, SecretFilePlan, digest
 from kvpush.deploy.lifecycle.supervise import supervisor_argv
 from kvpush.deploy.topology.topology import ROUTER_PROCESS_NAME, HostSpec, InstanceSpec, RestartSpec, Role, Topology, listening_side_channel_ports
@@ -179,6 +180,8 @@ def build_plan(topo: Topology) -> Plan:
         for name, spec in topo.hosts.items()
         if processes[name] or files[name]
     ]
+    router_host = next(h for h in hosts if h.name == router.host)
+    loopback = loopback_bind_warning(router.host, router_host, topo.router.bind, topo.router.port)
     return Plan(
         deployment=topo.name,
         connector=topo.connector.type,
@@ -186,7 +189,9 @@ def build_plan(topo: Topology) -> Plan:
         model_path=topo.model.path,
         served_model_name=topo.model.name,
         router_url=router.base_url,
+        router_client_url=client_router_url(router_host, router.base_url),
         hosts=hosts,
         topology_digest=digest(topo.model_dump(mode="json")),
         slurm=slurm_render.plan_fields(topo, hosts),
+        warnings=[loopback] if loopback else [],
     )

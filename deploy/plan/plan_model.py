@@ -11,7 +11,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-from kvpush.deploy.topology.host_address import HostAddress, base_url, http_url
+from kvpush.deploy.topology.host_address import HostAddress, base_url
 from kvpush.deploy.topology.placement import SecretKind
 
 ProcessRole = Literal["prefill", "decode", "router"]
@@ -86,10 +86,12 @@ class Plan:
     platform: str
     model_path: str
     served_model_name: str
-    router_url: str
+    router_url: str  # as the router's own host reaches it (health check, `up`'s proof)
+    router_client_url: str  # as clients where kvpush runs reach it (router_address.py)
     hosts: list[HostPlan]
     topology_digest: str
     slurm: dict | None = None  # launcher slurm: sbatch options and script, each process's srun line
+    warnings: list[str] = field(default_factory=list)  # one line each: what `plan` and `up` say before launching
 
     def processes(self) -> list[ProcessPlan]:
         return [p for h in self.hosts for p in h.processes]
@@ -105,11 +107,8 @@ class Plan:
         raise KeyError(name)
 
     def router_url_from_here(self) -> str:
-        """The router's URL for a client where kvpush runs: `router_url` (as its own host reaches it)
-        when the router runs on this machine, else its host's address."""
-        router = next(p for p in self.processes() if p.role == "router")
-        host = self.host(router.host)
-        return self.router_url if host.is_local else http_url(host.address, router.http_port)
+        """The router's URL for a client where kvpush runs."""
+        return self.router_client_url
 
     def host(self, name: str) -> HostPlan:
         for host in self.hosts:

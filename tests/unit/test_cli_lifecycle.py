@@ -44,7 +44,7 @@ def test_status_json_of_a_stopped_deployment_is_still_json(tmp_path, watch):
 
 def test_status_watch_json_prints_one_document_per_refresh(monkeypatch):
     row = ProcessStatus("decode-0", "decode", "local", 42, "running", "ok", 0, 0, 0.1, 5.0, 0)
-    monkeypatch.setattr(lifecycle_cmd, "require_state", lambda name: object())
+    monkeypatch.setattr(lifecycle_cmd, "require_state", lambda name: DeploymentState(name))
     monkeypatch.setattr(lifecycle_cmd, "deployment_status", lambda state, ssh, keys: [row])
     sleeps = []
 
@@ -82,7 +82,7 @@ def test_status_into_a_pipe_prints_every_name_and_value_whole(monkeypatch):
                           "died at 10:00:00 (pid 4242: killed by SIGKILL); left behind: pid 4250 (VLLM::EngineCor) holding port 5600",
                           supervisor_pid=4240, last_exit="killed by SIGKILL"),
             ProcessStatus("decode-0", "decode", "gpu-host-with-a-long-name", 4300, "running", "ok", 3, 1, 0.25, 61.0, 0)]
-    monkeypatch.setattr(lifecycle_cmd, "require_state", lambda name: object())
+    monkeypatch.setattr(lifecycle_cmd, "require_state", lambda name: DeploymentState(name))
     monkeypatch.setattr(lifecycle_cmd, "deployment_status", lambda state, ssh, keys=None: rows)
     result = CliRunner().invoke(app, ["status", "-d", "t"])
     assert result.exit_code == 1
