@@ -17,6 +17,23 @@ sys.path.insert(0, str(TESTS_DIR))  # test helper modules (sshd_hosts, standin_s
 LANE_TIMEOUT_S = {"unit": 60, "integration": 300, "e2e": 900}
 
 
+def _unwind(signum, frame):
+    raise KeyboardInterrupt(f"stopped by signal {signum}")
+
+
+def pytest_configure(config):
+    """SIGTERM (a CI timeout, `kill`) and SIGHUP (a closed terminal) unwind the session as Ctrl-C
+    does: pytest then runs every fixture's teardown and every test's `finally`, which stop the
+    servers, daemons and deployments they started, instead of dying and leaving them running."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(sig) == signal.SIG_DFL:
+                signal.signal(sig, _unwind)
+
+
 def pytest_ignore_collect(collection_path, config):
     """With `-m LANE` only that lane's directory can match (the marker comes from the directory), so
     the others are not imported at all: their modules import torch, vLLM and the OpenAI client."""
@@ -71,9 +88,10 @@ def free_port() -> int:
 
 
 # -- the tiny local model (kvpush make-model) ------------------------------------------------------
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> Path:
-    """The tiny model (seed 0) real vLLM loads on the CPU, made once per module."""
+    """The tiny model (seed 0) real vLLM loads on the CPU, made once per session (per xdist worker):
+    the one tiny-model builder of the suite; no test writes into it."""
     from kvpush.deploy.lifecycle.tiny_model import make_tiny_model
     from kvpush.deploy.topology.topology import TinyModelSpec
 

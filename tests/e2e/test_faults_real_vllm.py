@@ -1,10 +1,12 @@
-"""Faults under load on real vLLM 1P1D on CPU (the local-cpu shape, on ports of its own), through
-`kvpush up`, `status` and `down`: SIGKILL of prefill, of decode, of the router, and SIGSTOP/SIGCONT
-of prefill, and SIGKILL of a prefill whose supervisor restarts it. The four faults that `up` repairs
-share one deployment: each test brings it up (a no-op while the previous test left it healthy),
-breaks it, repairs it and proves it healthy with the same answers as before; a test that fails
-before that proof stops it, so the next test starts a fresh one. The restart-policy fault has a
-deployment of its own (another topology).
+"""Faults under load on real vLLM 1P1D on CPU (the local-cpu shape), through `kvpush up`, `status`
+and `down`: SIGKILL of prefill, of decode, of the router, and SIGSTOP/SIGCONT of prefill, and SIGKILL
+of a prefill whose supervisor restarts it. The four faults that `up` repairs take the session's
+pooled kvpush 1P1D (tests/pool_topologies.py `pool-kvpush`, which the connector and router tests
+share): each test brings it up (a no-op while the previous test left it healthy, a revival after a
+test that broke it), breaks it, repairs it and proves it healthy with the same answers as before; a
+test that fails before that proof has the pool take it down, so the next test starts a fresh one.
+The restart-policy fault has a deployment of its own (another topology), stopped with `down` after
+which nothing of it may be left; the pool checks the same of its deployments at the end.
 
 Per fault: 32 clients send requests of 1,500 prompt tokens and 48 output tokens back to back; the
 fault hits a few seconds into that load, and the load goes on through recovery. Every request must
@@ -56,7 +58,8 @@ FAULTS = {
     # prefill with `restart: on-failure`: its supervisor brings it back, nobody runs `up`
     "kill-prefill-restart-policy": ("prefill-0", signal.SIGKILL, "restart-policy"),
 }
-PORT_BASE = {"repaired-by-up": 18700, "restart-policy": 18780}
+POOLED = "pool-kvpush"  # tests/pool_topologies.py: the same 1P1D, shared with the connector and router tests
+PORT_BASE = {"restart-policy": 18780}
 OPTIONS = LifecycleOptions(provision=False, ready_timeout_s=400, stop_timeout_s=15)
 RESTART_POLICY = "{policy: on-failure, max_restarts: 3, window_s: 600}"
 TOPOLOGY = """
@@ -114,7 +117,7 @@ def _deployment(kind: str, model_dir: Path, workdir: Path) -> Deployment:
     base = PORT_BASE[kind]
     topo = parse_topology(TOPOLOGY.format(name=f"faults-{kind}", model=model_dir, workdir=workdir, base=base, side=base + 5,
                                           decode_port=base + 1, decode_side=base + 6, router_port=base + 2,
-                                          restart=RESTART_POLICY if kind == "restart-policy" else "never", kv_cache_gib=KV_CACHE_GIB))
+                                          restart=RESTART_POLICY, kv_cache_gib=KV_CACHE_GIB))
     return Deployment(topo, build_plan(topo), workdir)
 
 
@@ -129,22 +132,31 @@ def _stop(deployment: Deployment) -> None:
     assert [p for p in ports if not port_free(p)] == []
 
 
+class PooledSlot:
+    """The session's pooled kvpush 1P1D as the faults that `up` repairs use it: `shared()` hands it
+    out healthy (started, or revived by `up`); `discard()` takes it down (a test left it in an
+    unknown state), and the next `shared()` starts a fresh one; the pool takes it down at the end."""
+
+    def __init__(self, pool):
+        self._pool = pool
+
+    def shared(self) -> Deployment:
+        pooled = self._pool.ready(POOLED)
+        return Deployment(pooled.topo, pooled.plan, pooled.workdir)
+
+    def discard(self) -> None:
+        self._pool.release(POOLED)
+
+
 @pytest.fixture(scope="module")
-def slots(model_dir, tmp_path_factory):
-    """A DeploymentSlot per kind of deployment, with a state directory of the module's own."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("KVPUSH_STATE_DIR", str(tmp_path_factory.mktemp("state")))
-
-        def slot(kind: str) -> DeploymentSlot:
-            workdir = tmp_path_factory.mktemp(kind)
-            return DeploymentSlot(f"the {kind} deployment", lambda: _deployment(kind, model_dir, workdir), _stop)
-
-        made = {kind: slot(kind) for kind in PORT_BASE}
-        try:
-            yield made
-        finally:
-            for s in made.values():
-                s.close()
+def slots(model_dir, pool, tmp_path_factory):
+    """The pooled deployment for the faults `up` repairs; the restart-policy one of this module's own."""
+    workdir = tmp_path_factory.mktemp("restart-policy")
+    own = DeploymentSlot("the restart-policy deployment", lambda: _deployment("restart-policy", model_dir, workdir), _stop)
+    try:
+        yield {"repaired-by-up": PooledSlot(pool), "restart-policy": own}
+    finally:
+        own.close()
 
 
 def _record(numbers: dict) -> None:
@@ -196,9 +208,8 @@ def _answered_again_at(outcomes: list[Outcome]) -> float | None:
 def test_fault_under_load(fault, slots):
     victim, sig, kind = FAULTS[fault]
     supervised = kind == "restart-policy"
-    for other, slot in slots.items():
-        if other != kind:
-            slot.close()  # one deployment up at a time: two would share the two cores
+    if kind == "repaired-by-up":
+        slots["restart-policy"].close()  # one deployment under load at a time: two would share the two cores
     slot = slots[kind]
     deployment = slot.shared()
     topo, plan, name, options = deployment.topology, deployment.plan, deployment.name, OPTIONS

@@ -1,5 +1,6 @@
 """Changing a live deployment's instances under a steady load, on real vLLM on CPU through `kvpush up`:
-1P1D, then a second decode added, then removed again. The router takes each new instance list on
+the session's pooled kvpush 1P1D (tests/pool_topologies.py), then a second decode added, then
+removed again (the deployment is left as the pool handed it out). The router takes each new instance list on
 SIGHUP (it never restarts), the removed decode drains before it stops, and no request fails.
 The prefill restarts with each change (its connector config names its decodes): the router takes it
 out of its list first, lets its legs finish, and decode computes prompts alone until it is back.
@@ -20,32 +21,18 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
-from kvpush.deploy.lifecycle.lifecycle import LifecycleOptions, down, up
+from kvpush.deploy.lifecycle.lifecycle import LifecycleOptions, up
 from kvpush.deploy.lifecycle.observe import require_state
 from kvpush.deploy.plan.plan import build_plan
 from kvpush.deploy.topology.topology import parse_topology
-from lifecycle_helpers import RecordingEvents, kill_leftovers, processes_under
+from lifecycle_helpers import RecordingEvents, processes_under
+from pool_topologies import second_decode
 from random_prompts import VOCAB
 from fault_helpers import port_free, status_rows
-from e2e_instances import KV_CACHE_GIB
 
 PROMPT_TOKENS, MAX_TOKENS, EVERY_S = 400, 24, 0.5
 STEADY_S = 12.0  # load before the first change, between the changes and after the last
-BASE = 18800  # ports 18800-18819: no other test uses them
-TOPOLOGY = """
-name: live-change
-platform: cpu
-model: {{path: {model}, served_name: tiny, max_model_len: 2048, enforce_eager: true, dtype: float32}}
-connector: {{type: kvpush, backend: UCX}}
-hosts:
-  local: {{address: 127.0.0.1, workdir: {workdir}}}
-prefill: [{{cpu_cores: "0", kv_cache_gib: {kv_cache_gib}, http_port: {b0}, side_channel_port: {b5}}}]
-decode:
-  - {{cpu_cores: "1", share_cores: true, kv_cache_gib: {kv_cache_gib}, http_port: {b1}, side_channel_port: {b6}}}
-{extra}router: {{port: {b2}, cpu_cores: "1"}}
-env: {{UCX_MODULES: "^ib", UCX_MEM_EVENTS: "no"}}
-"""
-SECOND_DECODE = '  - {{name: decode-1, cpu_cores: "1", share_cores: true, kv_cache_gib: {kv_cache_gib}, http_port: {b3}, side_channel_port: {b8}}}\n'
+POOLED = "pool-kvpush"  # tests/pool_topologies.py; the test leaves it as it found it (1P1D, healthy)
 
 
 @dataclass
@@ -117,19 +104,18 @@ def ttft(outcomes: list[Outcome], start: float, end: float) -> dict:
 
 
 
-def test_adding_then_removing_a_decode_under_steady_load_fails_no_request(model_dir, tmp_path, state_dir):
-    ports = {**{f"b{i}": BASE + i for i in range(10)}, "kv_cache_gib": KV_CACHE_GIB}
-    one = parse_topology(TOPOLOGY.format(model=model_dir, workdir=tmp_path, extra="", **ports))
-    two = parse_topology(TOPOLOGY.format(model=model_dir, workdir=tmp_path, extra=SECOND_DECODE.format(**ports), **ports))
-    plan = build_plan(two)
-    used = [p for proc in plan.processes() for p in [proc.http_port, *proc.side_channel_ports]]
+def test_adding_then_removing_a_decode_under_steady_load_fails_no_request(pool):
+    pooled = pool.ready(POOLED)
+    one = pooled.topo
+    two = parse_topology(second_decode(pooled.topology_text))
+    added_ports = [p for proc in build_plan(two).processes() if proc.name == "decode-1"
+                   for p in [proc.http_port, *proc.side_channel_ports]]
     options = LifecycleOptions(provision=False, ready_timeout_s=400, stop_timeout_s=15)
     numbers: dict = {"test": "tests/e2e/test_live_change_real_vllm.py"}
     load = None
     try:
-        up(one, options)
-        router_before = require_state("live-change").processes["router"]
-        load = SteadyLoad(plan.router_url)
+        router_before = require_state(POOLED).processes["router"]
+        load = SteadyLoad(pooled.router_url)
         time.sleep(STEADY_S)
         events = RecordingEvents()
         add_began = time.monotonic()
@@ -158,16 +144,14 @@ def test_adding_then_removing_a_decode_under_steady_load_fails_no_request(model_
         assert failed == [], failed[:5]
         assert numbers["adding"]["requests"] > 0 and numbers["removing"]["requests"] > 0
         assert not any("did not confirm" in n or "after waiting" in n for n in events.notes), events.notes
-        rows = status_rows("live-change")
+        rows = status_rows(POOLED)
         assert sorted(rows) == ["decode-0", "prefill-0", "router"] and all(r.healthy for r in rows.values()), rows
-        router_after = require_state("live-change").processes["router"]
+        router_after = require_state(POOLED).processes["router"]
         assert (router_after.pid, router_after.start_time) == (router_before.pid, router_before.start_time)
+        # nothing of the removed decode is left: no process, no port (the pool checks the rest at its end)
+        assert processes_under(f"{POOLED}.decode-1") == [] and [p for p in added_ports if not port_free(p)] == []
     finally:
         if load is not None:
             load.stop()
-        stopped = down("live-change", options)
-    assert stopped.complete, stopped
-    left = processes_under(str(tmp_path))
-    kill_leftovers(str(tmp_path))
-    assert left == [], f"processes of the deployment left: {[p.info['cmdline'][:4] for p in left]}"
-    assert [p for p in used if not port_free(p)] == []
+        if not sorted(status_rows(POOLED)) == ["decode-0", "prefill-0", "router"]:
+            pool.release(POOLED)  # left in another shape: the next test starts it afresh

@@ -1,55 +1,28 @@
 """The router in front of real vLLM on CPU (tiny local model): kvpush's push connector, vLLM's NIXL
 connectors, and colocated instances.
 
-Per protocol (kvpush, nixl-pull, nixl-push: 1P1D; colocated: one instance) one deployment is
-shared by the tests that leave it as they found it: instances started with the argv/env of
-`build_plan` (prefill on core 0, decode on core 1), the router as
-`python -m kvpush.router --config <the plan's router.json>`. A test that kills an instance takes
-the deployment for itself (tests/deployment_slot.py): stopped after it, seen by no other test. The
-session's plain vLLM server (tests/reference_server.py: decode's model and settings, no connector)
-gives the reference answers: greedy texts for random prompts, and the outcome of every request of
-the OpenAI conformance matrix (tests/openai_conformance.py). Heavy: run under `flock /tmp/kvpush-heavy.lock`.
+Per protocol (kvpush, nixl-pull, nixl-push: 1P1D; colocated: one instance) the session's pooled
+deployment (tests/pool_topologies.py), brought up by `kvpush up` as a user's is: deployment secret,
+instance key, the router as `up` runs it. A test that kills an instance leaves it killed: the next
+test that asks the pool for that deployment has `up` revive it. The session's plain vLLM server
+(tests/reference_server.py: decode's model and settings, no connector) gives the reference answers:
+greedy texts for random prompts, and the outcome of every request of the OpenAI conformance matrix
+(tests/openai_conformance.py). Heavy: run under `flock /tmp/kvpush-heavy.lock`.
 """
 from __future__ import annotations
 
 import json
-import sys
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
-from kvpush.deploy.plan.plan import build_plan
-from kvpush.deploy.topology.topology import parse_topology
 from kvpush.common.vllm_metrics import PROMPT_TOKENS_BY_SOURCE, metric_sum
-from deployment_slot import DeploymentSlot
-from e2e_instances import KV_CACHE_GIB
+from completions import answer_text, complete, get
 from openai_conformance import MATRIX, run_case
 from random_prompts import full_length_prompts, random_prompts
-from plan_secrets import keyless, write_secret_files
-from server_process import ServerProcess
 
-PORTS = {"prefill_http": 18300, "decode_http": 18301, "router": 18310,
-         "prefill_side": 18400, "decode_side": 18410}
-TOPOLOGY = """
-name: router-e2e
-platform: cpu
-model: {{path: {model}, served_name: tiny, max_model_len: 2048, enforce_eager: true, dtype: float32,
-         extra_args: ["--no-enable-prefix-caching"]}}
-connector: {{type: {protocol}, backend: UCX}}
-hosts:
-  local: {{address: 127.0.0.1, workdir: {workdir}}}
-prefill: {prefill}
-decode: [{{cpu_cores: "1", kv_cache_gib: {kv_cache_gib}, http_port: {decode_http}, side_channel_port: {decode_side},
-          extra_args: ["--enable-prefix-caching"]}}]
-router: {{port: {router}}}
-env: {{UCX_MODULES: "^ib", UCX_MEM_EVENTS: "no"}}
-"""
-PREFILL = '[{{cpu_cores: "0", kv_cache_gib: {kv_cache_gib}, http_port: {prefill_http}, side_channel_port: {prefill_side}}}]'
 MAX_TOKENS = 12
 BLOCK_TOKENS = 128  # vLLM's CPU KV block
 # Decode caches prefixes (several samples of one prompt share one transfer through that cache),
@@ -60,47 +33,6 @@ PROMPTS = {False: random_prompts(27, 900, seed=0), True: random_prompts(27, 900,
 PROTOCOLS = ["kvpush", "nixl-pull", "nixl-push", "colocated"]
 
 
-def get(url: str, timeout_s: float = 10) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode(errors="replace")
-
-
-def complete(url: str, prompt: list[int], stream: bool, max_tokens: int = MAX_TOKENS, timeout_s: float = 180) -> tuple[int, str]:
-    """(status, text) for a non-streaming answer; for a stream, text is the raw SSE body."""
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-            "stream": stream}
-    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode(errors="replace")
-
-
-def answer_text(status: int, raw: str, stream: bool) -> str:
-    assert status == 200, raw[:500]
-    if not stream:
-        return json.loads(raw)["choices"][0]["text"]
-    events = [e[len("data: "):] for e in raw.split("\n\n") if e.startswith("data: ")]
-    assert events[-1] == "[DONE]", raw[-300:]
-    chunks = [json.loads(e) for e in events[:-1]]
-    assert not [c for c in chunks if "error" in c], raw[-500:]
-    return "".join(c["choices"][0]["text"] for c in chunks if c.get("choices"))
-
-
-def make_plan(protocol: str, model: Path, workdir: Path):
-    prefill = "[]" if protocol == "colocated" else PREFILL.format(kv_cache_gib=KV_CACHE_GIB, **PORTS)
-    topo = parse_topology(TOPOLOGY.format(protocol=protocol, model=model, workdir=workdir, prefill=prefill,
-                                          kv_cache_gib=KV_CACHE_GIB, **PORTS))
-    plan = build_plan(topo)
-    write_secret_files(plan)  # kvpush's connector authenticates its side channel with the deployment's key
-    return plan
-
-
 @dataclass
 class Reference:
     answers: dict[bool, list[str]]  # greedy texts of PROMPTS, by `stream`
@@ -108,23 +40,21 @@ class Reference:
 
 
 @pytest.fixture(scope="module")
-def reference(model_dir, reference_server, tmp_path_factory) -> Reference:
+def reference(pool, reference_server) -> Reference:
     """What the plain server answers; its settings are checked to be decode's, minus the connector."""
-    decode = make_plan("nixl-pull", model_dir, tmp_path_factory.mktemp("reference")).process("decode-0")
-    url = reference_server.url_for(decode)
-    answers = {stream: [answer_text(*complete(url, p, stream=False), stream=False) for p in prompts]
+    url = reference_server.url_for(pool.get("pool-nixl-pull").plan.process("decode-0"))
+    answers = {stream: [answer_text(*complete(url, p, stream=False, max_tokens=MAX_TOKENS), stream=False) for p in prompts]
                for stream, prompts in PROMPTS.items()}
     return Reference(answers, [run_case(url, case) for case in MATRIX])
 
 
 class Deployment:
-    def __init__(self, protocol: str, prefill: ServerProcess | None, decode: ServerProcess, router: ServerProcess):
-        self.protocol, self.prefill, self.decode, self.router = protocol, prefill, decode, router
+    """A pooled deployment as these tests see it: its protocol, instances and router."""
 
-    def stop(self) -> None:
-        for proc in (self.router, self.decode, self.prefill):
-            if proc is not None:
-                proc.kill()
+    def __init__(self, protocol: str, pooled):
+        self.protocol = protocol
+        self.prefill = None if protocol == "colocated" else pooled["prefill-0"]
+        self.decode, self.router = pooled["decode-0"], pooled.router
 
     def decode_tokens(self, source: str) -> float:
         return metric_sum(get(self.decode.url + "/metrics")[1], PROMPT_TOKENS_BY_SOURCE, source=source) or 0.0
@@ -133,69 +63,35 @@ class Deployment:
         return metric_sum(get(self.router.url + "/metrics")[1], name, **labels) or 0.0
 
 
-def start_deployment(protocol: str, model_dir: Path, workdir: Path) -> Deployment:
-    """The protocol's instances and router, healthy and every instance in the router's rotation."""
-    plan = make_plan(protocol, model_dir, workdir)
-    started: list[ServerProcess] = []
-    instances = ["decode-0"] if protocol == "colocated" else ["prefill-0", "decode-0"]
-    try:
-        for name in instances:
-            proc = plan.process(name)
-            started.append(ServerProcess(name, keyless(proc.argv), proc.env, proc.base_url, workdir))
-        router_plan = plan.process("router")
-        config_file, instances_file = plan.host(router_plan.host).files[:2]
-        config_path = workdir / "router.json"
-        (workdir / json.loads(config_file.content)["instances_file"]).write_text(instances_file.content)
-        config = json.loads(config_file.content)
-        config["instance_api_key_file"] = None  # these instances start without `up`, so without a key
-        config_path.write_text(json.dumps(config))
-        started.append(ServerProcess("router", [sys.executable, "-m", "kvpush.router", "--config", str(config_path)],
-                               router_plan.env, router_plan.base_url, workdir))
-        for proc in started:
-            proc.wait_healthy()
-        deployment = Deployment(protocol, *([None] if protocol == "colocated" else []), *started)
-        # The router probes instances from its start and ejects those not up yet; wait until its
-        # probes have brought every one back, or early requests would be served by decode alone.
-        deadline = time.monotonic() + 60
-        while deployment.router_metric("kvpush_router_instance_in_rotation") < len(instances):
-            assert time.monotonic() < deadline, "router never put both instances back in rotation"
-            time.sleep(0.2)
-        return deployment
-    except BaseException:
-        for proc in reversed(started):
-            proc.kill()
-        raise
-
-
 @pytest.fixture(scope="module", params=PROTOCOLS)
-def slot(request, model_dir, reference, tmp_path_factory):
-    protocol = request.param
-    slot = DeploymentSlot(protocol, lambda: start_deployment(protocol, model_dir, tmp_path_factory.mktemp(protocol)),
-                          Deployment.stop)
-    try:
-        yield slot
-    finally:
-        slot.close()
+def protocol(request, reference) -> str:
+    return request.param
 
 
 @pytest.fixture
-def deployment(slot) -> Deployment:
-    return slot.shared()
+def deployment(pool, protocol) -> Deployment:
+    """The protocol's pooled deployment, healthy, with every instance in the router's rotation (`up`
+    waits for that before its proof)."""
+    deployment = Deployment(protocol, pool.ready(f"pool-{protocol}"))
+    # The router ejects an instance it could not reach and probes it back in: a test after one that
+    # killed an instance waits until `up`'s revived one is in rotation again.
+    instances = 1 if protocol == "colocated" else 2
+    deadline = time.monotonic() + 60
+    while deployment.router_metric("kvpush_router_instance_in_rotation") < instances:
+        assert time.monotonic() < deadline, "the router never put every instance back in rotation"
+        time.sleep(0.2)
+    return deployment
 
 
 @pytest.fixture
-def own_deployment(request, slot):
-    """The slot's deployment for this test alone (it kills part of it), stopped after the test.
-    A test asks for it only for the protocols it runs with (`runs_with`), so no deployment is
-    started for a test that skips."""
+def own_deployment(request, protocol):
+    """The deployment, for a test that kills part of it (the next test's `up` revives it). A test
+    asks for it only for the protocols it runs with (`runs_with`), so no deployment is started for
+    a test that skips."""
     runs_with = request.node.get_closest_marker("runs_with")
-    if slot.name not in runs_with.args:
-        pytest.skip(f"{slot.name}: {runs_with.kwargs['otherwise']}")
-    deployment = slot.take()
-    try:
-        yield deployment
-    finally:
-        slot.stop(deployment)
+    if protocol not in runs_with.args:
+        pytest.skip(f"{protocol}: {runs_with.kwargs['otherwise']}")
+    return request.getfixturevalue("deployment")
 
 
 @pytest.mark.timeout(900)
@@ -208,7 +104,7 @@ def test_answers_equal_a_single_server_and_kv_came_by_transfer(deployment, refer
     local_before = deployment.decode_tokens("local_compute")
     with ThreadPoolExecutor(4) as pool:
         try:
-            results = list(pool.map(lambda p: complete(deployment.router.url, p, stream), prompts))
+            results = list(pool.map(lambda p: complete(deployment.router.url, p, stream, MAX_TOKENS), prompts))
         except TimeoutError:
             pytest.fail(f"{deployment.protocol}: a request timed out; router log:\n{deployment.router.tail(30)}\n"
                         f"decode log:\n{deployment.decode.tail(30)}\nprefill log:\n{deployment.prefill.tail(30)}")
@@ -268,7 +164,7 @@ def test_the_openai_api_through_the_router_answers_as_one_vllm_server(deployment
             while (usage := instance.metric("vllm:kv_cache_usage_perc")) and time.monotonic() < deadline:
                 time.sleep(0.2)
             assert usage == 0, f"{instance.name} still holds KV blocks: usage {usage}"
-    status, raw = complete(deployment.router.url, PROMPTS[False][-1], stream=False)
+    status, raw = complete(deployment.router.url, PROMPTS[False][-1], stream=False, max_tokens=MAX_TOKENS)
     assert status == 200, raw  # a plain request after the matrix: nothing was ejected
     in_rotation = deployment.router_metric("kvpush_router_instance_in_rotation")
     assert in_rotation == (1 if deployment.protocol == "colocated" else 2)
@@ -354,7 +250,7 @@ def test_killing_decode_mid_run_ends_every_request_clearly(own_deployment):
     assert deployment.router.alive()
     status, _ = get(deployment.router.url + "/health")
     assert status in (200, 503)  # the router answers; 503 once decode-0 left rotation
-    status, raw = complete(deployment.router.url, prompts[0], stream=False, timeout_s=60)
+    status, raw = complete(deployment.router.url, prompts[0], stream=False, max_tokens=MAX_TOKENS, timeout_s=60)
     assert status in (502, 503) and json.loads(raw)["error"]["code"] == status
     failed = sum(deployment.router_metric("kvpush_router_requests_total", outcome=o)
                  for o in ("failed", "failed_mid_stream", "unavailable"))

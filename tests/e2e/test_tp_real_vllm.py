@@ -1,7 +1,8 @@
 """Tensor-parallel instances for real, through kvpush's router and connector (vLLM on CPU): prefill
 TP 2 -> decode TP 2, prefill TP 2 -> decode TP 1 and prefill TP 1 -> decode TP 2, each pair behind a
-router of its own over one set of four instances on this 2-core machine (cores shared, as the
-topology asks with share_cores).
+router of its own over the four instances of the session's pooled TP deployment
+(tests/pool_topologies.py `pool-tp`, brought up by `kvpush up`) on this 2-core machine (cores
+shared, as the topology asks with share_cores).
 
 Every answer equals what its decode instance answers by itself for the same prompt (decode caches no
 prefixes here, so asking it first is a plain server's answer with the same model, dtype and TP), for
@@ -10,7 +11,6 @@ own counters show the prompts' KV came by transfer. float32: greedy answers then
 the order TP reduces in, nor on decode's batch shape."""
 from __future__ import annotations
 
-import json
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -19,98 +19,56 @@ from dataclasses import dataclass
 import pytest
 
 from kvpush.common.vllm_metrics import PROMPT_TOKENS_BY_SOURCE, metric_sum
-from kvpush.deploy.plan.plan import build_plan, router_config
-from kvpush.deploy.lifecycle.tiny_model import make_tiny_model
-from kvpush.deploy.topology.topology import TinyModelSpec, parse_topology
-from e2e_instances import KV_CACHE_GIB
-from plan_secrets import keyless, write_secret_files
+from kvpush.deploy.plan.plan import router_config
+from completions import answer_text, complete
 from random_prompts import full_length_prompts, random_prompts
 from server_process import ServerProcess
 
-PORTS = {"p2_http": 19100, "p1_http": 19101, "d2_http": 19102, "d1_http": 19103,
-         "p2_side": 19200, "p1_side": 19210, "d2_side": 19220, "d1_side": 19230}
-ROUTER_PORTS = {("p2", "d2"): 19010, ("p2", "d1"): 19011, ("p1", "d2"): 19012}
-TOPOLOGY = """
-name: tp-e2e
-platform: cpu
-model: {{path: {model}, served_name: tiny, max_model_len: 2048, enforce_eager: true, dtype: float32}}
-connector: {{type: kvpush, backend: UCX, transfer_timeout_s: 20}}
-hosts:
-  local: {{address: 127.0.0.1, workdir: {workdir}}}
-prefill:
-  - {{name: p2, tensor_parallel_size: 2, cpu_cores: "0|1", share_cores: true, kv_cache_gib: {kv_cache_gib},
-     http_port: {p2_http}, side_channel_port: {p2_side}}}
-  - {{name: p1, cpu_cores: "0", share_cores: true, kv_cache_gib: {kv_cache_gib}, http_port: {p1_http}, side_channel_port: {p1_side}}}
-decode:
-  - {{name: d2, tensor_parallel_size: 2, cpu_cores: "0|1", share_cores: true, kv_cache_gib: {kv_cache_gib},
-     http_port: {d2_http}, side_channel_port: {d2_side}, extra_args: ["--no-enable-prefix-caching"]}}
-  - {{name: d1, cpu_cores: "1", share_cores: true, kv_cache_gib: {kv_cache_gib}, http_port: {d1_http}, side_channel_port: {d1_side},
-     extra_args: ["--no-enable-prefix-caching"]}}
-router: {{port: 19009, health_timeout_s: 60}}  # 4 instances (8 processes) on 2 busy cores: /health can take seconds
-env: {{UCX_MODULES: "^ib", UCX_MEM_EVENTS: "no"}}
-"""
+POOLED = "pool-tp"  # tests/pool_topologies.py: p2, p1 -> d2, d1 (shared with the TP rank-kill test)
+ROUTER_PORTS = {("p2", "d2"): 19030, ("p2", "d1"): 19031, ("p1", "d2"): 19032}
 MAX_TOKENS = 10
 EDGES = [1, 2, 127, 128, 129, 255, 256, 257, 1500]  # around vLLM's 128-token CPU blocks, and the longest
 PAIRS = list(ROUTER_PORTS)
 
 
-def post(url: str, body: dict, timeout_s: float = 180) -> tuple[int, dict]:
-    import urllib.error
-    import urllib.request
-
-    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, {"error": exc.read().decode(errors="replace")[:500]}
-
-
-def text_of(url: str, prompt: list[int], logs=lambda: "") -> str:
-    status, answer = post(url, {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
-                                "ignore_eos": True})
-    assert status == 200, f"{len(prompt)}-token prompt: {answer}\n{logs()}"
-    return answer["choices"][0]["text"]
+def text_of(url: str, prompt: list[int], headers: dict[str, str] | None = None, logs=lambda: "") -> str:
+    status, raw = complete(url, prompt, max_tokens=MAX_TOKENS, headers=headers)
+    assert status == 200, f"{len(prompt)}-token prompt: {raw[:500]}\n{logs()}"
+    return answer_text(status, raw)
 
 
 @dataclass
 class Deployment:
-    instances: dict[str, ServerProcess]
+    instances: dict  # name -> tests/deployment_pool.py Member
     routers: dict[tuple[str, str], ServerProcess]
+    instance_headers: dict[str, str]  # the instance key, for asking decode by itself
 
     def external_kv_tokens(self, decode: str) -> float:
         return metric_sum(self.instances[decode].metrics(), PROMPT_TOKENS_BY_SOURCE, source="external_kv_transfer") or 0.0
 
 
 @pytest.fixture(scope="module")
-def deployment(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("tp")
-    make_tiny_model(workdir / "tiny", TinyModelSpec(seed=0))
-    topo = parse_topology(TOPOLOGY.format(model=workdir / "tiny", workdir=workdir, kv_cache_gib=KV_CACHE_GIB, **PORTS))
-    plan = build_plan(topo)
-    write_secret_files(plan)
-    started: dict[str, ServerProcess] = {}
+def deployment(pool, tmp_path_factory):
+    """The pooled TP deployment (`up`), and a router per pair: the deployment's own router
+    configuration (instance key included) with that pair's instances alone, on a port of its own."""
+    pooled = pool.ready(POOLED)
+    workdir = tmp_path_factory.mktemp("tp-routers")
     routers: dict[tuple[str, str], ServerProcess] = {}
     try:
-        for name in ("p2", "p1", "d2", "d1"):
-            proc = plan.process(name)
-            started[name] = ServerProcess(name, keyless(proc.argv), proc.env, proc.health_url.rsplit("/", 1)[0], workdir)
-        full = router_config(topo)
+        full = router_config(pooled.topo)
         for (p, d), port in ROUTER_PORTS.items():
             # this module is about the KV's path, not about ejection: a healthy instance starved of CPU
             # for a while must stay in rotation, or the router sends its requests around it
-            config = full.model_copy(update={"port": port, "instance_api_key_file": None, "api_key_file": None,
-                                             "eject_after_failures": 5,
+            config = full.model_copy(update={"port": port, "eject_after_failures": 5,
                                              "prefill": [u for u in full.prefill if u.name == p],
                                              "decode": [u for u in full.decode if u.name == d]})
             path = workdir / f"router-{p}-{d}.json"
             path.write_text(config.model_dump_json())
             routers[(p, d)] = ServerProcess(f"router-{p}-{d}", [sys.executable, "-m", "kvpush.router", "--config", str(path)],
                                             {}, f"http://127.0.0.1:{port}", workdir)
-        for server in [*started.values(), *routers.values()]:
-            server.wait_healthy(timeout_s=600)
-        dep = Deployment(started, routers)
+        for server in routers.values():
+            server.wait_healthy(timeout_s=120)
+        dep = Deployment({n: pooled[n] for n in ("p2", "p1", "d2", "d1")}, routers, pooled.keys.headers("decode"))
         for router in routers.values():  # the routers probe instances from their start: wait until both are in
             deadline = time.monotonic() + 60
             while metric_sum(router.metrics(), "kvpush_router_instance_in_rotation") != 2:
@@ -124,14 +82,14 @@ def deployment(tmp_path_factory):
             text_of(router.url, full_length_prompts(1, 300, seed=99)[0])
         yield dep
     finally:
-        for server in [*routers.values(), *started.values()]:
+        for server in routers.values():
             server.kill()
 
 
 def check_answers(deployment: Deployment, pair: tuple[str, str], prompts: list[list[int]], concurrency: int) -> None:
     p, d = pair
     decode = deployment.instances[d].url
-    expected = [text_of(decode, prompt) for prompt in prompts]  # decode by itself: no connector, no cache
+    expected = [text_of(decode, prompt, deployment.instance_headers) for prompt in prompts]  # decode by itself: no cache
     before = deployment.external_kv_tokens(d)
     router = deployment.routers[pair]
     fallbacks_before = metric_sum(router.metrics(), "kvpush_router_fallbacks_total")
@@ -140,7 +98,7 @@ def check_answers(deployment: Deployment, pair: tuple[str, str], prompts: list[l
         return "\n".join(f"--- {server.name}\n{server.tail(30)}" for server in (deployment.instances[p], deployment.instances[d], router))
 
     with ThreadPoolExecutor(concurrency) as pool:
-        got = list(pool.map(lambda prompt: text_of(router.url, prompt, logs), prompts))
+        got = list(pool.map(lambda prompt: text_of(router.url, prompt, logs=logs), prompts))
     moved = deployment.external_kv_tokens(d) - before
     wrong = [(len(prompts[i]), got[i], expected[i]) for i in range(len(prompts)) if got[i] != expected[i]]
     assert not wrong, f"P {p} -> D {d}: (prompt tokens, through the router, decode alone) differ: {wrong}"

@@ -1,13 +1,13 @@
-"""kvpush's connector in real vLLM (CPU, tiny local model): one prefill, one decode, and the
-session's plain reference server (tests/reference_server.py: decode's model and settings, no
-connector). Legs are sent as the router contract says.
-The tests that leave prefill and decode as they found them share one pair (`cluster`); the test
-that kills prefill takes the pair for itself (`own_cluster`), and a test after it would get a
-fresh one. The 54 sequential requests are sent once per pair (`sequential_run`) and asserted on
-by the tests that need them.
-Heavy (three vLLM servers): run under `flock /tmp/kvpush-heavy.lock python -m pytest ...`."""
+"""kvpush's connector in real vLLM (CPU, tiny local model): the session's pooled kvpush 1P1D
+(tests/pool_topologies.py `pool-kvpush`, brought up by `kvpush up`: instance key, deployment
+secret) and the session's plain reference server (tests/reference_server.py: decode's model and
+settings, no connector). Legs are sent straight to the instances as the router contract says.
+The 54 sequential requests are sent once (`sequential_run`) and asserted on by the tests that need
+them; the last test kills prefill, which the next user of the deployment has `up` revive.
+Heavy: run under `flock /tmp/kvpush-heavy.lock python -m pytest ...`."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -21,129 +21,70 @@ import pytest
 from tokenizers import Tokenizer
 
 from kvpush.connector.liveness import DEFAULT_SILENCE_S
-from kvpush.deploy.runners.local import LocalRunner
 
 sys.path.insert(0, str(Path(__file__).parent))
-from harness import (  # noqa: E402
-    LATE_WRITE_HOLD_S, Server, completion_body, deployment_plan, ensure_model, grep_log, kv_usage, post, push_request,
-    wait_until_queued_on_prefill,
-)
-from deployment_slot import DeploymentSlot  # noqa: E402
-from plan_secrets import keyless  # noqa: E402
+from harness import Legs, completion_body, grep_log, kv_usage, push_request, wait_until_queued_on_prefill  # noqa: E402
+from completions import complete  # noqa: E402
+from fault_helpers import instance_pids  # noqa: E402
+from pool_topologies import LATE_WRITE_HOLD_S  # noqa: E402
 from random_prompts import full_length_prompts, random_prompts  # noqa: E402
 
 MAX_TOKENS = 8
 pytestmark = pytest.mark.timeout(1800)
-WORK = Path("/tmp/kvpush-connector-e2e")
-
-
-def start_pair(plan) -> dict[str, Server]:
-    servers: dict[str, Server] = {}
-    try:
-        for role in ("prefill", "decode"):
-            proc = plan.process(f"{role}-0")
-            servers[role] = Server(role, keyless(proc.argv), proc.env, proc.http_port, WORK)
-        for s in servers.values():
-            s.wait_healthy(timeout_s=600)
-        return servers
-    except BaseException:
-        for s in servers.values():
-            s.kill()
-        raise
-
-
-def stop_pair(servers: dict[str, Server]) -> None:
-    for s in servers.values():
-        s.kill()
-
-
-@dataclass
-class Pairs:
-    slot: DeploymentSlot  # of prefill/decode pairs: {"prefill": Server, "decode": Server}
-    plan: object
-    prompts: dict[str, list]  # "sequential", "concurrent"
-    expected: dict[str, list[str]]  # the reference's answers to them
-
-    def cluster(self, servers: dict[str, Server]) -> dict:
-        return {"plan": self.plan, "prompts": self.prompts, "expected": self.expected, **servers}
+PROMPTS = {"sequential": random_prompts(54, 900, seed=1), "concurrent": random_prompts(32, 900, seed=2)}
 
 
 @pytest.fixture(scope="module")
-def pairs(reference_server):
-    """Starts the session's reference server (if it is not up yet) beside the first pair, so their
-    loading overlaps, and takes the reference's answers to the prompts."""
-    WORK.mkdir(parents=True, exist_ok=True)
-    model = ensure_model(WORK / "model")
-    topo, plan = deployment_plan(model, WORK / "deploy")
+def expected(pool, reference_server) -> dict[str, list[str]]:
+    """The reference's answers to PROMPTS; it loads beside the pooled deployment."""
     reference_server.start()
-    pair: dict[str, Server] = {}
-    try:
-        pair = start_pair(plan)
-        reference = reference_server.url_for(plan.process("decode-0"))
-        prompts = {"sequential": random_prompts(54, 900, seed=1), "concurrent": random_prompts(32, 900, seed=2)}
-        expected = {}
-        with ThreadPoolExecutor(4) as pool:
-            for name, batch in prompts.items():
-                got = list(pool.map(lambda pr: post(reference, completion_body(pr, MAX_TOKENS)), batch))
-                assert all(status == 200 for status, _ in got), got
-                expected[name] = [body["choices"][0]["text"] for _, body in got]
-    except BaseException:
-        for s in pair.values():
-            s.kill()
-        raise
-    slot = DeploymentSlot("prefill/decode", lambda: start_pair(plan), stop_pair, current=pair)
-    try:
-        yield Pairs(slot, plan, prompts, expected)
-    finally:
-        slot.close()
+    deployment = pool.get("pool-kvpush")
+    pool.ready("pool-kvpush")
+    reference = reference_server.url_for(deployment.plan.process("decode-0"))
+    answers = {}
+    with ThreadPoolExecutor(4) as executor:
+        for name, batch in PROMPTS.items():
+            got = list(executor.map(lambda pr: complete(reference, pr, max_tokens=MAX_TOKENS), batch))
+            assert all(status == 200 for status, _ in got), got
+            answers[name] = [json.loads(raw)["choices"][0]["text"] for _, raw in got]
+    return answers
 
 
 @pytest.fixture
-def cluster(pairs) -> dict:
-    return pairs.cluster(pairs.slot.shared())
-
-
-@pytest.fixture
-def own_cluster(pairs):
-    """The pair for this test alone (it kills part of it), stopped after the test."""
-    servers = pairs.slot.take()
-    try:
-        yield pairs.cluster(servers)
-    finally:
-        pairs.slot.stop(servers)
+def cluster(pool, expected) -> dict:
+    """The pooled deployment (revived by `up` if a test broke it) and what these tests send it."""
+    deployment = pool.ready("pool-kvpush")
+    return {"deployment": deployment, "plan": deployment.plan, "prompts": PROMPTS, "expected": expected,
+            "prefill": deployment["prefill-0"], "decode": deployment["decode-0"]}
 
 
 @pytest.fixture(scope="module")
-def pool():
+def pool_of_threads():
     with ThreadPoolExecutor(128) as executor:
         yield executor
 
 
 @dataclass
 class SequentialRun:
-    legs: list  # harness.Legs of each of the 54 sequential prompts
+    legs: list[Legs]  # of each of the 54 sequential prompts
     external_before: float  # decode's prompt tokens by source, before the run
     local_before: float
     received_before: float  # decode's kvpush pushes received, before the run
 
 
-@pytest.fixture
-def sequential_run(pairs, cluster, pool) -> SequentialRun:
-    """The 54 sequential P/D requests, sent once per pair, with decode's counters before them."""
-
-    def run() -> SequentialRun:
-        d = cluster["decode"]
-        before = (d.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer"),
-                  d.metric("vllm:prompt_tokens_by_source_total", source="local_compute"),
-                  d.metric("vllm:kvpush_pushes_received_total"))
-        legs = [push_request(cluster["prefill"].url, d.url, cluster["plan"], completion_body(prompt, MAX_TOKENS), pool)
-                for prompt in cluster["prompts"]["sequential"]]
-        return SequentialRun(legs, *before)
-
-    return pairs.slot.once("sequential", run)
+@pytest.fixture(scope="module")
+def sequential_run(pool, expected, pool_of_threads) -> SequentialRun:
+    """The 54 sequential P/D requests, sent once, with decode's counters before them."""
+    deployment = pool.ready("pool-kvpush")
+    d = deployment["decode-0"]
+    before = (d.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer"),
+              d.metric("vllm:prompt_tokens_by_source_total", source="local_compute"),
+              d.metric("vllm:kvpush_pushes_received_total"))
+    legs = [push_request(deployment, completion_body(prompt, MAX_TOKENS), pool_of_threads) for prompt in PROMPTS["sequential"]]
+    return SequentialRun(legs, *before)
 
 
-def wait_kv_usage_zero(server: Server, timeout_s: float = 10.0) -> float:
+def wait_kv_usage_zero(server, timeout_s: float = 10.0) -> float:
     deadline = time.monotonic() + timeout_s
     usage = kv_usage(server)
     while usage > 0 and time.monotonic() < deadline:
@@ -192,29 +133,36 @@ def test_decode_computes_streamed_kv_layer_by_layer(cluster, sequential_run):
     assert received >= sent
 
 
-def process_names_in_group(pgid: int) -> list[str]:
-    return [psutil.Process(m.pid).name() for m in LocalRunner().group_members([pgid])[pgid] if m.state == "alive"]
+def process_names_under(pid: int) -> list[str]:
+    names = []
+    for p in instance_pids(pid):
+        try:
+            if psutil.Process(p).status() != psutil.STATUS_ZOMBIE:
+                names.append(psutil.Process(p).name())
+        except psutil.Error:
+            pass
+    return names
 
 
 def test_each_instance_runs_its_worker_inside_the_engine_process(cluster):
     """The plan's CPU default: no worker process behind a spinning shared-memory queue."""
     for role in ("prefill", "decode"):
-        names = process_names_in_group(cluster[role].proc.pid)
+        names = process_names_under(cluster[role].pid)
         assert len([n for n in names if n.startswith("VLLM::EngineCor")]) == 1, (role, names)
         assert not [n for n in names if n.startswith("VLLM::Worker")], (role, names)
 
 
-def test_32_concurrent_requests_all_correct(cluster, pool):
+def test_32_concurrent_requests_all_correct(cluster, pool_of_threads, model_dir):
     c = cluster
     started = time.monotonic()
-    futures = [pool.submit(push_request, c["prefill"].url, c["decode"].url, c["plan"], completion_body(p, MAX_TOKENS), pool)
+    futures = [pool_of_threads.submit(push_request, c["deployment"], completion_body(p, MAX_TOKENS), pool_of_threads)
                for p in c["prompts"]["concurrent"]]
     results = [f.result() for f in futures]
     assert all(r.decode_status == 200 for r in results), [r.decode for r in results if r.decode_status != 200][:3]
     # In float32 (harness.TOPOLOGY) decode's batch of 32 picks the same greedy tokens as the
     # reference did in smaller batches. The first token is the one that depends on the transferred
     # KV alone; it is counted apart so that a failure says which kind of difference it was.
-    tokenizer = Tokenizer.from_file(str(WORK / "model" / "tokenizer.json"))
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     first = [tokenizer.encode(r.text).ids[:1] == tokenizer.encode(w).ids[:1]
              for r, w in zip(results, c["expected"]["concurrent"])]
     exact = sum(r.text == w for r, w in zip(results, c["expected"]["concurrent"]))
@@ -229,7 +177,7 @@ def test_kv_usage_returns_to_zero(cluster, sequential_run):
     assert wait_kv_usage_zero(cluster["decode"]) == 0
 
 
-def test_a_stalled_prefill_fails_decode_fast_and_its_blocks_come_back_after_the_hold(cluster, pool):
+def test_a_stalled_prefill_fails_decode_fast_and_its_blocks_come_back_after_the_hold(cluster, pool_of_threads):
     """Prefill stopped (SIGSTOP) with requests in flight: decode gives up on it within
     peer_silence_s (its pings go unanswered) and fails those requests, but keeps their blocks from
     reuse, since a prefill that resumes may finish a copy it had begun. With prefill stopped for good neither its
@@ -237,10 +185,12 @@ def test_a_stalled_prefill_fails_decode_fast_and_its_blocks_come_back_after_the_
     the blocks go; once it resumes, its own are freed too and decode reconnects."""
     c = cluster
     prompts = full_length_prompts(16, 900, seed=4)
-    futures = [pool.submit(push_request, c["prefill"].url, c["decode"].url, c["plan"], completion_body(p, MAX_TOKENS), pool)
+    futures = [pool_of_threads.submit(push_request, c["deployment"], completion_body(p, MAX_TOKENS), pool_of_threads)
                for p in prompts]
     wait_until_queued_on_prefill(c["prefill"], c["decode"])
-    os.killpg(c["prefill"].proc.pid, signal.SIGSTOP)
+    stopped_pids = instance_pids(c["prefill"].pid)  # the API server and its engine core, as a hung machine
+    for pid in stopped_pids:
+        os.kill(pid, signal.SIGSTOP)
     stopped = time.monotonic()
     try:
         held = []
@@ -254,20 +204,22 @@ def test_a_stalled_prefill_fails_decode_fast_and_its_blocks_come_back_after_the_
         print(f"\nprefill stopped: decode held the blocks of {len(held)} transfer(s), back to zero "
               f"{time.monotonic() - stopped:.1f} s after the stop")
     finally:
-        os.killpg(c["prefill"].proc.pid, signal.SIGCONT)
+        for pid in stopped_pids:
+            os.kill(pid, signal.SIGCONT)
     results = [f.result(timeout=60) for f in futures]
     failed = [r for r in results if r.decode_status != 200]
     # Seconds (unanswered pings), where an accepted transfer would otherwise wait minutes.
     assert failed and max(r.decode_done_at - stopped for r in failed) < DEFAULT_SILENCE_S + 5.0
     assert wait_kv_usage_zero(c["prefill"]) == 0
-    after = push_request(c["prefill"].url, c["decode"].url, c["plan"], completion_body(prompts[0], MAX_TOKENS), pool)
+    after = push_request(c["deployment"], completion_body(prompts[0], MAX_TOKENS), pool_of_threads)
     assert after.decode_status == 200  # decode reconnects to the resumed prefill
 
 
-def test_killing_prefill_fails_decode_requests_fast(own_cluster, pool):
-    c = own_cluster
+def test_killing_prefill_fails_decode_requests_fast(cluster, pool_of_threads):
+    """Kills prefill; the next user of the deployment has `up` revive it."""
+    c = cluster
     prompts = full_length_prompts(16, 900, seed=3)
-    futures = [pool.submit(push_request, c["prefill"].url, c["decode"].url, c["plan"], completion_body(p, MAX_TOKENS), pool)
+    futures = [pool_of_threads.submit(push_request, c["deployment"], completion_body(p, MAX_TOKENS), pool_of_threads)
                for p in prompts]
     wait_until_queued_on_prefill(c["prefill"], c["decode"])
     killed = time.monotonic()
