@@ -31,7 +31,7 @@ def check_nixl_backend(ctx: DoctorContext) -> list[CheckResult]:
                 why = f"{backend} plugin is listed but does not load" if listed else f"no {backend} plugin"
                 fix = ("install a libfabric with the efa provider that NIXL was built for (aws-efa-installer); "
                        "check the plugin's missing symbols with ldd" if backend == "LIBFABRIC" else
-                       "reinstall nixl for this host's CUDA (scripts/setup.sh)")
+                       "reinstall nixl built for this host's CUDA (nixl-cu12 or nixl-cu13)")
                 results.append(fail("nixl-backend", facts.host, f"{why}: {probe.error}", fix, ev))
             elif needed not in probe.mem_types:
                 results.append(fail("nixl-backend", facts.host, f"{backend} cannot register {needed} (has {', '.join(probe.mem_types)})",

@@ -34,7 +34,7 @@ def check_python(ctx: DoctorContext) -> list[CheckResult]:
                       tuple(filter(None, [facts.raw.get("interpreter_note"), f"{facts.python_executable} {facts.python_version}"])))
         if facts.raw.get("interpreter_note"):
             return fail("python", facts.host, f"interpreter {configured} not found",
-                        f"create the venv on {facts.host} (scripts/setup.sh) or set hosts.{facts.host}.python/venv", ev)
+                        f"create it with `kvpush provision FILE --with-vllm` (hosts.{facts.host}.venv) or set hosts.{facts.host}.python/venv", ev)
         if _version_tuple(facts.python_version) < MIN_PYTHON:
             return fail("python", facts.host, f"Python {facts.python_version} is older than 3.10",
                         f"use a Python >= 3.10 interpreter on {facts.host} (hosts.{facts.host}.python)", ev)
@@ -59,7 +59,7 @@ def check_packages(ctx: DoctorContext) -> list[CheckResult]:
         ev = _packages_evidence(facts)
         if missing:
             return fail("packages", facts.host, f"missing: {', '.join(missing)} (in {facts.python_executable})",
-                        f"install them on {facts.host} with scripts/setup.sh into the interpreter the topology names", ev)
+                        f"install them on {facts.host} into the interpreter the topology names (`kvpush provision FILE --with-vllm` on CPU hosts)", ev)
         vllm = facts.package(*VLLM_DISTS) if facts.host in vllm_hosts else None
         outside = unsupported_reason(vllm[1]) if vllm and needs_kvpush else None
         if outside:
@@ -93,7 +93,7 @@ def check_versions_match(ctx: DoctorContext) -> list[CheckResult]:
     ev = Evidence("*.dist-info versions on every vLLM host", tuple(lines))
     if mismatches:
         return [fail("versions-match", TOPOLOGY_SUBJECT, f"{', '.join(mismatches)} versions differ between hosts",
-                     "install the same versions on every prefill and decode host (scripts/setup.sh pins them)", ev,
+                     "install the same versions on every prefill and decode host (`kvpush provision --with-vllm` pins them on CPU hosts)", ev,
                      scope="topology")]
     return [ok("versions-match", TOPOLOGY_SUBJECT, f"{' / '.join(wanted)} agree on {len(hosts)} hosts", ev, scope="topology")]
 
