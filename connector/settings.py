@@ -1,14 +1,21 @@
-"""The connector's settings, read from vLLM's kv_transfer_config, and start-up refusals."""
+"""The connector's settings: the kv_connector_extra_config a kvpush instance is started with (one
+typed model, written by `kvpush plan` and read here), what vLLM's own config adds, and start-up
+refusals."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .liveness import DEFAULT_SILENCE_S
 
 
 CPU_IDLE_WAIT_MS = 20.0
 GPU_IDLE_WAIT_MS = 2.0
+# A backstop for a leg that never reached the other side: a dead or hung prefill is noticed in
+# ~1 s by the side channel's ping, and a busy one may hold a request queued for many seconds.
+TRANSFER_TIMEOUT_S = 30.0
 
 
 def kv_on_cpu(kv_transfer_config: Any) -> bool:
@@ -18,6 +25,108 @@ def kv_on_cpu(kv_transfer_config: Any) -> bool:
 
 class UnsupportedDeployment(ValueError):
     """A configuration kvpush's connector refuses at start-up, with the reason and the fix."""
+
+
+class ConnectorExtraConfig(BaseModel):
+    """A kvpush instance's kv_connector_extra_config: what deploy/plan/vllm_launch.py builds and dumps
+    into --kv-transfer-config, and what Settings.from_vllm reads back. Each default lives here only."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
+
+    # Set by kvpush from the deployment; a topology may not set them (deploy/topology/topology_values.py,
+    # KVPUSH_SECURITY_KEYS).
+    side_channel_host: str = Field(min_length=1)
+    side_channel_port: int = Field(ge=0, le=65535)
+    allowed_engines: list[str]
+    secret_file: str  # the deployment secret's file on this host: the side-channel key is derived from it
+    peer_side_channels: dict[str, str] | None = None  # engine id -> "host:port" of each allowed peer
+    # Tunable: the topology's connector section (backend, transfer_timeout_s) or its extra_config.
+    backend: str = "UCX"
+    transfer_timeout_s: float = Field(TRANSFER_TIMEOUT_S, gt=0)
+    peer_silence_s: float = Field(DEFAULT_SILENCE_S, gt=0)
+    progress_delay_us: int | None = Field(None, ge=0)  # None: transfer.PROGRESS_DELAY_US by memory type
+    idle_wait_ms: float | None = Field(None, ge=0)  # None: CPU_IDLE_WAIT_MS or GPU_IDLE_WAIT_MS by buffer device
+    stream_writes: bool = True
+    huge_pages: bool = True
+    accepted_timeout_s: float = Field(300.0, gt=0)
+    late_write_hold_s: float = Field(30.0, ge=0)
+
+    @field_validator("secret_file")
+    @classmethod
+    def _names_a_file(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("must name the deployment secret's file")
+        return value
+
+    @field_validator("peer_side_channels")
+    @classmethod
+    def _host_and_port(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        for address in (value or {}).values():
+            host, _, port = address.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError("must map engine ids to 'host:port'")
+        return value
+
+    @classmethod
+    def parse(cls, extra: Any) -> "ConnectorExtraConfig":
+        """The model of vLLM's kv_connector_extra_config, or UnsupportedDeployment naming the entry."""
+        try:
+            return cls.model_validate(dict(extra or {}))
+        except ValidationError as exc:
+            raise UnsupportedDeployment(_problem(exc, dict(extra or {}))) from None
+
+    @classmethod
+    def entry_problem(cls, name: str, value: Any) -> str | None:
+        """What is wrong with one entry given alone (None: nothing), for the topology's loader."""
+        if name not in cls.model_fields:
+            return "is not a setting of kvpush's connector"
+        stand_ins = {"side_channel_host": "h", "side_channel_port": 0, "allowed_engines": [], "secret_file": "f"}
+        try:
+            cls.model_validate({**stand_ins, name: value})
+        except ValidationError:
+            return _must_be(name)
+        return None
+
+    def to_json_dict(self) -> dict[str, Any]:
+        """What goes into --kv-transfer-config (unset optional entries left out: the connector's defaults)."""
+        return self.model_dump(mode="json", exclude_none=True)
+
+
+def _default(name: str) -> Any:
+    """A setting's default, as the model declares it (Settings built in code take the same)."""
+    return ConnectorExtraConfig.model_fields[name].default
+
+
+def _must_be(name: str) -> str:
+    if name == "secret_file":
+        return "must name the deployment secret's file"
+    if name == "peer_side_channels":
+        return "must map engine ids to 'host:port'"
+    field = ConnectorExtraConfig.model_fields[name]
+    if field.annotation in (bool, "bool"):
+        return "must be true or false"
+    bounds = [f"{sign} {getattr(m, attr)}" for m in field.metadata
+              for attr, sign in (("gt", ">"), ("ge", ">="), ("le", "<=")) if getattr(m, attr, None) is not None]
+    if bounds:
+        number = "a whole number" if "int" in str(field.annotation) else "a number"
+        return f"must be {number} {' and '.join(bounds)}"
+    kind = getattr(field.annotation, "__name__", None) if field.annotation in (str, int, float) else None
+    return {"str": "must be text", "int": "must be a whole number"}.get(kind or "", f"must be {field.annotation}")
+
+
+def _problem(exc: ValidationError, extra: dict[str, Any]) -> str:
+    errors = exc.errors()
+    missing = [str(e["loc"][0]) for e in errors if e["type"] == "missing"]
+    if missing:
+        return f"kvpush: kv_connector_extra_config lacks {missing}; generate the config with `kvpush plan`"
+    first = errors[0]
+    name = str(first["loc"][0])
+    if first["type"] == "extra_forbidden":
+        known = ", ".join(ConnectorExtraConfig.model_fields)
+        return (f"kvpush: kv_connector_extra_config.{name} is not a setting of kvpush's connector; "
+                f"the settings are {known}")
+    hint = "; generate the config with `kvpush plan`" if name == "secret_file" else ""
+    return f"kvpush: kv_connector_extra_config.{name} {_must_be(name)}, not {extra.get(name)!r}{hint}"
 
 
 @dataclass(frozen=True)
@@ -42,19 +151,19 @@ class Settings:
     # cores to spare.
     idle_wait_ms: float = CPU_IDLE_WAIT_MS
     # P on CPU: write layer by layer, so that D's forward pass computes each layer as it lands
-    stream_writes: bool = True
+    stream_writes: bool = _default("stream_writes")
     local_ranks: int = 1  # rank processes of this instance on this host (its TP ranks over its nodes)
-    huge_pages: bool = True  # CPU: collapse the KV cache into 2 MiB pages before registering it (hugepages.py)
+    huge_pages: bool = _default("huge_pages")  # CPU: collapse the KV cache into 2 MiB pages before registering it (hugepages.py)
     kv_cache_layout: str | None = None  # as vLLM resolved it (e.g. BLHNC), None before vLLM 0.32
     # D: a P that accepted a transfer (it holds the request) but sent nothing this long fails it;
     # a backstop: P's own bounds (transfer_timeout_s, the pings) are shorter and end a stuck
     # transfer first
-    accepted_timeout_s: float = 300.0
+    accepted_timeout_s: float = _default("accepted_timeout_s")
     # D: the backstop of a fence. The blocks of a transfer given up on while P may still be writing
     # them stay out of vLLM's hands until P says its WRITEs ended or P is gone; if neither comes
     # within this long, decode drops P's connection and lets them go (counted). 0: no backstop.
     # Both kv_load_failure_policy values: under "recompute" vLLM frees a failed load's blocks too.
-    late_write_hold_s: float = 30.0
+    late_write_hold_s: float = _default("late_write_hold_s")
     # the deployment secret's file on this host: the side-channel key is derived from it (auth.py).
     # Empty only where code builds Settings itself (benchmarks): an unauthenticated side channel.
     secret_file: str = ""
@@ -64,12 +173,9 @@ class Settings:
     @classmethod
     def from_vllm(cls, vllm_config: Any, kv_cache_config: Any = None) -> "Settings":
         kv = vllm_config.kv_transfer_config
-        extra = dict(kv.kv_connector_extra_config or {})
         if kv.kv_role not in ("kv_producer", "kv_consumer"):
             raise UnsupportedDeployment(f"kvpush: kv_role {kv.kv_role!r} is not supported; use kv_producer (prefill) or kv_consumer (decode)")
-        missing = [k for k in ("side_channel_host", "side_channel_port", "allowed_engines", "secret_file") if k not in extra]
-        if missing:
-            raise UnsupportedDeployment(f"kvpush: kv_connector_extra_config lacks {missing}; generate the config with `kvpush plan`")
+        extra = ConnectorExtraConfig.parse(kv.kv_connector_extra_config)
         if getattr(vllm_config.model_config, "use_mla", False):
             raise UnsupportedDeployment("kvpush: MLA models are not supported yet; use connector type nixl-pull for this model")
         groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
@@ -84,53 +190,37 @@ class Settings:
         return cls(
             engine_id=str(kv.engine_id),
             is_producer=kv.kv_role == "kv_producer",
-            backend=str(extra.get("backend", "UCX")),
-            side_channel_host=str(extra["side_channel_host"]),
-            side_channel_port=int(extra["side_channel_port"]),
-            allowed_engines=frozenset(str(e) for e in extra["allowed_engines"]),
-            transfer_timeout_s=float(extra.get("transfer_timeout_s", 30.0)),
-            peer_silence_s=float(extra.get("peer_silence_s", DEFAULT_SILENCE_S)),
+            backend=extra.backend,
+            side_channel_host=extra.side_channel_host,
+            side_channel_port=extra.side_channel_port,
+            allowed_engines=frozenset(extra.allowed_engines),
+            transfer_timeout_s=extra.transfer_timeout_s,
+            peer_silence_s=extra.peer_silence_s,
             buffer_device="cpu" if on_cpu else str(kv.kv_buffer_device),
             model=str(vllm_config.model_config.model),
             tp_size=int(parallel.tensor_parallel_size),
             local_ranks=int(getattr(parallel, "local_world_size", parallel.tensor_parallel_size)),
             kv_heads=int(vllm_config.model_config.get_total_num_kv_heads()),
             block_size=int(vllm_config.cache_config.block_size),
-            progress_delay_us=(None if extra.get("progress_delay_us") is None
-                               else int(_non_negative(extra["progress_delay_us"], "progress_delay_us"))),
-            idle_wait_ms=_non_negative(extra.get("idle_wait_ms", CPU_IDLE_WAIT_MS if on_cpu else GPU_IDLE_WAIT_MS),
-                                       "idle_wait_ms"),
-            stream_writes=_flag(extra.get("stream_writes", True), "stream_writes"),
-            huge_pages=_flag(extra.get("huge_pages", True), "huge_pages"),
+            progress_delay_us=extra.progress_delay_us,
+            idle_wait_ms=(extra.idle_wait_ms if extra.idle_wait_ms is not None
+                          else CPU_IDLE_WAIT_MS if on_cpu else GPU_IDLE_WAIT_MS),
+            stream_writes=extra.stream_writes,
+            huge_pages=extra.huge_pages,
             kv_cache_layout=(getattr(kv_cache_config, "kv_cache_layout", None)
                              or getattr(vllm_config.cache_config, "kv_cache_layout", None)),
-            accepted_timeout_s=_positive(extra.get("accepted_timeout_s", 300.0), "accepted_timeout_s"),
-            secret_file=_secret_file(extra["secret_file"]),
-            peer_side_channels=_addresses(extra.get("peer_side_channels")),
-            late_write_hold_s=_non_negative(extra.get("late_write_hold_s", 30.0), "late_write_hold_s"),
+            accepted_timeout_s=extra.accepted_timeout_s,
+            secret_file=extra.secret_file,
+            peer_side_channels=_addresses(extra.peer_side_channels),
+            late_write_hold_s=extra.late_write_hold_s,
         )
 
 
-def _addresses(value: Any) -> dict[str, tuple[str, int]] | None:
-    """{"engine": "host:port"} -> {"engine": ("host", port)}; None where not given."""
+def _addresses(value: dict[str, str] | None) -> dict[str, tuple[str, int]] | None:
+    """{"engine": "host:port"} -> {"engine": ("host", port)} (the model checked the form); None where not given."""
     if value is None:
         return None
-    out = {}
-    try:
-        for engine, address in dict(value).items():
-            host, port = str(address).rsplit(":", 1)
-            out[str(engine)] = (host, int(port))
-    except (TypeError, ValueError):
-        raise UnsupportedDeployment(f"kvpush: kv_connector_extra_config.peer_side_channels must map engine ids to "
-                                    f"'host:port', not {value!r}") from None
-    return out
-
-
-def _secret_file(value: Any) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise UnsupportedDeployment(f"kvpush: kv_connector_extra_config.secret_file must name the deployment secret's file, "
-                                    f"not {value!r}; generate the config with `kvpush plan`")
-    return value
+    return {engine: (address.rpartition(":")[0], int(address.rpartition(":")[2])) for engine, address in value.items()}
 
 
 def side_channel_key(settings: Settings) -> bytes:
@@ -157,21 +247,3 @@ def transfer_params_key(settings: Settings) -> bytes | None:
         return derive_key(read_secret(settings.secret_file), TRANSFER_PARAMS)
     except SecretFileError as exc:
         raise UnsupportedDeployment(f"kvpush: kv_connector_extra_config.secret_file: {exc}") from None
-
-
-def _flag(value: Any, key: str) -> bool:
-    if isinstance(value, bool):
-        return value
-    raise UnsupportedDeployment(f"kvpush: kv_connector_extra_config.{key} must be true or false, not {value!r}")
-
-
-def _positive(value: Any, key: str) -> float:
-    if _non_negative(value, key) > 0:
-        return float(value)
-    raise UnsupportedDeployment(f"kvpush: kv_connector_extra_config.{key} must be a number > 0, not {value!r}")
-
-
-def _non_negative(value: Any, key: str) -> float:
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
-        return float(value)
-    raise UnsupportedDeployment(f"kvpush: kv_connector_extra_config.{key} must be a number >= 0, not {value!r}")

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import json
 
+from pydantic import ValidationError
+
+from kvpush.common.errors import UsageError
 from kvpush.common.instance_auth import KEY_VARIABLE, MIDDLEWARE_PATH, PUBLIC_PATHS_VARIABLE
+from kvpush.connector.settings import ConnectorExtraConfig
 
 from .engine_tracing import tracing_argv, tracing_env
 from kvpush.deploy.topology.placement import bind_address, on_cores, secret_path
@@ -36,31 +40,17 @@ def kv_transfer_config(topo: Topology, role: Role, spec: InstanceSpec) -> dict |
     kind = topo.connector.type
     if kind == "colocated":
         return None
-    host = topo.hosts[spec.host]
     buffer_device = "cpu" if topo.platform == "cpu" else "cuda"
     if kind == "kvpush":
         peers = topo.decode if role == "prefill" else topo.prefill
-        extra = {
-            "backend": topo.connector.backend,
-            "transfer_timeout_s": topo.connector.transfer_timeout_s,
-            **topo.connector.extra_config,
-            # The security entries last: the topology's loader refuses them in extra_config, and
-            # were one to get through, kvpush's would still win.
-            "side_channel_host": bind_address(host),
-            "side_channel_port": spec.side_channel_port,
-            "allowed_engines": sorted(engine_id(topo, p) for p in peers),
-            # where each peer's side channel is: decode dials these and nothing a request names
-            "peer_side_channels": {engine_id(topo, p): f"{bind_address(topo.hosts[p.host])}:{p.side_channel_port}"
-                                   for p in sorted(peers, key=lambda p: p.name)},
-            "secret_file": secret_path(topo, host, "deployment-secret"),  # a path on that host (~ expanded there)
-        }
+        extra = connector_settings(topo, spec, peers)
         return {
             "kv_connector": KVPUSH_CONNECTOR_CLASS,
             "kv_connector_module_path": KVPUSH_CONNECTOR_MODULE,
             "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
             "kv_buffer_device": buffer_device,
             "engine_id": engine_id(topo, spec),
-            "kv_connector_extra_config": extra,
+            "kv_connector_extra_config": extra.to_json_dict(),
         }
     config = {
         "kv_connector": "NixlPushConnector" if kind == "nixl-push" else "NixlConnector",
@@ -72,6 +62,29 @@ def kv_transfer_config(topo: Topology, role: Role, spec: InstanceSpec) -> dict |
     if topo.platform == "cpu" and not topo.connector.stock_vllm:
         config["kv_connector_module_path"] = VLLM_NIXL_CPU_MODULE
     return config
+
+
+def connector_settings(topo: Topology, spec: InstanceSpec, peers: list[InstanceSpec]) -> ConnectorExtraConfig:
+    """The kvpush connector's settings for one instance: the topology's connector section and
+    extra_config, then what kvpush derives from the deployment (the topology's loader refuses
+    those in extra_config; were one to get through, kvpush's would still win)."""
+    host = topo.hosts[spec.host]
+    try:
+        return ConnectorExtraConfig.model_validate({
+            "backend": topo.connector.backend,
+            "transfer_timeout_s": topo.connector.transfer_timeout_s,
+            **topo.connector.extra_config,
+            "side_channel_host": bind_address(host),
+            "side_channel_port": spec.side_channel_port,
+            "allowed_engines": sorted(engine_id(topo, p) for p in peers),
+            # where each peer's side channel is: decode dials these and nothing a request names
+            "peer_side_channels": {engine_id(topo, p): f"{bind_address(topo.hosts[p.host])}:{p.side_channel_port}"
+                                   for p in sorted(peers, key=lambda p: p.name)},
+            "secret_file": secret_path(topo, host, "deployment-secret"),  # a path on that host (~ expanded there)
+        })
+    except ValidationError as exc:  # the topology's checks refuse a bad extra_config first (topology_checks.py)
+        error = exc.errors()[0]
+        raise UsageError(f"connector.extra_config.{error['loc'][0]}: {error['msg']}") from None
 
 
 def kv_cache_bytes(gib: float) -> int:

@@ -6,10 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvpush.common.errors import field_path
+from kvpush.connector.settings import ConnectorExtraConfig
 
 from .topology_defaults import listening_side_channel_ports
 from .topology_schema import NAME_PATTERN, ROUTER_PROCESS_NAME, InstanceSpec, Role, Topology, TopologyError
-from .topology_values import rank_core_lists
+from .topology_values import KVPUSH_SECURITY_KEYS, rank_core_lists
 from .yaml_source import SourceDocument
 
 
@@ -23,6 +24,19 @@ class Problems:
         raise TopologyError(f"{self.doc.where(path)}: {field_path(path)}: {message}")
 
 
+def _check_connector_settings(topo: Topology, problems: Problems) -> None:
+    """kvpush's connector refuses at start-up an extra_config entry it does not know or cannot take:
+    refuse it here, where the topology can say which line."""
+    tunable = [name for name in ConnectorExtraConfig.model_fields if name not in KVPUSH_SECURITY_KEYS]
+    for name, value in topo.connector.extra_config.items():
+        if name in KVPUSH_SECURITY_KEYS:
+            continue  # topology_security.py says why
+        problem = ConnectorExtraConfig.entry_problem(name, value)
+        if problem:
+            known = f"; the settings are {', '.join(tunable)}" if name not in tunable else f", not {value!r}"
+            problems.fail(("connector", "extra_config", name), problem + known)
+
+
 def check_cross_fields(topo: Topology, problems: Problems) -> None:
     if topo.connector.type != "colocated":
         for role in ("prefill", "decode"):
@@ -30,6 +44,8 @@ def check_cross_fields(topo: Topology, problems: Problems) -> None:
                 problems.fail((role,), f"has no instances; a disaggregated deployment needs at least one {role} instance (or set connector.type: colocated)")
     elif not topo.instances():
         problems.fail(("decode",), "has no instances; add at least one instance")
+    if topo.connector.type == "kvpush":
+        _check_connector_settings(topo, problems)
     if topo.connector.stock_vllm and topo.connector.type not in ("nixl-push", "nixl-pull"):
         problems.fail(("connector", "stock_vllm"), f"applies to connector types nixl-push and nixl-pull only, not "
                                                    f"{topo.connector.type}; remove it or change connector.type")

@@ -14,6 +14,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from kvpush.common.errors import UsageError
+from kvpush.connector.settings import TRANSFER_TIMEOUT_S
 from kvpush.router.config import (BODY_TIMEOUT_S, HEADER_TIMEOUT_S, KEEPALIVE_TIMEOUT_S, LOAD_WEIGHT, MAX_CONNECTIONS,
                                   PREFIX_WEIGHT, RETRY_DEADLINE_S, Policy)
 
@@ -93,9 +94,7 @@ class ConnectorSpec(_Model):
                                                       "connector); nixl-push, nixl-pull: vLLM's NIXL connectors; "
                                                       "colocated: no transfer, each request served by one instance")
     backend: Backend = Field("UCX", description="NIXL's transport: UCX, or LIBFABRIC for AWS EFA")
-    # A backstop for a leg that never reached the other side: a dead or hung prefill is noticed in
-    # ~1 s by the side channel's ping, and a busy one may hold a request queued for many seconds.
-    transfer_timeout_s: float = Field(30.0, gt=0, le=DAY_S, description="seconds after which a registration or "
+    transfer_timeout_s: float = Field(TRANSFER_TIMEOUT_S, gt=0, le=DAY_S, description="seconds after which a registration or "
                                       "finished-block set that never matched is failed")
     extra_config: Annotated[dict[str, Any], AfterValidator(values.extra_config)] = Field(
         default_factory=dict, description="more entries of vLLM's kv_connector_extra_config for every instance")

@@ -91,8 +91,23 @@ def test_progress_delay_is_left_to_the_memory_type_unless_set():
     assert Settings.from_vllm(vllm_config()).progress_delay_us is None
     assert PROGRESS_DELAY_US["DRAM"] >= 10_000 > PROGRESS_DELAY_US["VRAM"]  # CPU: sleep long; GPU: as measured
     assert Settings.from_vllm(vllm_config(extra={"progress_delay_us": 250})).progress_delay_us == 250
-    with pytest.raises(UnsupportedDeployment, match="progress_delay_us must be a number >= 0"):
-        Settings.from_vllm(vllm_config(extra={"progress_delay_us": -5}))
+    for bad in (-5, 2.5):
+        with pytest.raises(UnsupportedDeployment, match="progress_delay_us must be a whole number >= 0"):
+            Settings.from_vllm(vllm_config(extra={"progress_delay_us": bad}))
+
+
+def test_an_entry_the_connector_does_not_know_is_refused_naming_it():
+    with pytest.raises(UnsupportedDeployment, match=r"extra_config\.backends is not a setting of kvpush's connector; "
+                                                    r"the settings are side_channel_host, .*transfer_timeout_s"):
+        Settings.from_vllm(vllm_config(extra={"backends": ["UCX"]}))
+
+
+@pytest.mark.parametrize("key, bad", [("transfer_timeout_s", "30"), ("transfer_timeout_s", 0), ("peer_silence_s", True),
+                                      ("side_channel_port", 70000), ("allowed_engines", "dep.prefill-0"),
+                                      ("stream_writes", 1), ("transfer_timeout_s", float("inf"))])
+def test_a_value_of_the_wrong_kind_is_refused_naming_the_entry(key, bad):
+    with pytest.raises(UnsupportedDeployment, match=rf"kv_connector_extra_config\.{key} must be"):
+        Settings.from_vllm(vllm_config(extra={key: bad}))
 
 
 @pytest.mark.parametrize("kwargs, words", [
