@@ -58,10 +58,6 @@ class Parts:
     def __contains__(self, transfer_id: str) -> bool:
         return transfer_id in self._transfers
 
-    def parts_of(self, transfer_id: str) -> list[str]:
-        t = self._transfers.get(transfer_id)
-        return list(t.outcomes) if t is not None else []
-
     def failing(self, transfer_id: str) -> bool:
         """A part failed: the transfer will fail once the others stop."""
         t = self._transfers.get(transfer_id)

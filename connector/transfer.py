@@ -168,10 +168,6 @@ class NixlEngine:
         if self.mem_type == "VRAM":
             bind_device_context(self.device_id)
 
-    def remove_peer(self, agent_name: str) -> None:
-        with self._lock:
-            self._drop(agent_name, keep_metadata=False)
-
     def _drop(self, agent_name: str, keep_metadata: bool) -> None:
         peer = self._peers.pop(agent_name, None)
         if peer is not None and peer.dlist is not None:

@@ -66,18 +66,6 @@ def sbatch_options(topo: Topology) -> list[str]:
     return options + list(slurm.sbatch_options)
 
 
-def option_field(topo: Topology, option: str) -> str:
-    """The topology field an sbatch option came from, for error messages."""
-    name = option.split("=", 1)[0]
-    fields = {"--partition": "slurm.partition", "--account": "slurm.account", "--time": "slurm.time_limit",
-              "--nodelist": "hosts.*.node", "--nodes": "hosts", "--gpus-per-node": "slurm.gpus_per_node",
-              "--exclusive": "slurm.exclusive", "--job-name": "slurm.job_name"}
-    assert topo.slurm is not None
-    if option in topo.slurm.sbatch_options:
-        return "slurm.sbatch_options"
-    return fields.get(name, "slurm.sbatch_options")
-
-
 def _header(topo: Topology, output: str) -> list[str]:
     return ["#!/bin/bash", *(f"#SBATCH {o}" for o in sbatch_options(topo)), f"#SBATCH --output={output}"]
 
