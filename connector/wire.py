@@ -1,6 +1,7 @@
 """Side-channel wire messages between a decode (D) and a prefill (P) worker.
 
-Frames are a 4-byte big-endian length followed by a UTF-8 JSON object with a "type" field.
+Frames are a 4-byte big-endian length followed by a UTF-8 JSON object with a "type" field; after
+the handshake each also carries a 16-byte MAC tag, which the length counts (frame_mac.py).
 D opens one TCP connection per P rank; over it D sends HELLO, AUTH, LAYOUT, REGISTER, CANCEL and PING
 and P answers with CHALLENGE, WELCOME/REFUSE, ACCEPTED (P has the request), STREAMING and LANDED (a
 WRITE that lands part by part), DONE, FAIL, QUIESCED (every WRITE of a transfer P gave up on has
