@@ -9,7 +9,9 @@
 #
 # Unit and integration tests run on one pytest-xdist worker per core (up to 4), a whole module to a
 # worker, so a module's processes start once; modules take ports of their own (tests/conftest.py gives
-# each worker its own sshd addresses). E2e tests each fill the cores with vLLM servers: one at a time.
+# each worker its own sshd addresses). E2e tests each fill the cores with vLLM servers: one at a time,
+# on a pool of deployments that `up` brings up once per session and revives after a test broke one
+# (tests/e2e/conftest.py). SIGTERM and SIGHUP unwind a lane like Ctrl-C: nothing is left running.
 # Per-test timeouts are set per lane in tests/conftest.py.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)

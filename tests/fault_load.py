@@ -4,13 +4,13 @@ through a `send(url, prompt)` of the test's own (a plain or a streamed completio
 A load of other shape (the chaos suite's) gives its number of clients and what each request is."""
 from __future__ import annotations
 
-import json
 import random
 import threading
 import time
 import urllib.request
 from typing import Any, Callable, Generic, TypeVar
 
+import completions
 from random_prompts import VOCAB
 
 CLIENTS, PROMPT_TOKENS, MAX_TOKENS = 32, 1500, 48
@@ -27,11 +27,8 @@ def completion_request(url: str, prompt: list[int], stream: bool = False, max_to
                        request_id: str | None = None) -> urllib.request.Request:
     """A greedy completion of max_tokens tokens (ignore_eos: always all of them) of the tiny model;
     with request_id, sent as X-Request-Id (the router and both instances then name it in their logs)."""
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
-    if stream:
-        body["stream"] = True
-    headers = {"Content-Type": "application/json", **({"X-Request-Id": request_id} if request_id else {})}
-    return urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(), headers)
+    headers = {"X-Request-Id": request_id} if request_id else None
+    return completions.completion_request(url, completions.completion_body(prompt, max_tokens, stream), headers)
 
 
 class Load(Generic[Outcome]):

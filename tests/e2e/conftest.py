@@ -48,6 +48,17 @@ def reference_server(tmp_path_factory):
         server.stop()
 
 
+@pytest.fixture(scope="module")
+def e2e_hosts(tmp_path_factory):
+    """Two real sshd hosts of the module's own (default 127.0.0.20-21, away from the integration
+    lane's), stopped after the module."""
+    from sshd_hosts import SshdCluster
+
+    first = os.environ.get("KVPUSH_TEST_E2E_SSHD_FIRST", "127.0.0.20")
+    with SshdCluster(2, first_address=first, port=2222, root=tmp_path_factory.mktemp("sshd-e2e")) as cluster:
+        yield cluster
+
+
 @pytest.fixture(scope="session")
 def pool(model_dir, tmp_path_factory):
     """The session's pooled deployments, each started at its first `pool.ready(name)`; taken down at

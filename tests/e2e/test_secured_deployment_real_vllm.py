@@ -9,7 +9,6 @@ Heavy (two vLLM servers): run under `flock /tmp/kvpush-heavy.lock`.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -29,18 +28,11 @@ from kvpush.deploy.lifecycle.tiny_model import make_tiny_model
 from kvpush.deploy.topology.topology import TinyModelSpec
 from e2e_instances import KV_CACHE_GIB
 from lifecycle_helpers import RecordingEvents, kill_leftovers, options, processes_under
-from sshd_hosts import SshdCluster, topology_for
+from sshd_hosts import topology_for
 
 PORT_BASE = 20200
 CLIENT_KEY = "e2e-router-key-7f3a9c"
 KEY_VARIABLE = "KVPUSH_E2E_ROUTER_KEY"
-
-
-@pytest.fixture(scope="module")
-def e2e_hosts(tmp_path_factory):
-    first = os.environ.get("KVPUSH_TEST_E2E_SSHD_FIRST", "127.0.0.20")
-    with SshdCluster(2, first_address=first, port=2222, root=tmp_path_factory.mktemp("sshd-secured")) as cluster:
-        yield cluster
 
 
 def _argvs_holding(needles: list[str]) -> list[str]:

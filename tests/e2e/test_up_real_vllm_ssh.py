@@ -5,7 +5,6 @@ Heavy (two vLLM servers, and the session's reference server): run under `flock /
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import psutil
@@ -21,7 +20,7 @@ from kvpush.deploy.topology.topology import TinyModelSpec
 from kvpush.common.vllm_metrics import external_kv_tokens
 from e2e_instances import KV_CACHE_GIB
 from lifecycle_helpers import RecordingEvents, kill_leftovers, options, processes_under
-from sshd_hosts import SshdCluster, topology_for
+from sshd_hosts import topology_for
 
 PROMPTS = [
     "the cache block layer token prompt decode prefill transfer memory remote local agent request " * 12,
@@ -31,14 +30,6 @@ PROMPTS = [
 MAX_TOKENS = 12
 # As the session's reference server (tests/reference_server.py) serves: in float32 greedy answers can be compared exactly.
 SERVER_SETTINGS = {"max_model_len": 2048, "enforce_eager": True, "dtype": "float32"}
-
-
-@pytest.fixture(scope="module")
-def e2e_hosts(tmp_path_factory):
-    """Two sshd hosts of their own (default 127.0.0.20-21), so lighter suites can run meanwhile."""
-    first = os.environ.get("KVPUSH_TEST_E2E_SSHD_FIRST", "127.0.0.20")
-    with SshdCluster(2, first_address=first, port=2222, root=tmp_path_factory.mktemp("sshd-e2e")) as cluster:
-        yield cluster
 
 
 def _complete(runner, base_url: str, prompt: str) -> str:
