@@ -66,19 +66,19 @@ class LocalForward:
             self.connections += 1
             self._open.add(client)
         try:
-            ends = [client, channel]
-            while not self._stop.is_set():
-                ready, _, _ = select.select(ends, [], [], 0.2)
-                if client in ready:
-                    data = client.recv(CHUNK)
-                    if not data:
-                        break
-                    channel.sendall(data)
-                if channel in ready:
-                    data = channel.recv(CHUNK)
-                    if not data:
-                        break
-                    client.sendall(data)
+            # Each direction ends on its own (a half-close is passed on, as ssh -L does); the
+            # connection ends when both have.
+            pairs = {client: channel, channel: client}
+            reading = [client, channel]
+            while reading and not self._stop.is_set():
+                ready, _, _ = select.select(reading, [], [], 0.2)
+                for source in ready:
+                    data = source.recv(CHUNK)
+                    if data:
+                        pairs[source].sendall(data)
+                    else:
+                        reading.remove(source)
+                        _shut_write(pairs[source])
         except (OSError, EOFError, paramiko.SSHException):
             pass  # either end went away: the connection ends, as with ssh -L
         finally:
@@ -97,3 +97,10 @@ class LocalForward:
                     client.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
+
+
+def _shut_write(end) -> None:
+    try:
+        end.shutdown_write() if isinstance(end, paramiko.Channel) else end.shutdown(socket.SHUT_WR)
+    except OSError:
+        pass

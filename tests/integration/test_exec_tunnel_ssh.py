@@ -169,3 +169,16 @@ def test_tunnel_to_an_unreachable_host_fails_at_once_in_one_line(sshd_cluster, t
     done = run_cli("tunnel", str(topology), env=_env(sshd_cluster, state_dir))
     assert done.returncode == 1 and "host h1" in done.stderr and "connection refused" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and time.monotonic() - started < 30
+
+
+def test_exec_on_this_machine_goes_through_the_local_runner(tmp_path, state_dir):
+    """The built-in local-cpu topology's host `local` is this machine: no SSH."""
+    done = subprocess.run([str(KVPUSH), "exec", "local", "--", "echo $$ $PPID; echo err >&2; exit 9"],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=60,
+                          env={**os.environ, "KVPUSH_STATE_DIR": str(state_dir)})
+    assert done.returncode == 9 and done.stderr == "err\n"
+    assert len(done.stdout.split()) == 2  # bash ran it (no sshd between: no SSH_CONNECTION either)
+    quiet = subprocess.run([str(KVPUSH), "exec", "local", "--", "printenv", "SSH_CONNECTION"], capture_output=True,
+                           text=True, cwd=tmp_path, timeout=60,
+                           env={k: v for k, v in os.environ.items() if k != "SSH_CONNECTION"})
+    assert quiet.returncode == 1 and quiet.stdout == ""
