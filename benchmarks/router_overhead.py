@@ -38,6 +38,7 @@ from kvpush.deploy.topology.placement import on_cores
 from kvpush.router.config import RouterConfig, Upstream
 from kvpush.router.protocols import pull_decode_leg, pull_prefill_leg
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the fake vLLM (tests/fake_upstream.py)
 
 OWN_LATENCY = "kvpush_router_own_latency_seconds"
 ROUTER_TTFT = "kvpush_router_ttft_seconds"
@@ -53,7 +54,7 @@ def run_async(coro):
 
 
 def serve_fake(port: int, token_delay_s: float, first_token_delay_s: float) -> None:
-    from kvpush.router.fake_upstream import Behavior, FakeVllm
+    from fake_upstream import Behavior, FakeVllm
 
     async def main() -> None:
         fake = FakeVllm(model="fake", behavior=Behavior(first_token_delay_s=first_token_delay_s, token_delay_s=token_delay_s))

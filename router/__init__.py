@@ -10,7 +10,8 @@ attempts (the legs of one attempt on one pair), pairs (which pair each retry goe
 and relay (answering the client; a stream after its first token goes socket to socket), merge (a
 split batch's answers and streams as one), upstream_http (the lean HTTP/1.1 client every call to an
 instance goes through), errors (vLLM-shaped error bodies), metrics, app (HTTP front, API key,
-background probing/scraping), fake_upstream (an in-process fake vLLM for tests and benchmarks).
+background probing/scraping). The in-process fake vLLM the router's tests and benchmarks answer
+with is tests/fake_upstream.py.
 
 Failure policy: until the client has seen a byte (a stream's first token; a non-streamed answer
 whole) a failed leg (connection error, 5xx/408/429, timeout, a request vLLM finished with an error

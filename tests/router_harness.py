@@ -9,7 +9,7 @@ import aiohttp
 
 from kvpush.router.app import ROUTER_KEY, Router, build_app, start_site
 from kvpush.router.config import RouterConfig, Timeouts, Upstream
-from kvpush.router.fake_upstream import FakeVllm
+from fake_upstream import FakeVllm
 from kvpush.router.keys import Keys
 
 MODEL = "fake"

@@ -16,7 +16,7 @@ from kvpush.router.config import RouterConfig, Upstream
 
 FAKE = """
 import asyncio, signal, sys
-from kvpush.router.fake_upstream import FakeVllm
+from fake_upstream import FakeVllm
 async def main():
     fake = FakeVllm(model="tiny")
     await fake.start("127.0.0.1", int(sys.argv[1]))

@@ -11,7 +11,7 @@ import pytest
 
 from kvpush.bench.client import BenchClient, LoadSpec
 from kvpush.deploy.topology.topology import TinyModelSpec
-from kvpush.router.fake_upstream import FakeVllm
+from fake_upstream import FakeVllm
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """`kvpush up` adds and removes a decode instance under load: the real router (under its
 supervisor, on a LocalRunner host) takes the new instance list on SIGHUP without restarting, and no
-request fails. The instances are FakeVllm servers (kvpush.router.fake_upstream) whose answers take
+request fails. The instances are FakeVllm servers (tests/fake_upstream.py) whose answers take
 ~0.5 s, so the instance that leaves still carries requests when `up` removes it."""
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ argv = sys.argv[1:]
 if argv[:2] != ["-m", "vllm.entrypoints.openai.api_server"]:
     import os
     os.execv(sys.executable, [sys.executable] + argv)
-from kvpush.router.fake_upstream import Behavior, FakeVllm
+from fake_upstream import Behavior, FakeVllm
 async def main():
     fake = FakeVllm(model="tiny", behavior=Behavior(token_delay_s=0.06))
     await fake.start(argv[argv.index("--host") + 1], int(argv[argv.index("--port") + 1]))

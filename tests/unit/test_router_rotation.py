@@ -12,7 +12,7 @@ import pytest
 from router_harness import MODEL, deployment, eventually, upstream
 
 from kvpush.router.config import Timeouts
-from kvpush.router.fake_upstream import FakeVllm
+from fake_upstream import FakeVllm
 from kvpush.router.instances import InstanceList, reload_progress
 from router_helpers import run, sample
 
