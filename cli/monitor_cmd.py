@@ -2,10 +2,8 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
-
 from kvpush.deploy.topology.topology import check_key_files, resolve_topology
 
 from .console import note, out
@@ -18,9 +16,9 @@ def register(app: typer.Typer) -> None:
         ("kvpush monitor my.yaml --out /etc/prometheus/kvpush", "somewhere else"),
         ("prometheus --config.file=kvpush-monitor/xpyd/prometheus.yml", "then scrape with it")))
     def monitor_command(
-        file: Optional[Path] = FILE_ARG,
-        file_option: Optional[Path] = FILE_OPTION,
-        out_dir: Optional[Path] = typer.Option(None, "--out", help="Directory to write into (default: ./kvpush-monitor/<deployment>)."),
+        file: Path | None = FILE_ARG,
+        file_option: Path | None = FILE_OPTION,
+        out_dir: Path | None = typer.Option(None, "--out", help="Directory to write into (default: ./kvpush-monitor/<deployment>)."),
     ) -> None:
         """Write a Prometheus scrape config for the router's and every instance's /metrics (with the keys
         they need, as 0600 files beside it) and a Grafana dashboard for the router and connector metrics."""

@@ -7,10 +7,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
-
 from kvpush.common.errors import KvpushError, UsageError
 from kvpush.deploy.plan.dashboard import dashboard
-from kvpush.deploy.plan.monitor_config import KeyKind, ScrapeTarget, scrape_config, scrape_targets
+from kvpush.deploy.plan.monitor_config import (
+    KeyKind,
+    ScrapeTarget,
+    scrape_config,
+    scrape_targets,
+)
 from kvpush.deploy.plan.plan import build_plan
 from kvpush.deploy.topology.topology import Topology
 

@@ -18,10 +18,11 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import host_probe, vllm_stack
 from kvpush.common.errors import KvpushError, UsageError
 from kvpush.deploy.plan.plan_model import HostPlan
 from kvpush.deploy.runners import HostError, Runner
+
+from . import host_probe, vllm_stack
 
 WHEEL_CACHE = Path.home() / ".cache" / "kvpush" / "wheels"
 REMOTE_WHEEL_DIR = "~/.kvpush/wheels"
@@ -133,7 +134,7 @@ def _check_modules(runner: Runner, found: HostProbe, needs_vllm: bool) -> None:
                         f"({found.missing[missing[0]]}); {hint}")
 
 
-def provision_host(runner: Runner, host: HostPlan, digest: str, wheel: "WheelSource") -> ProvisionResult:
+def provision_host(runner: Runner, host: HostPlan, digest: str, wheel: WheelSource) -> ProvisionResult:
     needs_vllm = any(p.role != "router" for p in host.processes)
     found = probe(runner, host.python)
     _check_modules(runner, found, needs_vllm)  # before installing: the wheel can't bring these
@@ -198,9 +199,10 @@ def refuse_unsupported_stack(topo) -> None:
 
 def provision_all(topo, ssh, with_vllm: bool = False) -> list[ProvisionResult]:
     """`kvpush provision`: every host of the plan, in parallel; raises naming each failed host."""
-    from .hosts import connected
     from kvpush.deploy.plan.plan import build_plan
     from kvpush.deploy.runners import fan_out, values_or_raise
+
+    from .hosts import connected
     from .state import HostRecord
 
     if with_vllm:

