@@ -1,6 +1,7 @@
 """A prefill-side push peer in its own process, driven over stdin/stdout by the tests.
 
-Commands (one JSON object per line): {"offer": [tid, req, [blocks], peer]}, {"accept": [tids]} (decode TP 1),
+Commands (one JSON object per line): {"offer": [tid, req, [blocks], peer]}, {"accept": [tids]} (decode TP 1;
+an entry [tid, tokens, digest] gives its request's prompt identity, which decode's registration must match),
 {"abort": [tid, reason]}, {"prepare": [tid, [blocks], peer]} (prints {"prepared": bool}),
 {"freed": true} -> prints {"freed": [...], "records": [...]}, {"registered": tid} -> prints
 {"registered": bool} (whether decode's registration is here). Prints {"port": P} once ready.
@@ -30,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvpush.common.kv_params import PromptIdentity
 from kvpush.connector.consumer import Consumer, ConsumerConfig
 from kvpush.connector.layout import TensorView, kv_regions
 from kvpush.connector.metadata import SendSpec
@@ -221,7 +223,9 @@ def main() -> None:
         if "offer" in cmd:
             producer.offer(*cmd["offer"])
         elif "accept" in cmd:
-            producer.accept([(tid, 1) for tid in cmd["accept"]])
+            # a transfer id, or [transfer id, prompt tokens, prompt digest]: its request's prompt
+            producer.accept([(a, 1, None) if isinstance(a, str) else (a[0], 1, PromptIdentity(a[1], a[2]))
+                             for a in cmd["accept"]])
         elif "abort" in cmd:
             producer.abort(*cmd["abort"])
         elif "registered" in cmd:
