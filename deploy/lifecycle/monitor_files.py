@@ -2,9 +2,11 @@
 the key files the scrape config names (0600), into one directory."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import yaml
 from kvpush.common.errors import KvpushError, UsageError
@@ -58,11 +60,26 @@ def _key_value(topo: Topology, kind: KeyKind) -> str:
     return instance
 
 
-def write_monitor_files(topo: Topology, out_dir: Path) -> MonitorFiles:
+def _router_address(router_url: str) -> str:
+    parts = urlsplit(router_url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if parts.scheme != "http" or not parts.hostname or port is None or parts.path not in ("", "/"):
+        raise UsageError(f"--router-url: '{router_url}' is not a router URL; give http://HOST:PORT, e.g. the one `kvpush tunnel` prints")
+    return parts.netloc
+
+
+def write_monitor_files(topo: Topology, out_dir: Path, router_url: str | None = None) -> MonitorFiles:
+    """`router_url` replaces the planned router target (a tunnel's local end, say)."""
     if out_dir.exists() and not out_dir.is_dir():
         raise UsageError(f"--out: {out_dir} is a file; give a directory (created if missing)")
     plan = build_plan(topo)
     targets = scrape_targets(topo, plan)
+    if router_url is not None:
+        address = _router_address(router_url)
+        targets = [dataclasses.replace(t, address=address) if t.role == "router" else t for t in targets]
     out_dir = out_dir.resolve()
     key_files: dict[str, Path] = {}
     for kind in sorted({t.key for t in targets if t.key is not None}):

@@ -80,3 +80,14 @@ def test_monitor_without_a_kept_secret_says_to_run_up_first(state_dir, tmp_path)
     result = run_cli("monitor", str(tmp_path / "t.yaml"), "--out", str(tmp_path / "m"))
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.returncode == 1 and len(errors) == 1 and "run `kvpush up` first" in errors[0], result.stderr
+
+
+def test_router_url_replaces_the_router_target_and_bad_ones_are_one_line(state_dir, tmp_path):
+    (tmp_path / "t.yaml").write_text(template_text("xpyd").replace("  api_key_env: KVPUSH_API_KEY", ""))
+    result = run_cli("monitor", str(tmp_path / "t.yaml"), "--out", str(tmp_path / "m"), "--router-url", "http://127.0.0.1:18000")
+    assert result.returncode == 0, result.stderr
+    config = yaml.safe_load((tmp_path / "m" / "prometheus.yml").read_text())
+    assert _jobs(config)["kvpush-xpyd-router"]["static_configs"][0]["targets"] == ["127.0.0.1:18000"]
+    bad = run_cli("monitor", str(tmp_path / "t.yaml"), "--out", str(tmp_path / "m"), "--router-url", "127.0.0.1:18000")
+    errors = [line for line in bad.stderr.splitlines() if line.startswith("error:")]
+    assert bad.returncode == 2 and len(errors) == 1 and errors[0].startswith("error: --router-url:"), bad.stderr
