@@ -52,11 +52,13 @@ def register(app: typer.Typer) -> None:
             topo, source = resolve_topology(topology)
             planned = plan_router_config(topo)
             upstream_key = planned.instance_api_key_file
+            params_key = planned.transfer_params_key_file
             # In the foreground the client key is read here (api_key_env, api_key_file); instances that
             # `up` started on this machine take the key it wrote for the router, others the client's.
             router_config = planned.model_copy(update={
                 "api_key_env": topo.router.api_key_env, "api_key_file": topo.router.api_key_file,
-                "instance_api_key_file": upstream_key if upstream_key and Path(upstream_key).expanduser().is_file() else None})
+                "instance_api_key_file": upstream_key if upstream_key and Path(upstream_key).expanduser().is_file() else None,
+                "transfer_params_key_file": params_key if params_key and Path(params_key).expanduser().is_file() else None})
         logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         note(f"router from {source}: http://{router_config.bind}:{router_config.port} ({router_config.protocol})")
         try:

@@ -172,6 +172,8 @@ def secret_file_content(kind: str, secret: bytes, keys: AccessKeys, user_secrets
         return instance_env_text(keys.instance, user_secrets or {}).encode()
     if kind == "router-upstream-key":
         return f"{keys.instance}\n".encode()
+    if kind == "router-params-key":
+        return f"{ds.derive_token(secret, ds.TRANSFER_PARAMS)}\n".encode()
     if kind == "router-client-key":
         assert keys.client is not None
         return f"{keys.client}\n".encode()

@@ -85,6 +85,8 @@ def router_config(topo: Topology) -> RouterConfig:
         # running kvpush would not reach a remote router).
         api_key_file=secret_path(topo, router_host, "router-client-key") if has_client_key(topo) else None,
         instance_api_key_file=secret_path(topo, router_host, "router-upstream-key"),
+        transfer_params_key_file=(secret_path(topo, router_host, "router-params-key")
+                                  if topo.connector.type == "kvpush" else None),
         public_paths=r.public_paths,
         max_prompt_chars=r.max_prompt_chars,
         workers=r.workers,
@@ -152,6 +154,8 @@ def _secret_files(topo: Topology, processes: list[ProcessPlan]) -> list[SecretFi
         files.append(SecretFilePlan(secret_path(topo, host, "instance-env"), "instance-env", instances))
     if any(p.role == "router" for p in processes):
         files.append(SecretFilePlan(secret_path(topo, host, "router-upstream-key"), "router-upstream-key", [ROUTER_PROCESS_NAME]))
+        if topo.connector.type == "kvpush":
+            files.append(SecretFilePlan(secret_path(topo, host, "router-params-key"), "router-params-key", [ROUTER_PROCESS_NAME]))
         if has_client_key(topo):
             files.append(SecretFilePlan(secret_path(topo, host, "router-client-key"), "router-client-key", [ROUTER_PROCESS_NAME]))
     return files

@@ -112,14 +112,14 @@ def test_the_plan_names_secret_files_per_host_and_up_writes_what_it_names(tmp_pa
     assert kinds == {
         "a": {"deployment-secret": ["prefill-0"], "instance-env": ["prefill-0"]},
         "b": {"deployment-secret": ["decode-0"], "instance-env": ["decode-0"]},
-        "c": {"deployment-secret": [], "router-upstream-key": ["router"], "router-client-key": ["router"]},
+        "c": {"deployment-secret": [], "router-upstream-key": ["router"], "router-params-key": ["router"], "router-client-key": ["router"]},
     }
     secret = ds.new_secret()
     keys = AccessKeys.of(secret, "client-key")
     delivery = SecretDelivery(plan, secret, keys)
     runners = {h: LocalRunner(h) for h in "abc"}
     stale = delivery.stale(runners)
-    assert {h: len(files) for h, files in stale.items()} == {"a": 2, "b": 2, "c": 3}  # nothing written yet
+    assert {h: len(files) for h, files in stale.items()} == {"a": 2, "b": 2, "c": 4}  # nothing written yet
     delivery.write(runners, stale)
     assert delivery.stale(runners) == {"a": [], "b": [], "c": []}
     assert ds.read_secret(tmp_path / "a" / "t" / "deployment.secret") == secret

@@ -188,7 +188,7 @@ def test_the_standalone_script_holds_no_secret_and_makes_its_own_on_the_job_s_no
     assert derive[1].startswith('"$kvpush_python" -m kvpush.deploy.lifecycle.secret_content router-client-key '
                                 '--secret "$kvpush_private/secret" --client-key-env CLIENT_KEY_VAR >')  # a missing key fails first
     writes = [ln for ln in lines if "--job-name=write-secret" in ln]
-    assert len(writes) == sum(len(h.secret_files) for h in plan.hosts) == 6
+    assert len(writes) == sum(len(h.secret_files) for h in plan.hosts) == 7  # router-params.key too
     assert all(w.endswith('<"$kvpush_private/' + w.split('<"$kvpush_private/')[-1]) for w in writes)  # content on stdin
     assert all("umask 077 && " in w for w in writes)
     cleanup = index('rm -rf "$kvpush_private"')
