@@ -14,7 +14,7 @@ streams at once, and since all have the same length the later ones start in step
 a steady state of as many streams, arriving evenly.
 
     python benchmarks/router_overhead.py [--protocol colocated|kvpush|nixl-push|nixl-pull]
-        [--concurrency 64] [--arrivals burst|staggered] [--router-cores 1] [--router-workers 1]
+        [--concurrency 64] [--arrivals burst|staggered] [--router-cores 1] [--router-workers 1] [--signed]
 """
 from __future__ import annotations
 
@@ -214,6 +214,8 @@ def main() -> int:
                                                "instances on the others, as when the router has a host of its own")
     parser.add_argument("--router-workers", type=int, default=1,
                         help="router processes sharing the port (the topology's router.workers); give as many --router-cores")
+    parser.add_argument("--signed", action="store_true",
+                        help="kvpush: the router signs each leg's kv_transfer_params (a random key, as `up` gives it one)")
     parser.add_argument("--base-port", type=int, default=18100, help="fake decode, fake prefill, router: base+0..2")
     parser.add_argument("--serve-fake", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -246,6 +248,11 @@ def main() -> int:
     config = RouterConfig(protocol=args.protocol, served_model_name="fake", port=router_port, workers=args.router_workers,
                           prefill=[upstream("p0", prefill_port)] if push else [], decode=[upstream("d0", decode_port)])
     with tempfile.TemporaryDirectory() as tmp:
+        if args.signed:
+            key_path = Path(tmp) / "router-params.key"
+            key_path.write_text(os.urandom(32).hex() + "\n")
+            key_path.chmod(0o600)
+            config = config.model_copy(update={"transfer_params_key_file": str(key_path)})
         config_path = Path(tmp) / "router.json"
         config_path.write_text(config.model_dump_json())
         try:
@@ -273,7 +280,7 @@ def main() -> int:
                     proc.wait()
     added = p50["router"] - p50["direct"]
     print(json.dumps({"protocol": args.protocol, "concurrency": args.concurrency, "arrivals": args.arrivals,
-                      "cpus": os.cpu_count(), "router_cores": args.router_cores, "router_workers": args.router_workers, "decode_first_token_ms": args.decode_first_token_ms,
+                      "cpus": os.cpu_count(), "router_cores": args.router_cores, "router_workers": args.router_workers, "signed": args.signed, "decode_first_token_ms": args.decode_first_token_ms,
                       "ttft_p50_direct_ms": round(p50["direct"], 3), "ttft_p50_router_ms": round(p50["router"], 3),
                       "added_ms": round(added, 3), "ratio": round(p50["router"] / p50["direct"], 3),
                       "router_cpu_ms_per_request": round(p50["router_cpu_per_request"], 3),

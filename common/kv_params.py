@@ -21,8 +21,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import sys
-from array import array
+import struct
 from dataclasses import dataclass, replace
 from typing import Any, Iterable, Literal
 
@@ -43,27 +42,22 @@ class ParamsError(ValueError):
     pass
 
 
-def prompt_digest(token_ids: Iterable[int], cache_salt: str | None = None, lora_name: str | None = None,
-                  extra: Iterable[str] = ()) -> str:
-    """SHA-256 (hex) of a prompt's token ids, and of what else makes equal ids cache differently
-    (vLLM's cache salt, the LoRA adapter, multimodal inputs' hashes: `extra`). ValueError for an id
-    outside 64 bits."""
+def prompt_digest(token_ids: Any) -> str:
+    """SHA-256 (hex) of a prompt's token ids, each as 4 bytes little-endian (struct packs them at C
+    speed: ~0.25 ms for 16k ids on a slow core). ValueError for something that is not such an id."""
+    ids = token_ids if isinstance(token_ids, (list, tuple)) else list(token_ids or ())
     try:
-        ids = array("q", token_ids)
-    except OverflowError:
-        raise ValueError("a token id does not fit 64 bits") from None
-    if sys.byteorder != "little":
-        ids.byteswap()
-    head = json.dumps([cache_salt, lora_name, list(extra)], separators=(",", ":")).encode()
-    h = hashlib.sha256(b"kvpush prompt v1\0")
-    h.update(len(head).to_bytes(4, "little") + head)
-    h.update(ids.tobytes())
-    return h.hexdigest()
+        packed = struct.pack(f"<{len(ids)}i", *ids)
+    except struct.error as exc:
+        raise ValueError(f"not a list of token ids: {exc}") from None
+    return hashlib.sha256(b"kvpush prompt v1\0" + packed).hexdigest()
 
 
 @dataclass(frozen=True)
 class PromptIdentity:
-    """What prefill and decode must agree on before KV moves: the prompt's length and digest."""
+    """What prefill and decode must agree on before KV moves: the prompt's length and a digest of
+    its token ids and of what else makes equal ids cache differently in vLLM (the cache salt, the
+    LoRA adapter, multimodal inputs' hashes: `extra`)."""
 
     tokens: int
     digest: str
@@ -72,7 +66,15 @@ class PromptIdentity:
     def of(cls, token_ids: Any, cache_salt: str | None = None, lora_name: str | None = None,
            extra: Iterable[str] = ()) -> "PromptIdentity":
         ids = list(token_ids or ())
-        return cls(len(ids), prompt_digest(ids, cache_salt, lora_name, extra))
+        return cls.from_ids_digest(len(ids), prompt_digest(ids), cache_salt, lora_name, extra)
+
+    @classmethod
+    def from_ids_digest(cls, tokens: int, ids_digest: str, cache_salt: str | None = None,
+                        lora_name: str | None = None, extra: Iterable[str] = ()) -> "PromptIdentity":
+        """The identity of a prompt whose ids' prompt_digest is known (hashed once per request)."""
+        text = json.dumps(["kvpush prompt identity v1", ids_digest, cache_salt, lora_name, list(extra)],
+                          separators=(",", ":")).encode()
+        return cls(tokens, hashlib.sha256(text).hexdigest())
 
 
 @dataclass(frozen=True)
@@ -104,19 +106,22 @@ class PushParams:
                            self.peer_host, self.peer_port, self.peer_tp_size, self.prompt_tokens, self.prompt_digest,
                            self.expires], separators=(",", ":")).encode()
 
-    def signed(self, key: bytes, engine_id: str, expires: int, prompt_ids: list[int] | None = None) -> "PushParams":
+    def signed(self, key: bytes, engine_id: str, expires: int, prompt_ids: list[int] | None = None,
+               ids_digest: str | None = None) -> "PushParams":
         """These params for the instance `engine_id`, good until `expires`, bound to `prompt_ids`
-        where the caller knows them, and signed with `key`."""
+        (whose prompt_digest is `ids_digest`, where known) where the caller knows them, and signed
+        with `key`. ValueError if `prompt_ids` are not token ids."""
         tokens = digest = None
         if prompt_ids is not None:
-            tokens, digest = len(prompt_ids), prompt_digest(prompt_ids)
+            tokens, digest = len(prompt_ids), ids_digest or prompt_digest(prompt_ids)
         unsigned = replace(self, engine_id=engine_id, expires=int(expires), prompt_tokens=tokens,
                            prompt_digest=digest, signature="")
         return replace(unsigned, signature=hmac.new(key, unsigned.signed_text(), hashlib.sha256).hexdigest())
 
-    def refusal(self, key: bytes, engine_id: str, now: float, prompt_ids: Any) -> str | None:
+    def refusal(self, key: bytes, engine_id: str, now: float, prompt_ids: Any, ids_digest: str | None = None) -> str | None:
         """Why an instance `engine_id` holding `key` refuses these params for a request whose prompt
-        is `prompt_ids` at Unix time `now` (a reason constant), or None."""
+        is `prompt_ids` (whose prompt_digest is `ids_digest`, where known) at Unix time `now` (a
+        reason constant), or None."""
         if not self.signature:
             return UNSIGNED
         expected = hmac.new(key, replace(self, signature="").signed_text(), hashlib.sha256).hexdigest()
@@ -127,9 +132,11 @@ class PushParams:
         if self.engine_id != engine_id:
             return WRONG_ENGINE
         if self.prompt_tokens is not None or self.prompt_digest is not None:
-            ids = list(prompt_ids or ())
+            ids = prompt_ids if isinstance(prompt_ids, (list, tuple)) else list(prompt_ids or ())
+            if self.prompt_tokens != len(ids):
+                return WRONG_PROMPT
             try:
-                if self.prompt_tokens != len(ids) or self.prompt_digest != prompt_digest(ids):
+                if self.prompt_digest != (ids_digest or prompt_digest(ids)):
                     return WRONG_PROMPT
             except ValueError:
                 return WRONG_PROMPT

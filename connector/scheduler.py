@@ -17,18 +17,19 @@ from typing import Any
 
 from .admission import ThrottledWarnings
 from .metadata import PushMetadata, RecvSpec, SendSpec
-from kvpush.common.kv_params import MALFORMED, ParamsError, PromptIdentity, PushParams
+from kvpush.common.kv_params import MALFORMED, ParamsError, PromptIdentity, PushParams, prompt_digest
 
 log = logging.getLogger(__name__)
 
 
-def prompt_identity(request: Any) -> PromptIdentity:
-    """What prefill and decode compare before KV moves: the prompt's token ids and what else makes
-    equal ids cache differently in vLLM (cache salt, LoRA adapter, multimodal inputs)."""
+def prompt_identity(request: Any, ids_digest: str) -> PromptIdentity:
+    """What prefill and decode compare before KV moves: the prompt's token ids (`ids_digest`, their
+    prompt_digest) and what else makes equal ids cache differently in vLLM (cache salt, LoRA
+    adapter, multimodal inputs)."""
     lora = getattr(request, "lora_request", None)
     extra = [str(getattr(f, "identifier", None) or getattr(f, "mm_hash", "")) for f in getattr(request, "mm_features", None) or ()]
-    return PromptIdentity.of(request.prompt_token_ids, getattr(request, "cache_salt", None),
-                             getattr(lora, "lora_name", None), extra)
+    return PromptIdentity.from_ids_digest(len(request.prompt_token_ids or ()), ids_digest, getattr(request, "cache_salt", None),
+                                          getattr(lora, "lora_name", None), extra)
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class PushScheduler:
         self.params_key = params_key
         self._clock = clock
         self._checked: dict[str, PushParams | Refused | None] = {}  # req id -> its params, checked once
+        self._digests: dict[str, str] = {}  # req id -> prompt_digest of its token ids, hashed once
         self.refused: Counter = Counter()  # reason -> requests refused (taken by take_refused)
         self._warnings = ThrottledWarnings()
         self.block_size = block_size
@@ -92,12 +94,24 @@ class PushScheduler:
             verdict = Refused(MALFORMED, None)
             self._refuse(request, MALFORMED, str(exc))
         if isinstance(verdict, PushParams) and self.params_key is not None:
-            reason = verdict.refusal(self.params_key, self.engine_id, self._clock(), request.prompt_token_ids)
+            reason = verdict.refusal(self.params_key, self.engine_id, self._clock(), request.prompt_token_ids,
+                                     self._ids_digest(request))
             if reason is not None:
                 self._refuse(request, reason, f"{verdict.role} params of transfer {verdict.transfer_id!r} are {reason}")
                 verdict = Refused(reason, verdict)
         self._checked[req_id] = verdict
         return verdict
+
+    def _ids_digest(self, request: Any) -> str:
+        """The prompt_digest of a kvpush request's token ids, hashed once per request."""
+        digest = self._digests.get(request.request_id)
+        if digest is None:
+            try:
+                digest = prompt_digest(request.prompt_token_ids or ())
+            except ValueError:  # not token ids (prompt embeddings): matches no prompt the router bound
+                digest = ""
+            self._digests[request.request_id] = digest
+        return digest
 
     def _refuse(self, request: Any, reason: str, detail: str) -> None:
         self.refused[reason] += 1
@@ -116,7 +130,7 @@ class PushScheduler:
         if params is not None and params.role == "producer":
             # known from arrival on, so an abort while still queued reaches D too
             self._producing[request.request_id] = _Producing(request, params)
-            self._meta.accepts.append((params.transfer_id, params.peer_tp_size, prompt_identity(request)))
+            self._meta.accepts.append((params.transfer_id, params.peer_tp_size, prompt_identity(request, self._ids_digest(request))))
 
     # ---- D ------------------------------------------------------------------------------------
     def _consumer_params(self, request: Any) -> PushParams | None:
@@ -162,7 +176,7 @@ class PushScheduler:
             spec_blocks, report = (), False
         self._meta.recvs.append(RecvSpec(req_id, params.transfer_id, params.peer_engine_id, params.peer_host,
                                          params.peer_port, params.peer_tp_size, spec_blocks, first_block,
-                                         num_external_tokens, report, prompt_identity(request),
+                                         num_external_tokens, report, prompt_identity(request, self._ids_digest(request)),
                                          f"the request's kv_transfer_params are refused ({refusal})" if refusal else ""))
 
     # ---- both ---------------------------------------------------------------------------------
@@ -190,6 +204,7 @@ class PushScheduler:
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
         self._checked.pop(req_id, None)
+        self._digests.pop(req_id, None)
         if self.is_producer:
             item = self._producing.pop(req_id, None)
             if req_id in self._promised:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from kvpush.common.deployment_secret import SecretFileError, read_key_file
 from kvpush.common.errors import UsageError
-from kvpush.common.kv_params import PushParams
+from kvpush.common.kv_params import PushParams, prompt_digest
 
 from .config import Upstream
 from .protocols import KV_PARAMS
@@ -51,8 +51,8 @@ def bound_prompt_ids(body: dict) -> list[int] | None:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
         prompt = prompt[0]
-    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
-        return prompt
+    if isinstance(prompt, list) and prompt and type(prompt[0]) is int:
+        return prompt  # the router's validation took only token ids in such a list
     return None
 
 
@@ -60,6 +60,8 @@ class LegSigner:
     def __init__(self, key: bytes | None, ttl_s: float):
         self.key = key
         self.ttl_s = ttl_s
+        # The last token-id prompt hashed and its digest: an attempt's legs share one prompt list
+        self._last: tuple[list[int], str] | None = None
 
     def sign(self, leg_body: dict, instance: Upstream) -> dict:
         """`leg_body` with its kvpush params signed for `instance` (the same dict, changed in place:
@@ -69,7 +71,18 @@ class LegSigner:
         params = PushParams.parse(leg_body.get(KV_PARAMS))
         if params is None:
             return leg_body
-        signed = params.signed(self.key, instance.engine_id, int(time.time() + self.ttl_s),
-                               bound_prompt_ids(leg_body))
+        ids = bound_prompt_ids(leg_body)
+        digest = None
+        if ids is not None:
+            if self._last is not None and self._last[0] is ids:
+                digest = self._last[1]
+            else:
+                try:
+                    digest = prompt_digest(ids)
+                except ValueError:  # not token ids vLLM would take: bound to nothing, vLLM refuses them
+                    ids = None
+                else:
+                    self._last = (ids, digest)
+        signed = params.signed(self.key, instance.engine_id, int(time.time() + self.ttl_s), ids, digest)
         leg_body[KV_PARAMS] = signed.to_dict()
         return leg_body

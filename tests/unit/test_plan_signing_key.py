@@ -37,3 +37,23 @@ def test_other_protocols_sign_nothing(tmp_path):
     topo = topology(tmp_path, "nixl-pull")
     assert router_config(topo).transfer_params_key_file is None
     assert all("router-params-key" not in {f.kind for f in h.secret_files} for h in build_plan(topo).hosts)
+
+
+def test_the_check_of_signed_params_cannot_be_switched_off_from_extra_config(tmp_path):
+    """The connector checks signatures whenever it has the deployment secret, whose path kvpush
+    sets; a topology may not take it away (nor name another)."""
+    import pytest
+
+    from kvpush.common.errors import KvpushError
+
+    for value in ('""', "null", "/tmp/other.secret"):
+        with pytest.raises(KvpushError, match="secret_file"):
+            parse_topology(f"""
+name: t
+model: {{path: /m}}
+connector: {{type: kvpush, extra_config: {{secret_file: {value}}}}}
+hosts:
+  a: {{address: 10.0.0.1, workdir: {tmp_path}/a}}
+prefill: [{{host: a}}]
+decode: [{{host: a}}]
+""")

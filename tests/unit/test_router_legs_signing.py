@@ -42,9 +42,23 @@ def test_the_prompt_is_bound_where_the_router_knows_its_token_ids():
     assert bound_prompt_ids({"prompt": "text"}) is None
     assert bound_prompt_ids({"messages": [{"role": "user", "content": "x"}]}) is None
     assert bound_prompt_ids({"prompt": [1, 2], "truncate_prompt_tokens": 1}) is None  # the engine sees fewer
-    assert bound_prompt_ids({"prompt": [1, True]}) is None
+    assert bound_prompt_ids({"prompt": ["a", "b"]}) is None  # a batch of texts (split into parts before)
     prefill, decode = signed_legs({"prompt": "some text", "max_tokens": 4})
     assert prefill.prompt_digest is None and decode.prompt_tokens is None and decode.signature
+
+
+def test_ids_no_engine_takes_are_bound_to_nothing():
+    prefill, _ = signed_legs({"prompt": [1, 2 ** 40]})
+    assert prefill.signature and prefill.prompt_tokens is None
+
+
+def test_both_legs_of_an_attempt_hash_the_prompt_once(monkeypatch):
+    import kvpush.router.legs_signing as signing
+
+    calls = []
+    monkeypatch.setattr(signing, "prompt_digest", lambda ids: calls.append(1) or "d" * 64)
+    prefill, decode = signed_legs({"prompt": [1, 2, 3]})
+    assert len(calls) == 1 and prefill.prompt_digest == decode.prompt_digest == "d" * 64
 
 
 def test_without_a_key_nothing_is_signed():
