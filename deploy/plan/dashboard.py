@@ -94,9 +94,10 @@ CONNECTOR_PANELS = (
              "Gap between decode's block registration and prefill's finished blocks, per push."),
     _latency("Decode waited for streamed layers", "vllm:kvpush_layer_wait_seconds",
              "Time a decode forward pass waited for streamed KV layers to land, per pass that waited."),
-    Panel("Dropped messages, refused requests, backstops", "short",
+    Panel("Dropped messages, refused requests and transfer params, backstops", "short",
           (("dropped {{reason}}", _rate("vllm:kvpush_dropped_messages_total", "reason")),
            ("refused {{reason}}", _rate("vllm:kvpush_refused_requests_total", "reason")),
+           ("refused transfer params {{reason}}", _rate("vllm:kvpush_refused_transfer_params_total", "reason")),
            ("late-write backstops", _rate("vllm:kvpush_late_write_backstops_total")),
            ("marks on compute thread", _rate("vllm:kvpush_step_marks_on_compute_thread_total")))),
 )
