@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -45,7 +46,9 @@ def wait_http(url: str, proc: subprocess.Popen, timeout_s: float = 20) -> int:
 @contextlib.contextmanager
 def fake_instances(ports: dict[str, int], roles: tuple[str, ...] = ("decode", "prefill")):
     """A fake vLLM process on ports[role] for each role, stopped after."""
-    procs = [subprocess.Popen([sys.executable, "-c", FAKE, str(ports[role])]) for role in roles]
+    # the fake lives beside this module, which a `python -c` child does not have on its path
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))}
+    procs = [subprocess.Popen([sys.executable, "-c", FAKE, str(ports[role])], env=env) for role in roles]
     try:
         for role, proc in zip(roles, procs):
             wait_http(f"http://127.0.0.1:{ports[role]}/health", proc)
