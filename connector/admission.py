@@ -33,14 +33,15 @@ WARN_EVERY_S = 10.0  # refusals of one kind are logged at most this often (all a
 class ThrottledWarnings:
     """At most one warning per kind per WARN_EVERY_S: a flood of bad peers is counted, not logged."""
 
-    def __init__(self) -> None:
+    def __init__(self, logger: logging.Logger = log) -> None:
         self._last: dict[str, float] = {}
+        self._log = logger  # the module whose refusals these are
 
     def warn(self, kind: str, message: str, *args: object) -> None:
         now = time.monotonic()
         if now - self._last.get(kind, float("-inf")) >= WARN_EVERY_S:
             self._last[kind] = now
-            log.warning(message + " (further ones within %g s are only counted)", *args, WARN_EVERY_S)
+            self._log.warning(message + " (further ones within %g s are only counted)", *args, WARN_EVERY_S)
 
 
 @dataclass

@@ -58,7 +58,7 @@ class PushScheduler:
         self._checked: dict[str, PushParams | Refused | None] = {}  # req id -> its params, checked once
         self._digests: dict[str, str] = {}  # req id -> prompt_digest of its token ids, hashed once
         self.refused: Counter = Counter()  # reason -> requests refused (taken by take_refused)
-        self._warnings = ThrottledWarnings()
+        self._warnings = ThrottledWarnings(log)
         self.block_size = block_size
         self.is_producer = is_producer
         self.engine_id = engine_id

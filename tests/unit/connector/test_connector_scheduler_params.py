@@ -124,7 +124,7 @@ def test_malformed_params_are_counted_and_the_request_served_without_transfer():
 
 def test_a_burst_of_refusals_is_logged_once_per_reason_and_every_one_counted(caplog):
     s = scheduler(False)
-    with caplog.at_level(logging.WARNING, logger="kvpush.connector.admission"):
+    with caplog.at_level(logging.WARNING, logger="kvpush.connector.scheduler"):
         for i in range(20):
             s.on_new_request(Req(f"r{i}", [1, 2, 3], params("consumer", "dep.d1")))
         s.on_new_request(Req("x", [1, 2, 3], params("consumer", "dep.d0", expires=NOW - 1)))
