@@ -226,11 +226,15 @@ class DeploymentPool:
                 self._up.remove(name)
                 self.problems += self._made[name].down()
 
-    def close(self) -> list[str]:
-        """Take every deployment down; what was left of any (also of those taken down earlier)."""
+    def release_all(self) -> None:
+        """Take every deployment down now; the pool stays usable."""
         with self._lock:
             while self._up:
                 self.problems += self._made[self._up.pop()].down()
+
+    def close(self) -> list[str]:
+        """Take every deployment down; what was left of any (also of those taken down earlier)."""
+        self.release_all()
         return self.problems
 
 

@@ -34,6 +34,16 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=rank)  # stable: a module's tests keep their order
 
 
+_pools: list = []  # the session's pool, once a test asked for it
+
+
+def pytest_runtest_setup(item):
+    """A test without the pool gets the machine's memory and cores for deployments of its own: every
+    pooled deployment is taken down first (the pool starts one again if a later test asks)."""
+    if _pools and "pool" not in item.fixturenames:
+        _pools[0].release_all()
+
+
 @pytest.fixture(scope="session")
 def reference_server(tmp_path_factory):
     """The session's plain vLLM server (tests/reference_server.py); it starts only when a test
@@ -69,6 +79,7 @@ def pool(model_dir, tmp_path_factory):
     deployments = DeploymentPool(tmp_path_factory.mktemp("pool"), POOL)
     deployments.set_model(lambda: model_dir)
     register(deployments)
+    _pools.append(deployments)
     # The session's state directory is the pool's: `kvpush status` and the tests' status checks see
     # pooled deployments; a test with a deployment of its own may set its own (the state_dir fixture).
     before = os.environ.get("KVPUSH_STATE_DIR")
@@ -81,6 +92,7 @@ def pool(model_dir, tmp_path_factory):
         else:
             os.environ["KVPUSH_STATE_DIR"] = before
         unregister(deployments)
+        _pools.clear()
         problems = deployments.close()
         starts = {name: d.ups for name, d in deployments._made.items()}
         print(f"\npooled deployments: `up` started or revived something {starts} time(s)")

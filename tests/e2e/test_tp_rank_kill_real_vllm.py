@@ -45,8 +45,8 @@ def test_killing_one_prefill_rank_mid_push_ends_every_request_and_frees_every_bl
     p_port = plan.process("p2").side_channel_ports[0]
     d_port = next(spec.side_channel_port for spec in deployment.topo.decode if spec.name == "d2")
 
-    def post(url: str, prompt: list[int], timeout_s: float = 120, **extra) -> tuple[int, str]:
-        return complete(url, prompt, max_tokens=8, timeout_s=timeout_s, headers=headers, **extra)
+    def post(url: str, prompt: list[int], timeout_s: float = 120, max_tokens: int = 8, **extra) -> tuple[int, str]:
+        return complete(url, prompt, max_tokens=max_tokens, timeout_s=timeout_s, headers=headers, **extra)
 
     def both_legs(prompt: list[int]) -> tuple[int, str, float]:
         tid = uuid.uuid4().hex
