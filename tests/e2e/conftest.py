@@ -13,6 +13,7 @@ import pytest
 # Modules not named run after these, in file order.
 MODULE_ORDER = [
     "connector/test_kvpush_vllm.py",  # pool-kvpush (its last test kills prefill)
+    "test_signed_params_real_vllm.py",  # pool-kvpush: forged legs straight to the instances
     "test_faults_real_vllm.py",  # pool-kvpush: revived by `up` before each fault
     "test_live_change_real_vllm.py",  # pool-kvpush: a decode added and removed again
     "test_router_real_vllm.py",  # pool-kvpush, then pool-nixl-pull, pool-nixl-push, pool-colocated
