@@ -34,7 +34,7 @@ DEFAULT_MODES = ",".join(BENCH_DEFAULT_MODES)
 DEFAULT_RATES = "0.5,1,2,4"
 # Sized for the whole default bench (4 modes x 4 rates) to take about 15 minutes on a 2-core
 # machine: starting deployments and `vllm bench serve` processes dominates, the arrivals of 8
-# prompts per rate add only ~30 s per mode (see benchmarks/NOTES.md).
+# prompts per rate add only ~30 s per mode (benchmarks/notes/bench-cost.md).
 DEFAULT_INPUT_LEN = 1024
 DEFAULT_OUTPUT_LEN = 32
 DEFAULT_NUM_PROMPTS = 8

@@ -5,7 +5,8 @@ both sides merge into one segment. In vLLM's block-outermost layouts (`BLHNC`, `
 block of every layer is one contiguous range, so a run of blocks is one descriptor; in the
 layer-outermost ones (`LBHNC`, vLLM's CPU layout, or `LBNHC`, its CUDA default) it is one per
 layer (and per K/V where they are separate tensors). NIXL's CUDA IPC post costs ~10 us per
-descriptor, so on a GPU the layout decides the push time (benchmarks/NOTES.md, GPU section).
+descriptor, so on a GPU the layout decides the push time (benchmarks/notes/gpu-transfer-path.md,
+"Descriptors decide everything").
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def layout_cost_note(layout: str | None, regions: Sequence[Region], on_gpu: bool
             f"{per_run} NIXL descriptors per run of adjacent blocks instead of 1")
     if on_gpu:
         note += (f"; on an H200 that made a 16k-token push 2-5x slower when contiguous and ~100x slower when "
-                 f"fragmented (benchmarks/NOTES.md). vLLM did not give {PREFERRED_GPU_LAYOUT} (the attention backend "
+                 f"fragmented (benchmarks/notes/gpu-transfer-path.md). vLLM did not give {PREFERRED_GPU_LAYOUT} (the attention backend "
                  f"or VLLM_KV_CACHE_LAYOUT ruled it out); set VLLM_KV_CACHE_LAYOUT={PREFERRED_GPU_LAYOUT} on both "
                  f"instances if the backend supports it")
     return note

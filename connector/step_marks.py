@@ -174,7 +174,7 @@ class CudaStreamMarks:
     The event's waiter (the save queue's thread) spins in the driver, CUDA's default, without the
     GIL: a core while a step with pushes computes, as the compute thread's own waits do. An event
     whose waiter sleeps instead (`blocking`) took twice as long to record on an H200 and woke its
-    waiter ~1 ms later (benchmarks/NOTES.md)."""
+    waiter ~1 ms later (benchmarks/notes/gpu-wait-for-save.md, "Spinning rather than sleeping on the event")."""
 
     def __init__(self, device: Any, blocking: bool = False):
         import torch

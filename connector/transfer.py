@@ -32,8 +32,10 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL's Python logger prints I
 # the timeout (rounded up to whole milliseconds); the timeout only paces a sweep over everything,
 # while wire-up and notification events wake the thread at once, and kvpush drives its WRITEs
 # itself. On CPU a short timeout costs the compute thread beside it: 100 us woke the thread ~900
-# times a second (0.022 cores per idle instance), 50 ms 20 times (0.001). GPU keeps the value
-# its transfers were measured with (benchmarks/NOTES.md).
+# times a second (benchmarks/notes/cpu-ttft-against-pull.md, run 16), and an idle instance used
+# 0.02-0.03 cores with the long timeout against 0.040-0.050 before (benchmarks/notes/
+# cpu-kv-heavy-handoff.md, "The streamed WRITE"). GPU keeps the value its transfers were measured
+# with (benchmarks/notes/gpu-transfer-path.md, the runs with --progress-delay-us).
 PROGRESS_DELAY_US = {"DRAM": 50_000, "VRAM": 100}  # by NIXL memory type
 _create_lock = threading.Lock()
 

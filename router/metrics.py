@@ -21,7 +21,9 @@ WORKERS_DIR_ENV = "KVPUSH_ROUTER_METRICS_DIR"
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
 
-# the handoff gap's targets are tens of ms (benchmarks/NOTES.md): 2.5 ms steps up to 25 ms, then 5 ms to 50 ms
+# the handoff gap's targets are tens of ms (benchmarks/notes/cpu-ttft-against-pull.md, "Against the targets":
+# <= 20 ms p50, <= 50 ms p90; the buckets chosen: benchmarks/notes/bench-cost.md): 2.5 ms steps up to 25 ms,
+# then 5 ms to 50 ms
 _HANDOFF_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.0125, 0.015, 0.0175, 0.02, 0.0225, 0.025,
                     0.03, 0.035, 0.04, 0.045, 0.05, 0.06, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
                     20.0, 40.0)

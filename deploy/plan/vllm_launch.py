@@ -133,7 +133,8 @@ def vllm_argv(topo: Topology, spec: InstanceSpec, kv_config: dict | None) -> lis
     if topo.platform == "cpu" and spec.cpu_cores is not None:
         # The whole instance on its cores, not only vLLM's OpenMP threads: otherwise its API server
         # and engine loop float onto the other instance's core. Measured: a decode engine stepping
-        # every ms while it waits for pushed KV took half of prefill's core (benchmarks/NOTES.md).
+        # every ms while it waits for pushed KV took half of prefill's core (benchmarks/notes/cpu-placement.md,
+        # "Pin the whole instance, not only its OpenMP threads").
         argv = on_cores(core_list_text(parse_core_list(spec.cpu_cores)), argv)
     return argv
 
@@ -154,7 +155,8 @@ def vllm_env(topo: Topology, role: Role, spec: InstanceSpec, kv_config: dict | N
             # worker process behind a shared-memory queue whose reader yield-spins. Measured on
             # the 2-core host: a decode waiting for pushed KV used 0.98 of its core with the worker
             # process (engine 0.84, spinning) and 0.15 without; TPOT fell from 12-13 ms to 9-10 ms
-            # in both push and pull (benchmarks/NOTES.md). The topology's `env` may set it to "1".
+            # in both push and pull (benchmarks/notes/cpu-placement.md, "One process per engine on CPU").
+            # The topology's `env` may set it to "1".
             env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if spec.cpu_cores is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = spec.cpu_cores
