@@ -11,7 +11,7 @@
 # worker, so a module's processes start once; modules take ports of their own (tests/conftest.py gives
 # each worker its own sshd addresses). E2e tests each fill the cores with vLLM servers: one at a time,
 # on a pool of deployments that `up` brings up once per session and revives after a test broke one
-# (tests/e2e/conftest.py). SIGTERM and SIGHUP unwind a lane like Ctrl-C: nothing is left running.
+# (tests/e2e/conftest.py). Ctrl-C, SIGTERM and SIGHUP unwind a lane: nothing it started is left running.
 # Per-test timeouts are set per lane in tests/conftest.py.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -23,11 +23,27 @@ export PYTHONUNBUFFERED=1
 # bytecode not written, each of them compiles again every kvpush module it imports.
 unset PYTHONDONTWRITEBYTECODE
 
+pytest_passing_signals() {  # pytest ARGS... with Ctrl-C, SIGTERM and SIGHUP of this script passed on to it
+  # as SIGTERM, which pytest turns into the unwinding Ctrl-C gets (tests/conftest.py): every fixture's
+  # teardown stops what it started. (A background job ignores SIGINT, hence SIGTERM for all three.)
+  local pid rc=0
+  "$root/.venv/bin/python" -m pytest "$@" &
+  pid=$!
+  trap 'kill -TERM "$pid" 2>/dev/null' INT TERM HUP
+  wait "$pid" || rc=$?
+  while kill -0 "$pid" 2>/dev/null; do  # a signal ended the wait, not pytest: wait for its teardown
+    rc=0
+    wait "$pid" || rc=$?
+  done
+  trap - INT TERM HUP
+  return "$rc"
+}
+
 run_pytest() {  # run_pytest LABEL ARGS...: pytest's status, with "collected nothing" counted as a failure
   local label=$1 rc
   shift
   set +e
-  "$root/.venv/bin/python" -m pytest "$@"
+  pytest_passing_signals "$@"
   rc=$?
   set -e
   if [ "$rc" -eq 5 ]; then
@@ -68,7 +84,7 @@ for lane in unit integration e2e; do
   lane_options=()
   [ "$lane" != e2e ] && lane_options=("${in_parallel[@]}")
   set +e
-  "$root/.venv/bin/python" -m pytest "tests/$lane" "${lane_options[@]}" "$@"
+  pytest_passing_signals "tests/$lane" "${lane_options[@]}" "$@"
   rc=$?
   set -e
   if [ "$rc" -eq 5 ] && [ "$#" -gt 0 ]; then
