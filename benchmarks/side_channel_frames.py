@@ -94,8 +94,8 @@ class Client:
             digests = (auth.digest(wire.encode(hello)), auth.digest(wire.encode(LAYOUT)))
             keys = frame_mac.session_keys(key, hello.nonce, challenge.nonce)
             self.opener = keys.opener("decode")
-            self.sock.sendall(wire.encode(wire.Auth(auth.prove(key, "decode", challenge.nonce, hello.nonce, "D.bench", 0,
-                                                               *digests), digests[1])))
+            proof = auth.prove(key, "decode", challenge.nonce, hello.nonce, "D.bench", 0, *digests)
+            self.sock.sendall(wire.encode(wire.Auth(proof, digests[1])))
             self.sealer = keys.sealer("decode")
         self.sock.sendall(self.frame(LAYOUT))
         assert isinstance(self.read(), wire.Welcome)

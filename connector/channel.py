@@ -35,11 +35,11 @@ UNPROVEN_READ_BYTES = 2 * wire.MAX_UNAUTHENTICATED_FRAME_BYTES  # ... and from o
 
 
 class Handler(Protocol):
-    def on_message(self, conn: "Connection", msg: wire.Message) -> None: ...
-    def on_closed(self, conn: "Connection", reason: str) -> None: ...
+    def on_message(self, conn: Connection, msg: wire.Message) -> None: ...
+    def on_closed(self, conn: Connection, reason: str) -> None: ...
     def on_tick(self) -> None: ...
     def timeout(self) -> float | None: ...
-    def on_malformed(self, conn: "Connection", error: str, kind: str) -> None:
+    def on_malformed(self, conn: Connection, error: str, kind: str) -> None:
         """A frame that is not a valid message (`kind` "malformed"), over the connection's limit
         ("oversized_frame") or without its MAC ("bad_frame_mac"), counted under `kind`."""
 
@@ -61,7 +61,7 @@ class Reactor:
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._sel.register(self._wake_r, selectors.EVENT_READ, None)
-        self._calls: list[Callable[[], None]] = []
+        self._calls: list[Callable[[], object]] = []
         self._calls_lock = threading.Lock()
         self._conns: set[Connection] = set()  # reactor thread only
         self._stop = False
@@ -114,7 +114,7 @@ class Reactor:
         self._conns.add(conn)
         self._sel.register(conn.sock, selectors.EVENT_READ, conn)
 
-    def call_soon(self, fn: Callable[[], None]) -> None:
+    def call_soon(self, fn: Callable[[], object]) -> None:
         """Run fn on the reactor thread (thread-safe)."""
         with self._calls_lock:
             self._calls.append(fn)
@@ -183,7 +183,7 @@ class Reactor:
                 key.data.closed = True
             if isinstance(key.data, _Exit):
                 os.close(key.data.fd)
-            else:
+            elif isinstance(key.fileobj, socket.socket):  # every other key is a socket
                 key.fileobj.close()
 
     def _next_timeout(self) -> float | None:
@@ -289,7 +289,9 @@ class Reactor:
                 self.close(conn, f"frame failed its MAC: {exc}")
                 return
             except wire.WireError as exc:
-                self.handler.on_malformed(conn, str(exc), "oversized_frame" if isinstance(exc, wire.FrameTooLarge) else "malformed")
+                self.handler.on_malformed(
+                    conn, str(exc), "oversized_frame" if isinstance(exc, wire.FrameTooLarge) else "malformed"
+                )
                 self.close(conn, f"unframeable data: {exc}")
                 return
             if frame is None:

@@ -167,8 +167,8 @@ class FakePrefill:
         self.reader = wire.FrameReader()
         hello = wire.decode(self.frame())
         nonce = auth.new_nonce()
-        self.sock.sendall(wire.encode(wire.Challenge("P", 0, nonce, auth.prove(KEY, "prefill", hello.nonce, nonce, "P", 0,
-                                                                             auth.digest(wire.encode(hello))))))
+        proof = auth.prove(KEY, "prefill", hello.nonce, nonce, "P", 0, auth.digest(wire.encode(hello)))
+        self.sock.sendall(wire.encode(wire.Challenge("P", 0, nonce, proof)))
         keys = frame_mac.session_keys(KEY, hello.nonce, nonce)
         self.sealer, self.opener = keys.sealer("prefill"), keys.opener("prefill")
         assert isinstance(wire.decode(self.frame()), wire.Auth)
