@@ -7,6 +7,10 @@ A transfer is handed out as started (a streamed WRITE began: vLLM may schedule t
 outcome (once every part from every source rank has one), and, for an outcome whose blocks were
 fenced (fences.py: a source may still write into them), once more as unfenced: only then may vLLM
 have the blocks back.
+
+With verify_kv (kv_digest_check.py), a LANDED or DONE counts only once the bytes it announces
+match prefill's digest; one that does not fails the part (a load failure: vLLM recomputes or the
+router retries), counted.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from typing import Callable
 
 from . import wire
 from .fanin import Parts, base_name
+from .kv_digest_check import KvCheck
 from .state import ConsumerState, Outcome, Pending
 
 log = logging.getLogger(__name__)
@@ -26,8 +31,10 @@ SendCancel = Callable[[str, str], None]
 
 
 class Arrivals:
-    def __init__(self, state: ConsumerState, send_cancel: SendCancel, num_regions: int, counters: Counter):
+    def __init__(self, state: ConsumerState, send_cancel: SendCancel, num_regions: int, counters: Counter,
+                 check: KvCheck | None = None):
         self.lock = threading.Lock()
+        self.check = check  # verify_kv; None: off
         self.ready = threading.Condition(self.lock)
         self.state = state  # under the lock
         self.parts = Parts()  # under the lock
@@ -41,6 +48,10 @@ class Arrivals:
     # ---- reactor thread -------------------------------------------------------------------------
     def on_message(self, msg: wire.Message, key: str, peer_engine: str, generation: int, now: float) -> Outcome | None:
         """P's word about part `key`, on that connection; the part's outcome if this was it."""
+        if self.check is not None and isinstance(msg, (wire.Landed, wire.Done)):
+            refused = self._checked(msg, key, peer_engine, generation, now)
+            if refused is not None:
+                return refused
         with self.lock:
             state = self.state
             if isinstance(msg, wire.Accepted):
@@ -68,11 +79,40 @@ class Arrivals:
                 return outcome
             return None
 
+    def _checked(self, msg: wire.Landed | wire.Done, key: str, peer_engine: str, generation: int,
+                 now: float) -> Outcome | None:
+        """verify_kv: the part's failure if the bytes `msg` announces differ from prefill's digest,
+        else None (and `msg` is taken as usual). Hashes without the lock."""
+        assert self.check is not None
+        with self.lock:
+            pending = self.state.pending.get(key)
+            if pending is None or pending.peer_engine != peer_engine or pending.generation != generation:
+                return None  # not this connection's part: on_message drops it as before
+            blocks = pending.block_ids
+        if isinstance(msg, wire.Landed):
+            counter, why = self.check.landed(key, msg.regions, msg.digest, blocks)
+        else:
+            counter, why = self.check.done(key, msg.digest, blocks)
+        if not why:
+            return None
+        with self.lock:
+            self._counters[counter] += 1
+            if isinstance(msg, wire.Landed):  # P may still be writing the layers after it: fenced, cancelled
+                outcome = self.state.give_up(key, why, now)
+                if outcome is not None:
+                    self._send_cancel(peer_engine, base_name(key))
+            else:  # DONE: nothing of it is in flight any more
+                outcome = self.state.fail(key, peer_engine, why, False, generation, now)
+            self.add_parts([outcome] if outcome is not None else [])
+            return outcome
+
     # ---- lock held -------------------------------------------------------------------------------
     def add_parts(self, outcomes: list[Outcome]) -> None:
         """Parts' outcomes: a transfer's outcome once all its parts have one; the parts still
         running when one fails are cancelled."""
         for part in outcomes:
+            if self.check is not None:
+                self.check.forget(part.pending.transfer_id)
             whole, cancel, started = self.parts.settle(part)
             if started is not None:
                 self.started(started)

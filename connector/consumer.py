@@ -23,19 +23,20 @@ import errno
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from dataclasses import replace
+from kvpush.common.kv_params import PromptIdentity
 
 from . import auth, frame_mac, wire
-from .channel import AUTH_DEADLINE_S, Connection, Reactor
 from .arrivals import Arrivals
+from .channel import AUTH_DEADLINE_S, Connection, Reactor
 from .fanin import RANK_SEPARATOR, base_name, rank_key, rank_of
+from .kv_digest import DigestError, KvMemory
+from .kv_digest_check import KvCheck, slices_for_piece
 from .liveness import DEFAULT_ADMISSION_S, DEFAULT_SILENCE_S, PeerLiveness
 from .regions import HeadLayout, LayoutIdentity, Region
-from .sharding import HeadSharding, ShardingError, pieces_for_decode
+from .sharding import HeadSharding, Piece, ShardingError, pieces_for_decode
 from .state import ConsumerState, Outcome, Pending, counts_since
-from kvpush.common.kv_params import PromptIdentity
 
 log = logging.getLogger(__name__)
 # How the reactor (channel.py) names a connection P's side ended (its FIN, or a reset: a process that
@@ -67,6 +68,8 @@ class ConsumerConfig:
     # the backstop of a fence (fences.py): how long after a part was given up on while P may still
     # write into its blocks this side drops P's connection and lets the blocks go; 0: never
     late_write_hold_s: float = 30.0
+    # verify_kv (kv_digest_check.py): where this rank's KV is read for digests; None: no check
+    verify_kv: KvMemory | None = None
 
 
 class Consumer:
@@ -80,14 +83,19 @@ class Consumer:
         self._layout_digest = auth.digest(wire.encode(self._layout))
         self.counters: Counter = Counter()  # under the lock
         self._arrivals = Arrivals(ConsumerState(config.timeout_s, config.accepted_timeout_s), self._cancel_soon,
-                                  len(regions), self.counters)
+                                  len(regions), self.counters,
+                                  KvCheck(config.verify_kv) if config.verify_kv is not None else None)
         self._lock = self._arrivals.lock
         self._state = self._arrivals.state  # under the lock
         self._parts = self._arrivals.parts  # under the lock
-        self._liveness = PeerLiveness(silence_s=config.peer_silence_s, admission_s=config.admission_timeout_s)  # reactor thread only
+        self._liveness = PeerLiveness(
+            silence_s=config.peer_silence_s, admission_s=config.admission_timeout_s
+        )  # reactor thread only
         self._conns: dict[str, Connection] = {}
         self._connecting: dict[str, list[wire.Message]] = {}  # P engine -> what waits for its connection
-        self._generations: dict[Connection, int] = {}  # open connection -> its number among its P rank's (reactor thread)
+        self._generations: dict[
+            Connection, int
+        ] = {}  # open connection -> its number among its P rank's (reactor thread)
         self._numbered: Counter = Counter()  # P rank -> connections made to it so far
         self._closed_here: set[Connection] = set()  # connections this side is closing (reactor thread)
         self._counted: Counter = Counter()  # what take_counts already handed out
@@ -111,7 +119,14 @@ class Consumer:
                 return
             if peer_engine not in self.config.allowed_engines:
                 self.counters["refused_peer"] += 1
-                self._arrivals.add_whole(Outcome(whole, False, f"prefill engine {peer_engine!r} is not in allowed_engines {sorted(self.config.allowed_engines)}"))
+                self._arrivals.add_whole(
+                    Outcome(
+                        whole,
+                        False,
+                        f"prefill engine {peer_engine!r} is not in allowed_engines "
+                        f"{sorted(self.config.allowed_engines)}",
+                    )
+                )
                 return
             try:
                 prefill = HeadSharding(self.config.sharding.total_heads, peer_tp_size)
@@ -122,26 +137,59 @@ class Consumer:
             known = self.config.peers.get(peer_engine) if self.config.peers is not None else (host, port)
             if known != (host, port):
                 self.counters["unknown_address"] += 1
-                self._arrivals.add_whole(Outcome(whole, False, f"the request names {host}:{port} as prefill {peer_engine}'s side "
-                                                               f"channel, which the deployment places at "
-                                                               f"{'%s:%d' % known if known else 'no address'}"))
+                self._arrivals.add_whole(
+                    Outcome(
+                        whole,
+                        False,
+                        f"the request names {host}:{port} as prefill {peer_engine}'s side "
+                        f"channel, which the deployment places at "
+                        f"{f'{known[0]}:{known[1]}' if known else 'no address'}",
+                    )
+                )
                 return
             if transfer_id in self._parts:
                 self._state.dropped["duplicate_registration"] += 1
                 return
             pieces = pieces_for_decode(self.config.tp_rank, prefill, self.config.sharding)
             keys = [rank_key(transfer_id, piece.p_rank) for piece in pieces]
+            if not self._expect_digests(whole, pieces, keys, prefill):
+                return
             self._parts.add(whole, keys)
             for piece, key in zip(pieces, keys):
                 self._state.add(Pending(key, req_id, rank_key(peer_engine, piece.p_rank), tuple(block_ids), now,
                                         expected_bytes=len(block_ids) * self._bytes_per_block(piece.num_heads)))
             sources = [piece.p_rank for piece in pieces]
-        log.debug("kvpush D expect %s req=%s blocks=%d first=%d from ranks %s t=%.6f", transfer_id, req_id, len(block_ids),
-                  first_block, sources, now)
+        log.debug(
+            "kvpush D expect %s req=%s blocks=%d first=%d from ranks %s t=%.6f",
+            transfer_id,
+            req_id,
+            len(block_ids),
+            first_block,
+            sources,
+            now,
+        )
         msg = wire.Register(transfer_id, tuple(block_ids), first_block, num_tokens,
                             prompt.tokens if prompt else -1, prompt.digest if prompt else "")
         for rank in sources:
             self._reactor.call_soon(lambda r=rank: self._send(rank_key(peer_engine, r), host, port + r, msg))
+
+    def _expect_digests(self, whole: Pending, pieces: list[Piece], keys: list[str], prefill: HeadSharding) -> bool:
+        """verify_kv: what each source rank's digest covers here (lock held). False (the load
+        failed) for KV the digest cannot cover."""
+        check = self._arrivals.check
+        if check is None:
+            return True
+        try:
+            slices = [
+                slices_for_piece(self._layout.regions, self._layout.head_layouts, p, prefill, self.config.sharding)
+                for p in pieces
+            ]
+        except DigestError as exc:
+            self._arrivals.add_whole(Outcome(whole, False, str(exc)))
+            return False
+        for key, part_slices in zip(keys, slices):
+            check.expect(key, part_slices)
+        return True
 
     def _bytes_per_block(self, num_heads: int) -> int:
         """What `num_heads` of this rank's heads take of one block, over every region."""
@@ -203,7 +251,9 @@ class Consumer:
     def _on_connected(self, peer_engine: str, address: str, conn: Connection | None, error: str) -> None:
         if conn is None:
             self._connecting.pop(peer_engine, None)
-            self._peer_failed(peer_engine, f"cannot reach prefill {_named(peer_engine)} side channel at {address}: {error}")
+            self._peer_failed(
+                peer_engine, f"cannot reach prefill {_named(peer_engine)} side channel at {address}: {error}"
+            )
             return
         conn.engine_id = peer_engine
         self._numbered[peer_engine] += 1
@@ -234,8 +284,21 @@ class Consumer:
         del self._handshakes[peer_engine]
         keys = frame_mac.session_keys(key, hello.nonce, msg.nonce)
         conn.trust(keys.opener("decode"))  # every frame of P's after its CHALLENGE carries its MAC
-        conn.send(wire.Auth(auth.prove(key, "decode", msg.nonce, hello.nonce, self.config.engine_id, self.config.tp_rank,
-                                       hello_digest, self._layout_digest), self._layout_digest))
+        conn.send(
+            wire.Auth(
+                auth.prove(
+                    key,
+                    "decode",
+                    msg.nonce,
+                    hello.nonce,
+                    self.config.engine_id,
+                    self.config.tp_rank,
+                    hello_digest,
+                    self._layout_digest,
+                ),
+                self._layout_digest,
+            )
+        )
         conn.seal_sends(keys.sealer("decode"))  # ... and every frame of this side's after its AUTH
         conn.send(self._layout)  # what P makes a NIXL peer of, only to a P that proved the key
         self._established(peer_engine, conn)
@@ -253,7 +316,9 @@ class Consumer:
         from then on that part takes P's word only from this connection. False if it broke."""
         if isinstance(msg, wire.Register):
             with self._lock:
-                if not self._state.sent(rank_key(msg.transfer_id, rank_of(peer_engine)), self._generations.get(conn, 0)):
+                if not self._state.sent(
+                    rank_key(msg.transfer_id, rank_of(peer_engine)), self._generations.get(conn, 0)
+                ):
                     return True  # it ended before it went out: P must never learn these blocks
                 sent = conn.send(msg)
         else:
@@ -277,7 +342,9 @@ class Consumer:
         if conn is not None:
             conn.send(msg)
 
-    def _peer_failed(self, peer_engine: str, reason: str, may_still_land: bool = False, generation: int = 0) -> list[Outcome]:
+    def _peer_failed(
+        self, peer_engine: str, reason: str, may_still_land: bool = False, generation: int = 0
+    ) -> list[Outcome]:
         """Every transfer pending on that P rank fails. `may_still_land`: P may be alive and
         writing (their parts are fenced); else connection `generation` proved P gone or refusing."""
         with self._lock:
@@ -311,7 +378,9 @@ class Consumer:
             conn = self._conns.get(peer_engine)
             live = conn is not None and self._generations.get(conn) == generation
             if live:
-                self._close_here(conn, f"no word from prefill on its late WRITEs within {self.config.late_write_hold_s:g} s")
+                self._close_here(
+                    conn, f"no word from prefill on its late WRITEs within {self.config.late_write_hold_s:g} s"
+                )
             log.warning("kvpush: prefill %s neither said its WRITEs into given-up blocks ended nor went away within "
                         "late_write_hold_s (%g s); %s and released the blocks", _named(peer_engine),
                         self.config.late_write_hold_s, "dropped its connection" if live else "its connection was gone")
@@ -350,7 +419,9 @@ class Consumer:
         for engine_id in to_ping:
             self._send_existing(engine_id, wire.Ping())
         for o in late:
-            log.warning("kvpush: transfer %s (request %s) failed: %s", o.pending.transfer_id, o.pending.req_id, o.reason)
+            log.warning(
+                "kvpush: transfer %s (request %s) failed: %s", o.pending.transfer_id, o.pending.req_id, o.reason
+            )
         for o in late:  # let P free its side if it is still holding it
             self._send_existing(o.pending.peer_engine, wire.Cancel(base_name(o.pending.transfer_id)))
 
@@ -405,8 +476,13 @@ class Consumer:
             log.debug("kvpush D outcome %s req=%s ok=%s bytes=%d since_register=%.6f t=%.6f", key,
                       outcome.pending.req_id, outcome.ok, outcome.num_bytes, now - outcome.pending.created, now)
             if not outcome.ok:
-                log.warning("kvpush: transfer %s (request %s) from %s failed: %s", msg.transfer_id, outcome.pending.req_id,
-                            _named(peer_key), outcome.reason)
+                log.warning(
+                    "kvpush: transfer %s (request %s) from %s failed: %s",
+                    msg.transfer_id,
+                    outcome.pending.req_id,
+                    _named(peer_key),
+                    outcome.reason,
+                )
 
 
 def _named(peer_key: str) -> str:

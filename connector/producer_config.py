@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .channel import AUTH_DEADLINE_S, MAX_CONNECTIONS
+from .kv_digest import KvMemory
 from .regions import HeadLayout, LayoutIdentity
 from .sharding import HeadSharding
 
@@ -31,3 +32,6 @@ class ProducerConfig:
     drive_writes: bool = True
     # ... and, where it drives them, writes layer by layer with STREAMING/LANDED to D
     stream_writes: bool = False
+    # verify_kv (kv_digest.py): where this rank's KV is read to send decode a digest of each push;
+    # None: no digests
+    verify_kv: KvMemory | None = None

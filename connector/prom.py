@@ -22,6 +22,9 @@ _COUNTERS = {
     "late_write_backstops": ("vllm:kvpush_late_write_backstops",
                              "Transfer parts whose blocks decode let go after late_write_hold_s without prefill's word "
                              "that its WRITEs ended or proof that it is gone (it dropped that prefill's connection)."),
+    "kv_digest_mismatches": ("vllm:kvpush_kv_digest_mismatches",
+                             "Transfer parts whose KV in decode's blocks differed from the digest prefill sent "
+                             "(verify_kv): each failed its load."),
 }
 _DROPPED = ("vllm:kvpush_dropped_messages",
             "Side-channel messages and requests this instance dropped or refused, by reason "
@@ -62,7 +65,9 @@ class PushPromMetrics:
         self._counters = {key: by_name[name] for key, (name, _) in _COUNTERS.items()}
         dropped = counter_cls(name=_DROPPED[0], documentation=_DROPPED[1], labelnames=[*labelnames, "reason"])
         self._dropped = {idx: (dropped, list(values)) for idx, values in per_engine_labelvalues.items()}
-        refused = counter_cls(name=_REFUSED_PARAMS[0], documentation=_REFUSED_PARAMS[1], labelnames=[*labelnames, "reason"])
+        refused = counter_cls(
+            name=_REFUSED_PARAMS[0], documentation=_REFUSED_PARAMS[1], labelnames=[*labelnames, "reason"]
+        )
         self._refused = {idx: (refused, list(values)) for idx, values in per_engine_labelvalues.items()}
         self._histograms = {key: per_engine(histogram_cls(name=name, documentation=doc, buckets=list(buckets),
                                                           labelnames=labelnames))

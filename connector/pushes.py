@@ -10,6 +10,8 @@ and that connection not closed (asked of the kernel, so a P that resumes from a 
 close before its side-channel thread read it). A WRITE given up on while still copying (past its
 deadline, or its connection lost) cannot be called back: its handles are kept and polled
 (`draining`) until each ended, and then D hears QUIESCED, the word that ends its hold on the blocks.
+With verify_kv, DONE (and each streamed LANDED) carries the digest of the source bytes the push
+wrote (kv_digest.py), hashed right after the post, which decode compares with its blocks.
 
 The producer (producer.py) decides when a push may start and owns the side channel; everything here
 runs under the producer's lock, except the copies themselves, which `post`, `drive` and `stream`
@@ -24,16 +26,17 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-from . import wire
+from . import kv_digest, wire
 from .channel import Connection
 from .fanin import base_name, rank_of
+from .kv_digest import DigestError
 from .peers import Peers
 from .state import Match, Registration
 from .streamed_write import stream_parts, wait_while_copying
 from .transfer import NixlEngine, Peer, TransferError, Write
 
 if TYPE_CHECKING:
-    from .producer import ProducerConfig
+    from .producer_config import ProducerConfig
 
 log = logging.getLogger(__name__)
 SYNC_DRIVE_S = 0.5  # at most this long the compute thread drives a WRITE it posted itself
@@ -68,6 +71,7 @@ class InFlight:
     error: str = ""  # a part could not be posted: FAIL once the others are no longer in flight
     num_bytes: int = 0  # of the parts that completed before
     deadline: float = float("inf")  # still copying then: failed (a WRITE that neither ends nor errors)
+    digest: str = ""  # verify_kv: of every byte it writes, for its DONE
 
     def state(self, engine: NixlEngine) -> str:
         """PROC while any part is; then ERR if any part failed or could not be posted."""
@@ -101,7 +105,7 @@ class Pushes:
     """The producer's pushes past matching. `wake` rouses the reactor thread, which polls the
     WRITEs in flight (`poll`) and may sleep until a distant deadline otherwise."""
 
-    def __init__(self, config: "ProducerConfig", engine: NixlEngine, lock: threading.RLock, peers: Peers,
+    def __init__(self, config: ProducerConfig, engine: NixlEngine, lock: threading.RLock, peers: Peers,
                  counters: Counter, wake: Callable[[], None]):
         self.config = config
         self.engine = engine
@@ -178,8 +182,13 @@ class Pushes:
                 self.finish(match, conn, now, now, False, f"{why} before the WRITE" if why else
                             f"decode engine {engine_id} has no NIXL peer here")
                 return None
+            try:
+                slices = self._slices(peer)
+            except DigestError as exc:
+                self.finish(match, conn, now, now, False, str(exc))
+                return None
             if not match.src_blocks:
-                conn.send(wire.Done(base_name(match.offer.transfer_id), 0))
+                conn.send(wire.Done(base_name(match.offer.transfer_id), 0, self._digest(match, slices)))
                 self.finish(match, None, now, now, True)
                 return None
             write = self._take_prepared(match, engine_id, peer)
@@ -197,8 +206,13 @@ class Pushes:
             return None
         log.debug("kvpush P post %s bytes=%d descs=%d ahead=%s wait=%.6f t=%.6f", match.offer.transfer_id,
                   write.num_bytes, write.num_descriptors, ahead, match.wait_s, now)
-        return InFlight(match, [write], conn, posted, ahead, num_bytes=write.num_bytes,
+        item = InFlight(match, [write], conn, posted, ahead, num_bytes=write.num_bytes,
                         deadline=posted + self.config.timeout_s)
+        try:  # while the copy runs (on a GPU): the source bytes stay as they are
+            item.digest = self._digest(match, slices)
+        except Exception as exc:  # posted already: FAIL once it is no longer in flight
+            item.error = f"prefill could not hash the KV it wrote (verify_kv): {exc!r}"
+        return item
 
     def queue(self, item: InFlight | None) -> None:
         """Hand a posted WRITE to the reactor thread, which polls it to its end."""
@@ -231,26 +245,45 @@ class Pushes:
                 return
         started = time.monotonic()
         try:
+            slices = self._slices(peer)
             parts = self.engine.prepare_parts(peer, match.src_blocks, match.dst_blocks)
-        except TransferError as exc:
+        except (TransferError, DigestError) as exc:
             with self._lock:
                 self.finish(match, conn, started, time.monotonic(), False, str(exc))
             return
+        memory = self.config.verify_kv
+        digests = (
+            None if memory is None else lambda regions: kv_digest.digest(memory, slices, match.src_blocks, regions)
+        )
         outcome = stream_parts(self.engine, conn, engine_id, base_name(match.offer.transfer_id), parts,
-                               lambda: self.wanted(match)[1])
+                               lambda: self.wanted(match)[1], digests)
+        digest = kv_digest.to_wire(outcome.digest) if digests is not None else ""
         with self._lock:
             if outcome.error:
                 self._count_stale(match)
             if outcome.copying:
                 self.queue(InFlight(match, outcome.copying, conn, started, False, outcome.error,
                                     outcome.landed_bytes + outcome.copying_bytes,
-                                    time.monotonic() + self.config.timeout_s))
+                                    time.monotonic() + self.config.timeout_s, digest))
             elif outcome.error:
                 self.finish(match, conn, started, time.monotonic(), False, outcome.error,
                             num_descriptors=outcome.num_descriptors)
             else:
                 self.finish(match, conn, started, time.monotonic(), True, num_bytes=outcome.landed_bytes,
-                            num_descriptors=outcome.num_descriptors)
+                            num_descriptors=outcome.num_descriptors, digest=digest)
+
+    # ---- verify_kv --------------------------------------------------------------------------------
+    def _slices(self, peer: Peer) -> list[kv_digest.Slice]:
+        """What a push to this peer writes, as the digest covers it ([] without verify_kv)."""
+        if self.config.verify_kv is None:
+            return []
+        return kv_digest.producer_slices(peer.plan.segments, self.engine.regions, peer.regions)
+
+    def _digest(self, match: Match, slices: list[kv_digest.Slice]) -> str:
+        """For the wire: the digest of the source bytes this match writes, "" without verify_kv."""
+        if self.config.verify_kv is None:
+            return ""
+        return kv_digest.to_wire(kv_digest.digest(self.config.verify_kv, slices, match.src_blocks))
 
     # ---- whether a push is still wanted -------------------------------------------------------
     def wanted(self, match: Match) -> tuple[Connection | None, str]:
@@ -299,7 +332,9 @@ class Pushes:
                     if gone is not None and item.conn is gone:
                         reason = f"decode engine {engine_id} disconnected during the WRITE ({why})"
                     elif now > item.deadline:
-                        reason = f"NIXL WRITE to {engine_id} still copying {self.config.timeout_s:g} s after it was posted"
+                        reason = (
+                            f"NIXL WRITE to {engine_id} still copying {self.config.timeout_s:g} s after it was posted"
+                        )
                     else:
                         still.append(item)
                         continue
@@ -310,7 +345,7 @@ class Pushes:
                 ok = state == "DONE"
                 self.finish(item.match, item.conn, item.posted, time.monotonic(), ok, "" if ok else reason,
                             item.num_bytes if ok else 0, sum(w.num_descriptors for w in item.writes),
-                            item.prepared_ahead, may_still_land=copying)
+                            item.prepared_ahead, may_still_land=copying, digest=item.digest)
             self.inflight = still
         if self.draining:
             self._drain()
@@ -337,13 +372,13 @@ class Pushes:
 
     def finish(self, match: Match, conn: Connection | None, posted: float, now: float, ok: bool,
                reason: str = "", num_bytes: int = 0, num_descriptors: int = 0, ahead: bool = False,
-               may_still_land: bool = False) -> None:
+               may_still_land: bool = False, digest: str = "") -> None:
         tid = match.offer.transfer_id
         self.cancelled.discard(tid)
         if ok:
             self._counters["sent"] += 1
             if conn is not None:
-                conn.send(wire.Done(base_name(tid), num_bytes))
+                conn.send(wire.Done(base_name(tid), num_bytes, digest))
         else:
             self._counters["failed"] += 1
             log.warning("kvpush: push %s (request %s) failed: %s", tid, match.offer.req_id, reason)

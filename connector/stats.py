@@ -15,7 +15,9 @@ _SERIES = ("send_bytes", "prefill_end_to_done_s", "write_s", "registration_wait_
 # itself before the next forward pass, the recorder thread not having run yet (step_marks.py).
 # late_write_backstops: D, transfer parts whose blocks came back on late_write_hold_s without
 # prefill's word that its WRITEs ended or proof that it is gone (fences.py)
-_COUNTS = ("sends_ok", "sends_failed", "recvs_ok", "recvs_failed", "marks_on_compute_thread", "late_write_backstops")
+# kv_digest_mismatches: D, transfer parts whose landed KV differed from prefill's digest (verify_kv)
+_COUNTS = ("sends_ok", "sends_failed", "recvs_ok", "recvs_failed", "marks_on_compute_thread", "late_write_backstops",
+           "kv_digest_mismatches")
 
 
 def _empty() -> dict[str, Any]:
@@ -59,6 +61,9 @@ class PushStats:
     def record_late_write_backstops(self, n: int) -> None:
         self.data["late_write_backstops"] += n
 
+    def record_kv_digest_mismatches(self, n: int) -> None:
+        self.data["kv_digest_mismatches"] += n
+
     def record_marks_on_compute_thread(self, n: int) -> None:
         self.data["marks_on_compute_thread"] += n
 
@@ -72,7 +77,7 @@ class PushStats:
     def reset(self) -> None:
         self.data = _empty()
 
-    def aggregate(self, other: "PushStats") -> "PushStats":
+    def aggregate(self, other: PushStats) -> PushStats:
         for k in _SERIES:
             self.data[k] = self.data.get(k, []) + list(other.data.get(k, []))
         for k in _COUNTS:

@@ -6,8 +6,9 @@ A part still copying after STREAM_DRIVE_S is not waited for: it and the parts af
 and handed back still copying, for the producer's reactor to poll to their end; decode then
 learns of them from DONE or FAIL only. Polls spin only briefly (`wait_while_copying`). Before
 each part it asks the caller whether decode still wants the push (`unwanted`: cancelled, its
-connection replaced or closed); once not, nothing more is posted. Uses the NIXL engine and the
-connection; no producer state.
+connection replaced or closed); once not, nothing more is posted. With verify_kv, each LANDED
+carries the digest of its part (`part_digest`), and the outcome the sum over every part posted,
+which DONE carries. Uses the NIXL engine and the connection; no producer state.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from . import wire
+from . import kv_digest, wire
 from .channel import Connection
 from .transfer import NixlEngine, TransferError, Write
 
@@ -34,6 +35,7 @@ class StreamOutcome:
     landed_bytes: int = 0  # of the parts that completed on this thread
     num_descriptors: int = 0
     copying: list[Write] = field(default_factory=list)  # posted parts left for the reactor to finish
+    digest: int = 0  # verify_kv: the sum of every posted part's digest (kv_digest.py)
 
     @property
     def copying_bytes(self) -> int:
@@ -54,10 +56,15 @@ def wait_while_copying(engine: NixlEngine, writes: list[Write], deadline: float)
             pause = min(2 * pause, MAX_SLEEP_S)
 
 
+PartDigest = Callable[[tuple[int, ...]], int]
+
+
 def stream_parts(engine: NixlEngine, conn: Connection, engine_id: str, transfer_id: str,
-                 parts: list[tuple[Write, tuple[int, ...]]], unwanted: Callable[[], str]) -> StreamOutcome:
+                 parts: list[tuple[Write, tuple[int, ...]]], unwanted: Callable[[], str],
+                 part_digest: PartDigest | None = None) -> StreamOutcome:
     """Post and drive each part to `engine_id` in turn; every part not handed back is released.
-    `unwanted()`: why decode no longer wants the push ("" while it does)."""
+    `unwanted()`: why decode no longer wants the push ("" while it does). `part_digest(regions)`:
+    the digest of the source bytes of those regions (verify_kv), hashed while the part copies."""
     outcome = StreamOutcome(num_descriptors=sum(w.num_descriptors for w, _ in parts))
     conn.send(wire.Streaming(transfer_id))
     for i, (write, regions) in enumerate(parts):
@@ -73,9 +80,10 @@ def stream_parts(engine: NixlEngine, conn: Connection, engine_id: str, transfer_
             _release(engine, later)
             outcome.error = str(exc)
             return outcome
+        digest = _digest_of(part_digest, regions, outcome)
         [state] = wait_while_copying(engine, [write], time.monotonic() + STREAM_DRIVE_S)
         if state == "PROC":
-            _go_on_in_flight(engine, engine_id, write, later, outcome, unwanted)
+            _go_on_in_flight(engine, engine_id, write, parts[i + 1:], outcome, unwanted, part_digest)
             return outcome
         engine.release(write)
         if state != "DONE":
@@ -83,16 +91,25 @@ def stream_parts(engine: NixlEngine, conn: Connection, engine_id: str, transfer_
             outcome.error = f"NIXL WRITE to {engine_id} failed (layer part {i + 1} of {len(parts)})"
             return outcome
         outcome.landed_bytes += write.num_bytes
-        conn.send(wire.Landed(transfer_id, regions))
+        conn.send(wire.Landed(transfer_id, regions, digest))
     return outcome
 
 
-def _go_on_in_flight(engine: NixlEngine, engine_id: str, copying: Write, rest: list[Write],
-                     outcome: StreamOutcome, unwanted: Callable[[], str]) -> None:
+def _digest_of(part_digest: PartDigest | None, regions: tuple[int, ...], outcome: StreamOutcome) -> str:
+    """A posted part's digest for the wire ("" without verify_kv), added to the push's."""
+    if part_digest is None:
+        return ""
+    value = part_digest(regions)
+    outcome.digest = (outcome.digest + value) & kv_digest.MASK
+    return kv_digest.to_wire(value)
+
+
+def _go_on_in_flight(engine: NixlEngine, engine_id: str, copying: Write, rest: list[tuple[Write, tuple[int, ...]]],
+                     outcome: StreamOutcome, unwanted: Callable[[], str], part_digest: PartDigest | None) -> None:
     """Post the remaining parts without waiting; stop posting at the first error, or once decode
     no longer wants the push."""
     outcome.copying.append(copying)
-    for write in rest:
+    for write, regions in rest:
         why = "" if outcome.error else unwanted()
         if why:
             outcome.error = f"{why} during the streamed WRITE"
@@ -104,6 +121,8 @@ def _go_on_in_flight(engine: NixlEngine, engine_id: str, copying: Write, rest: l
             outcome.copying.append(write)
         except TransferError as exc:
             outcome.error = str(exc)
+            continue
+        _digest_of(part_digest, regions, outcome)
 
 
 def _release(engine: NixlEngine, writes: list[Write]) -> None:

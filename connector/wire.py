@@ -19,7 +19,7 @@ import json
 import re
 import struct
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, ClassVar, Union
+from typing import Any, ClassVar
 
 from .regions import HeadLayout, LayoutIdentity, Region
 
@@ -143,6 +143,7 @@ class Landed:
     type: ClassVar[str] = "landed"
     transfer_id: str
     regions: tuple[int, ...]
+    digest: str = ""  # verify_kv: kv_digest.py's digest of the bytes written into those regions ("" off)
 
 
 @dataclass(frozen=True)
@@ -150,6 +151,7 @@ class Done:
     type: ClassVar[str] = "done"
     transfer_id: str
     num_bytes: int
+    digest: str = ""  # verify_kv: kv_digest.py's digest of every byte the push wrote ("" off)
 
 
 @dataclass(frozen=True)
@@ -181,14 +183,15 @@ class Pong:
     type: ClassVar[str] = "pong"
 
 
-Message = Union[Hello, Challenge, Auth, Layout, Welcome, Refuse, Register, Cancel, Accepted, Streaming, Landed, Done,
-                Fail, Quiesced, Ping, Pong]
+Message = (Hello | Challenge | Auth | Layout | Welcome | Refuse | Register | Cancel | Accepted | Streaming | Landed
+           | Done | Fail | Quiesced | Ping | Pong)
 _TYPES: dict[str, type] = {cls.type: cls for cls in (Hello, Challenge, Auth, Layout, Welcome, Refuse, Register, Cancel,
                                                      Accepted, Streaming, Landed, Done, Fail, Quiesced, Ping, Pong)}
 HANDSHAKE_TYPES = (Hello, Challenge, Auth, Refuse)  # what a peer may send before it is authenticated
 MAX_ID_CHARS = 256
 ID_PATTERN = re.compile(r"[A-Za-z0-9._:-]+")
 HEX_64 = re.compile(r"[0-9a-f]{64}")
+HEX_16 = re.compile(r"[0-9a-f]{16}")
 MAX_INT = 2 ** 63 - 1  # every integer on the wire is an index, a size or an address: it fits an int64
 MAX_LIST = 65536  # layers, regions: far above any model
 
@@ -298,7 +301,9 @@ def _head_layout(body: Any, region: Region) -> HeadLayout:
     _exact_keys(body, HeadLayout)
     layout = HeadLayout(heads=_int(body["heads"], "heads", 1), head_bytes=_int(body["head_bytes"], "head_bytes", 1),
                         chunk_offsets=_ints(body["chunk_offsets"], "chunk_offsets"))
-    if not layout.chunk_offsets or any(o + layout.heads * layout.head_bytes > region.block_len for o in layout.chunk_offsets):
+    if not layout.chunk_offsets or any(
+        o + layout.heads * layout.head_bytes > region.block_len for o in layout.chunk_offsets
+    ):
         raise WireError("head layout reaches past its region's block")
     return layout
 
@@ -345,6 +350,13 @@ def _hex(value: Any, what: str, allow_empty: bool = False) -> str:
     raise WireError(f"{what} must be 64 hex digits")
 
 
+def _digest(value: Any, what: str) -> str:
+    """A KV digest (kv_digest.py): 16 hex digits, or "" where prefill computes none."""
+    if isinstance(value, str) and (value == "" or HEX_16.fullmatch(value)):
+        return value
+    raise WireError(f"{what} must be 16 hex digits or empty")
+
+
 def _register(body: dict) -> Register:
     _exact_keys(body, Register)
     block_ids = _ints(body["block_ids"], "block_ids")
@@ -378,8 +390,8 @@ _BUILDERS = {
     Cancel: _simple(Cancel, {"transfer_id": _id}),
     Accepted: _simple(Accepted, {"transfer_id": _id}),
     Streaming: _simple(Streaming, {"transfer_id": _id}),
-    Landed: _simple(Landed, {"transfer_id": _id, "regions": _ints}),
-    Done: _simple(Done, {"transfer_id": _id, "num_bytes": _int}),
+    Landed: _simple(Landed, {"transfer_id": _id, "regions": _ints, "digest": _digest}),
+    Done: _simple(Done, {"transfer_id": _id, "num_bytes": _int, "digest": _digest}),
     Fail: _simple(Fail, {"transfer_id": _id, "reason": _text, "may_still_land": _bool}),
     Quiesced: _simple(Quiesced, {"transfer_id": _id}),
     Ping: _simple(Ping, {}),

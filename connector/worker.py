@@ -27,18 +27,20 @@ from typing import Any
 from .cache_layout import layout_cost_note
 from .consumer import Consumer, ConsumerConfig
 from .hugepages import back_with_huge_pages
+from .kv_digest import HostMemory, TorchMemory
+from .kv_digest_check import MISMATCH
 from .layout import TensorView, head_layout, kv_regions, region_spans, regions_of
 from .metadata import PushMetadata
 from .producer import Producer, ProducerConfig
+from .regions import HeadLayout, LayoutIdentity, Region
 from .save_order import SaveQueue
 from .settings import Settings, side_channel_key
-from .siblings import exit_handles, sibling_ranks, yield_cores
 from .sharding import HeadSharding
+from .siblings import exit_handles, sibling_ranks, yield_cores
 from .state import Outcome, Pending
 from .stats import PushStats
 from .step_marks import CudaStreamMarks, StepMarks
 from .transfer import NixlEngine
-from .regions import HeadLayout, LayoutIdentity, Region
 
 log = logging.getLogger(__name__)
 
@@ -99,33 +101,57 @@ class PushWorker:
         on_gpu = bool(tensors[0].is_cuda)
         mem_type = "VRAM" if on_gpu else "DRAM"
         device_id = (tensors[0].device.index or 0) if on_gpu else 0
+        kv_memory = None if not s.verify_kv else TorchMemory(tensors) if on_gpu else HostMemory()
         if on_gpu and s.is_producer:
             self._step_marks = StepMarks(CudaStreamMarks(tensors[0].device), f"kvpush-mark-tp{self.tp_rank}")
         note = layout_cost_note(s.kv_cache_layout, regions, on_gpu)
         if note is not None:
             (log.warning if on_gpu else log.info)(note)
         if not on_gpu and s.huge_pages:
-            log.info("kvpush: putting the CPU KV cache on huge pages (connector extra config huge_pages: false skips this)")
+            log.info(
+                "kvpush: putting the CPU KV cache on huge pages (connector extra config huge_pages: false skips this)"
+            )
             huge = back_with_huge_pages(region_spans(regions))
             if huge.requested_bytes or huge.error:
                 log.info("kvpush: %s", huge.describe())
         name = f"{s.engine_id}.tp{self.tp_rank}.{os.getpid()}"
-        self.engine = NixlEngine(name, regions, backend=s.backend, mem_type=mem_type, device_id=device_id,
-                                 progress_delay_us=s.progress_delay_us, thread_cores=None if on_gpu else _instance_cores())
+        self.engine = NixlEngine(
+            name,
+            regions,
+            backend=s.backend,
+            mem_type=mem_type,
+            device_id=device_id,
+            progress_delay_us=s.progress_delay_us,
+            thread_cores=None if on_gpu else _instance_cores(),
+        )
         log.info("kvpush: %s registered %d KV regions (%d blocks x %s bytes) with NIXL %s", name, len(regions),
                  self.num_blocks, sorted({r.block_len for r in regions}), s.backend)
         if s.is_producer:
             port = s.side_channel_port + self.tp_rank
             try:
-                self.producer = Producer(ProducerConfig(s.engine_id, identity, s.allowed_engines, s.side_channel_host,
-                                                        port, s.transfer_timeout_s, tp_rank=self.tp_rank, sharding=sharding,
-                                                        head_layouts=head_layouts, side_channel_key=key,
-                                                        drive_writes=not on_gpu,
-                                                        stream_writes=s.stream_writes),
-                                         self.engine)
+                self.producer = Producer(
+                    ProducerConfig(
+                        s.engine_id,
+                        identity,
+                        s.allowed_engines,
+                        s.side_channel_host,
+                        port,
+                        s.transfer_timeout_s,
+                        tp_rank=self.tp_rank,
+                        sharding=sharding,
+                        head_layouts=head_layouts,
+                        side_channel_key=key,
+                        drive_writes=not on_gpu,
+                        stream_writes=s.stream_writes,
+                        verify_kv=kv_memory,
+                    ),
+                    self.engine,
+                )
             except OSError as exc:
-                raise RuntimeError(f"kvpush: prefill {s.engine_id} cannot listen on {s.side_channel_host}:{port} for its "
-                                   f"side channel ({exc}); stop the process holding that port or change side_channel_port") from None
+                raise RuntimeError(
+                    f"kvpush: prefill {s.engine_id} cannot listen on {s.side_channel_host}:{port} for its "
+                    f"side channel ({exc}); stop the process holding that port or change side_channel_port"
+                ) from None
             log.info("kvpush: prefill %s side channel on %s:%d", s.engine_id, s.side_channel_host, port)
             self._watch_siblings()
         else:
@@ -133,7 +159,8 @@ class PushWorker:
                                                     s.transfer_timeout_s, peer_silence_s=s.peer_silence_s,
                                                     accepted_timeout_s=s.accepted_timeout_s, sharding=sharding,
                                                     head_layouts=head_layouts, side_channel_key=key,
-                                                    peers=s.peer_side_channels, late_write_hold_s=s.late_write_hold_s),
+                                                    peers=s.peer_side_channels, late_write_hold_s=s.late_write_hold_s,
+                                                    verify_kv=kv_memory),
                                      name, self.engine.metadata, tuple(regions), device_id)
 
     def _watch_siblings(self) -> None:
@@ -146,15 +173,26 @@ class PushWorker:
             return
         siblings = sibling_ranks()
         if len(siblings) != others:
-            log.warning("kvpush: prefill rank %d found %d process(es) titled as this instance's ranks on this host where "
-                        "%d run, so it watches none (another executor, setproctitle missing, or /proc mounted with "
-                        "hidepid); decode hears of a lost rank only once vLLM ends this one", self.tp_rank, len(siblings), others)
+            log.warning(
+                "kvpush: prefill rank %d found %d process(es) titled as this instance's ranks on this host where "
+                "%d run, so it watches none (another executor, setproctitle missing, or /proc mounted with "
+                "hidepid); decode hears of a lost rank only once vLLM ends this one",
+                self.tp_rank,
+                len(siblings),
+                others,
+            )
             return
         handles, gone = exit_handles(siblings)
         self.producer.watch_siblings(handles, gone, on_lost=self._yield_cores)
         if len(handles) + len(gone) < others:
-            log.warning("kvpush: prefill rank %d watches %d of its %d sibling rank process(es): no pidfd could be opened for the "
-                        "others (a kernel before Linux 5.3, or out of file descriptors)", self.tp_rank, len(handles) + len(gone), others)
+            log.warning(
+                "kvpush: prefill rank %d watches %d of its %d sibling rank process(es): no pidfd could be opened for "
+                "the "
+                "others (a kernel before Linux 5.3, or out of file descriptors)",
+                self.tp_rank,
+                len(handles) + len(gone),
+                others,
+            )
         else:
             log.info("kvpush: prefill rank %d watches its %d sibling rank process(es)", self.tp_rank, others)
 
@@ -163,7 +201,11 @@ class PushWorker:
         keep answering decode."""
         assert self.producer is not None
         moved = yield_cores(keep_threads={threading.get_native_id(), *self.producer.side_channel_threads()})
-        log.info("kvpush: prefill rank %d put %d thread(s) under SCHED_IDLE until vLLM ends this process", self.tp_rank, moved)
+        log.info(
+            "kvpush: prefill rank %d put %d thread(s) under SCHED_IDLE until vLLM ends this process",
+            self.tp_rank,
+            moved,
+        )
 
     # ---- before the forward pass (mostly D) ------------------------------------------------------
     def bind(self, meta: PushMetadata) -> None:
@@ -349,6 +391,7 @@ class PushWorker:
             if service is not None:
                 counts = service.take_counts()
                 self._stats.record_late_write_backstops(counts.pop("late_write_backstop", 0))
+                self._stats.record_kv_digest_mismatches(counts.pop(MISMATCH, 0))
                 self._stats.record_dropped(counts)
         if self._stats.is_empty():
             return None
@@ -381,7 +424,9 @@ def _instance_cores() -> set[int] | None:
         return None
 
 
-def _head_layouts(kv_caches: dict[str, Any], regions: list[Region], num_blocks: int, heads: int) -> tuple[HeadLayout, ...]:
+def _head_layouts(
+    kv_caches: dict[str, Any], regions: list[Region], num_blocks: int, heads: int
+) -> tuple[HeadLayout, ...]:
     """Per region (kv_regions over the same tensors), where this rank's heads lie in its blocks."""
     by_base: dict[int, HeadLayout] = {}
     for tensor in kv_caches.values():

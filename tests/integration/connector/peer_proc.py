@@ -15,6 +15,9 @@ LANDED on its own (a loaded machine can make the first WRITE to a peer take long
 With {"stop_before_write": true}, it stops itself once it has matched its first offer with its
 registration, before it checks that decode still wants the push and posts anything.
 The status ({"freed": true}) also says how many NIXL peers it made ("peers_added").
+With {"verify_kv": true}, it sends decode a digest of each push's KV (kv_digest.py); with
+{"swap_dst_blocks": true} too, its WRITEs put each source block into another destination block
+than decode registered for it (the first two swapped), as a block-mapping bug would.
 """
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ from kvpush.connector.metadata import SendSpec
 from kvpush.connector.producer import Producer, ProducerConfig
 from kvpush.connector import streamed_write
 from kvpush.connector.save_order import SaveQueue
+from kvpush.connector.kv_digest import HostMemory
 from kvpush.connector.transfer import NixlEngine
 from kvpush.connector.regions import LayoutIdentity
 
@@ -175,6 +179,17 @@ def _stop_before_write(producer: Producer) -> None:
         setattr(pushes, name, stop_then_write)
 
 
+def _swap_dst_blocks(engine: NixlEngine) -> None:
+    def swapped(dst):
+        dst = list(dst)
+        dst[:2] = dst[:2][::-1]
+        return dst
+
+    for name in ("prepare_write", "prepare_parts"):
+        make = getattr(engine, name)
+        setattr(engine, name, lambda peer, src, dst, *rest, make=make: make(peer, src, swapped(dst), *rest))
+
+
 def _count_peers_added(engine: NixlEngine) -> Counter:
     added, add_peer = Counter(), engine.add_peer
 
@@ -206,8 +221,11 @@ def main() -> None:
                                        frozenset(cfg["allowed"]), "127.0.0.1", cfg.get("port", 0),
                                        cfg.get("timeout_s", 5.0), stream_writes=cfg.get("stream_writes", False),
                                        side_channel_key=bytes.fromhex(cfg.get("side_channel_key", "")),
-                                       drive_writes=not cfg.get("save_queue", False)),
+                                       drive_writes=not cfg.get("save_queue", False),
+                                       verify_kv=HostMemory() if cfg.get("verify_kv") else None),
                         engine)
+    if cfg.get("swap_dst_blocks"):
+        _swap_dst_blocks(engine)
     if cfg.get("stop_before_write"):
         _stop_before_write(producer)
     saves = SaveQueue(producer) if cfg.get("save_queue") else None
