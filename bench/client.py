@@ -14,7 +14,9 @@ from pathlib import Path
 
 from kvpush.common.errors import KvpushError
 from kvpush.deploy.topology.placement import on_cores
-from .conversation_client import API_KEY_VARIABLE, argv_for as conversations_argv
+
+from .conversation_client import API_KEY_VARIABLE
+from .conversation_client import argv_for as conversations_argv
 from .conversations import Workload
 
 PERCENTILE_METRICS = "ttft,tpot,itl,e2el"
@@ -60,31 +62,52 @@ def job_argv(load: LoadSpec) -> list[str]:
 def bench_serve_argv(load: LoadSpec, command: list[str] | None = None) -> list[str]:
     """The `vllm bench serve` command line for one load level (program name first, `vllm` by default)."""
     return [
-        *(command if command is not None else ["vllm"]), "bench", "serve",
-        "--backend", "openai",
-        "--base-url", load.base_url,
-        "--endpoint", "/v1/completions",
-        "--model", load.served_model,
-        "--served-model-name", load.served_model,
-        "--tokenizer", load.tokenizer,
-        "--dataset-name", "random",
-        "--random-input-len", str(load.input_len),
-        "--random-output-len", str(load.output_len),
+        *(command if command is not None else ["vllm"]),
+        "bench",
+        "serve",
+        "--backend",
+        "openai",
+        "--base-url",
+        load.base_url,
+        "--endpoint",
+        "/v1/completions",
+        "--model",
+        load.served_model,
+        "--served-model-name",
+        load.served_model,
+        "--tokenizer",
+        load.tokenizer,
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        str(load.input_len),
+        "--random-output-len",
+        str(load.output_len),
         # only the prompt's length varies: every request produces output_len tokens
-        "--random-range-ratio", json.dumps({"input": load.input_len_spread, "output": 0.0}) if load.input_len_spread else "0.0",
-        "--random-prefix-len", str(load.prefix_len),  # 0: every prompt is new to decode
-        "--num-prompts", str(load.num_prompts),
-        "--request-rate", f"{load.rate:g}",
-        "--seed", str(load.seed),
+        "--random-range-ratio",
+        json.dumps({"input": load.input_len_spread, "output": 0.0}) if load.input_len_spread else "0.0",
+        "--random-prefix-len",
+        str(load.prefix_len),  # 0: every prompt is new to decode
+        "--num-prompts",
+        str(load.num_prompts),
+        "--request-rate",
+        f"{load.rate:g}",
+        "--seed",
+        str(load.seed),
         "--ignore-eos",  # every request produces output_len tokens, so TPOT compares like with like
-        "--temperature", "0",
-        "--percentile-metrics", PERCENTILE_METRICS,
-        "--metric-percentiles", PERCENTILES,
+        "--temperature",
+        "0",
+        "--percentile-metrics",
+        PERCENTILE_METRICS,
+        "--metric-percentiles",
+        PERCENTILES,
         "--disable-tqdm",
         "--save-result",
         "--save-detailed",  # per-request latencies: a --rounds bench pools them over rounds
-        "--result-dir", load.result_dir,
-        "--result-filename", load.result_filename,
+        "--result-dir",
+        load.result_dir,
+        "--result-filename",
+        load.result_filename,
         *(["--request-id-prefix", load.request_id_prefix] if load.request_id_prefix else []),
     ]
 
@@ -125,7 +148,9 @@ class BenchClient:
             if not self._ready:
                 answer = self._answer(deadline, load, log_path, timeout_s)
                 if "error" in answer:
-                    raise KvpushError(f"`vllm bench serve` could not start: {answer['error']}; its output is {self.log_path}")
+                    raise KvpushError(
+                        f"`vllm bench serve` could not start: {answer['error']}; its output is {self.log_path}"
+                    )
                 self._ready = True
             # The key goes on the worker's stdin, never in an argv; unset when the router takes none,
             # so a key of the user's own environment is never sent to the deployment.
@@ -152,14 +177,18 @@ class BenchClient:
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise KvpushError(f"`vllm bench serve` at {load.rate:g} req/s did not finish within {timeout_s:.0f} s; "
-                                      f"its output is {log_path}; lower --num-prompts or raise --client-timeout")
+                    raise KvpushError(
+                        f"`vllm bench serve` at {load.rate:g} req/s did not finish within {timeout_s:.0f} s; "
+                        f"its output is {log_path}; lower --num-prompts or raise --client-timeout"
+                    )
                 if selector.select(timeout=min(left, 1.0)):
                     line = self._proc.stdout.readline()
                     if not line:
                         rc = self._proc.wait()
-                        raise KvpushError(f"the `vllm bench serve` process exited (status {rc}) at {load.rate:g} req/s; "
-                                          f"its output is {self.log_path} and {log_path}")
+                        raise KvpushError(
+                            f"the `vllm bench serve` process exited (status {rc}) at {load.rate:g} req/s; "
+                            f"its output is {self.log_path} and {log_path}"
+                        )
                     try:
                         return json.loads(line)
                     except ValueError:
@@ -184,7 +213,7 @@ class BenchClient:
                 except OSError:
                     pass
 
-    def __enter__(self) -> "BenchClient":
+    def __enter__(self) -> BenchClient:
         return self
 
     def __exit__(self, *exc: object) -> None:

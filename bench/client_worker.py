@@ -4,8 +4,8 @@ Importing vLLM's benchmark client costs 15-50 s of CPU on a loaded 2-core machin
 16 times. This process imports it once and then, for each JSON line on stdin
 (`{"argv": ["vllm", "bench", "serve", ...], "log": PATH, "env": {NAME: VALUE or null}}`), runs
 vLLM's own CLI `main()` with that argv and environment (null: unset; the router's API key travels
-this way, never in an argv), its stdout and stderr going to PATH, and answers one JSON line (`{"rc": N}`) on its original
-stdout. It prints `{"ready": true}` once the import is done. A job whose argv starts with
+this way, never in an argv), its stdout and stderr going to PATH, and answers one JSON line
+(`{"rc": N}`) on its original stdout. It prints `{"ready": true}` once the import is done. A job whose argv starts with
 `kvpush-conversations` runs the multi-turn client (conversation_client.py) instead. Run as
 `python -m kvpush.bench.client_worker`.
 """
@@ -20,7 +20,9 @@ from typing import Callable, TextIO
 READY = {"ready": True}
 
 
-def run_job(entry: Callable[[], object], argv: list[str], log_path: str, env: dict[str, str | None] | None = None) -> int:
+def run_job(
+    entry: Callable[[], object], argv: list[str], log_path: str, env: dict[str, str | None] | None = None
+) -> int:
     """Run `entry` as if started with `argv` and `env` set, fds 1 and 2 sent to log_path; its exit status."""
     sys.stdout.flush()
     sys.stderr.flush()
@@ -85,12 +87,11 @@ def serve(entry: Callable[[], object], jobs: TextIO, answers: TextIO,
 
 
 def _vllm_entry() -> Callable[[], object]:
-    from vllm.entrypoints.cli.main import main
-
     # What `vllm bench serve` imports on its first run, done before the first job's clock starts.
     import vllm.benchmarks.serve  # noqa: F401
     import vllm.entrypoints.cli.benchmark.main  # noqa: F401
     import vllm.entrypoints.cli.benchmark.serve  # noqa: F401
+    from vllm.entrypoints.cli.main import main
     return main
 
 
@@ -103,9 +104,11 @@ def main() -> None:
     try:
         entry = _vllm_entry()
     except Exception as exc:  # reported to the bench as one line
-        answers.write(json.dumps({"error": f"cannot import vLLM's benchmark client: {type(exc).__name__}: {exc}"}) + "\n")
+        answers.write(
+            json.dumps({"error": f"cannot import vLLM's benchmark client: {type(exc).__name__}: {exc}"}) + "\n"
+        )
         answers.flush()
-        raise SystemExit(1)
+        raise SystemExit(1) from None
     from . import conversation_client
 
     serve(entry, sys.stdin, answers, {conversation_client.PROGRAM: conversation_client.main})

@@ -26,7 +26,9 @@ from .conversations import Conversation, Workload, new_tokens, next_prompt, plan
 from .tails import percentile
 
 PROGRAM = "kvpush-conversations"
-API_KEY_VARIABLE = "OPENAI_API_KEY"  # the router's key for both clients (vLLM's sends it as `Authorization: Bearer ...`)
+API_KEY_VARIABLE = (
+    "OPENAI_API_KEY"  # the router's key for both clients (vLLM's sends it as `Authorization: Bearer ...`)
+)
 COMPLETIONS_PATH = "/v1/completions"
 
 
@@ -116,9 +118,17 @@ async def _conversation(session, args, conversation: Conversation, workload: Wor
         prompt = next_prompt(prompt, answer, user)
         result = results[request_index(conversation.index, turn, workload.turns)]
         result.prompt_tokens, result.new_tokens = len(prompt), new_tokens(turn, len(prompt), workload)
-        await _send(session, args.base_url, {**headers, "X-Request-Id": f"{args.request_id_prefix}"
-                                                                        f"{request_index(conversation.index, turn, workload.turns)}"},
-                    turn_body(args.model, prompt, args.output_len), result, args.timeout)
+        await _send(
+            session,
+            args.base_url,
+            {
+                **headers,
+                "X-Request-Id": f"{args.request_id_prefix}{request_index(conversation.index, turn, workload.turns)}",
+            },
+            turn_body(args.model, prompt, args.output_len),
+            result,
+            args.timeout,
+        )
         if result.error:
             for later in range(turn + 1, workload.turns):
                 results[request_index(conversation.index, later, workload.turns)].error = f"turn {turn + 1} failed"
@@ -156,24 +166,40 @@ def result_document(results: Sequence[TurnResult], duration_s: float, rate: floa
     inputs = sum(r.prompt_tokens for r in done)
     tpots = [(r.latency_s - r.ttft_s) / (len(r.answer) - 1) for r in done if len(r.answer) > 1]
     doc = {
-        "backend": PROGRAM, "request_rate": rate, "completed": len(done), "failed": len(results) - len(done),
-        "duration": duration_s, "request_throughput": len(done) / duration_s if duration_s else 0.0,
+        "backend": PROGRAM,
+        "request_rate": rate,
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "duration": duration_s,
+        "request_throughput": len(done) / duration_s if duration_s else 0.0,
         "output_throughput": output / duration_s if duration_s else 0.0,
         "total_token_throughput": (inputs + output) / duration_s if duration_s else 0.0,
-        "total_input_tokens": inputs, "total_output_tokens": output, "max_concurrent_requests": None,
-        **_ms_stats("ttft", [r.ttft_s for r in done]), **_ms_stats("tpot", tpots),
-        **_ms_stats("itl", [g for r in done for g in r.itls_s]), **_ms_stats("e2el", [r.latency_s for r in done]),
-        "input_lens": [r.prompt_tokens for r in results], "output_lens": [len(r.answer) if not r.error else 0 for r in results],
+        "total_input_tokens": inputs,
+        "total_output_tokens": output,
+        "max_concurrent_requests": None,
+        **_ms_stats("ttft", [r.ttft_s for r in done]),
+        **_ms_stats("tpot", tpots),
+        **_ms_stats("itl", [g for r in done for g in r.itls_s]),
+        **_ms_stats("e2el", [r.latency_s for r in done]),
+        "input_lens": [r.prompt_tokens for r in results],
+        "output_lens": [len(r.answer) if not r.error else 0 for r in results],
         "ttfts": [r.ttft_s if not r.error else 0.0 for r in results],
         "itls": [r.itls_s if not r.error else [] for r in results],
         "latencies": [r.latency_s if not r.error else 0.0 for r in results],
         "errors": [r.error for r in results],
-        "conversations": {"workload": {"conversations": workload.conversations, "turns": workload.turns,
-                                       "first_tokens": workload.first_tokens, "turn_tokens": workload.turn_tokens,
-                                       "prefix_len": workload.prefix_len},
-                          "conversation": [r.conversation for r in results], "turn": [r.turn for r in results],
-                          "new_tokens": [r.new_tokens for r in results],
-                          "answer_token_ids": [r.answer for r in results]},
+        "conversations": {
+            "workload": {
+                "conversations": workload.conversations,
+                "turns": workload.turns,
+                "first_tokens": workload.first_tokens,
+                "turn_tokens": workload.turn_tokens,
+                "prefix_len": workload.prefix_len,
+            },
+            "conversation": [r.conversation for r in results],
+            "turn": [r.turn for r in results],
+            "new_tokens": [r.new_tokens for r in results],
+            "answer_token_ids": [r.answer for r in results],
+        },
     }
     return doc
 

@@ -60,7 +60,9 @@ def _turns(text: str, source: str) -> _Turns:
     conv = doc.get("conversations")
     if not isinstance(conv, dict):
         raise ValueError(f"{source}: not a multi-turn result (no 'conversations')")
-    return _Turns([not e for e in doc["errors"]], conv["new_tokens"], conv["turn"], doc["ttfts"], conv["answer_token_ids"])
+    return _Turns(
+        [not e for e in doc["errors"]], conv["new_tokens"], conv["turn"], doc["ttfts"], conv["answer_token_ids"]
+    )
 
 
 def _per(total: float, count: int) -> float | None:

@@ -30,7 +30,13 @@ class Workload:
 
     def problem(self) -> str | None:
         """What is wrong with it, as one line naming the option; None if nothing."""
-        for name, low in (("conversations", 1), ("turns", 1), ("first_tokens", 1), ("turn_tokens", 1), ("prefix_len", 0)):
+        for name, low in (
+            ("conversations", 1),
+            ("turns", 1),
+            ("first_tokens", 1),
+            ("turn_tokens", 1),
+            ("prefix_len", 0),
+        ):
             if getattr(self, name) < low:
                 flag = "--input-len" if name == "first_tokens" else f"--{name.replace('_', '-')}"
                 return f"{flag} must be at least {low} (got {getattr(self, name)})"

@@ -16,17 +16,17 @@ from pathlib import Path
 from typing import Iterator
 
 from kvpush.common.errors import KvpushError, UsageError
-
 from kvpush.deploy.lifecycle.client import COMPLETIONS_PATH, completion_body
 from kvpush.deploy.lifecycle.hosts import connected
 from kvpush.deploy.lifecycle.lifecycle import up
-from kvpush.deploy.plan.plan import build_plan
 from kvpush.deploy.lifecycle.router_ready import wait_router_ready
-from kvpush.deploy.runners import LocalRunner, Runner
 from kvpush.deploy.lifecycle.secrets import AccessKeys, client_api_key, kept_secret
 from kvpush.deploy.lifecycle.state import HostRecord, load_state
 from kvpush.deploy.lifecycle.tiny_model import make_tiny_model
+from kvpush.deploy.plan.plan import build_plan
+from kvpush.deploy.runners import LocalRunner, Runner
 from kvpush.deploy.topology.topology import Topology
+
 from .idle_cpu import idle_cores
 from .options import BenchEvents, BenchOptions
 from .results import ModeRun
@@ -89,8 +89,16 @@ def deploy_mode(topo: Topology, options: BenchOptions, events: BenchEvents, run:
         raise KvpushError("cannot reach " + "; ".join(unreachable.values()))
     keys = AccessKeys.of(kept_secret(topo.name), client_api_key(topo))  # `up` just made or checked both
     plan = build_plan(topo)
-    deployed = Deployed(topo, run, endpoints, router, plan.router_url_from_here(), resolve_tokenizer(topo, options.tokenizer),
-                        runners, keys)
+    deployed = Deployed(
+        topo,
+        run,
+        endpoints,
+        router,
+        plan.router_url_from_here(),
+        resolve_tokenizer(topo, options.tokenizer),
+        runners,
+        keys,
+    )
     with timed(run, "rotation"):
         wait_router_ready(runners[router.host], plan.router_url, ROTATION_TIMEOUT_S, keys,
                           instances=plan.instance_names())

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpush.common.errors import KvpushError
-
 from kvpush.deploy.plan.engine_tracing import DEPLOYMENT_ATTRIBUTE, INSTANCE_ATTRIBUTE, ROLE_ATTRIBUTE
 
 REQUEST_SPAN = "llm_request"  # vLLM's one span per request (v1 OutputProcessor.do_tracing)
@@ -68,8 +67,14 @@ def parse_export(body: bytes) -> list[dict]:
         for scope_spans in resource_spans.scope_spans:
             for span in scope_spans.spans:
                 if span.name == REQUEST_SPAN:
-                    records.append({**source, "start_unix_nano": span.start_time_unix_nano,
-                                    "end_unix_nano": span.end_time_unix_nano, "attributes": _attributes(span.attributes)})
+                    records.append(
+                        {
+                            **source,
+                            "start_unix_nano": span.start_time_unix_nano,
+                            "end_unix_nano": span.end_time_unix_nano,
+                            "attributes": _attributes(span.attributes),
+                        }
+                    )
     return records
 
 
@@ -97,7 +102,7 @@ class EngineSpan:
         return self.first_token_s - self.prefill_s
 
     @classmethod
-    def of(cls, record: Any) -> "EngineSpan | None":
+    def of(cls, record: Any) -> EngineSpan | None:
         """The span's figures; None for a record that lacks one or holds nonsense (never trusted as given)."""
         if not isinstance(record, dict) or not isinstance(record.get("attributes"), dict):
             return None
@@ -111,6 +116,10 @@ class EngineSpan:
         times = [attrs.get(k) for k in (TIME_TO_FIRST_TOKEN, TIME_IN_QUEUE, TIME_IN_PREFILL)]
         if not isinstance(start, int) or isinstance(start, bool) or start <= 0:
             return None
-        if not all(isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t >= 0 for t in times):
+        if not all(
+            isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t >= 0 for t in times
+        ):
             return None
-        return cls(names[0], names[1], names[2], request_id, start / 1e9, float(times[0]), float(times[1]), float(times[2]))
+        return cls(
+            names[0], names[1], names[2], request_id, start / 1e9, float(times[0]), float(times[1]), float(times[2])
+        )

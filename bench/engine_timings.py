@@ -16,12 +16,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvpush.common.errors import KvpushError
+from kvpush.deploy.topology.topology import Topology
 from kvpush.router.protocols import client_id_in_transfer_id
 
-from kvpush.deploy.topology.topology import Topology
-from .modes import SPAN_EXPORT_DELAY_MS
 from .engine_spans import REQUEST_ID, EngineSpan
 from .handoff import HandoffSamples, client_request_id, missing, spans_document
+from .modes import SPAN_EXPORT_DELAY_MS
 from .raw import read_text
 from .span_receiver import SpanReceiver
 
@@ -40,7 +40,7 @@ def engine_timings_unavailable(topo: Topology) -> str | None:
     return None
 
 
-def engine_timings_note(topo: Topology, options: "BenchOptions") -> dict:
+def engine_timings_note(topo: Topology, options: BenchOptions) -> dict:
     """What bench.json says about the engines' timings: taken or not, and why not."""
     if not options.engine_timings:
         return {"taken": False, "why_not": "--no-engine-timings"}

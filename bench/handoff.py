@@ -65,7 +65,7 @@ class HandoffSamples:
         return len(self.samples)
 
     @classmethod
-    def of(cls, kept: dict) -> "HandoffSamples":
+    def of(cls, kept: dict) -> HandoffSamples:
         """From a kept spans document (see `spans_document`)."""
         wanted = [r for r in kept.get("requests", []) if isinstance(r, str)]
         spans = [s for s in (EngineSpan.of(r) for r in kept.get("spans", [])) if s is not None]

@@ -5,9 +5,9 @@ import json
 from pathlib import Path
 
 from kvpush.common.errors import KvpushError
-
-from kvpush.deploy.runners import Runner
 from kvpush.deploy.lifecycle.secrets import AccessKeys
+from kvpush.deploy.runners import Runner
+
 from .client import BenchClient, LoadSpec
 from .deployment import Deployed, Endpoint, timed
 from .engine_timings import collect
@@ -56,15 +56,27 @@ def measure_rate(d: Deployed, options: BenchOptions, events: BenchEvents, client
     if d.spans is not None and d.topo.connector.type != "colocated":
         spans_path = raw_dir / f"{name}-spans.json.gz"
         with timed(d.run, f"spans {rate:g}" + (f" round {round_index + 1}" if options.rounds > 1 else "")):
-            joined = collect(d.spans, load.request_id_prefix, completed_request_ids(text, load.request_id_prefix, str(path)),
-                             spans_path)
+            joined = collect(
+                d.spans,
+                load.request_id_prefix,
+                completed_request_ids(text, load.request_id_prefix, str(path)),
+                spans_path,
+            )
         handoff, spans_file = summarize(joined), relative(spans_path, options.out_dir)
     point = RatePoint(
-        mode=d.run.mode, rate=rate, seed=seed, client=parse_client_result(text, str(path)),
+        mode=d.run.mode,
+        rate=rate,
+        seed=seed,
+        client=parse_client_result(text, str(path)),
         router=router_figures(before[d.router.name], after[d.router.name]),
-        instances=[instance_figures(e.name, e.role, before[e.name], after[e.name]) for e in d.endpoints if e.role != "router"],
-        round=round_index, tails=parse_request_samples(text, str(path)).tails(options.slo),
-        raw_file=relative(path, options.out_dir), engine_handoff=handoff, spans_file=spans_file,
+        instances=[
+            instance_figures(e.name, e.role, before[e.name], after[e.name]) for e in d.endpoints if e.role != "router"
+        ],
+        round=round_index,
+        tails=parse_request_samples(text, str(path)).tails(options.slo),
+        raw_file=relative(path, options.out_dir),
+        engine_handoff=handoff,
+        spans_file=spans_file,
     )
     events.rate_done(d.run.mode, point)
     return point, path

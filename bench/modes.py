@@ -8,8 +8,15 @@ from pathlib import PurePosixPath
 from typing import get_args
 
 from kvpush.common.errors import UsageError
+from kvpush.deploy.topology.topology import (
+    ConnectorType,
+    TinyModelSpec,
+    Topology,
+    TracingSpec,
+    listening_side_channel_ports,
+    side_channel_ports,
+)
 from kvpush.router.config import Policy
-from kvpush.deploy.topology.topology import ConnectorType, Topology, TinyModelSpec, TracingSpec, listening_side_channel_ports, side_channel_ports
 
 # A bench mode is a connector type, or a `-stock` control: vLLM's connector exactly as vLLM ships it
 # (connector.stock_vllm), beside the variant kvpush tunes for shared CPU cores; either may name the
@@ -123,7 +130,9 @@ def renumber_ports(topo: Topology, port_base: int) -> Topology:
             renumbered[role][i] = spec.model_copy(update={"side_channel_port": next_port})
             next_port += len(side_channel_ports(renumbered[role][i]))
     if next_port > 65536:
-        raise UsageError(f"--port-base {port_base} leaves no room for {next_port - port_base} ports; choose a lower one")
+        raise UsageError(
+            f"--port-base {port_base} leaves no room for {next_port - port_base} ports; choose a lower one"
+        )
     return topo.model_copy(update={"router": router, **renumbered})
 
 
@@ -151,7 +160,9 @@ def bench_topology(topo: Topology, mode: str, *, kv_heavy: bool = False, port_ba
     suffix = "-bench" if mode_index is None else f"-bench-{mode.replace(POLICY_SEPARATOR, '-')}"
     name = f"{topo.name[:min(50 if mode_index is None else 40, 63 - len(suffix))]}{suffix}"
     out = topo.model_copy(deep=True)
-    out = out.model_copy(update={"name": name, "connector": out.connector.model_copy(update={"type": kind, "stock_vllm": stock})})
+    out = out.model_copy(
+        update={"name": name, "connector": out.connector.model_copy(update={"type": kind, "stock_vllm": stock})}
+    )
     if policy_of(mode) is not None:
         out = out.model_copy(update={"router": out.router.model_copy(update={"policy": policy_of(mode)})})
     if kv_heavy:

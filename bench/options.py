@@ -5,9 +5,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvpush.common.errors import UsageError
-
 from kvpush.deploy.lifecycle.lifecycle import Events, LifecycleOptions
 from kvpush.deploy.topology.topology import Topology
+
 from .conversations import Workload
 from .modes import DEFAULT_BASELINE, ROUNDS_NEED_PORT_BASE, bench_topology
 from .results import RatePoint
@@ -76,8 +76,10 @@ class BenchOptions:
         if self.slo.problem():
             raise UsageError(self.slo.problem())
         if self.baseline not in self.modes:
-            raise UsageError(f"--baseline {self.baseline} is not among --modes {','.join(self.modes)}; add it or choose "
-                             f"another baseline")
+            raise UsageError(
+                f"--baseline {self.baseline} is not among --modes {','.join(self.modes)}; add it or choose "
+                f"another baseline"
+            )
 
 
 class BenchEvents:

@@ -67,8 +67,12 @@ def _goodput_plot(plt, runs: list[ModeRun], out_dir: Path, subtitle: str) -> Pat
         slo = points[0].tails.slo
         xs = [p.rate for p in points]
         ys = [p.tails.goodput.value for p in points]
-        below = [max(0.0, y - (p.tails.goodput.low if p.tails.goodput.low is not None else y)) for p, y in zip(points, ys)]
-        above = [max(0.0, (p.tails.goodput.high if p.tails.goodput.high is not None else y) - y) for p, y in zip(points, ys)]
+        below = [
+            max(0.0, y - (p.tails.goodput.low if p.tails.goodput.low is not None else y)) for p, y in zip(points, ys)
+        ]
+        above = [
+            max(0.0, (p.tails.goodput.high if p.tails.goodput.high is not None else y) - y) for p, y in zip(points, ys)
+        ]
         ax.errorbar(xs, ys, yerr=[below, above], marker="o", capsize=3, color=f"C{i}", label=mode_label(run.mode))
         top = max([top, *xs])
     if top:

@@ -9,12 +9,13 @@ from pathlib import Path
 
 from kvpush.deploy.lifecycle.tiny_model import describe
 from kvpush.deploy.topology.topology import Topology
+
 from . import environment
 from .modes import kv_bytes_per_token, topology_hash
 from .options import BenchOptions, mode_topology, seed_for
 from .plots import write_plots
-from .tails import CONFIDENCE
 from .results import ModeRun, paired_ratios, point_to_dict, ratios_vs_baseline
+from .tails import CONFIDENCE
 
 RESULT_FILE = "bench.json"
 
@@ -37,22 +38,47 @@ class BenchReport:
             "finished_at": self.finished_at,
             "wall_s": None if self.finished_at is None else self.finished_at - self.started_at,
             "interrupted": self.interrupted,
-            "options": {"modes": o.modes, "rates": o.rates, "input_len": o.input_len, "output_len": o.output_len,
-                        "num_prompts": o.num_prompts, "kv_heavy": o.kv_heavy,
-                        "prefix_len": o.prefix_len, "input_len_spread": o.input_len_spread, "baseline": o.baseline, "seed": o.seed,
-                        "port_base": o.port_base, "rounds": o.rounds,
-                        "conversations": o.conversations, "turns": o.turns,
-                        "turn_tokens": None if o.workload() is None else o.workload().turn_tokens,
-                        "slo": {"ttft_ms": o.slo.ttft_ms, "tpot_ms": o.slo.tpot_ms}, "confidence": CONFIDENCE},
+            "options": {
+                "modes": o.modes,
+                "rates": o.rates,
+                "input_len": o.input_len,
+                "output_len": o.output_len,
+                "num_prompts": o.num_prompts,
+                "kv_heavy": o.kv_heavy,
+                "prefix_len": o.prefix_len,
+                "input_len_spread": o.input_len_spread,
+                "baseline": o.baseline,
+                "seed": o.seed,
+                "port_base": o.port_base,
+                "rounds": o.rounds,
+                "conversations": o.conversations,
+                "turns": o.turns,
+                "turn_tokens": None if o.workload() is None else o.workload().turn_tokens,
+                "slo": {"ttft_ms": o.slo.ttft_ms, "tpot_ms": o.slo.tpot_ms},
+                "confidence": CONFIDENCE,
+            },
             "configuration": self.configuration,
-            "runs": [{"mode": r.mode, "topology_hash": r.topology_hash, "up_s": r.up_s, "error": r.error,
-                      "idle_cores": r.idle_cores, "phases_s": r.phases_s,
-                      "points": [point_to_dict(p) for p in r.points],
-                      "round_points": [point_to_dict(p) for p in r.round_points]} for r in self.runs],
-            "ratios_vs_baseline": {m: {f"{rate:g}": v for rate, v in by_rate.items()}
-                                   for m, by_rate in ratios_vs_baseline(self.runs, o.baseline).items()},
-            "paired_ratios_vs_baseline": {m: {f"{rate:g}": v for rate, v in by_rate.items()}
-                                          for m, by_rate in paired_ratios(self.runs, o.baseline).items()},
+            "runs": [
+                {
+                    "mode": r.mode,
+                    "topology_hash": r.topology_hash,
+                    "up_s": r.up_s,
+                    "error": r.error,
+                    "idle_cores": r.idle_cores,
+                    "phases_s": r.phases_s,
+                    "points": [point_to_dict(p) for p in r.points],
+                    "round_points": [point_to_dict(p) for p in r.round_points],
+                }
+                for r in self.runs
+            ],
+            "ratios_vs_baseline": {
+                m: {f"{rate:g}": v for rate, v in by_rate.items()}
+                for m, by_rate in ratios_vs_baseline(self.runs, o.baseline).items()
+            },
+            "paired_ratios_vs_baseline": {
+                m: {f"{rate:g}": v for rate, v in by_rate.items()}
+                for m, by_rate in paired_ratios(self.runs, o.baseline).items()
+            },
         }
 
 
@@ -95,8 +121,12 @@ def write_outputs(report: BenchReport) -> None:
     prompt = (f"{o.prefix_len} shared + " if o.prefix_len else "") + f"{o.input_len}" + \
         (f" (±{o.input_len_spread:.0%})" if o.input_len_spread else "")
     workload = o.workload()
-    per_rate = (f"{o.num_prompts} prompts per rate" if workload is None else
-                f"{workload.conversations} conversations x {workload.turns} turns (+{workload.turn_tokens} tokens each) per rate")
+    per_rate = (
+        f"{o.num_prompts} prompts per rate"
+        if workload is None
+        else f"{workload.conversations} conversations x {workload.turns} turns "
+        f"(+{workload.turn_tokens} tokens each) per rate"
+    )
     subtitle = (f"{model.get('served_name')}, {prompt} in / {report.options.output_len} out tokens, {per_rate}"
                 + (f" x {report.options.rounds} rounds" if report.options.rounds > 1 else ""))
     path = out / RESULT_FILE

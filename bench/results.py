@@ -7,7 +7,10 @@ import statistics
 from dataclasses import asdict, dataclass, field, replace
 
 from kvpush.common.errors import KvpushError
-from .handoff import HandoffSamples, HandoffSummary, pooled as pooled_handoff, summarize as summarize_handoff
+
+from .handoff import HandoffSamples, HandoffSummary
+from .handoff import pooled as pooled_handoff
+from .handoff import summarize as summarize_handoff
 from .scrape import InstanceFigures, RouterFigures, ms_per_request
 from .tails import Slo, Tails, percentile, summarize
 
@@ -95,8 +98,11 @@ class RequestSamples:
 
 def pooled_samples(samples: list[RequestSamples]) -> RequestSamples:
     """Every round's requests together (bench time summed)."""
-    return RequestSamples(*([v for s in samples for v in getattr(s, f)] for f in ("ttft", "e2el", "request_tpot", "itl")),
-                          sent=sum(s.sent for s in samples), duration_s=sum(s.duration_s for s in samples))
+    return RequestSamples(
+        *([v for s in samples for v in getattr(s, f)] for f in ("ttft", "e2el", "request_tpot", "itl")),
+        sent=sum(s.sent for s in samples),
+        duration_s=sum(s.duration_s for s in samples),
+    )
 
 
 def _per_request(text: str, source: str) -> tuple[dict, dict[str, list]]:
@@ -201,13 +207,20 @@ def pool_points(points: list[RatePoint], samples: list[RequestSamples], slo: Slo
     duration = sum(x.duration_s for x in c)
     pooled = pooled_samples(samples)
     client = ClientResult(
-        rate=first.client.rate, completed=sum(x.completed for x in c), failed=sum(x.failed for x in c),
+        rate=first.client.rate,
+        completed=sum(x.completed for x in c),
+        failed=sum(x.failed for x in c),
         duration_s=duration,
         request_throughput=sum(x.completed for x in c) / duration if duration else 0.0,
         output_throughput=sum(x.total_output_tokens for x in c) / duration if duration else 0.0,
-        total_token_throughput=sum(x.total_input_tokens + x.total_output_tokens for x in c) / duration if duration else 0.0,
-        total_input_tokens=sum(x.total_input_tokens for x in c), total_output_tokens=sum(x.total_output_tokens for x in c),
-        max_concurrent_requests=max((x.max_concurrent_requests for x in c if x.max_concurrent_requests is not None), default=None),
+        total_token_throughput=sum(x.total_input_tokens + x.total_output_tokens for x in c) / duration
+        if duration
+        else 0.0,
+        total_input_tokens=sum(x.total_input_tokens for x in c),
+        total_output_tokens=sum(x.total_output_tokens for x in c),
+        max_concurrent_requests=max(
+            (x.max_concurrent_requests for x in c if x.max_concurrent_requests is not None), default=None
+        ),
         latency={m: _stats(getattr(pooled, m)) for m in LATENCY_METRICS},
     )
 
@@ -219,11 +232,15 @@ def pool_points(points: list[RatePoint], samples: list[RequestSamples], slo: Slo
     for p in points:
         for k, v in p.router.outcomes.items():
             outcomes[k] = outcomes.get(k, 0.0) + v
-    router = RouterFigures(handoff_gap_p50_ms=median_of("handoff_gap_p50_ms"), handoff_gap_p90_ms=median_of("handoff_gap_p90_ms"),
-                           handoff_gap_mean_ms=median_of("handoff_gap_mean_ms"),
-                           handoff_observations=sum(p.router.handoff_observations for p in points),
-                           retries=sum(p.router.retries for p in points), leg_failures=sum(p.router.leg_failures for p in points),
-                           outcomes=outcomes)
+    router = RouterFigures(
+        handoff_gap_p50_ms=median_of("handoff_gap_p50_ms"),
+        handoff_gap_p90_ms=median_of("handoff_gap_p90_ms"),
+        handoff_gap_mean_ms=median_of("handoff_gap_mean_ms"),
+        handoff_observations=sum(p.router.handoff_observations for p in points),
+        retries=sum(p.router.retries for p in points),
+        leg_failures=sum(p.router.leg_failures for p in points),
+        outcomes=outcomes,
+    )
     instances = []
     for i, inst in enumerate(first.instances):
         same = [p.instances[i] for p in points]
@@ -253,7 +270,9 @@ class ModeRun:
     error: str | None = None  # why this mode stopped early, if it did
     up_s: float | None = None
     idle_cores: dict[str, float] = field(default_factory=dict)  # per instance, with no request in flight
-    phases_s: dict[str, float] = field(default_factory=dict)  # where the bench's wall time went: up, prove, rate 1, down...
+    phases_s: dict[str, float] = field(
+        default_factory=dict
+    )  # where the bench's wall time went: up, prove, rate 1, down...
 
 
 def figure(point: RatePoint, name: str) -> float | None:

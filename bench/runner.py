@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from typing import Callable
 
 from kvpush.common.errors import KvpushError
-
 from kvpush.deploy.lifecycle.lifecycle import DownResult, LifecycleOptions, down
 from kvpush.deploy.lifecycle.secrets import client_api_key
 from kvpush.deploy.topology.topology import Topology
+
 from .client import BenchClient
 from .deployment import Deployed, client_cores, deploy_mode, no_interrupts, save_logs, timed
 from .engine_timings import engine_timings_note, engine_timings_unavailable, read_kept
@@ -25,8 +25,8 @@ from .handoff import HandoffSamples
 from .measure import measure_rate
 from .modes import topology_hash
 from .options import BenchEvents, BenchOptions, mode_topology
-from .report import BenchReport, configuration, write_outputs
 from .raw import read_text
+from .report import BenchReport, configuration, write_outputs
 from .results import ModeRun, RequestSamples, parse_request_samples, pool_points
 from .span_receiver import SpanReceiver
 
@@ -51,7 +51,9 @@ def _run_mode(topo: Topology, options: BenchOptions, events: BenchEvents, run: M
             run.points.append(point)
 
 
-def _tear_down(mode_topo: Topology, options: BenchOptions, events: BenchEvents, run: ModeRun, steps: BenchSteps) -> None:
+def _tear_down(
+    mode_topo: Topology, options: BenchOptions, events: BenchEvents, run: ModeRun, steps: BenchSteps
+) -> None:
     events.mode(run.mode, "stopping the deployment")
     with no_interrupts():
         with timed(run, "down"):
@@ -61,8 +63,10 @@ def _tear_down(mode_topo: Topology, options: BenchOptions, events: BenchEvents, 
         except KvpushError as exc:
             events.mode_failed(run.mode, f"could not keep its logs: {exc}")
     if not result.complete:
-        raise KvpushError(f"deployment {mode_topo.name}: could not stop {', '.join(result.left_running) or 'every process'}"
-                          f" ({'; '.join(result.unreachable.values())}); run `kvpush down` for it")
+        raise KvpushError(
+            f"deployment {mode_topo.name}: could not stop {', '.join(result.left_running) or 'every process'}"
+            f" ({'; '.join(result.unreachable.values())}); run `kvpush down` for it"
+        )
     events.mode(run.mode, "done" if run.error is None else "failed")
 
 

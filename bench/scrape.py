@@ -37,7 +37,7 @@ class Histogram:
     count: float
     total: float
 
-    def minus(self, before: "Histogram") -> "Histogram":
+    def minus(self, before: Histogram) -> Histogram:
         prior = dict(before.buckets)
         return Histogram(tuple((le, c - prior.get(le, 0.0)) for le, c in self.buckets),
                          self.count - before.count, self.total - before.total)
@@ -111,10 +111,15 @@ def router_figures(before: str, after: str) -> RouterFigures:
         return (metric_sum(after, name) or 0.0) - (metric_sum(before, name) or 0.0)
 
     return RouterFigures(
-        handoff_gap_p50_ms=ms(gap.quantile(0.5)), handoff_gap_p90_ms=ms(gap.quantile(0.9)),
-        handoff_gap_mean_ms=ms(gap.mean), handoff_observations=int(gap.count),
-        retries=total(ROUTER_RETRIES), leg_failures=total(ROUTER_LEG_FAILURES),
-        outcomes=_delta(_sum_by_label(after, ROUTER_REQUESTS, "outcome"), _sum_by_label(before, ROUTER_REQUESTS, "outcome")),
+        handoff_gap_p50_ms=ms(gap.quantile(0.5)),
+        handoff_gap_p90_ms=ms(gap.quantile(0.9)),
+        handoff_gap_mean_ms=ms(gap.mean),
+        handoff_observations=int(gap.count),
+        retries=total(ROUTER_RETRIES),
+        leg_failures=total(ROUTER_LEG_FAILURES),
+        outcomes=_delta(
+            _sum_by_label(after, ROUTER_REQUESTS, "outcome"), _sum_by_label(before, ROUTER_REQUESTS, "outcome")
+        ),
     )
 
 

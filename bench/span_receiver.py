@@ -58,7 +58,7 @@ class SpanReceiver:
         host, port = self._server.server_address[:2]
         return f"http://{host}:{port}{TRACES_PATH}"
 
-    def start(self) -> "SpanReceiver":
+    def start(self) -> SpanReceiver:
         self._thread.start()
         return self
 
@@ -67,7 +67,7 @@ class SpanReceiver:
             self._server.shutdown()
         self._server.server_close()
 
-    def __enter__(self) -> "SpanReceiver":
+    def __enter__(self) -> SpanReceiver:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

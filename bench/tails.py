@@ -74,7 +74,9 @@ def _binomial_cdf(n: int, q: float) -> list[float]:
     log_q, log_rest = math.log(q), math.log1p(-q)
     cdf, total = [], 0.0
     for k in range(n + 1):
-        total += math.exp(math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1) + k * log_q + (n - k) * log_rest)
+        total += math.exp(
+            math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1) + k * log_q + (n - k) * log_rest
+        )
         cdf.append(min(total, 1.0))
     return cdf
 

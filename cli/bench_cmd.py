@@ -6,29 +6,31 @@ import signal
 import statistics
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterator
 
 import typer
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
-from kvpush.bench.modes import DEFAULT_BASELINE, DEFAULT_MODES as BENCH_DEFAULT_MODES, MODES, parse_modes, parse_rates
-from kvpush.bench.recompute import recompute
 from kvpush.bench import conversation_table, handoff_table, tails_table
-from kvpush.bench.raw import read_text
-from kvpush.bench.tails import CONFIDENCE, DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS, Slo
-from kvpush.bench.results import ModeRun, figure, paired_ratios, point_at, rates_of, ratio
+from kvpush.bench.modes import DEFAULT_BASELINE, MODES, parse_modes, parse_rates
+from kvpush.bench.modes import DEFAULT_MODES as BENCH_DEFAULT_MODES
 from kvpush.bench.options import BenchEvents, BenchOptions
+from kvpush.bench.raw import read_text
+from kvpush.bench.recompute import recompute
 from kvpush.bench.report import BenchReport
+from kvpush.bench.results import ModeRun, figure, paired_ratios, point_at, rates_of, ratio
 from kvpush.bench.runner import run_bench
+from kvpush.bench.tails import CONFIDENCE, DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS, Slo
 from kvpush.common.errors import KvpushError
 from kvpush.deploy.lifecycle.lifecycle import Events, LifecycleOptions
 from kvpush.deploy.topology.topology import check_key_files, resolve_topology
 
 from .console import err, note, out, print_json, styled
-from .tables import print_table, table as make_table
-from .options import ACCEPT, CONNECT_TIMEOUT, FILE_ARG, FILE_OPTION, KNOWN_HOSTS, ssh_options, topology_file, examples
+from .options import ACCEPT, CONNECT_TIMEOUT, FILE_ARG, FILE_OPTION, KNOWN_HOSTS, examples, ssh_options, topology_file
+from .tables import print_table
+from .tables import table as make_table
 
 DEFAULT_MODES = ",".join(BENCH_DEFAULT_MODES)
 DEFAULT_RATES = "0.5,1,2,4"
@@ -56,7 +58,9 @@ class _LifecycleProgress(Events):
 class _ProgressEvents(BenchEvents):
     def __init__(self, progress: Progress, options: BenchOptions):
         self.progress = progress
-        self.task = progress.add_task("bench", total=len(options.modes) * len(options.rates) * options.rounds, status="")
+        self.task = progress.add_task(
+            "bench", total=len(options.modes) * len(options.rates) * options.rounds, status=""
+        )
         self.rounds = options.rounds
 
     def mode(self, mode: str, status: str) -> None:
@@ -70,12 +74,18 @@ class _ProgressEvents(BenchEvents):
         gap = point.router.handoff_gap_p50_ms
         where = f" round {point.round + 1}/{self.rounds}" if self.rounds > 1 else ""
         engine = point.engine_handoff
-        engine_text = (f", P start -> D first p50 {_ms(engine.compute_to_first['p50'])} ({engine.joined}/{engine.requests} joined)"
-                       if engine is not None else "")
+        engine_text = (
+            f", P start -> D first p50 {_ms(engine.compute_to_first['p50'])} ({engine.joined}/{engine.requests} joined)"
+            if engine is not None
+            else ""
+        )
         self.progress.console.print(
-            f"  {mode:<10} {point.rate:>5g} req/s{where}: TTFT p50 {_ms(c.latency['ttft'].p50)} p90 {_ms(c.latency['ttft'].p90)}, "
+            f"  {mode:<10} {point.rate:>5g} req/s{where}: TTFT p50 {_ms(c.latency['ttft'].p50)} p90 "
+            f"{_ms(c.latency['ttft'].p90)}, "
             f"TPOT p50 {_ms(c.latency['tpot'].p50)}, handoff p50 {_ms(gap)}{engine_text}, "
-            f"prefill engine {_ms(point.prefill_engine_ms)}/req, failed {c.failed}", highlight=False)
+            f"prefill engine {_ms(point.prefill_engine_ms)}/req, failed {c.failed}",
+            highlight=False,
+        )
         self.progress.advance(self.task)
 
     def mode_failed(self, mode: str, error: str) -> None:
@@ -122,7 +132,7 @@ def rate_table(runs: list[ModeRun], rate: float, baseline: str) -> Table:
             table.add_row(run.mode, *(["-"] * 13))
             continue
 
-        def rel(name: str) -> Text:
+        def rel(name: str, p=p) -> Text:  # this row's point, not the loop's last
             return _ratio_text(ratio(figure(p, name), figure(base_point, name) if base_point else None))
 
         table.add_row(
@@ -157,14 +167,18 @@ def paired_lines(runs: list[ModeRun], baseline: str) -> list[str]:
 
 def phases_text(phases_s: dict[str, float]) -> str:
     """Where a mode's wall time went, e.g. 'up 92 s, prove 1.2 s, rate 0.5 17 s, ..., down 4.1 s (134 s)'."""
-    parts = [f"{name} {seconds:.0f} s" if seconds >= 10 else f"{name} {seconds:.1f} s" for name, seconds in phases_s.items()]
+    parts = [
+        f"{name} {seconds:.0f} s" if seconds >= 10 else f"{name} {seconds:.1f} s" for name, seconds in phases_s.items()
+    ]
     return f"{', '.join(parts)} ({sum(phases_s.values()):.0f} s)"
 
 
 def print_tails(table: tails_table.TailsTable, baseline: str, platform: str) -> None:
     """The headline tables: goodput and tails with 95% intervals, ratios to the baseline."""
     for rate in tails_table.rates_in(table):
-        t = make_table(*tails_table.COLUMNS, title=tails_table.caption(table, rate, baseline), right=tails_table.COLUMNS[1:])
+        t = make_table(
+            *tails_table.COLUMNS, title=tails_table.caption(table, rate, baseline), right=tails_table.COLUMNS[1:]
+        )
         for row in tails_table.rows(table, rate, baseline, platform):
             t.add_row(*row)
         print_table(t)
@@ -223,8 +237,11 @@ def render(report: BenchReport) -> None:
     print_handoff(handoff_table.handoff_of(report.runs), platform)
     if report.options.workload() is not None:
         out_dir = report.options.out_dir
-        print_conversations(conversation_table.conversation_rows(report.to_dict(), lambda name: read_text(out_dir / name)),
-                            platform, report.options.modes)
+        print_conversations(
+            conversation_table.conversation_rows(report.to_dict(), lambda name: read_text(out_dir / name)),
+            platform,
+            report.options.modes,
+        )
     engine = report.configuration.get("engine_timings") or {}
     if engine and not engine.get("taken"):
         note(f"engine handoff not measured: {engine.get('why_not')}")
@@ -263,63 +280,118 @@ def register(app: typer.Typer) -> None:
                       ('kvpush bench my.yaml --rounds 4 --port-base 9000', 'modes up at once, taking turns'),
                       ('kvpush bench --recompute kvpush-bench --slo-ttft-ms 500', 'new tables from a finished bench')))
     def bench_command(
-        file: Optional[Path] = FILE_ARG,
-        file_option: Optional[Path] = FILE_OPTION,
+        file: Path | None = FILE_ARG,
+        file_option: Path | None = FILE_OPTION,
         # The lists in the help have spaces after their commas, so a narrow terminal wraps them instead of cutting.
-        modes: str = typer.Option(DEFAULT_MODES, "--modes", show_default=False,
-                                  help=f"Modes to compare, comma-separated, from {', '.join(MODES)}; "
-                                  "the -stock modes run vLLM's NIXL connectors exactly as vLLM ships them, the plain ones "
-                                  "as kvpush tunes them for shared CPU cores (on GPU both are stock). "
-                                  "A mode may name the router's policy after a +, e.g. kvpush+least-loaded "
-                                  "(prefix-aware, least-loaded, round-robin; default: the topology's). "
-                                  f"Default: {', '.join(BENCH_DEFAULT_MODES)}."),
+        modes: str = typer.Option(
+            DEFAULT_MODES,
+            "--modes",
+            show_default=False,
+            help=f"Modes to compare, comma-separated, from {', '.join(MODES)}; "
+            "the -stock modes run vLLM's NIXL connectors exactly as vLLM ships them, the plain ones "
+            "as kvpush tunes them for shared CPU cores (on GPU both are stock). "
+            "A mode may name the router's policy after a +, e.g. kvpush+least-loaded "
+            "(prefix-aware, least-loaded, round-robin; default: the topology's). "
+            f"Default: {', '.join(BENCH_DEFAULT_MODES)}.",
+        ),
         rates: str = typer.Option(DEFAULT_RATES, "--rates", help="Request rates (req/s, Poisson), comma-separated."),
         input_len: int = typer.Option(DEFAULT_INPUT_LEN, "--input-len", help="Prompt tokens per request."),
-        prefix_len: int = typer.Option(0, "--prefix-len", help="Tokens every prompt of a rate starts with (the same "
-                                       "ones), before its own --input-len: after the first request both instances' "
-                                       "prefix caches hold them, and only the rest of the KV moves."),
-        input_len_spread: float = typer.Option(0.0, "--input-len-spread", help="Mixed prompt lengths: each prompt's own "
-                                               "tokens are --input-len x [1 - S, 1 + S], uniform (0 <= S < 1)."),
-        output_len: int = typer.Option(DEFAULT_OUTPUT_LEN, "--output-len", help="Output tokens per request (EOS ignored)."),
+        prefix_len: int = typer.Option(
+            0,
+            "--prefix-len",
+            help="Tokens every prompt of a rate starts with (the same "
+            "ones), before its own --input-len: after the first request both instances' "
+            "prefix caches hold them, and only the rest of the KV moves.",
+        ),
+        input_len_spread: float = typer.Option(
+            0.0,
+            "--input-len-spread",
+            help="Mixed prompt lengths: each prompt's own "
+            "tokens are --input-len x [1 - S, 1 + S], uniform (0 <= S < 1).",
+        ),
+        output_len: int = typer.Option(
+            DEFAULT_OUTPUT_LEN, "--output-len", help="Output tokens per request (EOS ignored)."
+        ),
         num_prompts: int = typer.Option(DEFAULT_NUM_PROMPTS, "--num-prompts", help="Requests per rate."),
-        conversations: int = typer.Option(0, "--conversations", help="Multi-turn instead: this many conversations per "
-                                          "rate (rates are then conversations started per second); each turn's prompt "
-                                          "is the last turn's prompt, its answer and --turn-tokens new tokens; the first "
-                                          "turn has --prefix-len shared and --input-len own tokens."),
+        conversations: int = typer.Option(
+            0,
+            "--conversations",
+            help="Multi-turn instead: this many conversations per "
+            "rate (rates are then conversations started per second); each turn's prompt "
+            "is the last turn's prompt, its answer and --turn-tokens new tokens; the first "
+            "turn has --prefix-len shared and --input-len own tokens.",
+        ),
         turns: int = typer.Option(1, "--turns", help="With --conversations: turns per conversation."),
-        turn_tokens: Optional[int] = typer.Option(None, "--turn-tokens", help="With --conversations: new tokens in each "
-                                                  "turn after the first (default: --input-len)."),
-        out_dir: Path = typer.Option(Path("kvpush-bench"), "--out", help="Directory for bench.json, PNG plots, raw results and logs."),
-        kv_heavy: bool = typer.Option(False, "--kv-heavy", help="Serve a KV-heavy tiny model (8 layers x 8 KV heads x 128: 32 KiB of KV per token, max_model_len 4096)."),
+        turn_tokens: int | None = typer.Option(
+            None,
+            "--turn-tokens",
+            help="With --conversations: new tokens in each turn after the first (default: --input-len).",
+        ),
+        out_dir: Path = typer.Option(
+            Path("kvpush-bench"), "--out", help="Directory for bench.json, PNG plots, raw results and logs."
+        ),
+        kv_heavy: bool = typer.Option(
+            False,
+            "--kv-heavy",
+            help="Serve a KV-heavy tiny model (8 layers x 8 KV heads x 128: 32 KiB of KV per token, max_model_len "
+                      "4096).",
+        ),
         baseline: str = typer.Option(DEFAULT_BASELINE, "--baseline", help="Mode the ratios compare against."),
-        port_base: Optional[int] = typer.Option(None, "--port-base", help="Renumber the bench deployment's ports from here (router first)."),
-        rounds: int = typer.Option(1, "--rounds", help="Run the rates this many times with every mode's deployment up at once, "
-                                   "the modes interleaved (needs --port-base); reports pooled figures and per-round ratios."),
+        port_base: int | None = typer.Option(
+            None, "--port-base", help="Renumber the bench deployment's ports from here (router first)."
+        ),
+        rounds: int = typer.Option(
+            1,
+            "--rounds",
+            help="Run the rates this many times with every mode's deployment up at once, "
+            "the modes interleaved (needs --port-base); reports pooled figures and per-round ratios.",
+        ),
         seed: int = typer.Option(0, "--seed", help="Base seed of the random prompts (each rate gets its own)."),
-        tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="Local tokenizer directory for the client (default: the model path)."),
-        client_timeout: float = typer.Option(900.0, "--client-timeout", help="Seconds one rate's `vllm bench serve` may take."),
+        tokenizer: str | None = typer.Option(
+            None, "--tokenizer", help="Local tokenizer directory for the client (default: the model path)."
+        ),
+        client_timeout: float = typer.Option(
+            900.0, "--client-timeout", help="Seconds one rate's `vllm bench serve` may take."
+        ),
         ready_timeout: float = typer.Option(600.0, "--timeout", help="Seconds each process may take to become ready."),
         accept_new_host_keys: bool = ACCEPT,
         known_hosts: str = KNOWN_HOSTS,
         connect_timeout: float = CONNECT_TIMEOUT,
-        slo_ttft_ms: Optional[float] = typer.Option(None, "--slo-ttft-ms", help=f"Goodput counts requests whose TTFT is at most this "
-                                                    f"(default {DEFAULT_SLO_TTFT_MS:g} ms: an interactive answer starts within a second)."),
-        slo_tpot_ms: Optional[float] = typer.Option(None, "--slo-tpot-ms", help=f"... and whose TPOT is at most this (default "
-                                                    f"{DEFAULT_SLO_TPOT_MS:g} ms: 10 tokens/s or faster)."),
-        recompute_dir: Optional[Path] = typer.Option(None, "--recompute", help="Deploy nothing: recompute the goodput and tail tables "
-                                                     "(and the engine handoff) of a finished bench from the raw per-request "
-                                                     "files and spans in this --out directory "
-                                                     "(at other SLOs or another --baseline if given)."),
-        no_engine_timings: bool = typer.Option(False, "--no-engine-timings",
-                                               help="Don't have every vLLM instance send its per-request OpenTelemetry "
-                                                    "spans to the bench (loopback). By default they do, for the handoff "
-                                                    "diagnostic from the engines' own timestamps, the same for every mode "
-                                                    "(needs every instance on this machine)."),
+        slo_ttft_ms: float | None = typer.Option(
+            None,
+            "--slo-ttft-ms",
+            help=f"Goodput counts requests whose TTFT is at most this "
+            f"(default {DEFAULT_SLO_TTFT_MS:g} ms: an interactive answer starts within a second).",
+        ),
+        slo_tpot_ms: float | None = typer.Option(
+            None,
+            "--slo-tpot-ms",
+            help=f"... and whose TPOT is at most this (default {DEFAULT_SLO_TPOT_MS:g} ms: 10 tokens/s or faster).",
+        ),
+        recompute_dir: Path | None = typer.Option(
+            None,
+            "--recompute",
+            help="Deploy nothing: recompute the goodput and tail tables "
+            "(and the engine handoff) of a finished bench from the raw per-request "
+            "files and spans in this --out directory "
+            "(at other SLOs or another --baseline if given).",
+        ),
+        no_engine_timings: bool = typer.Option(
+            False,
+            "--no-engine-timings",
+            help="Don't have every vLLM instance send its per-request OpenTelemetry "
+            "spans to the bench (loopback). By default they do, for the handoff "
+            "diagnostic from the engines' own timestamps, the same for every mode "
+            "(needs every instance on this machine).",
+        ),
         markdown: bool = typer.Option(False, "--markdown", help="With --recompute: print the tables as Markdown."),
-        json_output: bool = typer.Option(False, "--json", help="Print the whole result document as JSON instead of tables."),
+        json_output: bool = typer.Option(
+            False, "--json", help="Print the whole result document as JSON instead of tables."
+        ),
     ) -> None:
         """Compare connector modes under load with `vllm bench serve` through the router: TTFT, TPOT, ITL, E2E,
-        handoff gap (at the router, and from both engines' own per-request timestamps), KV-transfer evidence; goodput at a TTFT/TPOT SLO and tails with 95% confidence intervals;
+        handoff gap (at the router, and from both engines' own per-request timestamps), KV-transfer evidence;
+        goodput at a TTFT/TPOT SLO and tails with 95% confidence intervals;
         writes bench.json, the raw per-request results and PNG plots."""
         file = topology_file(file, file_option)
         if recompute_dir is not None:
@@ -330,18 +402,42 @@ def register(app: typer.Typer) -> None:
         check_key_files(topo)
         note(f"topology: {source}")
         options = BenchOptions(
-            modes=parse_modes(modes), rates=parse_rates(rates), input_len=input_len, output_len=output_len,
-            prefix_len=prefix_len, input_len_spread=input_len_spread, num_prompts=num_prompts,
-            conversations=conversations, turns=turns, turn_tokens=turn_tokens, out_dir=out_dir, kv_heavy=kv_heavy, baseline=baseline, port_base=port_base,
-            rounds=rounds, seed=seed, tokenizer=tokenizer, client_timeout_s=client_timeout,
-            slo=Slo(DEFAULT_SLO_TTFT_MS if slo_ttft_ms is None else slo_ttft_ms,
-                    DEFAULT_SLO_TPOT_MS if slo_tpot_ms is None else slo_tpot_ms),
+            modes=parse_modes(modes),
+            rates=parse_rates(rates),
+            input_len=input_len,
+            output_len=output_len,
+            prefix_len=prefix_len,
+            input_len_spread=input_len_spread,
+            num_prompts=num_prompts,
+            conversations=conversations,
+            turns=turns,
+            turn_tokens=turn_tokens,
+            out_dir=out_dir,
+            kv_heavy=kv_heavy,
+            baseline=baseline,
+            port_base=port_base,
+            rounds=rounds,
+            seed=seed,
+            tokenizer=tokenizer,
+            client_timeout_s=client_timeout,
+            slo=Slo(
+                DEFAULT_SLO_TTFT_MS if slo_ttft_ms is None else slo_ttft_ms,
+                DEFAULT_SLO_TPOT_MS if slo_tpot_ms is None else slo_tpot_ms,
+            ),
             engine_timings=not no_engine_timings,
-            lifecycle=LifecycleOptions(ssh=ssh_options(accept_new_host_keys, known_hosts, connect_timeout), ready_timeout_s=ready_timeout),
+            lifecycle=LifecycleOptions(
+                ssh=ssh_options(accept_new_host_keys, known_hosts, connect_timeout), ready_timeout_s=ready_timeout
+            ),
         )
         options.validate()
-        columns = [SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                   TextColumn("{task.fields[status]}", markup=False), TimeElapsedColumn()]
+        columns = [
+            SpinnerColumn(),
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total}"),
+            TextColumn("{task.fields[status]}", markup=False),
+            TimeElapsedColumn(),
+        ]
         with Progress(*columns, console=err, transient=True) as progress, interrupt_on_sigterm():
             report = run_bench(topo, options, _ProgressEvents(progress, options))
         if json_output:
@@ -352,7 +448,9 @@ def register(app: typer.Typer) -> None:
             raise KvpushError(f"interrupted; every deployment was stopped and the partial results are in {out_dir}")
         failed = [r.mode for r in report.runs if r.error]
         if failed:
-            raise KvpushError(f"mode(s) {', '.join(failed)} did not complete (see above); the others' results are in {out_dir}")
+            raise KvpushError(
+                f"mode(s) {', '.join(failed)} did not complete (see above); the others' results are in {out_dir}"
+            )
 
 
 def _recompute(bench_dir: Path, slo_ttft_ms: float | None, slo_tpot_ms: float | None, baseline: str | None,
@@ -364,11 +462,20 @@ def _recompute(bench_dir: Path, slo_ttft_ms: float | None, slo_tpot_ms: float | 
     done = recompute(bench_dir, slo, baseline)
     handoff = done.handoff or {}
     if json_output:
-        print_json({"baseline": done.baseline, "slo": dataclasses.asdict(done.slo),
-                    "tails": {m: {f"{r:g}": dataclasses.asdict(t) for r, t in by_rate.items()} for m, by_rate in done.tails.items()},
-                    "engine_handoff": {m: {f"{r:g}": dataclasses.asdict(h) for r, h in by_rate.items()}
-                                       for m, by_rate in handoff.items()},
-                    "conversations": [dataclasses.asdict(r) for r in done.conversations or []]})
+        print_json(
+            {
+                "baseline": done.baseline,
+                "slo": dataclasses.asdict(done.slo),
+                "tails": {
+                    m: {f"{r:g}": dataclasses.asdict(t) for r, t in by_rate.items()}
+                    for m, by_rate in done.tails.items()
+                },
+                "engine_handoff": {
+                    m: {f"{r:g}": dataclasses.asdict(h) for r, h in by_rate.items()} for m, by_rate in handoff.items()
+                },
+                "conversations": [dataclasses.asdict(r) for r in done.conversations or []],
+            }
+        )
     elif markdown:
         out.print(tails_table.markdown(done.tails, done.baseline, done.platform), markup=False, highlight=False)
         if handoff:

@@ -5,24 +5,23 @@ import time
 from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
-from typing import Optional
 
 import typer
 
-from kvpush.deploy.doctor import CHECK_NAMES, DoctorOptions, run_doctor
-from kvpush.deploy.plan.plan import build_plan
-from kvpush.deploy.lifecycle.hosts import connected
 from kvpush.common.errors import KvpushError
+from kvpush.deploy.doctor import CHECK_NAMES, DoctorOptions, run_doctor
+from kvpush.deploy.lifecycle.hosts import connected
 from kvpush.deploy.lifecycle.process_view import deployment_pids
 from kvpush.deploy.lifecycle.state import HostRecord, load_state
+from kvpush.deploy.plan.plan import build_plan
 from kvpush.deploy.topology.topology import check_key_files, resolve_topology
 
 from .console import note, print_json
 from .doctor_report import render_report
-from .options import ACCEPT, CONNECT_TIMEOUT, FILE_ARG, FILE_OPTION, KNOWN_HOSTS, ssh_options, topology_file, examples
+from .options import ACCEPT, CONNECT_TIMEOUT, FILE_ARG, FILE_OPTION, KNOWN_HOSTS, examples, ssh_options, topology_file
 
 
-def _names(value: Optional[str]) -> frozenset[str]:
+def _names(value: str | None) -> frozenset[str]:
     return frozenset(n.strip() for n in (value or "").split(",") if n.strip())
 
 
@@ -42,13 +41,19 @@ def register(app: typer.Typer) -> None:
                       ('kvpush doctor my.yaml --only ports-free,reachability', 'some checks only'),
                       ('kvpush doctor my.yaml --json', 'for scripts')))
     def doctor_command(
-        file: Optional[Path] = FILE_ARG,
-        file_option: Optional[Path] = FILE_OPTION,
+        file: Path | None = FILE_ARG,
+        file_option: Path | None = FILE_OPTION,
         json_output: bool = typer.Option(False, "--json", help="Print the results as one JSON document."),
-        only: Optional[str] = typer.Option(None, "--only", help=f"Run only these checks (comma-separated): {', '.join(CHECK_NAMES)}."),
-        skip: Optional[str] = typer.Option(None, "--skip", help="Skip these checks (comma-separated)."),
-        transfer: bool = typer.Option(False, "--transfer", help="Also move real bytes: one NIXL WRITE per prefill/decode host pair."),
-        timeout: float = typer.Option(20.0, "--timeout", min=1.0, help="Seconds one host's probe may take before it is reported as failed."),
+        only: str | None = typer.Option(
+            None, "--only", help=f"Run only these checks (comma-separated): {', '.join(CHECK_NAMES)}."
+        ),
+        skip: str | None = typer.Option(None, "--skip", help="Skip these checks (comma-separated)."),
+        transfer: bool = typer.Option(
+            False, "--transfer", help="Also move real bytes: one NIXL WRITE per prefill/decode host pair."
+        ),
+        timeout: float = typer.Option(
+            20.0, "--timeout", min=1.0, help="Seconds one host's probe may take before it is reported as failed."
+        ),
         accept_new_host_keys: bool = ACCEPT,
         known_hosts: str = KNOWN_HOSTS,
         connect_timeout: float = CONNECT_TIMEOUT,

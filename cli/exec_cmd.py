@@ -4,7 +4,6 @@ from __future__ import annotations
 import codecs
 import sys
 from pathlib import Path
-from typing import List, Optional
 
 import typer
 
@@ -24,11 +23,11 @@ def register(app: typer.Typer) -> None:
         ("kvpush exec -d xpyd prefill-0 -- env", "in a process's directory, with its env")))
     def exec_command(
         target: str = typer.Argument(..., help="A host or a process of the deployment (`kvpush plan` lists them)."),
-        command: Optional[List[str]] = typer.Argument(None, help="The command, after `--`."),
-        file: Optional[Path] = FILE_OPTION,
-        deployment: Optional[str] = DEPLOYMENT,
+        command: list[str] | None = typer.Argument(None, help="The command, after `--`."),
+        file: Path | None = FILE_OPTION,
+        deployment: str | None = DEPLOYMENT,
         accept_new_host_keys: bool = ACCEPT,
-        known_hosts: Optional[str] = KNOWN_HOSTS,
+        known_hosts: str | None = KNOWN_HOSTS,
         connect_timeout: float = CONNECT_TIMEOUT,
     ) -> None:
         """Run a command on a host of the deployment, or on a process's host in its working directory

@@ -4,7 +4,6 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.live import Live
@@ -15,19 +14,30 @@ from rich.text import Text
 from kvpush.common.errors import KvpushError, UsageError
 from kvpush.deploy.lifecycle.lifecycle import Events, LifecycleOptions, down, up
 from kvpush.deploy.lifecycle.observe import ProcessStatus, deployment_status, require_state, stream_logs
-from kvpush.deploy.plan.plan import build_plan
 from kvpush.deploy.lifecycle.secrets import observed_keys
 from kvpush.deploy.lifecycle.state import DeploymentState, load_state
+from kvpush.deploy.plan.plan import build_plan
 from kvpush.deploy.topology.topology import NAME_PATTERN, check_key_files, resolve_topology
 
 from .console import err, note, out, print_json, styled, warn
 from .ls_cmd import others_hint, router_url
-from .options import ACCEPT, CONNECT_TIMEOUT, DEPLOYMENT, FILE_ARG, FILE_OPTION, EXTRA_ARGUMENTS, KNOWN_HOSTS, one_argument, ssh_options, topology_file, examples
+from .options import (
+    ACCEPT,
+    CONNECT_TIMEOUT,
+    DEPLOYMENT,
+    EXTRA_ARGUMENTS,
+    FILE_ARG,
+    FILE_OPTION,
+    KNOWN_HOSTS,
+    examples,
+    one_argument,
+    ssh_options,
+    topology_file,
+)
 from .tables import fitted, print_table, table
 
 
-
-def _deployment_name(file: Optional[Path], deployment: Optional[str]) -> str:
+def _deployment_name(file: Path | None, deployment: str | None) -> str:
     if deployment is None:
         return resolve_topology(file)[0].name
     if not NAME_PATTERN.match(deployment):  # it names files in the state directory
@@ -72,8 +82,20 @@ class _ProgressEvents(Events):
 
 
 def _status_table(rows: list[ProcessStatus]) -> Table:
-    made = table("process", "role", "host", "pid", "state", "health", "running", "waiting", "KV cache", "uptime", "restarts",
-                 right=("pid", "running", "waiting", "KV cache", "uptime", "restarts"))
+    made = table(
+        "process",
+        "role",
+        "host",
+        "pid",
+        "state",
+        "health",
+        "running",
+        "waiting",
+        "KV cache",
+        "uptime",
+        "restarts",
+        right=("pid", "running", "waiting", "KV cache", "uptime", "restarts"),
+    )
 
     def num(v: int | None) -> str:
         return "-" if v is None else f"{v:g}"
@@ -90,16 +112,21 @@ def register(app: typer.Typer) -> None:
     @app.command("up", epilog=examples(('kvpush up my.yaml', 'start or update the deployment'),
                       ('kvpush up my.yaml --rotate-secret', 'new deployment secret and keys')))
     def up_command(
-        file: Optional[Path] = FILE_ARG,
-        file_option: Optional[Path] = FILE_OPTION,
+        file: Path | None = FILE_ARG,
+        file_option: Path | None = FILE_OPTION,
         accept_new_host_keys: bool = ACCEPT,
         known_hosts: str = KNOWN_HOSTS,
         connect_timeout: float = CONNECT_TIMEOUT,
-        no_provision: bool = typer.Option(False, "--no-provision", help="Skip checking/installing kvpush on the hosts."),
+        no_provision: bool = typer.Option(
+            False, "--no-provision", help="Skip checking/installing kvpush on the hosts."
+        ),
         skip_doctor: bool = typer.Option(False, "--skip-doctor", help="Launch even if doctor's fast checks fail."),
         timeout: float = typer.Option(600.0, "--timeout", help="Seconds each process may take to become ready."),
-        rotate_secret: bool = typer.Option(False, "--rotate-secret", help="Make a new deployment secret and keys; "
-                                           "every process that reads them restarts (docs/security.md)."),
+        rotate_secret: bool = typer.Option(
+            False,
+            "--rotate-secret",
+            help="Make a new deployment secret and keys; every process that reads them restarts (docs/security.md).",
+        ),
     ) -> None:
         """Start the deployment (only what changed), wait until ready, and prove KV moves through the router."""
         file = topology_file(file, file_option)
@@ -111,7 +138,12 @@ def register(app: typer.Typer) -> None:
         options = LifecycleOptions(ssh=ssh_options(accept_new_host_keys, known_hosts, connect_timeout),
                                    ready_timeout_s=timeout, provision=not no_provision, doctor=not skip_doctor,
                                    rotate_secret=rotate_secret)
-        columns = [SpinnerColumn(), TextColumn("[bold]{task.description}"), TextColumn("{task.fields[status]}", markup=False), TimeElapsedColumn()]
+        columns = [
+            SpinnerColumn(),
+            TextColumn("[bold]{task.description}"),
+            TextColumn("{task.fields[status]}", markup=False),
+            TimeElapsedColumn(),
+        ]
         with Progress(*columns, console=err, transient=False) as progress:
             result = up(topo, options, _ProgressEvents(progress))
         if result.changes.nothing_to_do:
@@ -119,24 +151,35 @@ def register(app: typer.Typer) -> None:
             return
         if result.ready_s:
             slowest = max(result.ready_s.values())
-            out.print(f"{topo.name}: ready; slowest process {slowest:.1f} s, sum of all {sum(result.ready_s.values()):.1f} s, "
-                      f"whole `up` {result.total_s:.1f} s", highlight=False)
+            out.print(
+                f"{topo.name}: ready; slowest process {slowest:.1f} s, sum of all {sum(result.ready_s.values()):.1f} "
+                "s, "
+                f"whole `up` {result.total_s:.1f} s",
+                highlight=False,
+            )
         if result.proof:
-            out.print(f"proof: router answered {result.proof.answer!r} in {result.proof.latency_s:.2f} s; decode received "
-                      f"{result.proof.external_kv_tokens:.0f} prompt tokens by KV transfer", highlight=False)
+            out.print(
+                f"proof: router answered {result.proof.answer!r} in {result.proof.latency_s:.2f} s; decode received "
+                f"{result.proof.external_kv_tokens:.0f} prompt tokens by KV transfer",
+                highlight=False,
+            )
         out.print(f"router: {build_plan(topo).router_url_from_here()}", highlight=False)
 
     @app.command("down", epilog=examples(('kvpush down my.yaml', 'stop the deployment of this topology'),
                       ('kvpush down -d xpyd', 'stop a deployment by name (see `kvpush ls`)')))
     def down_command(
-        file: Optional[Path] = FILE_ARG,
-        file_option: Optional[Path] = FILE_OPTION,
-        deployment: Optional[str] = DEPLOYMENT,
+        file: Path | None = FILE_ARG,
+        file_option: Path | None = FILE_OPTION,
+        deployment: str | None = DEPLOYMENT,
         known_hosts: str = KNOWN_HOSTS,
         connect_timeout: float = CONNECT_TIMEOUT,
         timeout: float = typer.Option(20.0, "--timeout", help="Seconds between SIGTERM and SIGKILL."),
-        forget_secret: bool = typer.Option(False, "--forget-secret", help="Also delete the deployment secret kept on this "
-                                           "machine (the next `up` makes a new one, and new keys)."),
+        forget_secret: bool = typer.Option(
+            False,
+            "--forget-secret",
+            help="Also delete the deployment secret kept on this "
+            "machine (the next `up` makes a new one, and new keys).",
+        ),
     ) -> None:
         """Stop every process of the deployment (TERM, then KILL), verify nothing is left, and remove
         the deployment's secret files from its hosts. The deployment secret kept on this machine
@@ -151,7 +194,10 @@ def register(app: typer.Typer) -> None:
         if result.stopped:
             out.print(f"{name}: stopped {', '.join(result.stopped)}", highlight=False)
         elif result.complete and not result.notes:
-            out.print(f"{name}: nothing running (no state recorded)" if not result.had_state else f"{name}: nothing running", highlight=False)
+            out.print(
+                f"{name}: nothing running (no state recorded)" if not result.had_state else f"{name}: nothing running",
+                highlight=False,
+            )
             hint = others_hint(name) if not result.had_state else ""
             if hint:
                 out.print(f"{name}: {hint}", highlight=False)
@@ -160,9 +206,15 @@ def register(app: typer.Typer) -> None:
             out.print(f"{name}: removed its secret files on {', '.join(removed)}", highlight=False)
         if result.forgot_secret:
             out.print(f"{name}: deleted the deployment secret kept on this machine", highlight=False)
-        for host, error in result.unreachable.items():
-            err.print(styled("[yellow]not reached:[/yellow] {}; its processes stay recorded, rerun `kvpush down` when it is back", error),
-                      highlight=False)
+        for error in result.unreachable.values():
+            err.print(
+                styled(
+                    "[yellow]not reached:[/yellow] {}; its processes stay recorded, rerun `kvpush down` when it is "
+                    "back",
+                    error,
+                ),
+                highlight=False,
+            )
         for host, why in result.secrets_left.items():
             err.print(styled("[yellow]secret files left:[/yellow] host {}: {}", host, why), highlight=False)
         if result.left_running:
@@ -170,15 +222,17 @@ def register(app: typer.Typer) -> None:
         if result.unreachable:
             raise KvpushError(f"{name}: {len(result.unreachable)} host(s) not reached; the rest is stopped")
         if result.secrets_left:
-            raise KvpushError(f"{name}: the secret files on {', '.join(sorted(result.secrets_left))} could not be removed (see above)")
+            raise KvpushError(
+                f"{name}: the secret files on {', '.join(sorted(result.secrets_left))} could not be removed (see above)"
+            )
 
     @app.command("status", epilog=examples(('kvpush status my.yaml', 'one row per process'),
                       ('kvpush status -d xpyd --watch', 'refresh every 2 s'),
                       ('kvpush status my.yaml --watch | tee s.ndjson', 'one JSON line per refresh')))
     def status_command(
-        file: Optional[Path] = FILE_ARG,
-        file_option: Optional[Path] = FILE_OPTION,
-        deployment: Optional[str] = DEPLOYMENT,
+        file: Path | None = FILE_ARG,
+        file_option: Path | None = FILE_OPTION,
+        deployment: str | None = DEPLOYMENT,
         json_output: bool = typer.Option(False, "--json", help="Print one JSON document."),
         watch: bool = typer.Option(False, "--watch", "-w", help="Refresh in place every --interval seconds."),
         interval: float = typer.Option(2.0, "--interval", help="Seconds between refreshes with --watch."),
@@ -238,9 +292,11 @@ def register(app: typer.Typer) -> None:
                       ('kvpush logs -d xpyd router -n 100', 'a deployment by name')), context_settings=EXTRA_ARGUMENTS)
     def logs_command(
         ctx: typer.Context,
-        selector: Optional[str] = typer.Argument(None, help="Process name or role (prefill, decode, router); default all."),
-        file: Optional[Path] = FILE_OPTION,
-        deployment: Optional[str] = DEPLOYMENT,
+        selector: str | None = typer.Argument(
+            None, help="Process name or role (prefill, decode, router); default all."
+        ),
+        file: Path | None = FILE_OPTION,
+        deployment: str | None = DEPLOYMENT,
         follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing new lines, like tail -f."),
         lines: int = typer.Option(20, "-n", "--lines", help="Lines of each log to print first."),
         known_hosts: str = KNOWN_HOSTS,
@@ -261,9 +317,11 @@ def register(app: typer.Typer) -> None:
     @app.command("provision", epilog=examples(('kvpush provision my.yaml', 'install this kvpush on every host'),
                       ('kvpush provision my.yaml --with-vllm', "also each host's venv and vLLM")))
     def provision_command(
-        file: Optional[Path] = FILE_ARG,
-        file_option: Optional[Path] = FILE_OPTION,
-        with_vllm: bool = typer.Option(False, "--with-vllm", help="Also create each host's venv and install the pinned CPU vLLM stack."),
+        file: Path | None = FILE_ARG,
+        file_option: Path | None = FILE_OPTION,
+        with_vllm: bool = typer.Option(
+            False, "--with-vllm", help="Also create each host's venv and install the pinned CPU vLLM stack."
+        ),
         accept_new_host_keys: bool = ACCEPT,
         known_hosts: str = KNOWN_HOSTS,
         connect_timeout: float = CONNECT_TIMEOUT,

@@ -11,14 +11,15 @@ import typer
 
 from kvpush.common.errors import KvpushError
 from kvpush.deploy.lifecycle.observe import ProcessStatus, deployment_status
-from kvpush.deploy.runners import SshOptions, fan_out
 from kvpush.deploy.lifecycle.secrets import observed_keys
-from kvpush.deploy.plan.router_address import client_router_url
 from kvpush.deploy.lifecycle.state import DeploymentState, load_state, recorded_deployments
+from kvpush.deploy.plan.router_address import client_router_url
+from kvpush.deploy.runners import SshOptions, fan_out
 
 from .console import out, print_json
 from .options import CONNECT_TIMEOUT, KNOWN_HOSTS, examples, ssh_options
 from .tables import print_table, table
+
 
 @dataclass
 class DeploymentSummary:
@@ -70,7 +71,9 @@ def summarize(deployment: str, ssh: SshOptions | None) -> DeploymentSummary:
     summary.router, summary.recorded, summary.updated_at = router_url(state), list(state.processes), state.updated_at
     if ssh is not None:
         try:
-            summary.processes = deployment_status(state, ssh, observed_keys(deployment, None)) if state.processes else []
+            summary.processes = (
+                deployment_status(state, ssh, observed_keys(deployment, None)) if state.processes else []
+            )
         except KvpushError as exc:
             summary.error = str(exc)
     return summary

@@ -11,15 +11,31 @@ import typer
 from kvpush.common.errors import KvpushError
 from kvpush.deploy.lifecycle.host_probe import source_digest
 
-from . import bench_cmd, doctor_cmd, exec_cmd, lifecycle_cmd, ls_cmd, monitor_cmd, plan_cmd, request_cmd, router_cmd, schema_cmd, tunnel_cmd
+from . import (
+    bench_cmd,
+    doctor_cmd,
+    exec_cmd,
+    lifecycle_cmd,
+    ls_cmd,
+    monitor_cmd,
+    plan_cmd,
+    request_cmd,
+    router_cmd,
+    schema_cmd,
+    tunnel_cmd,
+)
 from .console import err, styled
 from .options import examples, unwrapped
 
 app = typer.Typer(
     name="kvpush",
     help="Deploy disaggregated prefill/decode vLLM with a push-mode KV connector.",
-    epilog=examples(("kvpush init my.yaml", "a starting topology"), ("kvpush up my.yaml", "start it"),
-                    ("kvpush ls", "every deployment here"), ("kvpush --install-completion", "tab completion in your shell")),
+    epilog=examples(
+        ("kvpush init my.yaml", "a starting topology"),
+        ("kvpush up my.yaml", "start it"),
+        ("kvpush ls", "every deployment here"),
+        ("kvpush --install-completion", "tab completion in your shell"),
+    ),
     no_args_is_help=True,
     add_completion=True,  # --install-completion / --show-completion for bash, zsh, fish, PowerShell
     pretty_exceptions_enable=False,
@@ -41,7 +57,8 @@ for _command in app.registered_commands:
 def version_text() -> str:
     """`kvpush --version`: the package version and the digest of its source files, which `provision`
     compares with each host's (two checkouts of one version can differ)."""
-    return f"kvpush {package_version('kvpush')} (source {source_digest() or 'unknown'}), Python {platform.python_version()}"
+    source = source_digest() or "unknown"
+    return f"kvpush {package_version('kvpush')} (source {source}), Python {platform.python_version()}"
 
 
 def _print_version(value: bool) -> None:
@@ -78,8 +95,14 @@ def run(argv: list[str] | None = None) -> None:
     except Exception as exc:
         if debug:
             raise
-        err.print(styled("[red]error:[/red] unexpected {}: {} (rerun as `kvpush --debug <command> ...` for the traceback)", type(exc).__name__, exc),
-                  highlight=False)
+        err.print(
+            styled(
+                "[red]error:[/red] unexpected {}: {} (rerun as `kvpush --debug <command> ...` for the traceback)",
+                type(exc).__name__,
+                exc,
+            ),
+            highlight=False,
+        )
         sys.exit(1)
 
 

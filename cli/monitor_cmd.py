@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
+
 from kvpush.deploy.topology.topology import check_key_files, resolve_topology
 
 from .console import note, out
@@ -19,9 +20,14 @@ def register(app: typer.Typer) -> None:
     def monitor_command(
         file: Path | None = FILE_ARG,
         file_option: Path | None = FILE_OPTION,
-        out_dir: Path | None = typer.Option(None, "--out", help="Directory to write into (default: ./kvpush-monitor/<deployment>)."),
-        router_url: str | None = typer.Option(None, "--router-url", help="Scrape the router here instead of where the plan "
-                                              "puts it, e.g. the URL `kvpush tunnel` prints."),
+        out_dir: Path | None = typer.Option(
+            None, "--out", help="Directory to write into (default: ./kvpush-monitor/<deployment>)."
+        ),
+        router_url: str | None = typer.Option(
+            None,
+            "--router-url",
+            help="Scrape the router here instead of where the plan puts it, e.g. the URL `kvpush tunnel` prints.",
+        ),
     ) -> None:
         """Write a Prometheus scrape config for the router's and every instance's /metrics (with the keys
         they need, as 0600 files beside it) and a Grafana dashboard for the router and connector metrics."""

@@ -9,19 +9,19 @@ from __future__ import annotations
 import inspect
 import shlex
 from pathlib import Path
-from typing import Optional
 
 import typer
 
 from kvpush.common.errors import UsageError
-
 from kvpush.deploy.runners import SshOptions
 
 FILE_HELP = "Topology file (default: ./kvpush.yaml, else the built-in local-cpu)."
 FILE_ARG = typer.Argument(None, help=FILE_HELP)
 FILE_OPTION = typer.Option(None, "--file", help=FILE_HELP)
 
-ACCEPT = typer.Option(False, "--accept-new-host-keys", help="Record unknown SSH host keys in known_hosts (trust on first use).")
+ACCEPT = typer.Option(
+    False, "--accept-new-host-keys", help="Record unknown SSH host keys in known_hosts (trust on first use)."
+)
 KNOWN_HOSTS = typer.Option(None, "--known-hosts", envvar="KVPUSH_KNOWN_HOSTS", show_default=False,
                            help="known_hosts file to verify SSH hosts against (default: the SSH config's "
                                 "UserKnownHostsFile, ~/.ssh/known_hosts).")
@@ -48,7 +48,7 @@ def unwrapped(doc: str) -> str:
     return "\n\n".join(" ".join(line.strip() for line in p.splitlines()) for p in paragraphs)
 
 
-def topology_file(positional: Optional[Path], option: Optional[Path]) -> Optional[Path]:
+def topology_file(positional: Path | None, option: Path | None) -> Path | None:
     """The topology file of a command that takes it either way; two different files are an error."""
     if positional is not None and option is not None and positional.resolve() != option.resolve():
         raise UsageError(f"the topology is given twice ({positional} and --file {option}); give one of them")
@@ -60,7 +60,7 @@ def topology_file(positional: Optional[Path], option: Optional[Path]) -> Optiona
 EXTRA_ARGUMENTS = {"allow_extra_args": True}
 
 
-def one_argument(command: str, what: str, args: list[str], file: Optional[Path]) -> str | None:
+def one_argument(command: str, what: str, args: list[str], file: Path | None) -> str | None:
     """The one positional argument of `logs` or `request`. Both take the topology as --file, so a
     YAML file in that place is the likely mistake (`kvpush logs my.yaml decode`): it is named with
     the command line that was meant, rather than read as a process name or sent as a prompt."""
@@ -74,7 +74,7 @@ def one_argument(command: str, what: str, args: list[str], file: Optional[Path])
     return args[0] if args else None
 
 
-def ssh_options(accept_new: bool, known_hosts: Optional[str], connect_timeout: float) -> SshOptions:
+def ssh_options(accept_new: bool, known_hosts: str | None, connect_timeout: float) -> SshOptions:
     return SshOptions(known_hosts=known_hosts, accept_new_host_keys=accept_new,
                       connect_timeout_s=connect_timeout, auth_timeout_s=connect_timeout)
 

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import shlex
 from pathlib import Path
-from typing import Optional
 
 import typer
 from pydantic import ValidationError
@@ -16,34 +15,55 @@ from kvpush.deploy.topology.topology import TinyModelSpec, parse_topology, resol
 from kvpush.templates import DEFAULT_TEMPLATE, template_names, template_summary, template_text
 
 from .console import heading, note, out, print_json, styled, warn
+from .options import FILE_ARG, FILE_OPTION, examples, topology_file
 from .tables import print_table, table
-from .options import FILE_ARG, FILE_OPTION, topology_file, examples
-
 
 
 def render_plan(plan: Plan) -> None:
     out.print(
-        styled("[bold]deployment[/bold] {}  [bold]connector[/bold] {}  [bold]platform[/bold] {}  [bold]router[/bold] {}",
-               plan.deployment, plan.connector, plan.platform, plan.router_client_url),
+        styled(
+            "[bold]deployment[/bold] {}  [bold]connector[/bold] {}  [bold]platform[/bold] {}  [bold]router[/bold] {}",
+            plan.deployment,
+            plan.connector,
+            plan.platform,
+            plan.router_client_url,
+        ),
         highlight=False,
     )
     for host in plan.hosts:
         who = host.address if host.is_local or host.slurm else host.describe()
-        how = f", slurm node {host.slurm['node'] or '(any of the allocation)'}" if host.slurm else ", local" if host.is_local else ", ssh"
+        how = (
+            f", slurm node {host.slurm['node'] or '(any of the allocation)'}"
+            if host.slurm
+            else ", local"
+            if host.is_local
+            else ", ssh"
+        )
         heading(f"host {host.name} ({who}{how})  workdir {host.workdir}")
         for f in host.files:
             out.print(styled("  [cyan]file[/cyan] {} ({} bytes)", f.path, len(f.content)), highlight=False)
         for f in host.secret_files:
             users = f"; read by {', '.join(f.used_by)}" if f.used_by else ""
-            out.print(styled("  [cyan]secret[/cyan] {} ({}, mode 0600, written by `up`{})", f.path, f.kind, users), highlight=False)
+            out.print(
+                styled("  [cyan]secret[/cyan] {} ({}, mode 0600, written by `up`{})", f.path, f.kind, users),
+                highlight=False,
+            )
         for proc in host.processes:
-            ports = f"http {proc.http_port}" + (f", side channel {','.join(map(str, proc.side_channel_ports))}" if proc.side_channel_ports else "")
-            out.print(styled("  [bold green]{}[/bold green] ({}) {}; log {}", proc.name, proc.role, ports, proc.log_path), highlight=False)
+            ports = f"http {proc.http_port}" + (
+                f", side channel {','.join(map(str, proc.side_channel_ports))}" if proc.side_channel_ports else ""
+            )
+            out.print(
+                styled("  [bold green]{}[/bold green] ({}) {}; log {}", proc.name, proc.role, ports, proc.log_path),
+                highlight=False,
+            )
             out.print(f"    cwd  {proc.cwd}", highlight=False)
             for key in sorted(proc.env):
                 out.print(f"    env  {key}={shlex.quote(proc.env[key])}", highlight=False)
             if proc.env_file:
-                out.print(f"    env  {', '.join(proc.env_file_names)} from {proc.env_file} (values not shown)", highlight=False)
+                out.print(
+                    f"    env  {', '.join(proc.env_file_names)} from {proc.env_file} (values not shown)",
+                    highlight=False,
+                )
             out.print(f"    argv {shlex.join(proc.argv)}", highlight=False)
             out.print(f"    supervisor {shlex.join(proc.supervisor)}", highlight=False)
             out.print(f"    health {proc.health_url}", highlight=False)
@@ -59,10 +79,12 @@ def register(app: typer.Typer) -> None:
                       ('kvpush plan my.yaml --json', 'the same plan for scripts'),
                       ('kvpush plan my.yaml --slurm-script > run.sbatch', 'launcher slurm: an sbatch script')))
     def plan_command(
-        file: Optional[Path] = FILE_ARG,
-        file_option: Optional[Path] = FILE_OPTION,
+        file: Path | None = FILE_ARG,
+        file_option: Path | None = FILE_OPTION,
         json_output: bool = typer.Option(False, "--json", help="Print the plan as one JSON document."),
-        slurm_script: bool = typer.Option(False, "--slurm-script", help="Print a standalone sbatch script that runs the deployment (launcher: slurm)."),
+        slurm_script: bool = typer.Option(
+            False, "--slurm-script", help="Print a standalone sbatch script that runs the deployment (launcher: slurm)."
+        ),
     ) -> None:
         """Print the launch plan (per host: env, argv, ports, logs) without touching any host."""
         file = topology_file(file, file_option)
@@ -71,7 +93,10 @@ def register(app: typer.Typer) -> None:
         plan = redact_plan(launched)
         if slurm_script:
             if topo.launcher != "slurm":
-                raise UsageError(f"--slurm-script: {source} uses launcher {topo.launcher}; set 'launcher: slurm' (see `kvpush init --template slurm-cpu`)")
+                raise UsageError(
+                    f"--slurm-script: {source} uses launcher {topo.launcher}; set 'launcher: slurm' (see `kvpush init "
+                    "--template slurm-cpu`)"
+                )
             from kvpush.deploy.plan.slurm_render import standalone_script
 
             # the script runs what it says: never a redacted value (it refuses secret-looking ones)
@@ -104,7 +129,9 @@ def register(app: typer.Typer) -> None:
                       ('kvpush init my.yaml --template local-cpu-tp2', 'another template (see `kvpush templates`)')))
     def init_command(
         path: Path = typer.Argument(Path("kvpush.yaml"), help="Where to write the topology."),
-        template: str = typer.Option(DEFAULT_TEMPLATE, "--template", "-t", help="Template name (see `kvpush templates`)."),
+        template: str = typer.Option(
+            DEFAULT_TEMPLATE, "--template", "-t", help="Template name (see `kvpush templates`)."
+        ),
         force: bool = typer.Option(False, "--force", help="Overwrite an existing file."),
     ) -> None:
         """Write a starting topology file from a template."""
@@ -124,8 +151,13 @@ def register(app: typer.Typer) -> None:
             raise UsageError(f"{path}: cannot write it ({exc.strerror or exc}); choose another path") from None
         out.print(f"wrote {path} from template {template}; next: `kvpush plan {path}`", highlight=False)
 
-    @app.command("make-model", epilog=examples(('kvpush make-model ~/models/tiny', 'the default tiny model'),
-                      ('kvpush make-model ~/models/kv-heavy --layers 8 --kv-heads 8 --head-dim 128', '32 KiB of KV per token')))
+    @app.command(
+        "make-model",
+        epilog=examples(
+            ("kvpush make-model ~/models/tiny", "the default tiny model"),
+            ("kvpush make-model ~/models/kv-heavy --layers 8 --kv-heads 8 --head-dim 128", "32 KiB of KV per token"),
+        ),
+    )
     def make_model_command(
         path: Path = typer.Argument(..., help="Directory to create the model in."),
         seed: int = typer.Option(0, help="Seed for weights and tokenizer corpus: same seed, same bytes."),
@@ -140,7 +172,9 @@ def register(app: typer.Typer) -> None:
         from kvpush.deploy.lifecycle.tiny_model import describe, make_tiny_model
 
         try:
-            spec = TinyModelSpec(seed=seed, layers=layers, kv_heads=kv_heads, heads=heads, head_dim=head_dim, hidden_size=hidden_size)
+            spec = TinyModelSpec(
+                seed=seed, layers=layers, kv_heads=kv_heads, heads=heads, head_dim=head_dim, hidden_size=hidden_size
+            )
         except ValidationError as exc:
             first = exc.errors()[0]
             option = f"--{first['loc'][0].replace('_', '-')}: " if first["loc"] else ""

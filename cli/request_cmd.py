@@ -2,32 +2,36 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
 from kvpush.common.errors import KvpushError
 from kvpush.deploy.lifecycle.client import stream_completion
-from kvpush.deploy.plan.plan import build_plan
 from kvpush.deploy.lifecycle.secrets import client_api_key
+from kvpush.deploy.plan.plan import build_plan
 from kvpush.deploy.topology.topology import resolve_topology
 
 from .console import note, out, print_json, styled
-from .options import EXTRA_ARGUMENTS, FILE_OPTION, one_argument, examples
+from .options import EXTRA_ARGUMENTS, FILE_OPTION, examples, one_argument
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("request", epilog=examples(('kvpush request --file my.yaml "hello"', 'answer and TTFT'),
-                      ('kvpush request --file my.yaml -n 64 --json "hello"', '64 tokens, as JSON'),
-                      ('kvpush request --file my.yaml --router-url http://127.0.0.1:18000 "hi"', 'through `kvpush tunnel`')),
-                 context_settings=EXTRA_ARGUMENTS)
+    @app.command(
+        "request",
+        epilog=examples(
+            ('kvpush request --file my.yaml "hello"', "answer and TTFT"),
+            ('kvpush request --file my.yaml -n 64 --json "hello"', "64 tokens, as JSON"),
+            ('kvpush request --file my.yaml --router-url http://127.0.0.1:18000 "hi"', "through `kvpush tunnel`"),
+        ),
+        context_settings=EXTRA_ARGUMENTS,
+    )
     def request_command(
         ctx: typer.Context,
         prompt: str = typer.Argument(..., help="Prompt text (quoted)."),
-        file: Optional[Path] = FILE_OPTION,
+        file: Path | None = FILE_OPTION,
         max_tokens: int = typer.Option(32, "--max-tokens", "-n", help="Tokens to generate (greedy)."),
         json_output: bool = typer.Option(False, "--json", help="Print the result as JSON."),
-        router_url_option: Optional[str] = typer.Option(None, "--router-url", help="Send it here instead of the "
+        router_url_option: str | None = typer.Option(None, "--router-url", help="Send it here instead of the "
                                                         "router's own address, e.g. the URL `kvpush tunnel` prints."),
     ) -> None:
         """Send one streamed, greedy completion through the router; print the answer and its TTFT."""
@@ -51,5 +55,12 @@ def register(app: typer.Typer) -> None:
         note(f"topology: {source}; router {router_url}")
         out.print(styled("[bold]prompt[/bold]  {}", prompt), highlight=False)
         out.print(styled("[bold]answer[/bold]  {}", repr(result.text)), highlight=False)
-        out.print(styled("[bold]TTFT[/bold]    {} ms   [bold]total[/bold] {} ms for {} tokens",
-                         f"{result.ttft_s * 1e3:.1f}", f"{result.latency_s * 1e3:.1f}", result.completion_tokens), highlight=False)
+        out.print(
+            styled(
+                "[bold]TTFT[/bold]    {} ms   [bold]total[/bold] {} ms for {} tokens",
+                f"{result.ttft_s * 1e3:.1f}",
+                f"{result.latency_s * 1e3:.1f}",
+                result.completion_tokens,
+            ),
+            highlight=False,
+        )

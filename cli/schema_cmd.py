@@ -15,7 +15,9 @@ def register(app: typer.Typer) -> None:
         ("kvpush schema > kvpush.schema.json", "for editors: see docs/topology.md"),
         ("kvpush schema --markdown", f"the reference page ({DOC_PATH})")))
     def schema_command(
-        markdown: bool = typer.Option(False, "--markdown", help=f"Print the topology reference page ({DOC_PATH}) instead."),
+        markdown: bool = typer.Option(
+            False, "--markdown", help=f"Print the topology reference page ({DOC_PATH}) instead."
+        ),
     ) -> None:
         """Print the topology file's JSON Schema, for editors: completion, checks and each field's description."""
         if markdown:

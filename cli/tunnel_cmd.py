@@ -5,7 +5,6 @@ import shlex
 import signal
 import threading
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -15,8 +14,17 @@ from kvpush.deploy.plan.plan import build_plan
 from kvpush.deploy.topology.topology import NAME_PATTERN, resolve_topology
 
 from .console import err, out, styled
-from .options import (ACCEPT, CONNECT_TIMEOUT, DEPLOYMENT, FILE_ARG, FILE_OPTION, KNOWN_HOSTS, examples, ssh_options,
-                      topology_file)
+from .options import (
+    ACCEPT,
+    CONNECT_TIMEOUT,
+    DEPLOYMENT,
+    FILE_ARG,
+    FILE_OPTION,
+    KNOWN_HOSTS,
+    examples,
+    ssh_options,
+    topology_file,
+)
 
 
 def register(app: typer.Typer) -> None:
@@ -25,14 +33,14 @@ def register(app: typer.Typer) -> None:
         ("kvpush tunnel -d xpyd --local-port 18000", "on a port you choose"),
         ('kvpush request --file my.yaml --router-url http://127.0.0.1:18000 "hi"', "then, in another shell")))
     def tunnel_command(
-        file: Optional[Path] = FILE_ARG,
-        file_option: Optional[Path] = FILE_OPTION,
-        deployment: Optional[str] = DEPLOYMENT,
-        local_port: Optional[int] = typer.Option(None, "--local-port", min=0, max=65535, show_default=False,
+        file: Path | None = FILE_ARG,
+        file_option: Path | None = FILE_OPTION,
+        deployment: str | None = DEPLOYMENT,
+        local_port: int | None = typer.Option(None, "--local-port", min=0, max=65535, show_default=False,
                                                  help="Port on this machine's 127.0.0.1 (default: the router's port "
                                                       "where free, else any free one; 0: any free one)."),
         accept_new_host_keys: bool = ACCEPT,
-        known_hosts: Optional[str] = KNOWN_HOSTS,
+        known_hosts: str | None = KNOWN_HOSTS,
         connect_timeout: float = CONNECT_TIMEOUT,
     ) -> None:
         """Forward a port on this machine's loopback to the router through SSH to its host (`ssh -L`),
@@ -56,7 +64,9 @@ def register(app: typer.Typer) -> None:
         previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
         try:
             where = f"--file {shlex.quote(str(file))}" if file else f"-d {deployment}"
-            out.print(f"router: {forward.url}  (through SSH to host {endpoint.host}, {endpoint.url} there)", highlight=False)
+            out.print(
+                f"router: {forward.url}  (through SSH to host {endpoint.host}, {endpoint.url} there)", highlight=False
+            )
             out.print(f"metrics: {forward.url}/metrics", highlight=False)
             out.print(f'use it: kvpush request {where} --router-url {forward.url} "hello"', highlight=False)
             err.print(styled("[dim]Ctrl-C ends the tunnel.[/dim]"), highlight=False)

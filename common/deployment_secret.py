@@ -54,15 +54,21 @@ def secret_file_text(secret: bytes) -> str:
 def parse_secret(text: str, source: str) -> bytes:
     parts = text.split()
     if len(parts) != 2 or parts[0] != FORMAT or len(parts[1]) != 2 * SECRET_BYTES:
-        raise SecretFileError(f"{source}: not a kvpush deployment secret (expected one line '{FORMAT} <64 hex digits>'); "
-                              "make a new one with `kvpush up --rotate-secret`")
+        raise SecretFileError(
+            f"{source}: not a kvpush deployment secret (expected one line '{FORMAT} <64 hex digits>'); "
+            "make a new one with `kvpush up --rotate-secret`"
+        )
     try:
         return bytes.fromhex(parts[1])
     except ValueError:
-        raise SecretFileError(f"{source}: the deployment secret is not hex; make a new one with `kvpush up --rotate-secret`") from None
+        raise SecretFileError(
+            f"{source}: the deployment secret is not hex; make a new one with `kvpush up --rotate-secret`"
+        ) from None
 
 
-def read_private_text(path: str | os.PathLike, what: str = "secret file", missing_hint: str = "`kvpush up` writes it") -> str:
+def read_private_text(
+    path: str | os.PathLike, what: str = "secret file", missing_hint: str = "`kvpush up` writes it"
+) -> str:
     """A small file only its owner may read (a leading ~ is expanded); SecretFileError otherwise."""
     shown = os.fspath(path)
     expanded = os.path.expanduser(shown)
@@ -77,11 +83,15 @@ def read_private_text(path: str | os.PathLike, what: str = "secret file", missin
         if not stat.S_ISREG(info.st_mode):
             raise SecretFileError(f"{shown}: the {what} is not a regular file; remove it and rerun `kvpush up`")
         if info.st_mode & 0o077:
-            raise SecretFileError(f"{shown}: the {what} is readable by other users (mode {stat.S_IMODE(info.st_mode):04o}); "
-                                  f"run `chmod 600 {shown}`, and rotate it if others may have read it")
+            raise SecretFileError(
+                f"{shown}: the {what} is readable by other users (mode {stat.S_IMODE(info.st_mode):04o}); "
+                f"run `chmod 600 {shown}`, and rotate it if others may have read it"
+            )
         if info.st_uid != os.geteuid():
-            raise SecretFileError(f"{shown}: the {what} belongs to uid {info.st_uid}, not to this user ({os.geteuid()}); "
-                                  "it must be this user's own file")
+            raise SecretFileError(
+                f"{shown}: the {what} belongs to uid {info.st_uid}, not to this user ({os.geteuid()}); "
+                "it must be this user's own file"
+            )
         data = os.read(fd, MAX_FILE_BYTES + 1)
     finally:
         os.close(fd)

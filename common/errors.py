@@ -34,8 +34,14 @@ def validation_message(err: dict, known_fields: Iterable[str] = ()) -> str:
     name: what is wrong, and the fix; an unknown field gets the known one it was likely meant to be."""
     kind = err["type"]
     if kind in UNKNOWN_FIELD_ERRORS:
-        meant = difflib.get_close_matches(str(err["loc"][-1]), list(known_fields), n=1, cutoff=0.75) if err["loc"] else []
-        return f"is not a known field; did you mean '{meant[0]}'?" if meant else "is not a known field; check its spelling or remove it"
+        meant = (
+            difflib.get_close_matches(str(err["loc"][-1]), list(known_fields), n=1, cutoff=0.75) if err["loc"] else []
+        )
+        return (
+            f"is not a known field; did you mean '{meant[0]}'?"
+            if meant
+            else "is not a known field; check its spelling or remove it"
+        )
     if kind == "missing":
         return "is required; add it"
     if kind == "literal_error":
@@ -44,7 +50,11 @@ def validation_message(err: dict, known_fields: Iterable[str] = ()) -> str:
     msg = err["msg"]
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, "):]
-    return f"{msg} (got {err.get('input')!r})" if "input" in err and not isinstance(err.get("input"), (dict, list)) else msg
+    return (
+        f"{msg} (got {err.get('input')!r})"
+        if "input" in err and not isinstance(err.get("input"), (dict, list))
+        else msg
+    )
 
 
 def first_problem(errors: list[dict]) -> dict:

@@ -64,13 +64,13 @@ class PromptIdentity:
 
     @classmethod
     def of(cls, token_ids: Any, cache_salt: str | None = None, lora_name: str | None = None,
-           extra: Iterable[str] = ()) -> "PromptIdentity":
+           extra: Iterable[str] = ()) -> PromptIdentity:
         ids = list(token_ids or ())
         return cls.from_ids_digest(len(ids), prompt_digest(ids), cache_salt, lora_name, extra)
 
     @classmethod
     def from_ids_digest(cls, tokens: int, ids_digest: str, cache_salt: str | None = None,
-                        lora_name: str | None = None, extra: Iterable[str] = ()) -> "PromptIdentity":
+                        lora_name: str | None = None, extra: Iterable[str] = ()) -> PromptIdentity:
         """The identity of a prompt whose ids' prompt_digest is known (hashed once per request)."""
         text = json.dumps(["kvpush prompt identity v1", ids_digest, cache_salt, lora_name, list(extra)],
                           separators=(",", ":")).encode()
@@ -107,7 +107,7 @@ class PushParams:
                            self.expires], separators=(",", ":")).encode()
 
     def signed(self, key: bytes, engine_id: str, expires: int, prompt_ids: list[int] | None = None,
-               ids_digest: str | None = None) -> "PushParams":
+               ids_digest: str | None = None) -> PushParams:
         """These params for the instance `engine_id`, good until `expires`, bound to `prompt_ids`
         (whose prompt_digest is `ids_digest`, where known) where the caller knows them, and signed
         with `key`. ValueError if `prompt_ids` are not token ids."""
@@ -118,7 +118,9 @@ class PushParams:
                            prompt_digest=digest, signature="")
         return replace(unsigned, signature=hmac.new(key, unsigned.signed_text(), hashlib.sha256).hexdigest())
 
-    def refusal(self, key: bytes, engine_id: str, now: float, prompt_ids: Any, ids_digest: str | None = None) -> str | None:
+    def refusal(
+        self, key: bytes, engine_id: str, now: float, prompt_ids: Any, ids_digest: str | None = None
+    ) -> str | None:
         """Why an instance `engine_id` holding `key` refuses these params for a request whose prompt
         is `prompt_ids` (whose prompt_digest is `ids_digest`, where known) at Unix time `now` (a
         reason constant), or None."""
@@ -143,7 +145,7 @@ class PushParams:
         return None
 
     @classmethod
-    def parse(cls, params: Any) -> "PushParams | None":
+    def parse(cls, params: Any) -> PushParams | None:
         """None for requests without kvpush params; ParamsError for malformed ones."""
         if not isinstance(params, dict) or ROLE_KEY not in params:
             return None

@@ -103,9 +103,13 @@ class Admission:
             return
         if not hello.nonce:
             self.side_counts["failed_auth"] += 1
-            self._refuse(conn, hello, "the HELLO carries no nonce: this prefill authenticates its side channel with the "
-                                      "deployment's key (secret_file in kv_connector_extra_config, written by `kvpush up`)",
-                         "failed_auth")
+            self._refuse(
+                conn,
+                hello,
+                "the HELLO carries no nonce: this prefill authenticates its side channel with the "
+                "deployment's key (secret_file in kv_connector_extra_config, written by `kvpush up`)",
+                "failed_auth",
+            )
             return
         state = conn.auth_state
         state.nonce, state.hello_digest = auth.new_nonce(), auth.digest(wire.encode(hello))
@@ -120,8 +124,13 @@ class Admission:
                            hello.tp_rank, state.hello_digest, msg.layout_digest):
             self.side_counts["failed_auth"] += 1
             self._close(conn, "failed authentication")  # an established peer is never displaced
-            self.warnings.warn("failed_auth", "kvpush: a side-channel peer at %s failed authentication as %s rank %d; dropped",
-                               conn.peer, hello.engine_id, hello.tp_rank)
+            self.warnings.warn(
+                "failed_auth",
+                "kvpush: a side-channel peer at %s failed authentication as %s rank %d; dropped",
+                conn.peer,
+                hello.engine_id,
+                hello.tp_rank,
+            )
             return
         state.layout_digest, state.proven_at = msg.layout_digest, time.monotonic()
         conn.trust(frame_mac.session_keys(self.config.side_channel_key, hello.nonce, state.nonce).opener("prefill"))
@@ -148,8 +157,13 @@ class Admission:
         hello = state.hello
         if self.config.side_channel_key and auth.digest(wire.encode(layout)) != state.layout_digest:
             self._count("failed_auth")
-            self.warnings.warn("failed_auth", "kvpush: the LAYOUT from %s (%s rank %d) is not the one its proof covers; dropped",
-                               conn.peer, hello.engine_id, hello.tp_rank)
+            self.warnings.warn(
+                "failed_auth",
+                "kvpush: the LAYOUT from %s (%s rank %d) is not the one its proof covers; dropped",
+                conn.peer,
+                hello.engine_id,
+                hello.tp_rank,
+            )
             self._close(conn, "LAYOUT does not match the proof")
             return None
         reason, plan = self.check(hello, layout)
@@ -176,24 +190,41 @@ class Admission:
         this rank's heads with the decode rank's, region by region. Pure."""
         cfg = self.config
         if hello.engine_id not in cfg.allowed_engines:
-            return f"engine {hello.engine_id!r} is not in this prefill's allowed_engines {sorted(cfg.allowed_engines)}", None
+            return (
+                f"engine {hello.engine_id!r} is not in this prefill's allowed_engines {sorted(cfg.allowed_engines)}",
+                None,
+            )
         diffs = cfg.identity.mismatches(layout.identity)
         if diffs:
-            return f"KV layout of prefill {cfg.engine_id} vs decode {hello.engine_id} differs: " + "; ".join(diffs), None
+            return f"KV layout of prefill {cfg.engine_id} vs decode {hello.engine_id} differs: " + "; ".join(
+                diffs
+            ), None
         try:
             decode = HeadSharding(cfg.sharding.total_heads, hello.tp_size)
         except ShardingError as exc:
             return f"decode {hello.engine_id}: {exc}", None
         pieces = [p for p in pieces_for_prefill(cfg.tp_rank, cfg.sharding, decode) if p.d_rank == hello.tp_rank]
         if not pieces:
-            return (f"decode rank {hello.tp_rank} (TP {hello.tp_size}) takes no KV heads from prefill rank {cfg.tp_rank} "
-                    f"(TP {cfg.sharding.tp_size}, {cfg.sharding.total_heads} KV heads) but reached its side channel"), None
+            return (
+                f"decode rank {hello.tp_rank} (TP {hello.tp_size}) takes no KV heads from prefill rank {cfg.tp_rank} "
+                f"(TP {cfg.sharding.tp_size}, {cfg.sharding.total_heads} KV heads) but reached its side channel"
+            ), None
         piece = pieces[0]
         local_heads = cfg.head_layouts or tuple(HeadLayout.whole(r.block_len) for r in self.engine.regions)
         try:
             segments = slice_segments(
-                self.engine.regions, local_heads, piece.start - cfg.sharding.heads_of(cfg.tp_rank).start,
-                layout.regions, layout.head_layouts, piece.start - decode.heads_of(hello.tp_rank).start, piece.num_heads)
+                self.engine.regions,
+                local_heads,
+                piece.start - cfg.sharding.heads_of(cfg.tp_rank).start,
+                layout.regions,
+                layout.head_layouts,
+                piece.start - decode.heads_of(hello.tp_rank).start,
+                piece.num_heads,
+            )
         except CoalesceError as exc:
-            return f"KV blocks of prefill {cfg.engine_id} rank {cfg.tp_rank} and decode {hello.engine_id} rank {hello.tp_rank} do not pair: {exc}", None
+            return (
+                f"KV blocks of prefill {cfg.engine_id} rank {cfg.tp_rank} and decode {hello.engine_id} rank "
+                f"{hello.tp_rank} do not pair: {exc}",
+                None,
+            )
         return None, Plan(segments, self.engine.device_id, layout.device_id)

@@ -43,8 +43,11 @@ def layout_cost_note(layout: str | None, regions: Sequence[Region], on_gpu: bool
     note = (f"kvpush: KV cache layout {name} puts a block's layers in {per_run} separate ranges, so a push takes "
             f"{per_run} NIXL descriptors per run of adjacent blocks instead of 1")
     if on_gpu:
-        note += (f"; on an H200 that made a 16k-token push 2-5x slower when contiguous and ~100x slower when "
-                 f"fragmented (benchmarks/notes/gpu-transfer-path.md). vLLM did not give {PREFERRED_GPU_LAYOUT} (the attention backend "
-                 f"or VLLM_KV_CACHE_LAYOUT ruled it out); set VLLM_KV_CACHE_LAYOUT={PREFERRED_GPU_LAYOUT} on both "
-                 f"instances if the backend supports it")
+        note += (
+            f"; on an H200 that made a 16k-token push 2-5x slower when contiguous and ~100x slower when "
+            f"fragmented (benchmarks/notes/gpu-transfer-path.md). vLLM did not give {PREFERRED_GPU_LAYOUT} (the "
+            "attention backend "
+            f"or VLLM_KV_CACHE_LAYOUT ruled it out); set VLLM_KV_CACHE_LAYOUT={PREFERRED_GPU_LAYOUT} on both "
+            f"instances if the backend supports it"
+        )
     return note

@@ -89,16 +89,20 @@ def slice_segments(local: Sequence[Region], local_heads: Sequence[HeadLayout], l
     segments = []
     for i, (mine, my_heads, theirs, their_heads) in enumerate(zip(local, local_heads, remote, remote_heads)):
         if my_heads.head_bytes != their_heads.head_bytes:
-            raise CoalesceError(f"KV region {i}: {my_heads.head_bytes}-byte heads here vs {their_heads.head_bytes} on the peer")
+            raise CoalesceError(
+                f"KV region {i}: {my_heads.head_bytes}-byte heads here vs {their_heads.head_bytes} on the peer"
+            )
         if local_first + num_heads > my_heads.heads or remote_first + num_heads > their_heads.heads:
             raise CoalesceError(f"KV region {i}: heads {local_first}..{local_first + num_heads - 1} here -> "
                                 f"{remote_first}..{remote_first + num_heads - 1} there, but the blocks hold "
                                 f"{my_heads.heads} and {their_heads.heads}")
         chunks = max(len(my_heads.chunk_offsets), len(their_heads.chunk_offsets))
         if chunks > MAX_SLICE_CHUNKS or len(my_heads.chunk_offsets) != len(their_heads.chunk_offsets):
-            raise CoalesceError(f"a head slice of a block is {chunks} separate ranges in this KV layout (tokens lie "
-                                f"outside the heads); TP sizes that differ need a head-major layout ({HEAD_MAJOR_LAYOUTS}): "
-                                f"set VLLM_KV_CACHE_LAYOUT=BLHNC on both instances")
+            raise CoalesceError(
+                f"a head slice of a block is {chunks} separate ranges in this KV layout (tokens lie "
+                f"outside the heads); TP sizes that differ need a head-major layout ({HEAD_MAJOR_LAYOUTS}): "
+                f"set VLLM_KV_CACHE_LAYOUT=BLHNC on both instances"
+            )
         for mine_at, theirs_at in zip(my_heads.chunk_offsets, their_heads.chunk_offsets):
             segments.append(Segment(mine.base + mine_at + local_first * my_heads.head_bytes,
                                     theirs.base + theirs_at + remote_first * their_heads.head_bytes,
@@ -166,7 +170,7 @@ class Plan:
 
     @classmethod
     def pair(cls, local: Sequence[Region], remote: Sequence[Region], local_device: int = 0,
-             remote_device: int = 0) -> "Plan":
+             remote_device: int = 0) -> Plan:
         return cls(pair_segments(local, remote), local_device, remote_device)
 
     @property

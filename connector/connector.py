@@ -93,8 +93,13 @@ class KVPushConnector(KVConnectorBase_V1):
         self._scheduler: PushScheduler | None = None
         self._worker: PushWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = PushScheduler(self.settings.block_size, self.settings.is_producer, self.settings.engine_id,
-                                            KVPushMetadata, transfer_params_key(self.settings))
+            self._scheduler = PushScheduler(
+                self.settings.block_size,
+                self.settings.is_producer,
+                self.settings.engine_id,
+                KVPushMetadata,
+                transfer_params_key(self.settings),
+            )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -124,9 +129,11 @@ class KVPushConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         assert self._worker is not None
         if self._cross_layer_blocks:  # asked for cross-layer blocks (before vLLM 0.29) and got per-layer tensors
-            log.warning("kvpush: vLLM allocated one KV tensor per layer, not the cross-layer cache asked for (vLLM's V2 model "
-                        "runner, its default for many models, has none; VLLM_USE_V2_MODEL_RUNNER=0 selects the V1 runner, "
-                        "which has it): a push takes a descriptor per layer per run of blocks")
+            log.warning(
+                "kvpush: vLLM allocated one KV tensor per layer, not the cross-layer cache asked for (vLLM's V2 model "
+                "runner, its default for many models, has none; VLLM_USE_V2_MODEL_RUNNER=0 selects the V1 runner, "
+                "which has it): a push takes a descriptor per layer per run of blocks"
+            )
         self._worker.register_kv_caches(kv_caches)
 
     def register_cross_layers_kv_cache(self, kv_cache: Any, attn_backend: Any) -> None:
@@ -223,7 +230,7 @@ class KVPushConnector(KVConnectorBase_V1):
         assert self._scheduler is not None
         self._scheduler.kv_cache_manager = kv_cache_manager
 
-    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self._scheduler is not None
         self._scheduler.update_connector_output(connector_output.finished_sending, connector_output.finished_recving)
         worker_meta = getattr(connector_output, "kv_connector_worker_meta", None)

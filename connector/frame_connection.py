@@ -23,7 +23,7 @@ SEND_STALL_S = 5.0  # ... or for how long it may read nothing at all while bytes
 
 
 class Writer(Protocol):
-    def watch(self, conn: "Connection") -> None:
+    def watch(self, conn: Connection) -> None:
         """The connection has bytes to write: write them as the peer reads (channel.Reactor)."""
 
 

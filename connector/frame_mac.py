@@ -58,11 +58,11 @@ class SessionKeys:
     decode: bytes  # D -> P
     prefill: bytes  # P -> D
 
-    def sealer(self, role: str) -> "FrameSealer":
+    def sealer(self, role: str) -> FrameSealer:
         """What `role` ("decode" or "prefill") seals its frames with."""
         return FrameSealer(getattr(self, role), _SENDER[role])
 
-    def opener(self, role: str) -> "FrameOpener":
+    def opener(self, role: str) -> FrameOpener:
         """What `role` checks the other side's frames with."""
         other = _OTHER[role]
         return FrameOpener(getattr(self, other), _SENDER[other])

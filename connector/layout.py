@@ -30,7 +30,7 @@ class TensorView:
     itemsize: int
 
     @classmethod
-    def of(cls, tensor) -> "TensorView":
+    def of(cls, tensor) -> TensorView:
         return cls(tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), tensor.element_size())
 
 

@@ -61,5 +61,5 @@ class Evictions:
 
     blocks: frozenset[int] = frozenset()
 
-    def aggregate(self, other: "Evictions") -> "Evictions":
+    def aggregate(self, other: Evictions) -> Evictions:
         return type(self)(self.blocks | other.blocks)

@@ -28,20 +28,21 @@ import time
 from collections import Counter
 from typing import Callable
 
+from kvpush.common.kv_params import PromptIdentity
+
 from . import wire
 from .admission import Handshake, Pairing, ThrottledWarnings
 from .channel import Connection
 from .fanin import base_name, rank_key, rank_of
+from .peers import Peers
 from .producer_channel import ProducerChannel
 from .producer_config import ProducerConfig
-from .peers import Peers
 from .pushes import DRAIN_POLL_S, Pushes, SendRecord
 from .sharding import HeadSharding, ShardingError, targets_of
 from .state import Match, Offer, ProducerState, Registration, Rejection, counts_since
 from .streamed_write import MAX_SLEEP_S
 from .transfer import NixlEngine, Peer
 from .transfer_thread import TransferThread
-from kvpush.common.kv_params import PromptIdentity
 
 log = logging.getLogger(__name__)
 POLL_S = 0.0002  # completion polling period, only while WRITEs are in flight, easing off on a
@@ -105,7 +106,9 @@ class Producer:
         with self._lock:
             return self._peers.nixl.get(rank_key(engine_id, rank))
 
-    def offer(self, transfer_id: str, req_id: str, block_ids: list[int], peer_engine: str, peer_tp_size: int = 1) -> None:
+    def offer(
+        self, transfer_id: str, req_id: str, block_ids: list[int], peer_engine: str, peer_tp_size: int = 1
+    ) -> None:
         """The request's prefill is done and these are its blocks: one push per decode rank that
         takes KV heads from this rank. Copies (CPU) happen on this thread without the producer's
         lock, so the reactor keeps answering D meanwhile. Its blocks are freed once every push ended."""
@@ -119,16 +122,30 @@ class Producer:
             if peer_engine not in self.config.allowed_engines or not targets:
                 if targets:
                     self.counters["refused_peer"] += 1
-                    log.error("kvpush: request %s names decode engine %r, which is not in allowed_engines %s; not sending its KV",
-                              req_id, peer_engine, sorted(self.config.allowed_engines))
+                    log.error(
+                        "kvpush: request %s names decode engine %r, which is not in allowed_engines %s; not sending "
+                        "its KV",
+                        req_id,
+                        peer_engine,
+                        sorted(self.config.allowed_engines),
+                    )
                 self._pushes.free_now(req_id)  # else no decode rank takes heads from this rank
                 return
             self._pushes.expect(req_id, len(targets))
             prompt = self._prompt_of.pop(transfer_id, None)
             for rank in targets:
                 key = rank_key(transfer_id, rank)
-                result = self._state.offer(Offer(key, req_id, tuple(block_ids), rank_key(peer_engine, rank), now, prompt))
-                log.debug("kvpush P offer %s req=%s blocks=%d t=%.6f matched=%s", key, req_id, len(block_ids), now, result is not None)
+                result = self._state.offer(
+                    Offer(key, req_id, tuple(block_ids), rank_key(peer_engine, rank), now, prompt)
+                )
+                log.debug(
+                    "kvpush P offer %s req=%s blocks=%d t=%.6f matched=%s",
+                    key,
+                    req_id,
+                    len(block_ids),
+                    now,
+                    result is not None,
+                )
                 if isinstance(result, Match) and self.config.drive_writes:  # this thread copies it
                     self._writing.add(key)
                     here.append(result)
@@ -317,12 +334,23 @@ class Producer:
             offers, regs = self._state.expire(time.monotonic())
             self._pushes.release_stale_prepared(self._state.registrations, self._writing)
             for o in offers:
-                log.warning("kvpush: decode engine %s never registered transfer %s (request %s) within %g s; freeing its blocks",
-                            o.peer_engine, o.transfer_id, o.req_id, self.config.timeout_s)
+                log.warning(
+                    "kvpush: decode engine %s never registered transfer %s (request %s) within %g s; freeing its "
+                    "blocks",
+                    o.peer_engine,
+                    o.transfer_id,
+                    o.req_id,
+                    self.config.timeout_s,
+                )
                 self._pushes.push_ended(o.req_id)
             for r in regs:
                 tid = base_name(r.transfer_id)
-                self._send_fail(r.peer_engine, tid, f"prefill {self.config.engine_id} had no request for transfer {tid} within {self.config.timeout_s:g} s")
+                self._send_fail(
+                    r.peer_engine,
+                    tid,
+                    f"prefill {self.config.engine_id} had no request for transfer {tid} within "
+                    f"{self.config.timeout_s:g} s",
+                )
         self._run_after_loss()
 
     def _closed(self, conn: Connection, reason: str) -> None:

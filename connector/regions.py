@@ -29,7 +29,7 @@ class LayoutIdentity:
     layer_names: tuple[str, ...]
     kv_heads: int  # the model's KV heads (1 for a latent cache), however TP splits them
 
-    def mismatches(self, other: "LayoutIdentity") -> list[str]:
+    def mismatches(self, other: LayoutIdentity) -> list[str]:
         """Human-readable differences, naming this side's value first."""
         out = []
         for f in fields(self):
@@ -38,7 +38,10 @@ class LayoutIdentity:
                 if f.name == "layer_names":
                     only_mine = sorted(set(mine) - set(theirs))[:3]
                     only_theirs = sorted(set(theirs) - set(mine))[:3]
-                    out.append(f"layer_names: {len(mine)} layers (only here: {only_mine}) vs {len(theirs)} (only there: {only_theirs})")
+                    out.append(
+                        f"layer_names: {len(mine)} layers (only here: {only_mine}) vs {len(theirs)} (only there: "
+                        f"{only_theirs})"
+                    )
                 else:
                     out.append(f"{f.name}: {mine!r} vs {theirs!r}")
         return out
@@ -56,6 +59,6 @@ class HeadLayout:
     chunk_offsets: tuple[int, ...]
 
     @classmethod
-    def whole(cls, block_len: int) -> "HeadLayout":
+    def whole(cls, block_len: int) -> HeadLayout:
         """One head filling the block (a rank's only head, or a latent cache)."""
         return cls(1, block_len, (0,))

@@ -15,9 +15,10 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from kvpush.common.kv_params import MALFORMED, ParamsError, PromptIdentity, PushParams, prompt_digest
+
 from .admission import ThrottledWarnings
 from .metadata import PushMetadata, RecvSpec, SendSpec
-from kvpush.common.kv_params import MALFORMED, ParamsError, PromptIdentity, PushParams, prompt_digest
 
 log = logging.getLogger(__name__)
 
@@ -27,9 +28,17 @@ def prompt_identity(request: Any, ids_digest: str) -> PromptIdentity:
     prompt_digest) and what else makes equal ids cache differently in vLLM (cache salt, LoRA
     adapter, multimodal inputs)."""
     lora = getattr(request, "lora_request", None)
-    extra = [str(getattr(f, "identifier", None) or getattr(f, "mm_hash", "")) for f in getattr(request, "mm_features", None) or ()]
-    return PromptIdentity.from_ids_digest(len(request.prompt_token_ids or ()), ids_digest, getattr(request, "cache_salt", None),
-                                          getattr(lora, "lora_name", None), extra)
+    extra = [
+        str(getattr(f, "identifier", None) or getattr(f, "mm_hash", ""))
+        for f in getattr(request, "mm_features", None) or ()
+    ]
+    return PromptIdentity.from_ids_digest(
+        len(request.prompt_token_ids or ()),
+        ids_digest,
+        getattr(request, "cache_salt", None),
+        getattr(lora, "lora_name", None),
+        extra,
+    )
 
 
 @dataclass(frozen=True)
@@ -130,7 +139,9 @@ class PushScheduler:
         if params is not None and params.role == "producer":
             # known from arrival on, so an abort while still queued reaches D too
             self._producing[request.request_id] = _Producing(request, params)
-            self._meta.accepts.append((params.transfer_id, params.peer_tp_size, prompt_identity(request, self._ids_digest(request))))
+            self._meta.accepts.append(
+                (params.transfer_id, params.peer_tp_size, prompt_identity(request, self._ids_digest(request)))
+            )
 
     # ---- D ------------------------------------------------------------------------------------
     def _consumer_params(self, request: Any) -> PushParams | None:
@@ -174,10 +185,22 @@ class PushScheduler:
             self._transfer_of[req_id] = params.transfer_id
         else:  # everything was local: P only needs to hear that nothing is to be written
             spec_blocks, report = (), False
-        self._meta.recvs.append(RecvSpec(req_id, params.transfer_id, params.peer_engine_id, params.peer_host,
-                                         params.peer_port, params.peer_tp_size, spec_blocks, first_block,
-                                         num_external_tokens, report, prompt_identity(request, self._ids_digest(request)),
-                                         f"the request's kv_transfer_params are refused ({refusal})" if refusal else ""))
+        self._meta.recvs.append(
+            RecvSpec(
+                req_id,
+                params.transfer_id,
+                params.peer_engine_id,
+                params.peer_host,
+                params.peer_port,
+                params.peer_tp_size,
+                spec_blocks,
+                first_block,
+                num_external_tokens,
+                report,
+                prompt_identity(request, self._ids_digest(request)),
+                f"the request's kv_transfer_params are refused ({refusal})" if refusal else "",
+            )
+        )
 
     # ---- both ---------------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: Any) -> PushMetadata:
@@ -210,8 +233,13 @@ class PushScheduler:
             if req_id in self._promised:
                 return True, None
             if item is not None:
-                self._meta.aborts.append((item.params.transfer_id, f"prefill request ended before its prefill completed ({request.status.name})",
-                                          item.params.peer_tp_size))
+                self._meta.aborts.append(
+                    (
+                        item.params.transfer_id,
+                        f"prefill request ended before its prefill completed ({request.status.name})",
+                        item.params.peer_tp_size,
+                    )
+                )
             return False, None
         self._handled.discard(req_id)
         self._local_hit.pop(req_id, None)

@@ -10,7 +10,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .liveness import DEFAULT_SILENCE_S
 
-
 CPU_IDLE_WAIT_MS = 20.0
 GPU_IDLE_WAIT_MS = 2.0
 # A backstop for a leg that never reached the other side: a dead or hung prefill is noticed in
@@ -68,7 +67,7 @@ class ConnectorExtraConfig(BaseModel):
         return value
 
     @classmethod
-    def parse(cls, extra: Any) -> "ConnectorExtraConfig":
+    def parse(cls, extra: Any) -> ConnectorExtraConfig:
         """The model of vLLM's kv_connector_extra_config, or UnsupportedDeployment naming the entry."""
         try:
             return cls.model_validate(dict(extra or {}))
@@ -153,7 +152,9 @@ class Settings:
     # P on CPU: write layer by layer, so that D's forward pass computes each layer as it lands
     stream_writes: bool = _default("stream_writes")
     local_ranks: int = 1  # rank processes of this instance on this host (its TP ranks over its nodes)
-    huge_pages: bool = _default("huge_pages")  # CPU: collapse the KV cache into 2 MiB pages before registering it (hugepages.py)
+    huge_pages: bool = _default(
+        "huge_pages"
+    )  # CPU: collapse the KV cache into 2 MiB pages before registering it (hugepages.py)
     kv_cache_layout: str | None = None  # as vLLM resolved it (e.g. BLHNC), None before vLLM 0.32
     # D: a P that accepted a transfer (it holds the request) but sent nothing this long fails it;
     # a backstop: P's own bounds (transfer_timeout_s, the pings) are shorter and end a stuck
@@ -171,19 +172,29 @@ class Settings:
     peer_side_channels: dict[str, tuple[str, int]] | None = None
 
     @classmethod
-    def from_vllm(cls, vllm_config: Any, kv_cache_config: Any = None) -> "Settings":
+    def from_vllm(cls, vllm_config: Any, kv_cache_config: Any = None) -> Settings:
         kv = vllm_config.kv_transfer_config
         if kv.kv_role not in ("kv_producer", "kv_consumer"):
-            raise UnsupportedDeployment(f"kvpush: kv_role {kv.kv_role!r} is not supported; use kv_producer (prefill) or kv_consumer (decode)")
+            raise UnsupportedDeployment(
+                f"kvpush: kv_role {kv.kv_role!r} is not supported; use kv_producer (prefill) or kv_consumer (decode)"
+            )
         extra = ConnectorExtraConfig.parse(kv.kv_connector_extra_config)
         if getattr(vllm_config.model_config, "use_mla", False):
-            raise UnsupportedDeployment("kvpush: MLA models are not supported yet; use connector type nixl-pull for this model")
+            raise UnsupportedDeployment(
+                "kvpush: MLA models are not supported yet; use connector type nixl-pull for this model"
+            )
         groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
         if len(groups) > 1:
-            raise UnsupportedDeployment(f"kvpush: models with {len(groups)} KV cache groups (hybrid attention/mamba) are not supported; use connector type nixl-pull")
+            raise UnsupportedDeployment(
+                f"kvpush: models with {len(groups)} KV cache groups (hybrid attention/mamba) are not supported; use "
+                "connector type nixl-pull"
+            )
         parallel = vllm_config.parallel_config
         if getattr(parallel, "data_parallel_size", 1) > 1:
-            raise UnsupportedDeployment("kvpush: data_parallel_size > 1 is not supported yet (the router cannot tell which DP rank's side channel holds a request); run one instance per DP rank")
+            raise UnsupportedDeployment(
+                "kvpush: data_parallel_size > 1 is not supported yet (the router cannot tell which DP rank's side "
+                "channel holds a request); run one instance per DP rank"
+            )
         if getattr(parallel, "pipeline_parallel_size", 1) > 1:
             raise UnsupportedDeployment("kvpush: pipeline parallelism is not supported; use tensor parallelism")
         on_cpu = kv_on_cpu(kv)

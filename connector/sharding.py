@@ -113,4 +113,6 @@ def targets_of(p_rank: int, prefill: HeadSharding, decode: HeadSharding) -> list
 
 def _same_model(prefill: HeadSharding, decode: HeadSharding) -> None:
     if prefill.total_heads != decode.total_heads:
-        raise ShardingError(f"prefill has {prefill.total_heads} KV heads, decode {decode.total_heads}: not the same model")
+        raise ShardingError(
+            f"prefill has {prefill.total_heads} KV heads, decode {decode.total_heads}: not the same model"
+        )

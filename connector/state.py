@@ -2,15 +2,17 @@
 
 ProducerState (P) matches its finished blocks with D's registration by transfer id, in either
 order. ConsumerState (D) tracks registrations until P reports DONE or FAIL, the peer goes away, or
-they expire, and fences the blocks of a part P may still write into (fences.py). Both count what they drop, so stray or late messages are visible but harmless.
+they expire, and fences the blocks of a part P may still write into (fences.py). Both count what
+they drop, so stray or late messages are visible but harmless.
 """
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
-from .fences import Fences
 from kvpush.common.kv_params import PromptIdentity
+
+from .fences import Fences
 
 
 @dataclass(frozen=True)
@@ -34,7 +36,9 @@ class Registration:
     block_ids: tuple[int, ...]
     first_block: int
     created: float
-    generation: int = 0  # the connection it came on (P numbers the connections it admits); a post checks it is still live
+    generation: int = (
+        0  # the connection it came on (P numbers the connections it admits); a post checks it is still live
+    )
     prompt: PromptIdentity | None = None  # the prompt D loads the KV for
 
 
@@ -90,7 +94,9 @@ class ProducerState:
                              tell_decode=False)
         if tid in self.closed:  # D cancelled or its registration expired: release the blocks
             self.dropped["late_offer"] += 1
-            return Rejection(tid, offer.peer_engine, "decode gave up on this transfer before prefill finished", offer.req_id)
+            return Rejection(
+                tid, offer.peer_engine, "decode gave up on this transfer before prefill finished", offer.req_id
+            )
         reg = self.registrations.pop(tid, None)
         if reg is None:
             self.offers[tid] = offer
@@ -108,7 +114,11 @@ class ProducerState:
             return None
         if tid in self.closed:
             self.dropped["late_registration"] += 1
-            return Rejection(tid, reg.peer_engine, "prefill no longer holds KV for this transfer (expired, cancelled or already sent)")
+            return Rejection(
+                tid,
+                reg.peer_engine,
+                "prefill no longer holds KV for this transfer (expired, cancelled or already sent)",
+            )
         offer = self.offers.pop(tid, None)
         if offer is None:
             self.registrations[tid] = reg
@@ -120,14 +130,29 @@ class ProducerState:
         self.matched.add(offer.transfer_id)
         if offer.peer_engine != reg.peer_engine:
             self.dropped["wrong_peer"] += 1
-            return Rejection(offer.transfer_id, reg.peer_engine, f"transfer belongs to engine {offer.peer_engine!r}, not {reg.peer_engine!r}", offer.req_id)
+            return Rejection(
+                offer.transfer_id,
+                reg.peer_engine,
+                f"transfer belongs to engine {offer.peer_engine!r}, not {reg.peer_engine!r}",
+                offer.req_id,
+            )
         if offer.prompt != reg.prompt:  # KV of one prompt must never be cached under another's
             self.dropped["prompt_mismatch"] += 1
-            return Rejection(offer.transfer_id, reg.peer_engine, f"decode's prompt ({_tokens(reg.prompt)}) is not prefill's "
-                                                                 f"({_tokens(offer.prompt)}): nothing is written", offer.req_id)
+            return Rejection(
+                offer.transfer_id,
+                reg.peer_engine,
+                f"decode's prompt ({_tokens(reg.prompt)}) is not prefill's "
+                f"({_tokens(offer.prompt)}): nothing is written",
+                offer.req_id,
+            )
         end = reg.first_block + len(reg.block_ids)
         if end > len(offer.block_ids):
-            return Rejection(offer.transfer_id, reg.peer_engine, f"D registered blocks [{reg.first_block}, {end}) but P has {len(offer.block_ids)}", offer.req_id)
+            return Rejection(
+                offer.transfer_id,
+                reg.peer_engine,
+                f"D registered blocks [{reg.first_block}, {end}) but P has {len(offer.block_ids)}",
+                offer.req_id,
+            )
         return Match(offer, reg, offer.block_ids[reg.first_block:end], reg.block_ids)
 
     def abort(self, transfer_id: str, reason: str, now: float) -> Registration | None:
@@ -302,8 +327,13 @@ class ConsumerState:
             return None
         if p.expected_bytes is not None and num_bytes != p.expected_bytes:
             self.dropped["bad_done"] += 1
-            return self._ended(p, now, False, f"{peer_engine} reported {num_bytes} bytes written, but these blocks take "
-                                              f"{p.expected_bytes}", num_bytes)
+            return self._ended(
+                p,
+                now,
+                False,
+                f"{peer_engine} reported {num_bytes} bytes written, but these blocks take {p.expected_bytes}",
+                num_bytes,
+            )
         return self._ended(p, now, True, num_bytes=num_bytes)
 
     def fail(self, transfer_id: str, peer_engine: str, reason: str, may_still_land: bool = False,
@@ -366,7 +396,11 @@ class ConsumerState:
         for p in [p for p in self.pending.values() if p.peer_engine == peer_engine and generation in (0, p.generation)]:
             landed = self.landing.get(p.transfer_id)
             complete = landed is not None and num_regions > 0 and len(landed) >= num_regions
-            out.append(self._ended(p, now, True) if complete else self._ended(p, now, False, reason, may_still_land=may_still_land))
+            out.append(
+                self._ended(p, now, True)
+                if complete
+                else self._ended(p, now, False, reason, may_still_land=may_still_land)
+            )
         if not may_still_land and generation:
             self.fences.writer_gone(peer_engine, generation)
         return out
@@ -378,7 +412,8 @@ class ConsumerState:
             if accepted_at is None and p.created < now - self.timeout_s:
                 reason = f"prefill {p.peer_engine} did not accept the transfer within {self.timeout_s:g} s"
             elif accepted_at is not None and accepted_at < now - self.accepted_timeout_s:
-                reason = f"prefill {p.peer_engine} accepted the transfer but sent nothing within {self.accepted_timeout_s:g} s"
+                reason = (f"prefill {p.peer_engine} accepted the transfer but sent nothing within "
+                          f"{self.accepted_timeout_s:g} s")
             else:
                 continue
             out.append(self._ended(p, now, False, reason, may_still_land=True))

@@ -2,16 +2,27 @@
 
 The connector supports vLLM 0.25 through 0.32 (`SUPPORTED`). Differences of the connector
 interface (`KVConnectorBase_V1` and what the scheduler and model runner call on it) between those
-releases, each with the release that brought it:
+releases, each with the release that brought it, and what the connector does before it:
 
-| since | difference | before it, the connector |
-|---|---|---|
-| 0.27 | `requires_kv_delivery` property | has it too; older releases never read it |
-| 0.29 | block-outermost KV cache layouts (`BLHNC`, ...) asked for by `get_required_kvcache_layout`; `prefer_cross_layer_blocks` / `register_cross_layers_kv_cache` gone | asks for cross-layer blocks (`cross_layer_blocks`): one tensor whose blocks hold every layer (NHD inside), the same one descriptor per run of blocks; vLLM passes that tensor to `register_cross_layers_kv_cache`, which the connector turns back into per-layer views (`cross_layer_views`) |
-| (0.25) | the V2 model runner (vLLM 0.25's default for Llama and others) allocates no cross-layer cache, whatever the connector prefers | gets per-layer tensors: a descriptor per layer per run of blocks (32 for Llama-3.1-8B), logged; `VLLM_USE_V2_MODEL_RUNNER=0` selects the V1 runner, which allocates the cross-layer cache (not run on a GPU yet) |
-| 0.30 | `bind_kv_cache_manager` (the scheduler's KVCacheManager) | gets only `bind_gpu_block_pool`: `ScheduledBlocks` answers a request's block ids from the scheduler's outputs and evicts through the block pool |
-| 0.30 | `get_transfer_results`, `finish_forward` | nothing: their defaults wrap `get_finished` / do nothing |
-| 0.32 | `CacheHitSource` (`vllm.v1.metrics.cache_hit_source`, the `prompt_tokens_by_source` label of external hits), `get_loaded_kv_cache_group_ids` | labels no hit source; the method is never called |
+- 0.27, the `requires_kv_delivery` property: it has it too; older releases never read it.
+- 0.29, block-outermost KV cache layouts (`BLHNC`, ...) asked for by `get_required_kvcache_layout`;
+  `prefer_cross_layer_blocks` / `register_cross_layers_kv_cache` gone: before, it asks for
+  cross-layer blocks (`cross_layer_blocks`): one tensor whose blocks hold every layer (NHD inside),
+  the same one descriptor per run of blocks; vLLM passes that tensor to
+  `register_cross_layers_kv_cache`, which the connector turns back into per-layer views
+  (`cross_layer_views`).
+- (0.25) the V2 model runner (vLLM 0.25's default for Llama and others) allocates no cross-layer
+  cache, whatever the connector prefers: it gets per-layer tensors, a descriptor per layer per run
+  of blocks (32 for Llama-3.1-8B), logged; `VLLM_USE_V2_MODEL_RUNNER=0` selects the V1 runner,
+  which allocates the cross-layer cache (not run on a GPU yet).
+- 0.30, `bind_kv_cache_manager` (the scheduler's KVCacheManager): before, it gets only
+  `bind_gpu_block_pool`: `ScheduledBlocks` answers a request's block ids from the scheduler's
+  outputs and evicts through the block pool.
+- 0.30, `get_transfer_results`, `finish_forward`: nothing; their defaults wrap `get_finished` / do
+  nothing.
+- 0.32, `CacheHitSource` (`vllm.v1.metrics.cache_hit_source`, the `prompt_tokens_by_source` label
+  of external hits), `get_loaded_kv_cache_group_ids`: before, it labels no hit source; the method
+  is never called.
 
 Features are read off the interface itself (`Interface.of`), not off version strings, so patch
 releases and backports follow what they ship. vLLM is imported only inside functions: `kvpush
@@ -43,7 +54,9 @@ def unsupported_reason(version: str) -> str | None:
     """Why kvpush's connector refuses this vLLM version (one line), or None if it supports it."""
     found = release(version)
     if found is None:
-        return f"kvpush: cannot tell which vLLM release {version!r} is; kvpush's connector supports vLLM {SUPPORTED_TEXT}"
+        return (
+            f"kvpush: cannot tell which vLLM release {version!r} is; kvpush's connector supports vLLM {SUPPORTED_TEXT}"
+        )
     if SUPPORTED[0] <= found <= SUPPORTED[1]:
         return None
     return (f"kvpush: vLLM {version} is not supported; kvpush's connector runs on vLLM {SUPPORTED_TEXT} "
@@ -70,7 +83,7 @@ class Interface:
     cross_layer_blocks: bool  # 0.25-0.28: prefer_cross_layer_blocks / register_cross_layers_kv_cache
 
     @classmethod
-    def of(cls, base: type) -> "Interface":
+    def of(cls, base: type) -> Interface:
         cross = hasattr(base, "register_cross_layers_kv_cache")
         return cls(binds_kv_cache_manager=hasattr(base, "bind_kv_cache_manager"),
                    block_outer_layouts=not cross, cross_layer_blocks=cross)

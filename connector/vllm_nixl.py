@@ -24,8 +24,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPullConnector
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPushConnector as _StockPush
 
-from .settings import kv_on_cpu
 from .engine_wakeups import tune_step_queues
+from .settings import kv_on_cpu
 from .transfer import PROGRESS_DELAY_US, progress_thread_delay
 
 __all__ = ["NixlConnector", "NixlPushConnector"]

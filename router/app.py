@@ -116,7 +116,9 @@ class Router:
         try:
             request_id = check_request_id(request.headers.get("X-Request-Id"))
             raw = await self.guard.read_body(request)
-            parsed = parse_request(raw, chat, config.served_model_name, config.max_prompt_chars, config.max_batch_prompts)
+            parsed = parse_request(
+                raw, chat, config.served_model_name, config.max_prompt_chars, config.max_batch_prompts
+            )
             parts = split(parsed, chat, config.protocol == "colocated")
         except RequestRejected as exc:
             return self._rejected(endpoint, exc)
@@ -186,7 +188,11 @@ class Router:
         config opens: nothing is forwarded, with the instances' key attached, for such a caller),
         413 for a body declared too large; None to go on."""
         key = self.keys.client
-        if key and request.path not in self.public_paths and not authorized(request.headers.get("Authorization", ""), key):
+        if (
+            key
+            and request.path not in self.public_paths
+            and not authorized(request.headers.get("Authorization", ""), key)
+        ):
             unauthorized = web.json_response({"error": "Unauthorized"}, status=401)  # vLLM's exact answer
             return unauthorized if request.content.is_eof() else closing(unauthorized)  # a body left unread
         return self.guard.refuse_declared_body(request)
@@ -324,7 +330,9 @@ def run(config: RouterConfig, keys: Keys, listen_socket: socket.socket | None = 
 
         supervise(config, logging.getLevelName(logging.getLogger().getEffectiveLevel()), run_dir_parent)
         return
-    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS | {RELOAD_SIGNAL})  # every thread: only serve's waiter takes them
+    signal.pthread_sigmask(
+        signal.SIG_BLOCK, STOP_SIGNALS | {RELOAD_SIGNAL}
+    )  # every thread: only serve's waiter takes them
     raise_open_files_limit()  # before the guard sizes its connection cap by it
     try:
         import uvloop

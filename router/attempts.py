@@ -22,8 +22,14 @@ from .config import RouterConfig
 from .fanout import LOCAL, SAMPLES, Part
 from .legs import GENERATION_ERROR, DecodeHead, LegFailure, LegRunner, OtherLegFailed, UpstreamClientError
 from .pool import Instance, Pool
-from .protocols import (CONCURRENT_PROTOCOLS, concurrent_legs, new_transfer_id, prefill_only, pull_decode_leg,
-                        pull_prefill_leg)
+from .protocols import (
+    CONCURRENT_PROTOCOLS,
+    concurrent_legs,
+    new_transfer_id,
+    prefill_only,
+    pull_decode_leg,
+    pull_prefill_leg,
+)
 from .upstream_http import UpstreamResponse
 
 log = logging.getLogger("kvpush.router")
@@ -87,7 +93,9 @@ class Attempts:
             legs = concurrent_legs(protocol, body, chat, transfer_id, prefill.upstream, decode.upstream, decode_body)
             release = concurrent_legs(protocol, body, chat, transfer_id, prefill.upstream, decode.upstream,
                                       prefill_only(body, chat)).decode
-            return await self._concurrent(endpoint, stream, prefill, legs.prefill, decode, legs.decode, headers, release)
+            return await self._concurrent(
+                endpoint, stream, prefill, legs.prefill, decode, legs.decode, headers, release
+            )
         prefill_leg, prefill_resp = self.legs.send(self.prefill, prefill, endpoint, pull_prefill_leg(body, chat),
                                                    headers, timeouts.prefill_s)
         answer, answered_at = await self.legs.json_answer(prefill_leg, prefill_resp, timeouts.prefill_s)
@@ -116,7 +124,9 @@ class Attempts:
         could pin prefill's KV with requests decode refuses. A one-token leg of the same transfer,
         with the body prefill accepted, takes them."""
         try:
-            leg, resp = self.legs.send(self.decode, decode, endpoint, release_body, headers, self.config.timeouts.decode_s)
+            leg, resp = self.legs.send(
+                self.decode, decode, endpoint, release_body, headers, self.config.timeouts.decode_s
+            )
         except LegFailure:
             return
         self._detach(self._leg_task(self.legs.json_answer(leg, resp, self.config.timeouts.decode_s), leg, resp))

@@ -110,7 +110,7 @@ class RouterConfig(_Model):
         return data
 
     @model_validator(mode="after")
-    def _one_source_per_key(self) -> "RouterConfig":
+    def _one_source_per_key(self) -> RouterConfig:
         for prefix in ("api_key", "instance_api_key"):
             if getattr(self, f"{prefix}_env") and getattr(self, f"{prefix}_file"):
                 raise ValueError(f"set {prefix}_env or {prefix}_file, not both")
@@ -119,7 +119,7 @@ class RouterConfig(_Model):
         return self
 
     @classmethod
-    def from_file(cls, path: str | Path) -> "RouterConfig":
+    def from_file(cls, path: str | Path) -> RouterConfig:
         """The config, with the instances of its instances_file (whose path becomes absolute)."""
         path = Path(path)
         config = cls.model_validate_json(path.read_text())
@@ -130,7 +130,9 @@ class RouterConfig(_Model):
                              "given; keep one")
         where = (path.parent / Path(config.instances_file).expanduser()).absolute()
         listed = load_instance_list(where)
-        return config.model_copy(update={"instances_file": str(where), "prefill": listed.prefill, "decode": listed.decode})
+        return config.model_copy(
+            update={"instances_file": str(where), "prefill": listed.prefill, "decode": listed.decode}
+        )
 
     def to_file_json(self, indent: int | None = None) -> str:
         """The config as from_file reads it back: without the instances its instances_file lists."""

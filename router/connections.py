@@ -84,7 +84,7 @@ def listening_socket(host: str, port: int) -> socket.socket:
 class ClientConnection(asyncio.Protocol):
     """One client connection: aiohttp's protocol inside, what the guard needs to know around it."""
 
-    def __init__(self, guard: "ConnectionGuard", inner: asyncio.Protocol):
+    def __init__(self, guard: ConnectionGuard, inner: asyncio.Protocol):
         self.guard = guard
         self.inner = inner
         self.transport: asyncio.Transport | None = None

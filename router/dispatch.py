@@ -161,4 +161,6 @@ class Dispatcher:
         pool = self.decode if role == "decode" else self.prefill
         names = ", ".join(i.name for i in pool.instances)
         last = f"; last failure: {failure}" if failure is not None else ""
-        return error_response(503, f"no {role} instance in rotation ({names} failed and are being probed; retry later){last}")
+        return error_response(
+            503, f"no {role} instance in rotation ({names} failed and are being probed; retry later){last}"
+        )

@@ -27,8 +27,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from kvpush.common.errors import UsageError
 from kvpush.common.vllm_metrics import samples
 
-from .upstream_spec import Upstream
 from .metrics import DRAINING_METRIC, INSTANCE_LIST_METRIC
+from .upstream_spec import Upstream
+
 MAX_FILE_BYTES = 16 << 20  # about 70,000 instances written with indents
 
 
@@ -41,7 +42,7 @@ class InstanceList(BaseModel):
     decode: list[Upstream] = Field(default_factory=list)
 
     @model_validator(mode="after")
-    def _unique_names(self) -> "InstanceList":
+    def _unique_names(self) -> InstanceList:
         for role in ("prefill", "decode"):
             counts = Counter(u.name for u in getattr(self, role))
             twice = sorted(name for name, count in counts.items() if count > 1)

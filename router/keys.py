@@ -14,13 +14,14 @@ from kvpush.common.errors import UsageError
 
 from .config import RouterConfig
 
+
 @dataclass(frozen=True)
 class Keys:
     client: str | None = None  # what a client's `Authorization: Bearer` must carry; None: no check
     instance: str | None = None  # what the router sends to the instances; None: nothing
 
     @classmethod
-    def same(cls, key: str | None) -> "Keys":
+    def same(cls, key: str | None) -> Keys:
         """One key for both sides (a router in front of instances started with its own key)."""
         return cls(key, key)
 

@@ -22,7 +22,15 @@ from .config import RouterConfig
 from .legs_signing import LegSigner, read_signing_key
 from .pool import Instance, LeftRotation, Pool
 from .upstream_http import UpstreamClient, UpstreamError, UpstreamResponse, answer_head
-from .vllm_errors import CLIENT, GENERATION, classify_event, client_fault, error_message, event_failure_kind, failure_kind
+from .vllm_errors import (
+    CLIENT,
+    GENERATION,
+    classify_event,
+    client_fault,
+    error_message,
+    event_failure_kind,
+    failure_kind,
+)
 
 GENERATION_ERROR = "generation_error"  # vLLM finished the request with an error: on a leg loading KV, the load failed
 
@@ -252,10 +260,16 @@ class LegRunner:
                     if kind == "error":
                         failure = event_failure_kind(event)
                         if failure == GENERATION:  # e.g. the KV load failed
-                            raise self.fail(leg, GENERATION_ERROR, "vLLM finished the request with an error before the "
-                                                                   "first token (where the leg loads KV: the KV load failed)")
+                            raise self.fail(
+                                leg,
+                                GENERATION_ERROR,
+                                "vLLM finished the request with an error before the "
+                                "first token (where the leg loads KV: the KV load failed)",
+                            )
                         if failure != CLIENT:
-                            raise self.fail(leg, "stream_error", f"stream error before the first token: {error_message(event)}")
+                            raise self.fail(
+                                leg, "stream_error", f"stream error before the first token: {error_message(event)}"
+                            )
                         # the request's own fault (vLLM's stream says so with a 4xx code): the client's to see, as is
                     if kind != "other":
                         resp.limit_silence(timeouts.stream_idle_s)

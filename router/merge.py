@@ -36,7 +36,9 @@ def merge_answers(answers: list[dict], n: int, response_id: str) -> dict:
     """Non-streamed answers, one per prompt in prompt order, as one answer."""
     merged = dict(answers[0])
     merged["id"] = response_id
-    merged["choices"] = [c for part, answer in enumerate(answers) for c in _reindex(answer.get("choices") or [], part, n)]
+    merged["choices"] = [
+        c for part, answer in enumerate(answers) for c in _reindex(answer.get("choices") or [], part, n)
+    ]
     usages = [a["usage"] for a in answers if isinstance(a.get("usage"), dict)]
     if usages:
         merged["usage"] = sum_usage(usages)

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import os
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
 # prometheus_client keeps values in files under PROMETHEUS_MULTIPROC_DIR when that is set at import;
@@ -88,9 +87,13 @@ class RouterMetrics:
         self.draining = Gauge(DRAINING_METRIC,
                               "Legs and transfers still on an instance removed from the instance list (0: drained).",
                               ["instance", "role"], registry=r, multiprocess_mode="livesum")
-        self.instance_list = Gauge(INSTANCE_LIST_METRIC,
-                                   "1 for the instance list (its digest) each router process serves, 0 for lists served before.",
-                                   ["digest"], registry=r, multiprocess_mode="liveall")
+        self.instance_list = Gauge(
+            INSTANCE_LIST_METRIC,
+            "1 for the instance list (its digest) each router process serves, 0 for lists served before.",
+            ["digest"],
+            registry=r,
+            multiprocess_mode="liveall",
+        )
         self.restarts = Gauge("kvpush_router_instance_restarts",
                               "Restarts of an instance the router saw (its server's start time changed).",
                               ["instance", "role"], registry=r, multiprocess_mode="livemax")
@@ -114,8 +117,12 @@ class RouterMetrics:
             "Client connections refused or cut to bound what clients hold, by reason: connection_cap (503: every "
             "connection had a request in progress), evicted (an idle one closed to make room for a new one), silent "
             "(sent nothing within header_timeout_s), header_timeout (a head not complete within it), body_timeout "
-            "(408), body_too_large (413 on a declared Content-Length, before reading), malformed_head (400: a head that "
-            "is not valid HTTP, a line over 8190 bytes or over 128 header fields).", ["reason"], registry=r)
+            "(408), body_too_large (413 on a declared Content-Length, before reading), malformed_head (400: a head "
+            "that "
+            "is not valid HTTP, a line over 8190 bytes or over 128 header fields).",
+            ["reason"],
+            registry=r,
+        )
         self.client_connections = Gauge("kvpush_router_client_connections", "Client connections open.",
                                         registry=r, multiprocess_mode="livesum")
         self.workers = Gauge("kvpush_router_worker_up", "1 per router process serving (one sample per worker's pid).",

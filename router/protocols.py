@@ -124,7 +124,9 @@ def concurrent_legs(protocol: str, body: dict, chat: bool, transfer_id: str, pre
     if protocol == "nixl-push":
         return Legs(
             prefill=with_params(prefill_only(body, chat), nixl_producer_params()),
-            decode=with_params(decode_body, nixl_push_consumer_params(prefill, vllm_base_request_id(transfer_id, chat))),
+            decode=with_params(
+                decode_body, nixl_push_consumer_params(prefill, vllm_base_request_id(transfer_id, chat))
+            ),
         )
     raise ValueError(f"protocol {protocol!r} does not dispatch both legs at once")
 

@@ -57,8 +57,12 @@ class InstanceListReloader:
     async def _read(self, path: str) -> tuple[InstanceList, str] | None:
         """The list and its digest, both worked out on a thread of their own; None if it failed (logged)."""
         if self.reading:
-            log.error("router instances file %s: the read started %.0f s ago has not returned; not reading it again "
-                      "until it does; still serving the instance list it had", path, time.monotonic() - self._reader_since)
+            log.error(
+                "router instances file %s: the read started %.0f s ago has not returned; not reading it again "
+                "until it does; still serving the instance list it had",
+                path,
+                time.monotonic() - self._reader_since,
+            )
             return None
         loop = asyncio.get_running_loop()
         done: asyncio.Future[tuple[InstanceList, str]] = loop.create_future()

@@ -108,8 +108,11 @@ class Responder:
                     if relay.client_gone:
                         raise ConnectionResetError("the client went away") from None
                     head.leg.end(_failure_reason(exc))
-                    await client.write(sse_error_event(502, f"decode leg on instance {head.leg.name} failed mid-stream: "
-                                                            f"{_detail(exc)}"))
+                    await client.write(
+                        sse_error_event(
+                            502, f"decode leg on instance {head.leg.name} failed mid-stream: {_detail(exc)}"
+                        )
+                    )
                     return client, M.FAILED_MID_STREAM
                 if relay.client_gone:
                     raise ConnectionResetError("the client went away")
@@ -118,7 +121,9 @@ class Responder:
                     outcome = M.FAILED_MID_STREAM
             if tail != DONE_EVENT:  # the upstream closed cleanly but early
                 head.leg.end("ended_early")
-                await client.write(sse_error_event(502, f"decode leg on instance {head.leg.name} ended its stream early"))
+                await client.write(
+                    sse_error_event(502, f"decode leg on instance {head.leg.name} ended its stream early")
+                )
                 return client, M.FAILED_MID_STREAM
             head.leg.end()
             await client.write_eof()
@@ -151,7 +156,9 @@ class Responder:
                     chunk = await resp.readany()
                 except (UpstreamError, asyncio.TimeoutError) as exc:
                     head.leg.end(_failure_reason(exc))
-                    raise AnswerCut(f"decode leg on instance {head.leg.name} failed mid-stream: {_detail(exc)}") from None
+                    raise AnswerCut(
+                        f"decode leg on instance {head.leg.name} failed mid-stream: {_detail(exc)}"
+                    ) from None
                 if not chunk:
                     break
                 await write(merger.feed(part, chunk))

@@ -15,7 +15,7 @@ class _Connection(Protocol):
 
     transport: asyncio.Transport | None
 
-    def send(self, response: "UpstreamResponse", request: bytes) -> None: ...
+    def send(self, response: UpstreamResponse, request: bytes) -> None: ...
 
     def answer_ended(self, reusable: bool) -> None: ...
 
@@ -27,7 +27,7 @@ _PAUSE_ABOVE = 1 << 18  # unread answer bytes above which the instance's socket 
 class UpstreamResponse(AnswerParser):
     """One answer: status and headers once the head arrived, then the body as it comes."""
 
-    def __init__(self, connection: "_Connection | None", loop: asyncio.AbstractEventLoop, deadline: float):
+    def __init__(self, connection: _Connection | None, loop: asyncio.AbstractEventLoop, deadline: float):
         self._conn: _Connection | None = connection  # None while connecting, and once done with
         self._connecting: asyncio.Task | None = None
         self._loop = loop
@@ -184,7 +184,7 @@ class UpstreamResponse(AnswerParser):
         if task is not None:
             task.cancel()
 
-    def _connected(self, conn: "_Connection", request: bytes) -> None:
+    def _connected(self, conn: _Connection, request: bytes) -> None:
         self._connecting = None
         if self._error is not None:  # closed, failed or timed out while connecting
             conn.abort()

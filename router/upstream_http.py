@@ -31,7 +31,7 @@ class _Target:
 
 
 class _Connection(asyncio.Protocol):
-    def __init__(self, client: "UpstreamClient", key: tuple[str, int]):
+    def __init__(self, client: UpstreamClient, key: tuple[str, int]):
         self.client = client
         self.key = key
         self.transport: asyncio.Transport | None = None

@@ -208,7 +208,9 @@ def parse_request(raw: bytes, chat: bool, served_model_name: str, max_prompt_cha
         size = _prompt_size(prompt, prompts)
         field = "prompt"
     if size > max_prompt_chars:
-        raise RequestRejected(400, f"{field} too long: {size} characters > the router's limit of {max_prompt_chars}", field)
+        raise RequestRejected(
+            400, f"{field} too long: {size} characters > the router's limit of {max_prompt_chars}", field
+        )
     changed = strip_transfer_fields(body)
     return ParsedRequest(body, None if changed else raw)
 

@@ -28,10 +28,10 @@ from pathlib import Path
 
 from kvpush.common.errors import KvpushError
 
-from .process_signals import RELOAD_SIGNAL, STOP_SIGNALS, describe_process
 from .config import RouterConfig
 from .connections import LISTEN_BACKLOG
 from .metrics import PROMETHEUS_DIR_ENV, WORKERS_DIR_ENV
+from .process_signals import RELOAD_SIGNAL, STOP_SIGNALS, describe_process
 
 log = logging.getLogger("kvpush.router")
 
@@ -96,7 +96,9 @@ def supervise(config: RouterConfig, log_level: str, run_dir_parent: Path | None 
         for sock in sockets:
             cleanup.callback(sock.close)
         try:
-            run_dir = Path(cleanup.enter_context(tempfile.TemporaryDirectory(prefix=".router-workers-", dir=run_dir_parent)))
+            run_dir = Path(
+                cleanup.enter_context(tempfile.TemporaryDirectory(prefix=".router-workers-", dir=run_dir_parent))
+            )
             config_path = run_dir / "router.json"
             config_path.write_text(config.to_file_json())
             metrics_dir = run_dir / "metrics"
@@ -123,7 +125,9 @@ def _wait_for_stop_or_exit(workers: list[subprocess.Popen]) -> str | None:
     while True:
         info = signal.sigtimedwait(STOP_SIGNALS | {signal.SIGCHLD, RELOAD_SIGNAL}, 1.0)
         if info is not None and info.si_signo == RELOAD_SIGNAL:
-            log.info("kvpush router supervisor: SIGHUP from %s, passed on to the workers", describe_process(info.si_pid))
+            log.info(
+                "kvpush router supervisor: SIGHUP from %s, passed on to the workers", describe_process(info.si_pid)
+            )
             for worker in workers:
                 if worker.poll() is None:
                     worker.send_signal(RELOAD_SIGNAL)

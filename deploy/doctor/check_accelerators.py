@@ -29,8 +29,13 @@ def _nvidia_smi_failure(check: str, host: str, section: Section | None) -> Check
     if section.missing_tool or section.timed_out or section.exit_code != 0:
         why = ("nvidia-smi not found" if section.missing_tool else "nvidia-smi hung" if section.timed_out
                else "nvidia-smi failed (driver not loaded?)")
-        return fail(check, host, why, f"install/load the NVIDIA driver on {host} (nvidia-smi must work) or use platform: cpu",
-                    section.evidence())
+        return fail(
+            check,
+            host,
+            why,
+            f"install/load the NVIDIA driver on {host} (nvidia-smi must work) or use platform: cpu",
+            section.evidence(),
+        )
     return None
 
 
@@ -46,17 +51,32 @@ def check_accelerators(ctx: DoctorContext) -> list[CheckResult]:
             wanted = parse_core_list(spec.cpu_cores)
             absent = sorted(wanted - have)
             if absent:
-                return fail("accelerators", facts.host, f"{spec.name} is given cores {_ranges(absent)} that {facts.host} lacks",
-                            f"set {spec.name}'s cpu_cores within {_ranges(sorted(have))}", ev)
+                return fail(
+                    "accelerators",
+                    facts.host,
+                    f"{spec.name} is given cores {_ranges(absent)} that {facts.host} lacks",
+                    f"set {spec.name}'s cpu_cores within {_ranges(sorted(have))}",
+                    ev,
+                )
             ranks = rank_core_lists(spec.cpu_cores)
-            lines.append(f"{spec.name}: cores {spec.cpu_cores}" if len(ranks) == 1 else
-                         f"{spec.name}: TP{len(ranks)} on " + ", ".join(f"rank {r} cores {core_list_text(c)}" for r, c in enumerate(ranks)))
+            lines.append(
+                f"{spec.name}: cores {spec.cpu_cores}"
+                if len(ranks) == 1
+                else f"{spec.name}: TP{len(ranks)} on "
+                + ", ".join(f"rank {r} cores {core_list_text(c)}" for r, c in enumerate(ranks))
+            )
         summary = "CPU mode; " + "; ".join(lines)
         if ctx.topo.model.dtype == "bfloat16" and bf16_is_emulated(facts.cpu_flags):
-            return warn("accelerators", facts.host, f"{summary}; this CPU has no bf16 instructions (avx512_bf16, amx_bf16), "
-                        "so vLLM computes bf16 by converting", "set model.dtype: float32 (on an AVX2 CPU float32 prefilled "
-                        "2.5-5x faster; its KV takes twice the bytes per token)", ev,
-                        Evidence("/proc/cpuinfo: flags", ("avx512_bf16: absent", "amx_bf16: absent")))
+            return warn(
+                "accelerators",
+                facts.host,
+                f"{summary}; this CPU has no bf16 instructions (avx512_bf16, amx_bf16), "
+                "so vLLM computes bf16 by converting",
+                "set model.dtype: float32 (on an AVX2 CPU float32 prefilled "
+                "2.5-5x faster; its KV takes twice the bytes per token)",
+                ev,
+                Evidence("/proc/cpuinfo: flags", ("avx512_bf16: absent", "amx_bf16: absent")),
+            )
         return ok("accelerators", facts.host, summary, ev)
 
     def decide_cuda(facts: HostFacts) -> CheckResult:
@@ -69,15 +89,27 @@ def check_accelerators(ctx: DoctorContext) -> list[CheckResult]:
         try:
             gpus = {g.index: g for g in parse_nvidia_gpus(section.stdout)}
         except ParseError as exc:
-            return fail("accelerators", facts.host, str(exc), "check the NVIDIA driver on this host", section.evidence())
+            return fail(
+                "accelerators", facts.host, str(exc), "check the NVIDIA driver on this host", section.evidence()
+            )
         ev = section.evidence([g.line for g in gpus.values()][:8])
         for spec in _instances_on(ctx, facts.host):
             absent = [d for d in spec.devices if d not in gpus]
             if absent:
-                return fail("accelerators", facts.host, f"{spec.name} is given GPUs {absent}; {facts.host} has {len(gpus)} (0-{len(gpus) - 1})",
-                            f"give {spec.name} devices that exist, or lower tensor_parallel_size", ev)
+                return fail(
+                    "accelerators",
+                    facts.host,
+                    f"{spec.name} is given GPUs {absent}; {facts.host} has {len(gpus)} (0-{len(gpus) - 1})",
+                    f"give {spec.name} devices that exist, or lower tensor_parallel_size",
+                    ev,
+                )
         used = sum(len(s.devices) for s in _instances_on(ctx, facts.host))
-        return ok("accelerators", facts.host, f"{len(gpus)} GPUs ({next(iter(gpus.values())).name if gpus else '-'}), {used} assigned", ev)
+        return ok(
+            "accelerators",
+            facts.host,
+            f"{len(gpus)} GPUs ({next(iter(gpus.values())).name if gpus else '-'}), {used} assigned",
+            ev,
+        )
 
     decide = decide_cpu if ctx.topo.platform == "cpu" else decide_cuda
     return ctx.each_host("accelerators", ctx.vllm_hosts(), decide)
@@ -85,20 +117,27 @@ def check_accelerators(ctx: DoctorContext) -> list[CheckResult]:
 
 def check_devices_free(ctx: DoctorContext) -> list[CheckResult]:
     if ctx.topo.platform == "cpu":
-        return [skip("devices-free", h, "CPU mode: cores are time-shared, nothing holds them exclusively") for h in ctx.vllm_hosts()]
+        return [
+            skip("devices-free", h, "CPU mode: cores are time-shared, nothing holds them exclusively")
+            for h in ctx.vllm_hosts()
+        ]
 
     def decide(facts: HostFacts) -> CheckResult:
         if stuck := hung("devices-free", facts, "nvidia_gpus", "nvidia_apps"):
             return stuck
         gpus_section, apps_section = facts.section("nvidia_gpus"), facts.section("nvidia_apps")
-        failure = _nvidia_smi_failure("devices-free", facts.host, gpus_section) or _nvidia_smi_failure("devices-free", facts.host, apps_section)
+        failure = _nvidia_smi_failure("devices-free", facts.host, gpus_section) or _nvidia_smi_failure(
+            "devices-free", facts.host, apps_section
+        )
         if failure:
             return failure
         try:
             gpus = {g.index: g for g in parse_nvidia_gpus(gpus_section.stdout)}
             apps = parse_nvidia_apps(apps_section.stdout)
         except ParseError as exc:
-            return fail("devices-free", facts.host, str(exc), "check the NVIDIA driver on this host", gpus_section.evidence())
+            return fail(
+                "devices-free", facts.host, str(exc), "check the NVIDIA driver on this host", gpus_section.evidence()
+            )
         wanted = {d: s.name for s in _instances_on(ctx, facts.host) for d in s.devices}
         busy_lines = []
         for index, name in sorted(wanted.items()):
@@ -114,7 +153,12 @@ def check_devices_free(ctx: DoctorContext) -> list[CheckResult]:
             return fail("devices-free", facts.host, f"{len(busy_lines)} assigned GPU(s) in use by other processes",
                         f"stop those processes on {facts.host} (nvidia-smi shows them) or assign other devices",
                         Evidence(apps_section.command, tuple(busy_lines[:6]), apps_section.exit_code))
-        return ok("devices-free", facts.host, f"{len(wanted)} assigned GPUs idle", apps_section.evidence(["(no compute processes)"] if not apps else None))
+        return ok(
+            "devices-free",
+            facts.host,
+            f"{len(wanted)} assigned GPUs idle",
+            apps_section.evidence(["(no compute processes)"] if not apps else None),
+        )
 
     return ctx.each_host("devices-free", ctx.vllm_hosts(), decide)
 

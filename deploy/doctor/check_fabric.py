@@ -3,8 +3,16 @@ from __future__ import annotations
 
 from .context import Check, DoctorContext, hung
 from .facts import HostFacts
-from .parsers import LINK_RANK, ParseError, fi_info_error, parse_fi_info, parse_ls_lines, parse_nvidia_topo, \
-    parse_proc_modules, parse_ucx_tls
+from .parsers import (
+    LINK_RANK,
+    ParseError,
+    fi_info_error,
+    parse_fi_info,
+    parse_ls_lines,
+    parse_nvidia_topo,
+    parse_proc_modules,
+    parse_ucx_tls,
+)
 from .result import CheckResult, Evidence, fail, ok, skip, warn
 
 EFA_REMEDY = ("run on EFA-enabled instances with the EFA driver and aws-efa-installer's libfabric (fi_info -p efa "
@@ -42,10 +50,14 @@ def check_efa(ctx: DoctorContext) -> list[CheckResult]:
         fi = facts.section("fi_info_efa")
         present, evidence = efa_devices(facts)
         if fi is not None and fi.missing_tool:
-            return fail("efa", facts.host, "fi_info not found: libfabric's tools are not installed", EFA_REMEDY, *evidence)
+            return fail(
+                "efa", facts.host, "fi_info not found: libfabric's tools are not installed", EFA_REMEDY, *evidence
+            )
         if not present:
             code = fi_info_error(fi.stdout, fi.stderr) if fi else None
-            why = f"no EFA provider ({code}: no EFA device or driver)" if code else "fi_info -p efa lists no efa provider"
+            why = (
+                f"no EFA provider ({code}: no EFA device or driver)" if code else "fi_info -p efa lists no efa provider"
+            )
             return fail("efa", facts.host, why, EFA_REMEDY, *evidence)
         ib = facts.section("infiniband")
         if ib is not None and not parse_ls_lines(ib.stdout):
@@ -53,7 +65,13 @@ def check_efa(ctx: DoctorContext) -> list[CheckResult]:
                         "load the efa kernel module (modprobe efa) and check the ENIs", *evidence)
         provider = ctx.topo.env.get("FI_PROVIDER")
         if provider and provider != "efa":
-            return warn("efa", facts.host, f"EFA present but FI_PROVIDER={provider}", "set env FI_PROVIDER: efa in the topology", *evidence)
+            return warn(
+                "efa",
+                facts.host,
+                f"EFA present but FI_PROVIDER={provider}",
+                "set env FI_PROVIDER: efa in the topology",
+                *evidence,
+            )
         devices = parse_ls_lines(ib.stdout) if ib else []
         return ok("efa", facts.host, f"efa provider; {len(devices)} device(s) {', '.join(devices[:4])}", *evidence)
 
@@ -80,7 +98,9 @@ def check_gpudirect(ctx: DoctorContext) -> list[CheckResult]:
     if ctx.topo.platform != "cuda":
         return [skip("gpudirect-rdma", h, "platform cpu: KV lives in host memory") for h in ctx.vllm_hosts()]
     if len(set(ctx.role_hosts("prefill")) | set(ctx.role_hosts("decode"))) < 2:
-        return [skip("gpudirect-rdma", h, "prefill and decode share one host: no NIC in the path") for h in ctx.vllm_hosts()]
+        return [
+            skip("gpudirect-rdma", h, "prefill and decode share one host: no NIC in the path") for h in ctx.vllm_hosts()
+        ]
 
     def decide(facts: HostFacts) -> CheckResult:
         section = facts.section("kernel_modules")
@@ -88,8 +108,13 @@ def check_gpudirect(ctx: DoctorContext) -> list[CheckResult]:
         ev = section.evidence() if section else Evidence("/proc/modules", ("(not read)",))
         if modules & {"nvidia_peermem", "nv_peer_mem"}:
             return ok("gpudirect-rdma", facts.host, "nvidia_peermem loaded: the NIC can read/write GPU memory", ev)
-        return warn("gpudirect-rdma", facts.host, "nvidia_peermem not loaded: GPU memory may be staged through host memory",
-                    "sudo modprobe nvidia_peermem (or confirm the driver's dma-buf path with FI_EFA_USE_DEVICE_RDMA=1)", ev)
+        return warn(
+            "gpudirect-rdma",
+            facts.host,
+            "nvidia_peermem not loaded: GPU memory may be staged through host memory",
+            "sudo modprobe nvidia_peermem (or confirm the driver's dma-buf path with FI_EFA_USE_DEVICE_RDMA=1)",
+            ev,
+        )
 
     return ctx.each_host("gpudirect-rdma", ctx.vllm_hosts(), decide)
 
@@ -125,8 +150,13 @@ def check_gpu_nic_affinity(ctx: DoctorContext) -> list[CheckResult]:
                 far.append(f"GPU{g} ({link})")
         ev = Evidence(section.command, tuple(lines[:8]), section.exit_code)
         if far:
-            return warn("gpu-nic-affinity", facts.host, f"no NIC behind the same PCIe switch for {', '.join(far)}",
-                        "give instances GPUs that share a PCIe switch with an EFA NIC (PIX/PXB in nvidia-smi topo -m)", ev)
+            return warn(
+                "gpu-nic-affinity",
+                facts.host,
+                f"no NIC behind the same PCIe switch for {', '.join(far)}",
+                "give instances GPUs that share a PCIe switch with an EFA NIC (PIX/PXB in nvidia-smi topo -m)",
+                ev,
+            )
         return ok("gpu-nic-affinity", facts.host, f"{len(gpus)} GPUs each share a PCIe switch with a NIC", ev)
 
     return ctx.each_host("gpu-nic-affinity", ctx.vllm_hosts(), decide)
@@ -141,16 +171,36 @@ def ucx_tls_verdict(value: str | None, platform: str) -> tuple[str, str, str | N
         return "fail", "UCX_TLS is empty: NIXL refuses the UCX backend", "unset UCX_TLS or list transports"
     if platform == "cuda":
         if not tls.allows("cuda_copy"):
-            return "fail", f"UCX_TLS={value} has no cuda_copy: NIXL refuses UCX on a GPU host", "add cuda_copy to UCX_TLS (or unset it)"
+            return (
+                "fail",
+                f"UCX_TLS={value} has no cuda_copy: NIXL refuses UCX on a GPU host",
+                "add cuda_copy to UCX_TLS (or unset it)",
+            )
         if not tls.allows("tcp"):
-            return "fail", f"UCX_TLS={value} has no tcp: endpoint creation fails without an active-message transport", "keep tcp in UCX_TLS"
+            return (
+                "fail",
+                f"UCX_TLS={value} has no tcp: endpoint creation fails without an active-message transport",
+                "keep tcp in UCX_TLS",
+            )
         if not tls.allows("cuda_ipc"):
-            return "warn", f"UCX_TLS={value} has no cuda_ipc: GPU KV goes through host memory (tcp-only is the slow path)", "add cuda_ipc to UCX_TLS"
+            return (
+                "warn",
+                f"UCX_TLS={value} has no cuda_ipc: GPU KV goes through host memory (tcp-only is the slow path)",
+                "add cuda_ipc to UCX_TLS",
+            )
         return "ok", f"UCX_TLS={value}", None
     if not tls.negated and tls.names <= {"tcp", "self"}:
-        return "warn", f"UCX_TLS={value}: data over TCP sockets (1-3 GB/s vs 3-12 with cma/shm)", "unset UCX_TLS or add shm/cma"
+        return (
+            "warn",
+            f"UCX_TLS={value}: data over TCP sockets (1-3 GB/s vs 3-12 with cma/shm)",
+            "unset UCX_TLS or add shm/cma",
+        )
     if not tls.allows("tcp"):
-        return "warn", f"UCX_TLS={value} without tcp fails unless NIXL sets ucx_error_handling_mode=none", "keep tcp in UCX_TLS"
+        return (
+            "warn",
+            f"UCX_TLS={value} without tcp fails unless NIXL sets ucx_error_handling_mode=none",
+            "keep tcp in UCX_TLS",
+        )
     return "ok", f"UCX_TLS={value}", None
 
 
@@ -180,9 +230,19 @@ def check_ucx_env(ctx: DoctorContext) -> list[CheckResult]:
 
 
 CHECKS = [
-    Check("efa", "host", "EFA present where connector.backend is LIBFABRIC (fi_info -p efa, /sys/class/infiniband)", check_efa),
+    Check(
+        "efa",
+        "host",
+        "EFA present where connector.backend is LIBFABRIC (fi_info -p efa, /sys/class/infiniband)",
+        check_efa,
+    ),
     Check("ucx-on-efa", "host", "NIXL over UCX on an EFA host falls back to TCP", check_ucx_on_efa),
     Check("gpudirect-rdma", "host", "the NIC can reach GPU memory (nvidia_peermem)", check_gpudirect),
-    Check("gpu-nic-affinity", "host", "each assigned GPU shares a PCIe switch with a NIC (nvidia-smi topo -m)", check_gpu_nic_affinity),
+    Check(
+        "gpu-nic-affinity",
+        "host",
+        "each assigned GPU shares a PCIe switch with a NIC (nvidia-smi topo -m)",
+        check_gpu_nic_affinity,
+    ),
     Check("ucx-env", "host", "UCX_TLS keeps the fast transports (cuda_copy, cuda_ipc, not tcp-only)", check_ucx_env),
 ]

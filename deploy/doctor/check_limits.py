@@ -16,7 +16,9 @@ SKEW_WARN_S = 1.0
 
 
 def _unparsable(check: str, host: str, section, exc: Exception) -> CheckResult:
-    return fail(check, host, f"cannot read: {exc}", "run the command by hand on the host to see why", section.evidence())
+    return fail(
+        check, host, f"cannot read: {exc}", "run the command by hand on the host to see why", section.evidence()
+    )
 
 
 def check_memlock(ctx: DoctorContext) -> list[CheckResult]:
@@ -31,8 +33,14 @@ def check_memlock(ctx: DoctorContext) -> list[CheckResult]:
         if limit is None:
             return ok("memlock", facts.host, "locked memory unlimited", ev)
         if ctx.rdma:
-            return fail("memlock", facts.host, f"locked memory limited to {shown}: RDMA registration of the KV cache fails",
-                        f"set 'memlock unlimited' for the user in /etc/security/limits.conf on {facts.host} (or LimitMEMLOCK=infinity) and log in again", ev)
+            return fail(
+                "memlock",
+                facts.host,
+                f"locked memory limited to {shown}: RDMA registration of the KV cache fails",
+                f"set 'memlock unlimited' for the user in /etc/security/limits.conf on {facts.host} (or "
+                "LimitMEMLOCK=infinity) and log in again",
+                ev,
+            )
         return ok("memlock", facts.host, f"{shown} (fine: no RDMA NIC registers the KV cache on this platform)", ev)
 
     return ctx.each_host("memlock", ctx.vllm_hosts(), decide)
@@ -47,8 +55,13 @@ def check_open_files(ctx: DoctorContext) -> list[CheckResult]:
             return _unparsable("open-files", facts.host, soft_s, exc)
         ev = Evidence("ulimit -Sn; ulimit -Hn", (f"soft {soft or 'unlimited'}", f"hard {hard or 'unlimited'}"))
         if hard is not None and hard < OPEN_FILES_WANTED:
-            return warn("open-files", facts.host, f"open-files hard limit {hard} < {OPEN_FILES_WANTED}: many concurrent requests may hit EMFILE",
-                        f"raise 'nofile' to {OPEN_FILES_WANTED}+ in /etc/security/limits.conf on {facts.host}", ev)
+            return warn(
+                "open-files",
+                facts.host,
+                f"open-files hard limit {hard} < {OPEN_FILES_WANTED}: many concurrent requests may hit EMFILE",
+                f"raise 'nofile' to {OPEN_FILES_WANTED}+ in /etc/security/limits.conf on {facts.host}",
+                ev,
+            )
         return ok("open-files", facts.host, f"soft {soft or 'unlimited'}, hard {hard or 'unlimited'}", ev)
 
     return ctx.each_host("open-files", ctx.probed_hosts(), decide)
@@ -67,9 +80,21 @@ def check_disk(ctx: DoctorContext) -> list[CheckResult]:
         free_gib = lowest.available_bytes / GIB
         ev = section.evidence([r.line for r in rows])
         if free_gib < DISK_FAIL_GIB:
-            return fail("disk", facts.host, f"{free_gib:.2f} GiB free on {lowest.mount}", f"free space on {lowest.mount} ({facts.host}): logs and the model live there", ev)
+            return fail(
+                "disk",
+                facts.host,
+                f"{free_gib:.2f} GiB free on {lowest.mount}",
+                f"free space on {lowest.mount} ({facts.host}): logs and the model live there",
+                ev,
+            )
         if free_gib < DISK_WARN_GIB:
-            return warn("disk", facts.host, f"only {free_gib:.1f} GiB free on {lowest.mount}", f"free space on {lowest.mount} ({facts.host})", ev)
+            return warn(
+                "disk",
+                facts.host,
+                f"only {free_gib:.1f} GiB free on {lowest.mount}",
+                f"free space on {lowest.mount} ({facts.host})",
+                ev,
+            )
         return ok("disk", facts.host, f"{free_gib:.0f} GiB free on {lowest.mount}", ev)
 
     return ctx.each_host("disk", ctx.probed_hosts(), decide)
@@ -83,7 +108,9 @@ def memory_needed_gib(ctx: DoctorContext, host: str) -> tuple[float, list[str]]:
         if spec.host != host or spec.name in ctx.running:
             continue
         if ctx.topo.platform == "cpu":
-            kv = (spec.kv_cache_gib or DEFAULT_CPU_KV_GIB) * spec.tensor_parallel_size  # every rank allocates kv_cache_gib
+            kv = (
+                spec.kv_cache_gib or DEFAULT_CPU_KV_GIB
+            ) * spec.tensor_parallel_size  # every rank allocates kv_cache_gib
             total += kv + VLLM_CPU_RSS_GIB
             parts.append(f"{spec.name}: {kv:g} GiB KV + {VLLM_CPU_RSS_GIB} GiB process")
         else:
@@ -101,12 +128,22 @@ def check_memory(ctx: DoctorContext) -> list[CheckResult]:
             return _unparsable("memory", facts.host, section, exc)
         available = info.get("MemAvailable", 0) / GIB
         needed, parts = memory_needed_gib(ctx, facts.host)
-        ev = Evidence(section.command, tuple(section.stdout.strip().splitlines()) + tuple(f"needs {p}" for p in parts), section.exit_code)
+        ev = Evidence(
+            section.command,
+            tuple(section.stdout.strip().splitlines()) + tuple(f"needs {p}" for p in parts),
+            section.exit_code,
+        )
         if needed > available:
             return fail("memory", facts.host, f"needs ~{needed:g} GiB, {available:.1f} GiB available",
                         "lower kv_cache_gib, move an instance to another host, or free memory", ev)
         if needed > 0.9 * available:
-            return warn("memory", facts.host, f"needs ~{needed:g} GiB of {available:.1f} GiB available (tight)", "lower kv_cache_gib or free memory", ev)
+            return warn(
+                "memory",
+                facts.host,
+                f"needs ~{needed:g} GiB of {available:.1f} GiB available (tight)",
+                "lower kv_cache_gib or free memory",
+                ev,
+            )
         return ok("memory", facts.host, f"needs ~{needed:g} GiB, {available:.1f} GiB available", ev)
 
     return ctx.each_host("memory", ctx.vllm_hosts(), decide)
@@ -128,8 +165,15 @@ def check_clock_skew(ctx: DoctorContext) -> list[CheckResult]:
     if len(probed) < 2:
         return [skip("clock-skew", TOPOLOGY_SUBJECT, "one host: no skew", scope="topology")]
     if len(hosts) < 2:
-        return [skip("clock-skew", TOPOLOGY_SUBJECT, f"{len(probed)} hosts, clocks read on {', '.join(hosts) or 'none'}: "
-                     "nothing to compare (see the probe rows)", scope="topology")]
+        return [
+            skip(
+                "clock-skew",
+                TOPOLOGY_SUBJECT,
+                f"{len(probed)} hosts, clocks read on {', '.join(hosts) or 'none'}: "
+                "nothing to compare (see the probe rows)",
+                scope="topology",
+            )
+        ]
     lines, skewed = [], []
     for h in hosts:
         bounds = skew_interval(ctx.facts[h])
@@ -142,9 +186,25 @@ def check_clock_skew(ctx: DoctorContext) -> list[CheckResult]:
             skewed.append(h)
     ev = Evidence("date +%s.%N on each host, bracketed by this machine's clock", tuple(lines[:10]))
     if skewed:
-        return [warn("clock-skew", TOPOLOGY_SUBJECT, f"clocks off by more than {SKEW_WARN_S:g} s on {', '.join(skewed)}",
-                     "enable NTP/chrony on those hosts (timeouts and log timelines compare clocks)", ev, scope="topology")]
-    return [ok("clock-skew", TOPOLOGY_SUBJECT, f"{len(hosts)} hosts within {SKEW_WARN_S:g} s of this clock", ev, scope="topology")]
+        return [
+            warn(
+                "clock-skew",
+                TOPOLOGY_SUBJECT,
+                f"clocks off by more than {SKEW_WARN_S:g} s on {', '.join(skewed)}",
+                "enable NTP/chrony on those hosts (timeouts and log timelines compare clocks)",
+                ev,
+                scope="topology",
+            )
+        ]
+    return [
+        ok(
+            "clock-skew",
+            TOPOLOGY_SUBJECT,
+            f"{len(hosts)} hosts within {SKEW_WARN_S:g} s of this clock",
+            ev,
+            scope="topology",
+        )
+    ]
 
 
 CHECKS = [

@@ -17,7 +17,10 @@ def _model_evidence(model: dict) -> Evidence:
         lines.append(f"config.json digest {model['config_digest']}")
     if model.get("weights_digest"):
         total = sum(w["size"] for w in model.get("weights", []))
-        lines.append(f"{len(model['weights'])} weight files, {total} bytes, {model['digest_mode']} digest {model['weights_digest']}")
+        lines.append(
+            f"{len(model['weights'])} weight files, {total} bytes, {model['digest_mode']} digest "
+            f"{model['weights_digest']}"
+        )
     return Evidence("python: os.path.isdir(model), read config.json, sha256 of weight files", tuple(lines))
 
 
@@ -30,8 +33,13 @@ def check_model_present(ctx: DoctorContext) -> list[CheckResult]:
         if not model.get("exists"):
             if ctx.topo.model.tiny is not None:
                 return ok("model-present", facts.host, f"{path} missing; `up` makes the tiny model there", ev)
-            return fail("model-present", facts.host, f"model directory {path} does not exist",
-                        f"copy the model to {path} on {facts.host} (same files as the other hosts) or fix model.path", ev)
+            return fail(
+                "model-present",
+                facts.host,
+                f"model directory {path} does not exist",
+                f"copy the model to {path} on {facts.host} (same files as the other hosts) or fix model.path",
+                ev,
+            )
         if model.get("config_error"):
             return fail("model-present", facts.host, "config.json unreadable",
                         f"copy a complete model to {path} on {facts.host}", ev)
@@ -44,9 +52,20 @@ def check_model_present(ctx: DoctorContext) -> list[CheckResult]:
 
 
 def check_model_match(ctx: DoctorContext) -> list[CheckResult]:
-    present = {h: ctx.facts[h].model for h in ctx.vllm_hosts() if h in ctx.facts and (ctx.facts[h].model or {}).get("weights_digest")}
+    present = {
+        h: ctx.facts[h].model
+        for h in ctx.vllm_hosts()
+        if h in ctx.facts and (ctx.facts[h].model or {}).get("weights_digest")
+    }
     if len(present) < 2:
-        return [skip("model-match", TOPOLOGY_SUBJECT, f"model found on {len(present)} host(s); nothing to compare", scope="topology")]
+        return [
+            skip(
+                "model-match",
+                TOPOLOGY_SUBJECT,
+                f"model found on {len(present)} host(s); nothing to compare",
+                scope="topology",
+            )
+        ]
     lines, differs = [], []
     for key, label in (("config_digest", "config.json"), ("weights_digest", "weights")):
         described, agree = agreement({h: str(m.get(key)) for h, m in present.items()})
@@ -55,12 +74,26 @@ def check_model_match(ctx: DoctorContext) -> list[CheckResult]:
             differs.append(label)
     ev = Evidence("sha256 of config.json and weight files on each host", tuple(lines))
     if differs:
-        return [fail("model-match", TOPOLOGY_SUBJECT, f"{' and '.join(differs)} differ between hosts",
-                     "copy one model to every host (prefill and decode must load identical weights)", ev, scope="topology")]
+        return [
+            fail(
+                "model-match",
+                TOPOLOGY_SUBJECT,
+                f"{' and '.join(differs)} differ between hosts",
+                "copy one model to every host (prefill and decode must load identical weights)",
+                ev,
+                scope="topology",
+            )
+        ]
     return [ok("model-match", TOPOLOGY_SUBJECT, f"identical on {len(present)} hosts", ev, scope="topology")]
 
 
-DTYPE_NAMES = {"bfloat16": "bfloat16", "float16": "float16", "half": "float16", "float32": "float32", "float": "float32"}
+DTYPE_NAMES = {
+    "bfloat16": "bfloat16",
+    "float16": "float16",
+    "half": "float16",
+    "float32": "float32",
+    "float": "float32",
+}
 
 
 def check_model_fit(ctx: DoctorContext) -> list[CheckResult]:
@@ -75,19 +108,45 @@ def check_model_fit(ctx: DoctorContext) -> list[CheckResult]:
              f"topology: dtype={spec.dtype}, max_model_len={spec.max_model_len}"]
     ev = Evidence("config.json vs model: in the topology", tuple(lines))
     if spec.max_model_len and limit and spec.max_model_len > limit and not config.get("rope_scaling"):
-        return [fail("model-fit", TOPOLOGY_SUBJECT, f"max_model_len {spec.max_model_len} > the model's {limit} positions",
-                     f"set model.max_model_len to at most {limit}", ev, scope="topology")]
+        return [
+            fail(
+                "model-fit",
+                TOPOLOGY_SUBJECT,
+                f"max_model_len {spec.max_model_len} > the model's {limit} positions",
+                f"set model.max_model_len to at most {limit}",
+                ev,
+                scope="topology",
+            )
+        ]
     heads = kv_heads_from_config(config)
     for _, _, instance in ctx.topo.instances():
         problem = tp_problem(heads, instance.tensor_parallel_size) if heads else ""
         if problem:
-            return [fail("model-fit", TOPOLOGY_SUBJECT, f"{instance.name}: TP size {instance.tensor_parallel_size} vs the "
-                         f"model's {heads} KV heads: {problem}", f"change {instance.name}'s tensor_parallel_size",
-                         Evidence("config.json: KV heads vs each instance's TP size",
-                                  (f"KV heads: {heads}", *(f"{s.name}: TP {s.tensor_parallel_size}" for _, _, s in ctx.topo.instances()))),
-                         scope="topology")]
+            return [
+                fail(
+                    "model-fit",
+                    TOPOLOGY_SUBJECT,
+                    f"{instance.name}: TP size {instance.tensor_parallel_size} vs the "
+                    f"model's {heads} KV heads: {problem}",
+                    f"change {instance.name}'s tensor_parallel_size",
+                    Evidence(
+                        "config.json: KV heads vs each instance's TP size",
+                        (
+                            f"KV heads: {heads}",
+                            *(f"{s.name}: TP {s.tensor_parallel_size}" for _, _, s in ctx.topo.instances()),
+                        ),
+                    ),
+                    scope="topology",
+                )
+            ]
     if native and spec.dtype != "auto" and spec.dtype != native:
-        risk = "overflow risk" if (native, spec.dtype) == ("bfloat16", "float16") else "twice the memory" if spec.dtype == "float32" else "precision loss"
+        risk = (
+            "overflow risk"
+            if (native, spec.dtype) == ("bfloat16", "float16")
+            else "twice the memory"
+            if spec.dtype == "float32"
+            else "precision loss"
+        )
         return [warn("model-fit", TOPOLOGY_SUBJECT, f"dtype {spec.dtype} differs from the model's {native} ({risk})",
                      f"set model.dtype: {native} (or auto)", ev, scope="topology")]
     sizes = sorted({s.tensor_parallel_size for _, _, s in ctx.topo.instances()})

@@ -23,7 +23,10 @@ def check_nixl_backend(ctx: DoctorContext) -> list[CheckResult]:
             if probe.shared_from:
                 lines.append(f"same machine, interpreter and env as {probe.shared_from}: its result applies")
             lines.append(f"plugins found: {', '.join(probe.plugins) or '-'}")
-            lines.append(f"create_backend({backend}): " + ("ok, mem types " + ", ".join(probe.mem_types) if probe.created else probe.error or "failed"))
+            lines.append(
+                f"create_backend({backend}): "
+                + ("ok, mem types " + ", ".join(probe.mem_types) if probe.created else probe.error or "failed")
+            )
             lines += list(probe.stderr_tail)
             ev = Evidence(probe.command, tuple(lines), probe.exit_code)
             if not probe.created:
@@ -34,13 +37,29 @@ def check_nixl_backend(ctx: DoctorContext) -> list[CheckResult]:
                        "reinstall nixl built for this host's CUDA (nixl-cu12 or nixl-cu13)")
                 results.append(fail("nixl-backend", facts.host, f"{why}: {probe.error}", fix, ev))
             elif needed not in probe.mem_types:
-                results.append(fail("nixl-backend", facts.host, f"{backend} cannot register {needed} (has {', '.join(probe.mem_types)})",
-                                    "use a NIXL build with CUDA support on GPU hosts", ev))
+                results.append(
+                    fail(
+                        "nixl-backend",
+                        facts.host,
+                        f"{backend} cannot register {needed} (has {', '.join(probe.mem_types)})",
+                        "use a NIXL build with CUDA support on GPU hosts",
+                        ev,
+                    )
+                )
             else:
-                results.append(ok("nixl-backend", facts.host, f"{backend} created; memory {', '.join(probe.mem_types)}", ev))
+                results.append(
+                    ok("nixl-backend", facts.host, f"{backend} created; memory {', '.join(probe.mem_types)}", ev)
+                )
         return max(results, key=lambda r: ["ok", "skip", "warn", "fail"].index(r.status.value))
 
     return ctx.each_host("nixl-backend", ctx.vllm_hosts(), decide)
 
 
-CHECKS = [Check("nixl-backend", "host", "the configured NIXL backend is creatable (subprocess) with the needed memory type", check_nixl_backend)]
+CHECKS = [
+    Check(
+        "nixl-backend",
+        "host",
+        "the configured NIXL backend is creatable (subprocess) with the needed memory type",
+        check_nixl_backend,
+    )
+]

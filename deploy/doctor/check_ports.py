@@ -42,21 +42,34 @@ def check_ports_free(ctx: DoctorContext) -> list[CheckResult]:
             return f"{r['addr']}:{r['port']} ({r['label']}): {r['error']} (errno {r['errno']}){_held_by(holders, r)}"
 
         lines = [line(r) for r in results]
-        ev = Evidence(PROBE_COMMAND, tuple((lines if not taken else [ln for ln in lines if not ln.endswith("free")])[:8]))
+        ev = Evidence(
+            PROBE_COMMAND, tuple((lines if not taken else [ln for ln in lines if not ln.endswith("free")])[:8])
+        )
         if taken:
             first = taken[0]
             more = f" (+{len(taken) - 1} more)" if len(taken) > 1 else ""
             listeners = holders.get(first["port"], [])
-            stop = (f"stop {', '.join(f'pid {p.pid}' for p in listeners)} on {facts.host} (listening on {first['addr']}:{first['port']})"
-                    if listeners else
-                    f"stop what listens on {first['addr']}:{first['port']} on {facts.host} (ss -ltnp 'sport = :{first['port']}')")
-            return fail("ports-free", facts.host,
-                        f"port {first['port']} on host {facts.host} ({first['label']}) is taken{_held_by(holders, first)}: "
-                        f"{first['error']}{more}", f"{stop} or choose another port in the topology", ev)
+            stop = (
+                f"stop {', '.join(f'pid {p.pid}' for p in listeners)} on {facts.host} (listening on "
+                f"{first['addr']}:{first['port']})"
+                if listeners
+                else f"stop what listens on {first['addr']}:{first['port']} on {facts.host} "
+                f"(ss -ltnp 'sport = :{first['port']}')"
+            )
+            return fail(
+                "ports-free",
+                facts.host,
+                f"port {first['port']} on host {facts.host} ({first['label']}) is taken{_held_by(holders, first)}: "
+                f"{first['error']}{more}",
+                f"{stop} or choose another port in the topology",
+                ev,
+            )
         free = [r for r in results if r["ok"]]
         summary = f"{len(free)} port(s) free" + (": " + ", ".join(str(r["port"]) for r in free[:6]) if free else "")
         if in_use:
-            summary += f"; {len(in_use)} in use by this deployment: " + ", ".join(f"{p} ({n})" for p, n in list(in_use.items())[:6])
+            summary += f"; {len(in_use)} in use by this deployment: " + ", ".join(
+                f"{p} ({n})" for p, n in list(in_use.items())[:6]
+            )
         return ok("ports-free", facts.host, summary, ev)
 
     if not claimed_hosts:
@@ -89,7 +102,9 @@ def check_reachability(ctx: DoctorContext) -> list[CheckResult]:
             continue
         if target not in ctx.facts:
             # The target's listener never ran; a connect proves nothing either way.
-            out.append(skip("reachability", subject, f"no listener: {target}'s probe failed (see its probe row)", scope="pair"))
+            out.append(
+                skip("reachability", subject, f"no listener: {target}'s probe failed (see its probe row)", scope="pair")
+            )
             continue
         bound = {(r["port"]): r["ok"] for r in _bind_results(ctx.facts[target])}
         reach = {(r["addr"], r["port"]): r for r in facts.raw.get("reach", []) if r}
@@ -109,18 +124,33 @@ def check_reachability(ctx: DoctorContext) -> list[CheckResult]:
         ev = Evidence(f"on {source}: connect to a temporary listener on {target}", tuple(lines[:8]))
         if failed:
             t, r = failed[0]
-            out.append(fail("reachability", subject,
-                            f"{source} cannot reach {target} port {t.port} ({t.label}, {t.why}): {r['error'] if r else 'not attempted'}",
-                            f"open TCP {t.port} from {source} to {t.addr} (security group / firewall) or fix {target}'s address",
-                            ev, scope="pair"))
+            out.append(
+                fail(
+                    "reachability",
+                    subject,
+                    f"{source} cannot reach {target} port {t.port} ({t.label}, {t.why}): "
+                    f"{r['error'] if r else 'not attempted'}",
+                    f"open TCP {t.port} from {source} to {t.addr} (security group / firewall) or fix {target}'s "
+                    "address",
+                    ev,
+                    scope="pair",
+                )
+            )
         elif len(not_tested) == len(targets):
             out.append(skip("reachability", subject, f"all ports taken on {target} (see ports-free)", scope="pair"))
         else:
-            out.append(ok("reachability", subject, f"{len(targets) - len(not_tested)} port(s) reachable", ev, scope="pair"))
+            out.append(
+                ok("reachability", subject, f"{len(targets) - len(not_tested)} port(s) reachable", ev, scope="pair")
+            )
     return out
 
 
 CHECKS = [
     Check("ports-free", "host", "every HTTP, side-channel and router port is free on its host", check_ports_free),
-    Check("reachability", "pair", "decode -> prefill side channels (both ways for NIXL) and router -> instances connect", check_reachability),
+    Check(
+        "reachability",
+        "pair",
+        "decode -> prefill side channels (both ways for NIXL) and router -> instances connect",
+        check_reachability,
+    ),
 ]

@@ -30,11 +30,21 @@ def _packages_evidence(facts: HostFacts) -> Evidence:
 def check_python(ctx: DoctorContext) -> list[CheckResult]:
     def decide(facts: HostFacts) -> CheckResult:
         configured = ctx.plan.host(facts.host).python
-        ev = Evidence(f"{configured} -c 'import sys; print(sys.version)'",
-                      tuple(filter(None, [facts.raw.get("interpreter_note"), f"{facts.python_executable} {facts.python_version}"])))
+        ev = Evidence(
+            f"{configured} -c 'import sys; print(sys.version)'",
+            tuple(
+                filter(None, [facts.raw.get("interpreter_note"), f"{facts.python_executable} {facts.python_version}"])
+            ),
+        )
         if facts.raw.get("interpreter_note"):
-            return fail("python", facts.host, f"interpreter {configured} not found",
-                        f"create it with `kvpush provision FILE --with-vllm` (hosts.{facts.host}.venv) or set hosts.{facts.host}.python/venv", ev)
+            return fail(
+                "python",
+                facts.host,
+                f"interpreter {configured} not found",
+                f"create it with `kvpush provision FILE --with-vllm` (hosts.{facts.host}.venv) or set "
+                f"hosts.{facts.host}.python/venv",
+                ev,
+            )
         if _version_tuple(facts.python_version) < MIN_PYTHON:
             return fail("python", facts.host, f"Python {facts.python_version} is older than 3.10",
                         f"use a Python >= 3.10 interpreter on {facts.host} (hosts.{facts.host}.python)", ev)
@@ -58,14 +68,24 @@ def check_packages(ctx: DoctorContext) -> list[CheckResult]:
             missing.append("kvpush")
         ev = _packages_evidence(facts)
         if missing:
-            return fail("packages", facts.host, f"missing: {', '.join(missing)} (in {facts.python_executable})",
-                        f"install them on {facts.host} into the interpreter the topology names (`kvpush provision FILE --with-vllm` on CPU hosts)", ev)
+            return fail(
+                "packages",
+                facts.host,
+                f"missing: {', '.join(missing)} (in {facts.python_executable})",
+                f"install them on {facts.host} into the interpreter the topology names (`kvpush provision FILE "
+                "--with-vllm` on CPU hosts)",
+                ev,
+            )
         vllm = facts.package(*VLLM_DISTS) if facts.host in vllm_hosts else None
         outside = unsupported_reason(vllm[1]) if vllm and needs_kvpush else None
         if outside:
             return fail("packages", facts.host, outside.removeprefix("kvpush: "),
                         f"install a vLLM in that range on {facts.host}, or use connector type nixl-pull", ev)
-        found = [f"{p[0]} {p[1]}" for p in (facts.package(*VLLM_DISTS), facts.package(*NIXL_DISTS), facts.package("kvpush")) if p]
+        found = [
+            f"{p[0]} {p[1]}"
+            for p in (facts.package(*VLLM_DISTS), facts.package(*NIXL_DISTS), facts.package("kvpush"))
+            if p
+        ]
         return ok("packages", facts.host, ", ".join(found) or "router only", ev)
 
     return ctx.each_host("packages", ctx.probed_hosts(), decide)
@@ -81,8 +101,16 @@ def check_versions_match(ctx: DoctorContext) -> list[CheckResult]:
         wanted["kvpush"] = ("kvpush",)
     hosts = [h for h in ctx.vllm_hosts() if h in ctx.facts]
     if len(hosts) < 2:
-        return [skip("versions-match", TOPOLOGY_SUBJECT, "prefill and decode run on one host (one environment)" if len(hosts) == 1
-                     else "no facts from any vLLM host", scope="topology")]
+        return [
+            skip(
+                "versions-match",
+                TOPOLOGY_SUBJECT,
+                "prefill and decode run on one host (one environment)"
+                if len(hosts) == 1
+                else "no facts from any vLLM host",
+                scope="topology",
+            )
+        ]
     mismatches, lines = [], []
     for label, dists in wanted.items():
         found = {h: ctx.facts[h].package(*dists) for h in hosts}
@@ -92,10 +120,26 @@ def check_versions_match(ctx: DoctorContext) -> list[CheckResult]:
             mismatches.append(label)
     ev = Evidence("*.dist-info versions on every vLLM host", tuple(lines))
     if mismatches:
-        return [fail("versions-match", TOPOLOGY_SUBJECT, f"{', '.join(mismatches)} versions differ between hosts",
-                     "install the same versions on every prefill and decode host (`kvpush provision --with-vllm` pins them on CPU hosts)", ev,
-                     scope="topology")]
-    return [ok("versions-match", TOPOLOGY_SUBJECT, f"{' / '.join(wanted)} agree on {len(hosts)} hosts", ev, scope="topology")]
+        return [
+            fail(
+                "versions-match",
+                TOPOLOGY_SUBJECT,
+                f"{', '.join(mismatches)} versions differ between hosts",
+                "install the same versions on every prefill and decode host (`kvpush provision --with-vllm` pins them "
+                "on CPU hosts)",
+                ev,
+                scope="topology",
+            )
+        ]
+    return [
+        ok(
+            "versions-match",
+            TOPOLOGY_SUBJECT,
+            f"{' / '.join(wanted)} agree on {len(hosts)} hosts",
+            ev,
+            scope="topology",
+        )
+    ]
 
 
 CHECKS = [

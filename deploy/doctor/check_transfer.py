@@ -35,15 +35,31 @@ def decide_transfer(outcome: TransferOutcome, platform: str, backend: str) -> Ch
 def check_transfer(ctx: DoctorContext) -> list[CheckResult]:
     pairs = transfer_pairs(ctx) if ctx.disaggregated else []
     if ctx.transfers is None:
-        return [skip("transfer", pair_subject(s, t), "pass --transfer to move real bytes", scope="pair") for s, t in pairs]
+        return [
+            skip("transfer", pair_subject(s, t), "pass --transfer to move real bytes", scope="pair") for s, t in pairs
+        ]
     out = []
     for s, t in pairs:
         outcome = ctx.transfers.get((s, t))
         if outcome is None:
-            out.append(skip("transfer", pair_subject(s, t), "not attempted: a host's probe failed or its port is taken", scope="pair"))
+            out.append(
+                skip(
+                    "transfer",
+                    pair_subject(s, t),
+                    "not attempted: a host's probe failed or its port is taken",
+                    scope="pair",
+                )
+            )
         else:
             out.append(decide_transfer(outcome, ctx.topo.platform, ctx.topo.connector.backend))
     return out
 
 
-CHECKS = [Check("transfer", "pair", "a real NIXL WRITE prefill -> decode, byte-exact, with bandwidth (--transfer)", check_transfer)]
+CHECKS = [
+    Check(
+        "transfer",
+        "pair",
+        "a real NIXL WRITE prefill -> decode, byte-exact, with bandwidth (--transfer)",
+        check_transfer,
+    )
+]

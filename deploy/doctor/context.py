@@ -39,7 +39,9 @@ class DoctorContext:
     claims: list[PortClaim] = field(default_factory=list)
     targets: list[ReachTarget] = field(default_factory=list)
     transfers: dict[tuple[str, str], TransferOutcome] | None = None  # None: --transfer not given
-    port_holders: dict[str, dict[int, list[ProcessInfo]]] = field(default_factory=dict)  # host -> port in use -> listeners
+    port_holders: dict[str, dict[int, list[ProcessInfo]]] = field(
+        default_factory=dict
+    )  # host -> port in use -> listeners
     own_pids: dict[str, dict[int, str]] = field(default_factory=dict)  # host -> the deployment's PID -> its process
     running: frozenset[str] = frozenset()  # processes already up: their ports and memory are already taken
 
@@ -64,7 +66,9 @@ class DoctorContext:
     def role_hosts(self, role: str) -> list[str]:
         return sorted({s.host for s in getattr(self.topo, role)})
 
-    def each_host(self, check: str, hosts: Iterable[str], decide: Callable[[HostFacts], CheckResult]) -> list[CheckResult]:
+    def each_host(
+        self, check: str, hosts: Iterable[str], decide: Callable[[HostFacts], CheckResult]
+    ) -> list[CheckResult]:
         """decide() for every host with facts; a skip naming the probe for the others."""
         out = []
         for host in hosts:

@@ -17,13 +17,21 @@ from dataclasses import dataclass, field, replace
 from typing import Mapping
 
 from kvpush.common.errors import UsageError
-from kvpush.deploy.topology.placement import bind_address
 from kvpush.deploy.plan.plan import build_plan
 from kvpush.deploy.runners.base import parse_port_holders, port_holders_command
+from kvpush.deploy.topology.placement import bind_address
 from kvpush.deploy.topology.topology import Topology
 
-from . import (check_accelerators, check_fabric, check_limits, check_model, check_nixl, check_ports,
-               check_software, check_transfer)
+from . import (
+    check_accelerators,
+    check_fabric,
+    check_limits,
+    check_model,
+    check_nixl,
+    check_ports,
+    check_software,
+    check_transfer,
+)
 from .context import Check, DoctorContext, TransferOutcome, df_paths, tool_commands
 from .facts import HostFacts, NixlProbe
 from .port_map import expected_incoming, port_claims, reach_targets
@@ -130,15 +138,26 @@ class _NixlProbes:
                     box["probe"] = run_nixl_probe(self.runners[host], interpreter, backend, json.loads(env_text),
                                                   self.options.nixl_timeout_s)
                 except Exception as exc:
-                    box["probe"] = NixlProbe(backend, False, [], [], f"{type(exc).__name__}: {exc}", "python nixl_probe.py", None)
+                    box["probe"] = NixlProbe(
+                        backend, False, [], [], f"{type(exc).__name__}: {exc}", "python nixl_probe.py", None
+                    )
                 finally:
                     done.set()
                 probes.append(box["probe"])
             elif done.wait(self.options.nixl_timeout_s + 5) and "probe" in box:
                 probes.append(replace(box["probe"], shared_from=first_host))
             else:
-                probes.append(NixlProbe(backend, False, [], [], f"the probe on {first_host} (same machine) did not finish",
-                                        "python nixl_probe.py", None))
+                probes.append(
+                    NixlProbe(
+                        backend,
+                        False,
+                        [],
+                        [],
+                        f"the probe on {first_host} (same machine) did not finish",
+                        "python nixl_probe.py",
+                        None,
+                    )
+                )
         return probes
 
 
@@ -164,7 +183,9 @@ def _transfer_pair(ctx: DoctorContext, runners: Mapping[str, CommandRunner], opt
     def job(role: str):
         host, req = requests[role]
         proc = next(p for p in ctx.vllm_processes(host))
-        command = python_command(ctx.plan.host(host).python, "transfer_probe.py", [json.dumps(req)], _nixl_env(proc.env))
+        command = python_command(
+            ctx.plan.host(host).python, "transfer_probe.py", [json.dumps(req)], _nixl_env(proc.env)
+        )
         result = runners[host].run(command, timeout=common["timeout"] + 5)
         line = next((ln for ln in reversed(result.stdout.splitlines()) if ln.startswith("{")), None)
         if line is None:
@@ -172,22 +193,42 @@ def _transfer_pair(ctx: DoctorContext, runners: Mapping[str, CommandRunner], opt
             return {"ok": False, "error": f"{role} on {host} exited {result.exit_code}: {tail}"}
         return json.loads(line)
 
-    outcomes = in_parallel({"target": lambda: job("target"), "initiator": lambda: job("initiator")}, common["timeout"] + 10)
+    outcomes = in_parallel(
+        {"target": lambda: job("target"), "initiator": lambda: job("initiator")}, common["timeout"] + 10
+    )
     reports = {k: (v if isinstance(v, dict) else {"ok": False, "error": v.message}) for k, v in outcomes.items()}
     init, targ = reports["initiator"], reports["target"]
-    lines = (f"initiator on {source}: " + json.dumps({k: init.get(k) for k in ('ok', 'gbps', 'seconds', 'error')}),
-             f"target on {target}: " + json.dumps({k: targ.get(k) for k in ('ok', 'byte_exact', 'mismatched_bytes', 'error')}))
+    lines = (
+        f"initiator on {source}: " + json.dumps({k: init.get(k) for k in ("ok", "gbps", "seconds", "error")}),
+        f"target on {target}: "
+        + json.dumps({k: targ.get(k) for k in ("ok", "byte_exact", "mismatched_bytes", "error")}),
+    )
     error = init.get("error") or targ.get("error")
-    return TransferOutcome(source, target, ok=bool(init.get("ok")) and targ.get("byte_exact") is not None,
-                           byte_exact=targ.get("byte_exact"), nbytes=options.transfer_bytes, seconds=init.get("seconds"),
-                           gbps=init.get("gbps"), error=error, evidence=lines,
-                           command=f"python transfer_probe.py: {mem} WRITE {source} -> {target} (metadata to {source}:{port}) via {common['backend']}")
+    return TransferOutcome(
+        source,
+        target,
+        ok=bool(init.get("ok")) and targ.get("byte_exact") is not None,
+        byte_exact=targ.get("byte_exact"),
+        nbytes=options.transfer_bytes,
+        seconds=init.get("seconds"),
+        gbps=init.get("gbps"),
+        error=error,
+        evidence=lines,
+        command=f"python transfer_probe.py: {mem} WRITE {source} -> {target} (metadata to {source}:{port}) via "
+                        f"{common['backend']}",
+    )
 
 
 def _probe_failure_row(failure: ProbeFailure) -> CheckResult:
     if failure.timed_out:
         remedy = "the host (or a tool on it) hangs: log in and check load, NFS mounts, the GPU driver"
-    elif "host key" in failure.message or "authentication" in failure.message or "SSH" in failure.message or "refused" in failure.message or "unreachable" in failure.message:
+    elif (
+        "host key" in failure.message
+        or "authentication" in failure.message
+        or "SSH" in failure.message
+        or "refused" in failure.message
+        or "unreachable" in failure.message
+    ):
         remedy = "fix SSH access to this host (address, ssh_port, user, key; see the message)"
     else:
         remedy = "run the probe by hand on the host: the interpreter or a tool failed"
@@ -205,12 +246,17 @@ def probe_requests(ctx: DoctorContext, selected: list[str], options: DoctorOptio
         name = host_plan.name
         runs_vllm = any(p.role != "router" for p in host_plan.processes)
         requests[name] = {
-            "host": name, "nonce": nonce,
+            "host": name,
+            "nonce": nonce,
             "model_path": topo.model.path if runs_vllm and any(n.startswith("model") for n in selected) else None,
             "commands": tool_commands(topo, plan, name),
             "df_paths": df_paths(topo, plan, name),
             "listen": [{"addr": c.addr, "port": c.port, "label": c.label} for c in ctx.claims if c.host == name],
-            "connect": [{"addr": t.addr, "port": t.port, "label": t.label, "host": t.target} for t in ctx.targets if t.source == name],
+            "connect": [
+                {"addr": t.addr, "port": t.port, "label": t.label, "host": t.target}
+                for t in ctx.targets
+                if t.source == name
+            ],
             "expect_incoming": incoming.get(name, 0),
             "reach_window_s": options.reach_window_s,
             "command_timeout_s": options.command_timeout_s,
@@ -243,7 +289,9 @@ def run_doctor(topo: Topology, runners: Mapping[str, CommandRunner], options: Do
     port_work = any(n in selected for n in ("ports-free", "reachability", "transfer"))
     ctx.claims = port_claims(topo, options.running) if port_work else []
     listening = {(c.host, c.port) for c in ctx.claims}
-    ctx.targets = [t for t in reach_targets(topo) if (t.target, t.port) in listening] if "reachability" in selected else []
+    ctx.targets = (
+        [t for t in reach_targets(topo) if (t.target, t.port) in listening] if "reachability" in selected else []
+    )
     requests = probe_requests(ctx, selected, options)
     ctx.probe_failures.update({h: ProbeFailure(h, why) for h, why in unreachable.items() if h in requests})
     missing = [h for h in requests if h not in runners and h not in unreachable]

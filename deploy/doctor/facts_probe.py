@@ -339,7 +339,9 @@ class PortWork:
             attempts += 1
             left = deadline - time.monotonic()
             try:
-                with socket.create_connection((spec["addr"], int(spec["port"])), timeout=max(0.2, min(2.0, left))) as conn:
+                with socket.create_connection(
+                    (spec["addr"], int(spec["port"])), timeout=max(0.2, min(2.0, left))
+                ) as conn:
                     conn.settimeout(max(0.2, min(2.0, deadline - time.monotonic())))
                     conn.sendall(self.hello)
                     data = read_line(conn, 512)

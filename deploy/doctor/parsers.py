@@ -80,7 +80,9 @@ def parse_fi_info(stdout: str) -> list[FiProvider]:
 
     def close() -> None:
         if current is not None:
-            providers.append(FiProvider(current["provider"], current.get("fabric"), current.get("domain"), tuple(lines)))
+            providers.append(
+                FiProvider(current["provider"], current.get("fabric"), current.get("domain"), tuple(lines))
+            )
 
     for raw in stdout.splitlines():
         line = raw.strip()

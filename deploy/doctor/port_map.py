@@ -59,9 +59,21 @@ def reach_targets(topo: Topology) -> list[ReachTarget]:
     for p in topo.prefill:
         for d in topo.decode:
             for rank, port in enumerate(listening_side_channel_ports("prefill", p, kind)):
-                add(d.host, p.host, port, f"{p.name} side channel" + (f" rank {rank}" if rank else ""), "decode -> prefill side channel")
+                add(
+                    d.host,
+                    p.host,
+                    port,
+                    f"{p.name} side channel" + (f" rank {rank}" if rank else ""),
+                    "decode -> prefill side channel",
+                )
             for rank, port in enumerate(listening_side_channel_ports("decode", d, kind)):
-                add(p.host, d.host, port, f"{d.name} side channel" + (f" rank {rank}" if rank else ""), "prefill -> decode side channel")
+                add(
+                    p.host,
+                    d.host,
+                    port,
+                    f"{d.name} side channel" + (f" rank {rank}" if rank else ""),
+                    "prefill -> decode side channel",
+                )
     for _, _, spec in topo.instances():
         add(topo.router.host, spec.host, spec.http_port, f"{spec.name} HTTP", "router -> instance HTTP")
     return targets

@@ -38,7 +38,9 @@ class ProbeFailure:
     timed_out: bool = False
 
 
-def in_parallel(jobs: Mapping[str, Callable[[], T]], timeout: float, shown_timeout: float | None = None) -> dict[str, T | ProbeFailure]:
+def in_parallel(
+    jobs: Mapping[str, Callable[[], T]], timeout: float, shown_timeout: float | None = None
+) -> dict[str, T | ProbeFailure]:
     """Every job at once, each cut off at the deadline (runners' fan_out); failures as ProbeFailure."""
     results = fan_out(list(jobs), lambda key: jobs[key](), timeout_s=timeout, shown_timeout_s=shown_timeout)
     return {key: r.value if r.ok else ProbeFailure(key, r.error or f"host {key}: failed", timed_out=r.timed_out)
@@ -53,9 +55,10 @@ def python_command(interpreter: str, source_file: str, args: list[str], env: Map
     env_words = " ".join(shlex.quote(f"{k}={v}") for k, v in sorted((env or {}).items()))
     launcher = f"env {env_words} " if env_words else ""
     return (
-        f"P={shell_word(interpreter)}; command -v \"$P\" >/dev/null 2>&1 || "
-        f"{{ echo \"kvpush-doctor: interpreter $P not found, used python3\" >&2; P=python3; }}; "
-        f"cd / && {launcher}\"$P\"{' -S' if no_site else ''} -c {shlex.quote(source)} {' '.join(shlex.quote(a) for a in args)}"
+        f'P={shell_word(interpreter)}; command -v "$P" >/dev/null 2>&1 || '
+        f'{{ echo "kvpush-doctor: interpreter $P not found, used python3" >&2; P=python3; }}; '
+        f'cd / && {launcher}"$P"{" -S" if no_site else ""} -c {shlex.quote(source)} '
+        f'{" ".join(shlex.quote(a) for a in args)}'
     )
 
 
@@ -75,7 +78,9 @@ def run_host_probe(host: str, runner: CommandRunner, interpreter: str, request: 
     return HostFacts(host, raw, sent, received, command="python facts_probe.py (bind, listen, connect, tools)")
 
 
-def run_nixl_probe(runner: CommandRunner, interpreter: str, backend: str, env: Mapping[str, str], timeout: float) -> NixlProbe:
+def run_nixl_probe(
+    runner: CommandRunner, interpreter: str, backend: str, env: Mapping[str, str], timeout: float
+) -> NixlProbe:
     command = python_command(interpreter, "nixl_probe.py", [backend], env)
     shown = f"{' '.join(f'{k}={v}' for k, v in sorted(env.items()))} python nixl_probe.py {backend}".strip()
     # The probe has its own budget inside the host's; a plugin that hangs on load is killed there.
@@ -90,8 +95,10 @@ def run_nixl_probe(runner: CommandRunner, interpreter: str, backend: str, env: M
                 pass
     stderr_tail = tuple(ln for ln in result.stderr.splitlines() if ln.strip())[-4:]
     if report is None:
-        why = {137: f"killed after {timeout:g} s (hung while loading the plugin)", 124: f"timed out after {timeout:g} s"}.get(
-            result.exit_code, f"the process died (exit {result.exit_code}) before reporting")
+        why = {
+            137: f"killed after {timeout:g} s (hung while loading the plugin)",
+            124: f"timed out after {timeout:g} s",
+        }.get(result.exit_code, f"the process died (exit {result.exit_code}) before reporting")
         return NixlProbe(backend, False, [], [], why, shown, result.exit_code, stderr_tail)
     return NixlProbe(backend, bool(report["created"]), report.get("mem_types", []), report.get("plugins", []),
                      report.get("error"), shown, result.exit_code, stderr_tail)

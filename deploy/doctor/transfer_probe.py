@@ -84,9 +84,14 @@ def run_target(req):
 
     got, want = host_bytes(buffer, mem), pattern(nbytes, req["seed"])
     diff = np.flatnonzero(got != want)
-    return {"ok": diff.size == 0, "byte_exact": diff.size == 0, "nbytes": nbytes, "mismatched_bytes": int(diff.size),
-            "first_mismatch": int(diff[0]) if diff.size else None,
-            "error": None if diff.size == 0 else f"{diff.size} of {nbytes} bytes differ (first at offset {int(diff[0])})"}
+    return {
+        "ok": diff.size == 0,
+        "byte_exact": diff.size == 0,
+        "nbytes": nbytes,
+        "mismatched_bytes": int(diff.size),
+        "first_mismatch": int(diff[0]) if diff.size else None,
+        "error": None if diff.size == 0 else f"{diff.size} of {nbytes} bytes differ (first at offset {int(diff[0])})",
+    }
 
 
 def send_offer(addr, port, offer, deadline):
@@ -114,7 +119,7 @@ def receive_offer(bind, port, nonce, deadline):
             server.settimeout(max(0.1, deadline - time.monotonic()))
             try:
                 conn, _ = server.accept()
-            except socket.timeout:
+            except TimeoutError:
                 raise RuntimeError(f"no metadata from the target on {bind}:{port} in time") from None
             data = b""
             with conn:

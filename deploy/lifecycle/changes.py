@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from kvpush.deploy.plan.plan_model import HostPlan, Plan, ProcessPlan
 from kvpush.deploy.runners import ProcessInfo
+
 from .state import DeploymentState, ProcessRecord
 
 START_TIME_TOLERANCE_S = 1.5

@@ -12,7 +12,6 @@ from urllib.parse import urlsplit
 
 from kvpush.common.errors import KvpushError
 
-
 COMPLETIONS_PATH = "/v1/completions"
 
 
@@ -64,7 +63,9 @@ def stream_completion(
                 break
             event = json.loads(data)
             if "error" in event:
-                raise KvpushError(f"{base_url}: request failed mid-stream: {event['error'].get('message', event['error'])}")
+                raise KvpushError(
+                    f"{base_url}: request failed mid-stream: {event['error'].get('message', event['error'])}"
+                )
             for choice in event.get("choices", []):
                 if choice.get("text"):
                     if ttft is None:

@@ -65,15 +65,17 @@ def main():
         try:
             importlib.import_module(name)
         except Exception as exc:  # report any import failure, whatever its kind
-            missing[name] = "%s: %s" % (type(exc).__name__, exc)
+            missing[name] = "%s: %s" % (type(exc).__name__, exc)  # noqa: UP031 (runs on whatever Python a host has)
     import sysconfig
 
     site_dirs = {os.path.realpath(sysconfig.get_paths()[k]) for k in ("purelib", "platlib")}
     deploy_dir = _package_dir("kvpush.deploy")
-    editable = deploy_dir is not None and not any(os.path.realpath(deploy_dir).startswith(d + os.sep) for d in site_dirs)
+    editable = deploy_dir is not None and not any(
+        os.path.realpath(deploy_dir).startswith(d + os.sep) for d in site_dirs
+    )
     print(json.dumps({
         "python": sys.executable,
-        "version": "%d.%d.%d" % sys.version_info[:3],
+        "version": "%d.%d.%d" % sys.version_info[:3],  # noqa: UP031 (runs on whatever Python a host has)
         "digest": source_digest(),
         "missing": missing,
         "editable": editable,  # kvpush runs from a source checkout there: never overwrite it

@@ -5,6 +5,7 @@ from contextlib import contextmanager
 from typing import Iterator
 
 from kvpush.deploy.runners import HostResult, Runner, SshOptions, fan_out, runner_for
+
 from .state import HostRecord
 
 

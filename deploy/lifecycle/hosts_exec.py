@@ -32,7 +32,13 @@ class ExecTarget:
 def exec_target(name: str, deployment: str, state: DeploymentState | None, plan: Plan | None) -> ExecTarget:
     """The host or process `name` of the deployment: the recorded hosts where it runs (a Slurm
     host's allocation is known only there), else the plan's."""
-    hosts = dict(state.hosts) if state is not None else {h.name: HostRecord.from_plan(h) for h in plan.hosts} if plan else {}
+    hosts = (
+        dict(state.hosts)
+        if state is not None
+        else {h.name: HostRecord.from_plan(h) for h in plan.hosts}
+        if plan
+        else {}
+    )
     if name in hosts:
         return ExecTarget(name, hosts[name], hosts[name].workdir)
     planned = {p.name: p for p in plan.processes()} if plan is not None else {}

@@ -14,22 +14,30 @@ from typing import Callable
 
 from kvpush.common.deployment_secret import fingerprint as secret_fingerprint
 from kvpush.common.errors import KvpushError
+from kvpush.deploy.plan.plan import build_plan
+from kvpush.deploy.plan.plan_model import Plan
+from kvpush.deploy.runners import Runner, SshOptions, fan_out, values_or_raise
+from kvpush.deploy.topology.topology import Topology
 
 from . import slurm_allocation
 from .changes import Changes, diff_deployment
 from .hosts import connected
-from kvpush.deploy.plan.plan import build_plan
-from kvpush.deploy.plan.plan_model import Plan
 from .process_view import ProcessView, view_deployment
 from .processes import Events, StartFailure, prepare_host, start_on_host, stop_processes, stop_records, wait_ready
 from .proof import Proof, prove_kv_transfer
 from .provision import ProvisionResult, WheelSource, local_digest, provision_host
 from .router_reload import hand_over
-from kvpush.deploy.runners import Runner, SshOptions, fan_out, values_or_raise
-from .secrets import (AccessKeys, SecretDelivery, client_api_key, ensure_local_secret, forget_local_secret,
-                      read_user_secrets, remove_secret_files, restart_users_of)
+from .secrets import (
+    AccessKeys,
+    SecretDelivery,
+    client_api_key,
+    ensure_local_secret,
+    forget_local_secret,
+    read_user_secrets,
+    remove_secret_files,
+    restart_users_of,
+)
 from .state import DeploymentState, HostRecord, ProcessRecord, load_state, locked, remove_state, save_state
-from kvpush.deploy.topology.topology import Topology
 
 __all__ = ["DownResult", "Events", "LifecycleOptions", "Proof", "StartFailure", "UpResult", "down",
            "prove_kv_transfer", "stop_processes", "up"]
@@ -67,7 +75,9 @@ def _host_records(plan: Plan) -> dict[str, HostRecord]:
 def _provision(runners: dict[str, Runner], plan: Plan, events: Events) -> list[ProvisionResult]:
     digest = local_digest()
     wheel = WheelSource(digest)
-    done = values_or_raise(fan_out(plan.hosts, lambda h: provision_host(runners[h.name], h, digest, wheel), name=lambda h: h.name))
+    done = values_or_raise(
+        fan_out(plan.hosts, lambda h: provision_host(runners[h.name], h, digest, wheel), name=lambda h: h.name)
+    )
     for p in done.values():
         events.note(f"host {p.host}: {p.action} ({p.detail})")
     return list(done.values())
@@ -102,7 +112,9 @@ def _doctor_gate(topo: Topology, runners: dict[str, Runner], running: frozenset[
 def _stop_or_raise(runners: dict[str, Runner], records: list[ProcessRecord], timeout_s: float) -> None:
     left = stop_records(runners, records, timeout_s)
     if any(left.values()):
-        raise KvpushError(f"could not stop {', '.join(n for names in left.values() for n in names)}; stop them by hand, then rerun")
+        raise KvpushError(
+            f"could not stop {', '.join(n for names in left.values() for n in names)}; stop them by hand, then rerun"
+        )
 
 
 def _launch(runners: dict[str, Runner], plan: Plan, topo: Topology, state: DeploymentState, names: list[str],
@@ -125,7 +137,9 @@ def _launch(runners: dict[str, Runner], plan: Plan, topo: Topology, state: Deplo
     save_state(state)
     try:
         values_or_raise(outcomes)
-        result.ready_s = wait_ready(runners, list(new_records.values()), options.ready_timeout_s, events, started_at, keys)
+        result.ready_s = wait_ready(
+            runners, list(new_records.values()), options.ready_timeout_s, events, started_at, keys
+        )
         when_ready()
         if options.prove and plan.connector != "colocated":
             events.process("proof", "one request through the router")
@@ -201,7 +215,10 @@ def _up(topo: Topology, options: LifecycleOptions, events: Events) -> UpResult:
             # Stop what is removed or changed (what died is stopped already), and forget them.
             old = [state.processes[n] for n in changes.stop + changes.restart + changes.revive]
             _stop_or_raise(runners, [r for r in old if running.get(r.name)], options.stop_timeout_s)
-            restarts = {n: state.processes[n].restarts + views[n].supervisor_restarts + 1 for n in changes.restart + changes.revive}
+            restarts = {
+                n: state.processes[n].restarts + views[n].supervisor_restarts + 1
+                for n in changes.restart + changes.revive
+            }
             for r in old:
                 del state.processes[r.name]
             state.hosts = {**{n: h for n, h in state.hosts.items() if state.processes_on(n)}, **hosts}

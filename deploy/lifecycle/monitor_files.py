@@ -9,6 +9,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import yaml
+
 from kvpush.common.errors import KvpushError, UsageError
 from kvpush.deploy.plan.dashboard import dashboard
 from kvpush.deploy.plan.monitor_config import (
@@ -52,9 +53,11 @@ def _key_value(topo: Topology, kind: KeyKind) -> str:
         return key
     secret = kept_secret(topo.name)
     if secret is None:
-        raise KvpushError(f"instance_public_paths: /metrics of {topo.name}'s instances needs the instance key, made from "
-                          f"the deployment secret `kvpush up` keeps on this machine, and there is none yet; run "
-                          "`kvpush up` first, or add /metrics to instance_public_paths")
+        raise KvpushError(
+            f"instance_public_paths: /metrics of {topo.name}'s instances needs the instance key, made from "
+            f"the deployment secret `kvpush up` keeps on this machine, and there is none yet; run "
+            "`kvpush up` first, or add /metrics to instance_public_paths"
+        )
     instance = AccessKeys.of(secret, None).instance
     assert instance is not None
     return instance
@@ -67,7 +70,10 @@ def _router_address(router_url: str) -> str:
     except ValueError:
         port = None
     if parts.scheme != "http" or not parts.hostname or port is None or parts.path not in ("", "/"):
-        raise UsageError(f"--router-url: '{router_url}' is not a router URL; give http://HOST:PORT, e.g. the one `kvpush tunnel` prints")
+        raise UsageError(
+            f"--router-url: '{router_url}' is not a router URL; give http://HOST:PORT, e.g. the one `kvpush tunnel` "
+            "prints"
+        )
     return parts.netloc
 
 

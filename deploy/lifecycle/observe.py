@@ -8,15 +8,15 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 from kvpush.common.errors import KvpushError, UsageError
+from kvpush.common.vllm_metrics import vllm_load
+from kvpush.deploy.runners import Runner, SshOptions, fan_out
+
 from .hosts import connected
 from .process_view import view_processes
-from .supervise import SupervisorStatus
-from kvpush.deploy.runners import Runner, SshOptions, fan_out
 from .secrets import AccessKeys
 from .slurm_allocation import ended_message
 from .state import DeploymentState, ProcessRecord, load_state
-from kvpush.common.vllm_metrics import vllm_load
-
+from .supervise import SupervisorStatus
 
 HEALTH_BOUND_S = 2.0  # a /health that has not answered by then is reported as not answering
 
@@ -107,12 +107,14 @@ def deployment_status(state: DeploymentState, ssh: SshOptions, keys: AccessKeys 
         results = fan_out(list(runners), lambda h: _host_status(runners[h], by_host[h], keys))
         failures = dict(unreachable)
         failures.update({h: r.error for h, r in results.items() if not r.ok})
-        for h, result in results.items():
+        for result in results.values():
             if result.ok:
                 rows += result.value
     for host, error in failures.items():
-        rows += [ProcessStatus(r.name, r.role, host, r.pid, "unreachable", "-", None, None, None, None, r.restarts, error)
-                 for r in by_host[host]]
+        rows += [
+            ProcessStatus(r.name, r.role, host, r.pid, "unreachable", "-", None, None, None, None, r.restarts, error)
+            for r in by_host[host]
+        ]
     order = {n: i for i, n in enumerate(state.processes)}
     return sorted(rows, key=lambda row: order[row.name])
 
@@ -124,7 +126,9 @@ def select_processes(state: DeploymentState, selector: str | None) -> list[Proce
     chosen = [r for r in records if selector in (r.name, r.role)]
     if not chosen:
         names = ", ".join(sorted({r.name for r in records} | {r.role for r in records}))
-        raise UsageError(f"no process or role named '{selector}' in deployment {state.deployment}; choose one of {names}")
+        raise UsageError(
+            f"no process or role named '{selector}' in deployment {state.deployment}; choose one of {names}"
+        )
     return chosen
 
 
@@ -134,7 +138,7 @@ def stream_logs(state: DeploymentState, selector: str | None, lines: int, follow
     records = select_processes(state, selector)
     stop = stop or threading.Event()
     with connected({r.host: state.hosts[r.host] for r in records}, ssh) as (runners, unreachable):
-        for host, error in unreachable.items():
+        for error in unreachable.values():
             emit("kvpush", f"cannot read logs on {error}")
         reachable = [r for r in records if r.host in runners]
         if not follow:
@@ -147,7 +151,9 @@ def stream_logs(state: DeploymentState, selector: str | None, lines: int, follow
         for r in reachable:
             runner = runners[r.host]
             command = f"tail -n {int(lines)} -F {shlex.quote(runner.expand(r.log_path))} 2>&1"
-            t = threading.Thread(target=runner.follow, args=(command, lambda line, n=r.name: emit(n, line), stop), daemon=True)
+            t = threading.Thread(
+                target=runner.follow, args=(command, lambda line, n=r.name: emit(n, line), stop), daemon=True
+            )
             t.start()
             threads.append(t)
         try:

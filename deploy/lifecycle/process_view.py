@@ -9,8 +9,9 @@ import shlex
 import time
 from dataclasses import dataclass, field
 
-from .changes import is_running
 from kvpush.deploy.runners import ProcessInfo, Runner, fan_out, values_or_raise
+
+from .changes import is_running
 from .state import DeploymentState, ProcessRecord
 from .supervise import SupervisorStatus
 
@@ -25,7 +26,9 @@ class Leftover:
     ports: list[int] = field(default_factory=list)
 
     def describe(self) -> str:
-        held = f" holding port{'s' if len(self.ports) > 1 else ''} {', '.join(map(str, self.ports))}" if self.ports else ""
+        held = (
+            f" holding port{'s' if len(self.ports) > 1 else ''} {', '.join(map(str, self.ports))}" if self.ports else ""
+        )
         return f"pid {self.pid} ({self.command or '?'}){held}"
 
 
@@ -103,7 +106,9 @@ def read_supervisor_statuses(runner: Runner, paths: list[str]) -> dict[str, Supe
     """Each status file that exists and parses, by path as given: one command for all of them."""
     if not paths:
         return {}
-    script = "; ".join(f"echo '@@ {i}'; cat {shlex.quote(runner.expand(p))} 2>/dev/null; echo" for i, p in enumerate(paths))
+    script = "; ".join(
+        f"echo '@@ {i}'; cat {shlex.quote(runner.expand(p))} 2>/dev/null; echo" for i, p in enumerate(paths)
+    )
     text = runner.run(script + "; true", timeout=30).check("reading supervisor status files").stdout
     found: dict[str, SupervisorStatus] = {}
     for chunk in text.split("@@ ")[1:]:
@@ -131,7 +136,9 @@ def view_processes(runner: Runner, records: list[ProcessRecord]) -> dict[str, Pr
         if leader.state == "alive" and r.pid == r.pgid and not is_running(r, leader):
             members = []  # the PID (and so the group id) now belongs to an unrelated process
         views[r.name] = ProcessView(r, leader, status, members)
-    left_behind = {v.record.name: [m for m in v.members if not _is_supervisor_part(m, v)] for v in views.values() if not v.up}
+    left_behind = {
+        v.record.name: [m for m in v.members if not _is_supervisor_part(m, v)] for v in views.values() if not v.up
+    }
     pids = [m.pid for members in left_behind.values() for m in members]
     ports = runner.listening_ports(pids) if pids else {}
     for name, members in left_behind.items():
@@ -145,7 +152,9 @@ def view_deployment(runners: dict[str, Runner], state: DeploymentState) -> dict[
     for r in state.processes.values():
         grouped.setdefault(r.host, []).append(r)
     views: dict[str, ProcessView] = {}
-    for host_views in values_or_raise(fan_out(list(grouped), lambda h: view_processes(runners[h], grouped[h]))).values():
+    for host_views in values_or_raise(
+        fan_out(list(grouped), lambda h: view_processes(runners[h], grouped[h]))
+    ).values():
         views.update(host_views)
     return views
 
@@ -160,7 +169,9 @@ def deployment_pids(runners: dict[str, Runner], state: DeploymentState) -> dict[
     """Per host: every live PID in the process groups of the deployment's recorded processes (a
     running one's tree, or what a dead one left behind) -> that process's name. Records on hosts
     without a runner are left out; a host that fails raises (FanOutError)."""
-    reachable = DeploymentState(state.deployment, processes={n: r for n, r in state.processes.items() if r.host in runners})
+    reachable = DeploymentState(
+        state.deployment, processes={n: r for n, r in state.processes.items() if r.host in runners}
+    )
     owned: dict[str, dict[int, str]] = {}
     for view in view_deployment(runners, reachable).values():
         for member in view.members:

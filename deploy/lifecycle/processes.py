@@ -6,14 +6,14 @@ import shlex
 import time
 
 from kvpush.common.errors import KvpushError
-
-from .changes import is_running, launch_digest, reload_digest
 from kvpush.deploy.plan.plan_model import HostPlan
 from kvpush.deploy.runners import Runner, fan_out, values_or_raise
+from kvpush.deploy.topology.topology import Topology
+
+from .changes import is_running, launch_digest, reload_digest
 from .secrets import AccessKeys
 from .state import ProcessRecord
 from .tiny_model import MARKER as TINY_MODEL_MARKER
-from kvpush.deploy.topology.topology import Topology
 
 LOG_TAIL_LINES = 30
 
@@ -65,7 +65,9 @@ def stop_processes(runner: Runner, records: list[ProcessRecord], timeout_s: floa
     live = _live_members(runner, records)
     if live:
         runner.signal_groups([by_name[n].pgid for n in live], "TERM")
-        runner.signal_groups([by_name[n].pgid for n in live], "CONT")  # a stopped (hung) process acts on TERM only once it runs
+        runner.signal_groups(
+            [by_name[n].pgid for n in live], "CONT"
+        )  # a stopped (hung) process acts on TERM only once it runs
     for sig, wait_s in (("KILL", timeout_s), (None, 5.0)):
         end = time.monotonic() + wait_s
         while live and time.monotonic() < end:
@@ -146,7 +148,8 @@ def wait_ready(runners: dict[str, Runner], records: list[ProcessRecord], timeout
     end = time.monotonic() + timeout_s
     while pending:
         grouped = by_host(list(pending.values()))
-        results = values_or_raise(fan_out(list(grouped), lambda h: _probe_health(runners[h], grouped[h], keys)))
+        results = values_or_raise(
+            fan_out(list(grouped), lambda h, grouped=grouped: _probe_health(runners[h], grouped[h], keys)))
         for host_states in results.values():
             for name, status in host_states.items():
                 record = pending[name]
@@ -163,8 +166,11 @@ def wait_ready(runners: dict[str, Runner], records: list[ProcessRecord], timeout
         if pending and time.monotonic() > end:
             name, record = next(iter(pending.items()))
             events.log_tail(name, record.host, runners[record.host].tail(record.log_path, LOG_TAIL_LINES))
-            raise StartFailure(f"process {name} on host {record.host} was not ready within {timeout_s:.0f} s "
-                               f"({record.health_url}); its log is {record.log_path} (last lines above); raise --timeout if it is just slow")
+            raise StartFailure(
+                f"process {name} on host {record.host} was not ready within {timeout_s:.0f} s "
+                f"({record.health_url}); its log is {record.log_path} (last lines above); raise --timeout if it is "
+                "just slow"
+            )
         if pending:
             time.sleep(0.5)
     return ready

@@ -101,7 +101,18 @@ def build_wheel(digest: str) -> Path:
     target.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="kvpush-wheel-") as tmp:
         tree = _clean_source_copy(source_root(), Path(tmp) / "src")
-        cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(target), str(tree)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(target),
+            str(tree),
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True)
     wheels = sorted(target.glob("kvpush-*.whl"))
     if proc.returncode != 0 or not wheels:
@@ -110,8 +121,10 @@ def build_wheel(digest: str) -> Path:
     built = wheel_digest(wheels[0])
     if built != digest:
         shutil.rmtree(target)
-        raise KvpushError(f"the built wheel holds kvpush {built}, the source tree {digest}: a package directory is "
-                          "missing from pyproject.toml [tool.setuptools] packages/package-dir, or files changed during the build")
+        raise KvpushError(
+            f"the built wheel holds kvpush {built}, the source tree {digest}: a package directory is "
+            "missing from pyproject.toml [tool.setuptools] packages/package-dir, or files changed during the build"
+        )
     return wheels[0]
 
 
@@ -141,8 +154,10 @@ def provision_host(runner: Runner, host: HostPlan, digest: str, wheel: WheelSour
     if found.digest == digest and "kvpush.connector" not in found.missing:
         return ProvisionResult(host.name, "up-to-date", digest, f"kvpush {digest} in {found.python}")
     if found.editable:
-        raise HostError(f"host {runner.name}: {found.python} runs kvpush {found.digest} from a source checkout (editable "
-                        f"install), local is {digest}; update that checkout, or point the host at another venv")
+        raise HostError(
+            f"host {runner.name}: {found.python} runs kvpush {found.digest} from a source checkout (editable "
+            f"install), local is {digest}; update that checkout, or point the host at another venv"
+        )
     path = wheel.get()
     remote = f"{REMOTE_WHEEL_DIR}/{path.name}"
     runner.upload(str(path), remote)
@@ -193,8 +208,10 @@ def install_vllm_stack(runner: Runner, venv: str) -> str:
 def refuse_unsupported_stack(topo) -> None:
     """--with-vllm installs the CPU stack only: a cuda topology would get a vLLM that cannot use its GPUs."""
     if topo.platform != "cpu":
-        raise UsageError(f"--with-vllm: platform {topo.platform}: kvpush installs only the CPU vLLM stack so far; install "
-                         "vLLM, torch and NIXL for your CUDA into each host's venv, then run `kvpush provision` without --with-vllm")
+        raise UsageError(
+            f"--with-vllm: platform {topo.platform}: kvpush installs only the CPU vLLM stack so far; install "
+            "vLLM, torch and NIXL for your CUDA into each host's venv, then run `kvpush provision` without --with-vllm"
+        )
 
 
 def provision_all(topo, ssh, with_vllm: bool = False) -> list[ProvisionResult]:
@@ -220,7 +237,10 @@ def provision_all(topo, ssh, with_vllm: bool = False) -> list[ProvisionResult]:
             if with_vllm:
                 venv = topo.hosts[host.name].venv
                 if not venv:
-                    raise HostError(f"host {host.name}: --with-vllm needs hosts.{host.name}.venv in the topology (where to create it)")
+                    raise HostError(
+                        f"host {host.name}: --with-vllm needs hosts.{host.name}.venv in the topology (where to create "
+                        "it)"
+                    )
                 stack = f"; CPU vLLM stack {install_vllm_stack(runner, venv)}"
             result = provision_host(runner, host, digest, wheel)
             return dataclasses.replace(result, detail=result.detail + stack)

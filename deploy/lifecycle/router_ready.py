@@ -14,8 +14,8 @@ from typing import Callable, Collection
 
 from kvpush.common.errors import KvpushError
 from kvpush.common.vllm_metrics import samples
-
 from kvpush.deploy.runners import Runner
+
 from .secrets import AccessKeys
 
 ROUTER_IN_ROTATION = "kvpush_router_instance_in_rotation"
@@ -41,10 +41,16 @@ def wait_router_ready(runner: Runner, router_url: str, timeout_s: float, keys: A
     end = clock() + timeout_s
     while True:
         response = runner.http("GET", router_url + "/metrics", timeout=15, headers=keys.headers("router"))
-        left = out_of_rotation(response.text(), instances) if response.status == 200 else [f"(its /metrics answers HTTP {response.status})"]
+        left = (
+            out_of_rotation(response.text(), instances)
+            if response.status == 200
+            else [f"(its /metrics answers HTTP {response.status})"]
+        )
         if not left:
             return
         if clock() >= end:
-            raise KvpushError(f"the router {router_url} still has {', '.join(left)} out of rotation {timeout_s:.0f} s after "
-                              "every process was ready; see `kvpush logs router`")
+            raise KvpushError(
+                f"the router {router_url} still has {', '.join(left)} out of rotation {timeout_s:.0f} s after "
+                "every process was ready; see `kvpush logs router`"
+            )
         sleep(POLL_S)

@@ -13,13 +13,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from kvpush.deploy.plan.plan import ROUTER_INSTANCES_FILE
+from kvpush.deploy.plan.plan_model import HostPlan, Plan, ProcessPlan
+from kvpush.deploy.runners import HostError, Runner
 from kvpush.router.instances import InstanceList, ReloadProgress, reload_progress
 
 from .changes import Changes, reload_digest
-from kvpush.deploy.plan.plan import ROUTER_INSTANCES_FILE
-from kvpush.deploy.plan.plan_model import HostPlan, Plan, ProcessPlan
 from .processes import Events
-from kvpush.deploy.runners import HostError, Runner
 from .secrets import AccessKeys
 from .state import DeploymentState, ProcessRecord, save_state
 
@@ -114,7 +114,9 @@ def hand_over(runners: dict[str, Runner], plan: Plan, state: DeploymentState, ch
     first = reload_router(runner, record, path, interim, keys, leaving, drain_timeout_s, events)
 
     def whole_list() -> None:
-        last = first if interim == final else reload_router(runner, record, path, final, keys, [], drain_timeout_s, events)
+        last = (
+            first if interim == final else reload_router(runner, record, path, final, keys, [], drain_timeout_s, events)
+        )
         if last.took:
             record.reload_digest = reload_digest(router_host, router_proc)
             save_state(state)

@@ -21,10 +21,10 @@ from pydantic import ValidationError
 
 from kvpush.common import deployment_secret as ds
 from kvpush.common.errors import KvpushError
-
 from kvpush.deploy.topology.placement import SecretKind
-from .secrets import AccessKeys, read_client_key, read_user_secrets, secret_file_content
 from kvpush.deploy.topology.topology_schema import SecretSource
+
+from .secrets import AccessKeys, read_client_key, read_user_secrets, secret_file_content
 
 NEW = "new"
 IN_THE_JOB = ("in the job's environment", "export it before `sbatch` (the job takes the submitter's environment)",
@@ -61,8 +61,12 @@ def content(kind: str, secret_path: str | None, client_key_env: str | None = Non
     if kind == "router-client-key":
         client = read_client_key(client_key_env, client_key_file, IN_THE_JOB)
         if client is None:
-            raise KvpushError("router-client-key: needs --client-key-env or --client-key-file (router.api_key_env/_file)")
-    values = read_user_secrets(dict(_user_secret(w) for w in user_secrets), IN_THE_JOB) if kind == "instance-env" else {}
+            raise KvpushError(
+                "router-client-key: needs --client-key-env or --client-key-file (router.api_key_env/_file)"
+            )
+    values = (
+        read_user_secrets(dict(_user_secret(w) for w in user_secrets), IN_THE_JOB) if kind == "instance-env" else {}
+    )
     secret = ds.read_secret(secret_path)
     return secret_file_content(kind, secret, AccessKeys.of(secret, client), values)
 

@@ -23,15 +23,15 @@ from pathlib import Path
 from kvpush.common import deployment_secret as ds
 from kvpush.common.errors import UsageError
 from kvpush.common.instance_auth import KEY_VARIABLE
-
-from .changes import Changes
-from kvpush.deploy.topology.placement import secret_paths_in
 from kvpush.deploy.plan.plan_model import HostPlan, Plan, SecretFilePlan
 from kvpush.deploy.plan.private_file import private_write_command
 from kvpush.deploy.runners import Runner, fan_out, values_or_raise
-from .state import state_dir, write_private_atomically
+from kvpush.deploy.topology.placement import secret_paths_in
 from kvpush.deploy.topology.topology import Topology
 from kvpush.deploy.topology.topology_schema import SecretSource
+
+from .changes import Changes
+from .state import state_dir, write_private_atomically
 
 API_KEY_VARIABLE = KEY_VARIABLE  # VLLM_API_KEY: vLLM's --api-key, and the instance key kvpush's middleware checks
 
@@ -140,7 +140,7 @@ class AccessKeys:
     instance: str | None = None
 
     @classmethod
-    def of(cls, secret: bytes | None, client: str | None) -> "AccessKeys":
+    def of(cls, secret: bytes | None, client: str | None) -> AccessKeys:
         return cls(client, ds.derive_token(secret, ds.INSTANCE_API_KEY) if secret is not None else None)
 
     def headers(self, role: str) -> dict[str, str]:
@@ -162,7 +162,9 @@ def observed_keys(deployment: str, topo: Topology | None) -> AccessKeys:
     return AccessKeys.of(secret, client)
 
 
-def secret_file_content(kind: str, secret: bytes, keys: AccessKeys, user_secrets: dict[str, str] | None = None) -> bytes:
+def secret_file_content(
+    kind: str, secret: bytes, keys: AccessKeys, user_secrets: dict[str, str] | None = None
+) -> bytes:
     """What the secret file of this kind holds (kinds: placement.SecretKind); user_secrets: the
     topology's `secrets` values, which the instances' env file carries."""
     if kind == "deployment-secret":

@@ -15,12 +15,12 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from kvpush.common.errors import KvpushError, UsageError
-
-from kvpush.deploy.runners.slurm_cli import HOPELESS_REASONS, JobInfo, SlurmClient, job_gone_words, sbatch_error_field
 from kvpush.deploy.plan.slurm_render import hold_script, job_name, sbatch_options
+from kvpush.deploy.runners.slurm_cli import HOPELESS_REASONS, JobInfo, SlurmClient, job_gone_words, sbatch_error_field
 from kvpush.deploy.topology.slurm_topology import bind_allocation, node_count
-from .state import DeploymentState, load_state, remove_state, save_state
 from kvpush.deploy.topology.topology import Topology
+
+from .state import DeploymentState, load_state, remove_state, save_state
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,8 @@ def refusal_line(topo: Topology, words: str, client: SlurmClient) -> str:
     assert topo.slurm is not None
     field = sbatch_error_field(words)
     if field == "slurm.partition":
-        return f"slurm.partition: Slurm refused partition {topo.slurm.partition!r}: {words}; see `sinfo -s` for the partitions"
+        return (f"slurm.partition: Slurm refused partition {topo.slurm.partition!r}: {words}; "
+                "see `sinfo -s` for the partitions")
     if field == "hosts":
         has = client.partition_nodes(topo.slurm.partition)
         where = f"partition {topo.slurm.partition}" if topo.slurm.partition else "the default partition"
@@ -52,7 +53,8 @@ def refusal_line(topo: Topology, words: str, client: SlurmClient) -> str:
     if field == "slurm.time_limit":
         return f"slurm.time_limit: Slurm refused time limit {topo.slurm.time_limit!r}: {words}"
     if field == "slurm.gpus_per_node":
-        return f"slurm.gpus_per_node: Slurm refused the GPU request ({' '.join(o for o in sbatch_options(topo) if 'gpu' in o)}): {words}"
+        asked = " ".join(o for o in sbatch_options(topo) if "gpu" in o)
+        return f"slurm.gpus_per_node: Slurm refused the GPU request ({asked}): {words}"
     return f"slurm.sbatch_options: sbatch refused the job ({' '.join(sbatch_options(topo))}): {words}"
 
 
@@ -69,8 +71,10 @@ def _wait_running(topo: Topology, job_id: str, client: SlurmClient, events) -> J
             raise KvpushError(f"{job_gone_words(job_id, info)} before it started; see `scontrol show job {job_id}`")
         if info.state == "PENDING" and info.reason in HOPELESS_REASONS:
             client.cancel(job_id)
-            raise UsageError(f"{sbatch_error_field(info.reason) or 'slurm'}: Slurm will never start job {job_id} as asked "
-                             f"(pending, reason {info.reason}); cancelled it. Check the partition, nodes and options")
+            raise UsageError(
+                f"{sbatch_error_field(info.reason) or 'slurm'}: Slurm will never start job {job_id} as asked "
+                f"(pending, reason {info.reason}); cancelled it. Check the partition, nodes and options"
+            )
         if time.monotonic() > end:
             client.cancel(job_id)
             raise KvpushError(f"Slurm job {job_id} was still {info.state} ({info.reason}) after {timeout:.0f} s; "
@@ -105,7 +109,9 @@ def acquire(topo: Topology, state: DeploymentState, events, client: SlurmClient,
             raise UsageError(f"{source}: {job_gone_words(given, info)}, not running; give a running allocation "
                              "(see `squeue --me`) or leave it unset so `up` submits one")
         events.note(f"Slurm: deploying into job {given} ({source}) on {','.join(info.nodes)}")
-        return Allocation(given, info.nodes, client.node_addresses(info.nodes), submitted=given == state.slurm_submitted_job)
+        return Allocation(
+            given, info.nodes, client.node_addresses(info.nodes), submitted=given == state.slurm_submitted_job
+        )
     recorded = state.slurm_submitted_job
     info = client.job(recorded) if recorded else None
     new = not (recorded and info is not None and info.active)
@@ -176,8 +182,10 @@ def ended_message(state: DeploymentState | None, client: SlurmClient | None = No
     info = (client or SlurmClient()).job(job_id)
     if info is not None and info.running:
         return None
-    return (f"deployment {state.deployment}: {job_gone_words(job_id, info)}, and every process of the deployment with it; "
-            "`kvpush up` starts it again")
+    return (
+        f"deployment {state.deployment}: {job_gone_words(job_id, info)}, and every process of the deployment with it; "
+        "`kvpush up` starts it again"
+    )
 
 
 def release(state: DeploymentState | None, client: SlurmClient | None = None, timeout_s: float = 30.0) -> str | None:
@@ -188,7 +196,9 @@ def release(state: DeploymentState | None, client: SlurmClient | None = None, ti
     job_id = state.slurm_submitted_job
     client.cancel(job_id)
     if not client.wait_gone(job_id, timeout_s):
-        raise KvpushError(f"Slurm job {job_id} is still there {timeout_s:.0f} s after scancel; see `squeue -j {job_id}`")
+        raise KvpushError(
+            f"Slurm job {job_id} is still there {timeout_s:.0f} s after scancel; see `squeue -j {job_id}`"
+        )
     state.slurm_submitted_job = None
     return f"cancelled Slurm job {job_id}"
 

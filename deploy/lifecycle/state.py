@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Iterator
 
 from kvpush.common.errors import KvpushError
-from kvpush.deploy.topology.host_address import HostAddress, base_url
 from kvpush.deploy.plan.plan_model import HostPlan
+from kvpush.deploy.topology.host_address import HostAddress, base_url
 
 STATE_VERSION = 1
 
@@ -33,7 +33,7 @@ class HostRecord(HostAddress):
     slurm: dict | None = None  # launcher slurm: job_id, node, srun_options
 
     @classmethod
-    def from_plan(cls, host: HostPlan) -> "HostRecord":
+    def from_plan(cls, host: HostPlan) -> HostRecord:
         return cls(**host.address_fields(), workdir=host.workdir, slurm=host.slurm)
 
 
@@ -74,7 +74,7 @@ class DeploymentState:
         return json.dumps(asdict(self), indent=2)  # keeps plan order: status lists processes in it
 
     @classmethod
-    def from_json(cls, text: str) -> "DeploymentState":
+    def from_json(cls, text: str) -> DeploymentState:
         """Raises ValueError saying what is wrong when the text is not a state this version wrote."""
         data = json.loads(text)
         if not isinstance(data, dict):
@@ -122,7 +122,9 @@ def load_state(deployment: str) -> DeploymentState | None:
     except (ValueError, TypeError, KeyError, AttributeError) as exc:
         raise _corrupt(path, deployment, str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__) from None
     except OSError as exc:
-        raise KvpushError(f"{path}: cannot read the deployment state ({exc.strerror or exc}); check its permissions") from None
+        raise KvpushError(
+            f"{path}: cannot read the deployment state ({exc.strerror or exc}); check its permissions"
+        ) from None
 
 
 def _corrupt(path: Path, deployment: str, why: str) -> KvpushError:
@@ -170,7 +172,10 @@ def locked(deployment: str, wait_s: float = 10.0) -> Iterator[None]:
                 if time.monotonic() >= end:
                     f.seek(0)
                     holder = f.read().strip() or "unknown"
-                    raise KvpushError(f"deployment {deployment}: another kvpush command (pid {holder}) holds {path}; wait for it to finish") from None
+                    raise KvpushError(
+                        f"deployment {deployment}: another kvpush command (pid {holder}) holds {path}; wait for it to "
+                        "finish"
+                    ) from None
                 time.sleep(0.05)
         f.seek(0)
         f.truncate()

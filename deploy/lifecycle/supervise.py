@@ -67,7 +67,7 @@ class SupervisorStatus:
         return json.dumps(asdict(self))
 
     @classmethod
-    def from_json(cls, text: str) -> "SupervisorStatus | None":
+    def from_json(cls, text: str) -> SupervisorStatus | None:
         """None for text that is not a status document (a missing, empty or foreign file)."""
         try:
             data = json.loads(text)

@@ -139,7 +139,9 @@ def make_tiny_model(path: str | Path, spec: TinyModelSpec, force: bool = False) 
     _write_tokenizer(tmp, spec)
     vocab_size = len(json.loads((tmp / "tokenizer.json").read_text())["model"]["vocab"])
     (tmp / "config.json").write_text(json.dumps(_config(spec, vocab_size), indent=2, sort_keys=True) + "\n")
-    (tmp / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 1, "do_sample": False}, indent=2) + "\n")
+    (tmp / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": 0, "eos_token_id": 1, "do_sample": False}, indent=2) + "\n"
+    )
     save_file(_weights(spec, vocab_size), str(tmp / "model.safetensors"), metadata={"format": "pt"})
     (tmp / MARKER).write_text(json.dumps(wanted, indent=2, sort_keys=True) + "\n")
     if path.exists():

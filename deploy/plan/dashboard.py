@@ -45,61 +45,146 @@ def _latency(title: str, histogram: str, description: str, by: str = "") -> Pane
 
 
 ROUTER_PANELS = (
-    Panel("Requests by outcome", "reqps", (("{{outcome}}", _rate("kvpush_router_requests_total", "outcome")),),
-          "Requests the router finished per second: success, client_error, failed, failed_mid_stream, cancelled, unavailable."),
-    _latency("TTFT at the router", "kvpush_router_ttft_seconds", "Router receipt to first token sent (streaming requests)."),
-    _latency("The router's own part of TTFT", "kvpush_router_own_latency_seconds",
-             "Receipt to the decode leg's start, plus decode's first token received to written to the client."),
-    _latency("Prefill answer to decode's first token", "kvpush_router_handoff_gap_seconds",
-             "The handoff: prefill leg's answer to the decode leg's first token (0 when decode was first)."),
-    _latency("Leg latency by leg", "kvpush_router_leg_seconds", "One leg, sent to answered (decode: to its last byte).", "leg"),
+    Panel(
+        "Requests by outcome",
+        "reqps",
+        (("{{outcome}}", _rate("kvpush_router_requests_total", "outcome")),),
+        "Requests the router finished per second: success, client_error, failed, failed_mid_stream, cancelled, "
+        "unavailable.",
+    ),
+    _latency(
+        "TTFT at the router", "kvpush_router_ttft_seconds", "Router receipt to first token sent (streaming requests)."
+    ),
+    _latency(
+        "The router's own part of TTFT",
+        "kvpush_router_own_latency_seconds",
+        "Receipt to the decode leg's start, plus decode's first token received to written to the client.",
+    ),
+    _latency(
+        "Prefill answer to decode's first token",
+        "kvpush_router_handoff_gap_seconds",
+        "The handoff: prefill leg's answer to the decode leg's first token (0 when decode was first).",
+    ),
+    _latency(
+        "Leg latency by leg",
+        "kvpush_router_leg_seconds",
+        "One leg, sent to answered (decode: to its last byte).",
+        "leg",
+    ),
     _latency("End-to-end latency", "kvpush_router_e2e_latency_seconds", "Router receipt to response end."),
-    Panel("Legs in flight per instance", "short", (("{{instance}}", f"sum by (instance) ({_series('kvpush_router_inflight')})"),)),
-    Panel("Instances in rotation", "short",
-          (("{{role}}", f"sum by (role) ({_series('kvpush_router_instance_in_rotation')})"),
-           ("draining {{role}}", f"sum by (role) ({_series('kvpush_router_draining')})")),
-          "Instances receiving new legs, and legs still on instances removed from the list."),
-    Panel("Retries, fallbacks and failed legs", "reqps",
-          (("retry {{reason}}", _rate("kvpush_router_retries_total", "reason")),
-           ("fallback {{reason}}", _rate("kvpush_router_fallbacks_total", "reason")),
-           ("decode computed {{reason}}", _rate("kvpush_router_decode_computed_prompts_total", "reason")),
-           ("leg failed {{role}} {{reason}}", _rate("kvpush_router_leg_failures_total", "role, reason")))),
-    Panel("Instance restarts seen", "short",
-          (("{{instance}}", f"max by (instance) ({_series('kvpush_router_instance_restarts')})"),)),
-    Panel("Prompt share to move (prefix-aware)", "percentunit",
-          (("{{unit}}", f"{_rate('kvpush_router_prompt_to_move_total', 'unit')} / {_rate('kvpush_router_prompt_length_total', 'unit')}"),),
-          "The part of prompts their decode instance did not hold by the router's record."),
-    _latency("Prefix held by the chosen instance", "kvpush_router_prefix_hit_length",
-             "Prefix-aware policy: tokens (or chars) of each prompt the chosen instance already held.", "role"),
-    Panel("Client connections", "short",
-          (("open", f"sum ({_series('kvpush_router_client_connections')})"),
-           ("refused {{reason}}", _rate("kvpush_router_refused_connections_total", "reason")),
-           ("router processes", f"count ({_series('kvpush_router_worker_up')})"),
-           ("prefix record blocks {{role}}", f"sum by (role) ({_series('kvpush_router_prefix_record_blocks')})"))),
+    Panel(
+        "Legs in flight per instance",
+        "short",
+        (("{{instance}}", f"sum by (instance) ({_series('kvpush_router_inflight')})"),),
+    ),
+    Panel(
+        "Instances in rotation",
+        "short",
+        (
+            ("{{role}}", f"sum by (role) ({_series('kvpush_router_instance_in_rotation')})"),
+            ("draining {{role}}", f"sum by (role) ({_series('kvpush_router_draining')})"),
+        ),
+        "Instances receiving new legs, and legs still on instances removed from the list.",
+    ),
+    Panel(
+        "Retries, fallbacks and failed legs",
+        "reqps",
+        (
+            ("retry {{reason}}", _rate("kvpush_router_retries_total", "reason")),
+            ("fallback {{reason}}", _rate("kvpush_router_fallbacks_total", "reason")),
+            ("decode computed {{reason}}", _rate("kvpush_router_decode_computed_prompts_total", "reason")),
+            ("leg failed {{role}} {{reason}}", _rate("kvpush_router_leg_failures_total", "role, reason")),
+        ),
+    ),
+    Panel(
+        "Instance restarts seen",
+        "short",
+        (("{{instance}}", f"max by (instance) ({_series('kvpush_router_instance_restarts')})"),),
+    ),
+    Panel(
+        "Prompt share to move (prefix-aware)",
+        "percentunit",
+        (
+            (
+                "{{unit}}",
+                f"{_rate('kvpush_router_prompt_to_move_total', 'unit')} / "
+                f"{_rate('kvpush_router_prompt_length_total', 'unit')}",
+            ),
+        ),
+        "The part of prompts their decode instance did not hold by the router's record.",
+    ),
+    _latency(
+        "Prefix held by the chosen instance",
+        "kvpush_router_prefix_hit_length",
+        "Prefix-aware policy: tokens (or chars) of each prompt the chosen instance already held.",
+        "role",
+    ),
+    Panel(
+        "Client connections",
+        "short",
+        (
+            ("open", f"sum ({_series('kvpush_router_client_connections')})"),
+            ("refused {{reason}}", _rate("kvpush_router_refused_connections_total", "reason")),
+            ("router processes", f"count ({_series('kvpush_router_worker_up')})"),
+            ("prefix record blocks {{role}}", f"sum by (role) ({_series('kvpush_router_prefix_record_blocks')})"),
+        ),
+    ),
 )
 
 CONNECTOR_PANELS = (
-    Panel("Pushes per second", "reqps",
-          (("sent {{process}}", _rate("vllm:kvpush_pushes_sent_total", "process")),
-           ("received {{process}}", _rate("vllm:kvpush_pushes_received_total", "process")),
-           ("failed {{process}}", _rate("vllm:kvpush_failed_transfers_total", "process")))),
-    Panel("KV bytes per second", "Bps",
-          (("sent {{process}}", _rate("vllm:kvpush_sent_bytes_sum", "process")),
-           ("received {{process}}", _rate("vllm:kvpush_received_bytes_sum", "process")))),
-    Panel("WRITE throughput (sent bytes / WRITE time)", "Bps",
-          (("{{process}}", f"{_rate('vllm:kvpush_sent_bytes_sum', 'process')} / {_rate('vllm:kvpush_write_seconds_sum', 'process')}"),)),
-    _latency("Prefill step end to WRITE done", "vllm:kvpush_prefill_end_to_write_done_seconds", "Per push, on prefill."),
+    Panel(
+        "Pushes per second",
+        "reqps",
+        (
+            ("sent {{process}}", _rate("vllm:kvpush_pushes_sent_total", "process")),
+            ("received {{process}}", _rate("vllm:kvpush_pushes_received_total", "process")),
+            ("failed {{process}}", _rate("vllm:kvpush_failed_transfers_total", "process")),
+        ),
+    ),
+    Panel(
+        "KV bytes per second",
+        "Bps",
+        (
+            ("sent {{process}}", _rate("vllm:kvpush_sent_bytes_sum", "process")),
+            ("received {{process}}", _rate("vllm:kvpush_received_bytes_sum", "process")),
+        ),
+    ),
+    Panel(
+        "WRITE throughput (sent bytes / WRITE time)",
+        "Bps",
+        (
+            (
+                "{{process}}",
+                f"{_rate('vllm:kvpush_sent_bytes_sum', 'process')} / "
+                f"{_rate('vllm:kvpush_write_seconds_sum', 'process')}",
+            ),
+        ),
+    ),
+    _latency(
+        "Prefill step end to WRITE done", "vllm:kvpush_prefill_end_to_write_done_seconds", "Per push, on prefill."
+    ),
     _latency("WRITE time", "vllm:kvpush_write_seconds", "A push's WRITE from its post to its completion."),
-    _latency("Registration to prefill's blocks", "vllm:kvpush_registration_wait_seconds",
-             "Gap between decode's block registration and prefill's finished blocks, per push."),
-    _latency("Decode waited for streamed layers", "vllm:kvpush_layer_wait_seconds",
-             "Time a decode forward pass waited for streamed KV layers to land, per pass that waited."),
-    Panel("Dropped messages, refused requests and transfer params, backstops", "short",
-          (("dropped {{reason}}", _rate("vllm:kvpush_dropped_messages_total", "reason")),
-           ("refused {{reason}}", _rate("vllm:kvpush_refused_requests_total", "reason")),
-           ("refused transfer params {{reason}}", _rate("vllm:kvpush_refused_transfer_params_total", "reason")),
-           ("late-write backstops", _rate("vllm:kvpush_late_write_backstops_total")),
-           ("marks on compute thread", _rate("vllm:kvpush_step_marks_on_compute_thread_total")))),
+    _latency(
+        "Registration to prefill's blocks",
+        "vllm:kvpush_registration_wait_seconds",
+        "Gap between decode's block registration and prefill's finished blocks, per push.",
+    ),
+    _latency(
+        "Decode waited for streamed layers",
+        "vllm:kvpush_layer_wait_seconds",
+        "Time a decode forward pass waited for streamed KV layers to land, per pass that waited.",
+    ),
+    Panel(
+        "Dropped messages, refused requests and transfer params, backstops",
+        "short",
+        (
+            ("dropped {{reason}}", _rate("vllm:kvpush_dropped_messages_total", "reason")),
+            ("refused {{reason}}", _rate("vllm:kvpush_refused_requests_total", "reason")),
+            ("refused transfer params {{reason}}", _rate("vllm:kvpush_refused_transfer_params_total", "reason")),
+            ("late-write backstops", _rate("vllm:kvpush_late_write_backstops_total")),
+            ("marks on compute thread", _rate("vllm:kvpush_step_marks_on_compute_thread_total")),
+        ),
+    ),
 )
 
 

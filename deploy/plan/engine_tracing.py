@@ -19,11 +19,11 @@ DEPLOYMENT_ATTRIBUTE = "kvpush.deployment"
 ROLE_ATTRIBUTE = "kvpush.role"  # prefill | decode
 
 
-def tracing_argv(topo: "Topology") -> list[str]:
+def tracing_argv(topo: Topology) -> list[str]:
     return [] if topo.tracing is None else [TRACES_FLAG, topo.tracing.otlp_endpoint]
 
 
-def tracing_env(topo: "Topology", role: "Role", spec: "InstanceSpec") -> dict[str, str]:
+def tracing_env(topo: Topology, role: Role, spec: InstanceSpec) -> dict[str, str]:
     tracing = topo.tracing
     if tracing is None:
         return {}

@@ -38,8 +38,9 @@ def _host_port(url: str) -> str:
 
 def scrape_targets(topo: Topology, plan: Plan) -> list[ScrapeTarget]:
     """The router first, then every instance, in plan order."""
-    router_key: KeyKind | None = ("router-client" if has_client_key(topo) and METRICS_PATH not in topo.router.public_paths
-                                  else None)
+    router_key: KeyKind | None = (
+        "router-client" if has_client_key(topo) and METRICS_PATH not in topo.router.public_paths else None
+    )
     instance_key: KeyKind | None = None if METRICS_PATH in topo.instance_public_paths else "instance"
     targets: list[ScrapeTarget] = []
     for proc in plan.processes():

@@ -7,16 +7,24 @@ a host in placement.py; this module assembles them, with the router's config and
 """
 from __future__ import annotations
 
+from kvpush.deploy.lifecycle.supervise import supervisor_argv
+from kvpush.deploy.topology.host_address import HEALTH_PATH, http_url
+from kvpush.deploy.topology.placement import bind_address, deployment_dir, on_cores, secret_path
+from kvpush.deploy.topology.topology import (
+    ROUTER_PROCESS_NAME,
+    HostSpec,
+    InstanceSpec,
+    RestartSpec,
+    Role,
+    Topology,
+    listening_side_channel_ports,
+)
 from kvpush.router.config import PrefixAwareSettings, RouterConfig, Timeouts, Upstream
 from kvpush.router.instances import InstanceList
 
 from . import slurm_render
-from kvpush.deploy.topology.host_address import HEALTH_PATH, http_url
-from kvpush.deploy.topology.placement import bind_address, deployment_dir, on_cores, secret_path
-from .router_address import client_router_url, loopback_bind_warning
 from .plan_model import FilePlan, HostPlan, Plan, ProcessPlan, SecretFilePlan, digest
-from kvpush.deploy.lifecycle.supervise import supervisor_argv
-from kvpush.deploy.topology.topology import ROUTER_PROCESS_NAME, HostSpec, InstanceSpec, RestartSpec, Role, Topology, listening_side_channel_ports
+from .router_address import client_router_url, loopback_bind_warning
 from .vllm_launch import engine_id, instance_env_names, kv_transfer_config, vllm_argv, vllm_env
 
 ROUTER_INSTANCES_FILE = "router-instances.json"
@@ -108,7 +116,9 @@ def router_files(topo: Topology) -> tuple[FilePlan, FilePlan]:
     workdir = deployment_dir(topo, topo.hosts[topo.router.host])
     config_path, instances_path = f"{workdir}/router.json", f"{workdir}/{ROUTER_INSTANCES_FILE}"
     # Relative: the router reads it beside its config, wherever the host's workdir lies.
-    config = router_config(topo).model_copy(update={"instances_file": ROUTER_INSTANCES_FILE, "prefill": [], "decode": []})
+    config = router_config(topo).model_copy(
+        update={"instances_file": ROUTER_INSTANCES_FILE, "prefill": [], "decode": []}
+    )
     return (FilePlan(path=config_path, content=config.to_file_json(indent=2)),
             FilePlan(path=instances_path, content=router_instance_list(topo).model_dump_json(indent=2)))
 
@@ -128,8 +138,9 @@ def _router_process(topo: Topology) -> tuple[ProcessPlan, tuple[FilePlan, FilePl
         cwd=workdir,
         log_path=f"{workdir}/logs/router.log",
         http_port=topo.router.port,
-        health_url=http_url("127.0.0.1" if topo.router.bind in ("0.0.0.0", "::") else topo.router.bind, topo.router.port,
-                            HEALTH_PATH),
+        health_url=http_url(
+            "127.0.0.1" if topo.router.bind in ("0.0.0.0", "::") else topo.router.bind, topo.router.port, HEALTH_PATH
+        ),
         **_supervision(host, workdir, ROUTER_PROCESS_NAME, topo.router.restart),
         reload_files=[files[1].path],
     )
@@ -153,11 +164,17 @@ def _secret_files(topo: Topology, processes: list[ProcessPlan]) -> list[SecretFi
     if instances:
         files.append(SecretFilePlan(secret_path(topo, host, "instance-env"), "instance-env", instances))
     if any(p.role == "router" for p in processes):
-        files.append(SecretFilePlan(secret_path(topo, host, "router-upstream-key"), "router-upstream-key", [ROUTER_PROCESS_NAME]))
+        files.append(
+            SecretFilePlan(secret_path(topo, host, "router-upstream-key"), "router-upstream-key", [ROUTER_PROCESS_NAME])
+        )
         if topo.connector.type == "kvpush":
-            files.append(SecretFilePlan(secret_path(topo, host, "router-params-key"), "router-params-key", [ROUTER_PROCESS_NAME]))
+            files.append(
+                SecretFilePlan(secret_path(topo, host, "router-params-key"), "router-params-key", [ROUTER_PROCESS_NAME])
+            )
         if has_client_key(topo):
-            files.append(SecretFilePlan(secret_path(topo, host, "router-client-key"), "router-client-key", [ROUTER_PROCESS_NAME]))
+            files.append(
+                SecretFilePlan(secret_path(topo, host, "router-client-key"), "router-client-key", [ROUTER_PROCESS_NAME])
+            )
     return files
 
 

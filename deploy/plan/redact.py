@@ -10,8 +10,9 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from . import slurm_render
 from kvpush.deploy.topology.secret_looking import REDACTED, is_secret_env_name, redact_argv, redact_env
+
+from . import slurm_render
 
 if TYPE_CHECKING:
     from .plan_model import HostPlan, Plan, ProcessPlan
@@ -19,15 +20,15 @@ if TYPE_CHECKING:
 __all__ = ["REDACTED", "is_secret_env_name", "redact_argv", "redact_env", "redact_plan"]
 
 
-def _process(proc: "ProcessPlan") -> "ProcessPlan":
+def _process(proc: ProcessPlan) -> ProcessPlan:
     return dataclasses.replace(proc, env=redact_env(proc.env), argv=redact_argv(proc.argv))
 
 
-def _host(host: "HostPlan") -> "HostPlan":
+def _host(host: HostPlan) -> HostPlan:
     return dataclasses.replace(host, processes=[_process(p) for p in host.processes])
 
 
-def redact_plan(plan: "Plan") -> "Plan":
+def redact_plan(plan: Plan) -> Plan:
     """The plan as it may be shown; launching uses the plan itself."""
     hosts = [_host(h) for h in plan.hosts]
     slurm = None if plan.slurm is None else {**plan.slurm, "steps": slurm_render.step_lines(hosts)}

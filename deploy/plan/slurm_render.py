@@ -10,22 +10,24 @@ import shlex
 from typing import TYPE_CHECKING
 
 from kvpush.common.errors import UsageError
-
-from .private_file import private_write_command
-from kvpush.deploy.topology.secret_looking import secret_looking_fields
-from kvpush.deploy.runners.base import shell_word
-from kvpush.deploy.runners.slurm_step import srun_argv, step_shell
-from kvpush.deploy.topology.slurm_topology import node_count, used_hosts
 from kvpush.deploy.lifecycle.secret_content import user_secret_word
 from kvpush.deploy.lifecycle.tiny_model import MARKER as TINY_MODEL_MARKER
+from kvpush.deploy.runners.base import shell_word
+from kvpush.deploy.runners.slurm_step import srun_argv, step_shell
+from kvpush.deploy.topology.secret_looking import secret_looking_fields
+from kvpush.deploy.topology.slurm_topology import node_count, used_hosts
 from kvpush.deploy.topology.topology import Topology
+
+from .private_file import private_write_command
 
 if TYPE_CHECKING:
     from .plan_model import HostPlan, ProcessPlan
 
 HOLD_COMMAND = "exec sleep infinity"
 SCRIPT_EOF = "KVPUSH_FILE_END"
-SECRET_MODULE = "kvpush.deploy.lifecycle.secret_content"  # run by the job: derives each secret file (never in the script)
+SECRET_MODULE = (
+    "kvpush.deploy.lifecycle.secret_content"  # run by the job: derives each secret file (never in the script)
+)
 
 
 def job_name(topo: Topology) -> str:
@@ -78,7 +80,7 @@ def hold_script(topo: Topology) -> str:
         HOLD_COMMAND, ""])
 
 
-def step_argv(host: "HostPlan", proc: "ProcessPlan", with_job: bool = True) -> list[str]:
+def step_argv(host: HostPlan, proc: ProcessPlan, with_job: bool = True) -> list[str]:
     slurm = host.slurm or {}
     job = slurm.get("job_id") if with_job else None
     return srun_argv(job, slurm.get("node"), proc.name, slurm.get("srun_options", [])) + [
@@ -90,22 +92,26 @@ def host_fields(topo: Topology, host_name: str) -> dict | None:
     if topo.launcher != "slurm":
         return None
     assert topo.slurm is not None
-    return {"job_id": topo.slurm.job_id, "node": topo.hosts[host_name].node, "srun_options": list(topo.slurm.srun_options)}
+    return {
+        "job_id": topo.slurm.job_id,
+        "node": topo.hosts[host_name].node,
+        "srun_options": list(topo.slurm.srun_options),
+    }
 
 
-def plan_fields(topo: Topology, hosts: list["HostPlan"]) -> dict | None:
+def plan_fields(topo: Topology, hosts: list[HostPlan]) -> dict | None:
     """The plan's Slurm section: what `up` submits and the srun line of every process."""
     if topo.launcher != "slurm":
         return None
     return {"sbatch_options": sbatch_options(topo), "hold_script": hold_script(topo), "steps": step_lines(hosts)}
 
 
-def step_lines(hosts: list["HostPlan"]) -> dict[str, str]:
+def step_lines(hosts: list[HostPlan]) -> dict[str, str]:
     """Each process's srun line, by name."""
     return {p.name: shlex.join(step_argv(h, p)) for h in hosts for p in h.processes}
 
 
-def standalone_script(topo: Topology, hosts: list["HostPlan"], source: str) -> str:
+def standalone_script(topo: Topology, hosts: list[HostPlan], source: str) -> str:
     """An sbatch script that runs the whole deployment by itself, each process a job step: hosts
     as build_plan makes them, never redacted (the script runs what it says). It holds no secret:
     the job makes its own deployment secret and reads the topology's `secrets` when it starts, and
@@ -133,8 +139,11 @@ def standalone_script(topo: Topology, hosts: list["HostPlan"], source: str) -> s
                       f.content, SCRIPT_EOF]
         if topo.model.tiny is not None and any(p.role != "router" for p in host.processes):
             model = topo.model.path
-            make = (f"test -f {shell_word(model + '/' + TINY_MODEL_MARKER)} || {shell_word(host.python)} -m "
-                    f"kvpush.deploy.lifecycle.tiny_model {shell_word(model)} --spec {shlex.quote(topo.model.tiny.model_dump_json())}")
+            make = (
+                f"test -f {shell_word(model + '/' + TINY_MODEL_MARKER)} || {shell_word(host.python)} -m "
+                f"kvpush.deploy.lifecycle.tiny_model {shell_word(model)} --spec "
+                f"{shlex.quote(topo.model.tiny.model_dump_json())}"
+            )
             lines += [f"# the tiny model on {host.name}", shlex.join(step_argv_for(host, "make-model", make))]
     lines.append("# the processes")
     for host in hosts:
@@ -145,7 +154,7 @@ def standalone_script(topo: Topology, hosts: list["HostPlan"], source: str) -> s
     return "\n".join(lines)
 
 
-def _secret_file_lines(topo: Topology, hosts: list["HostPlan"]) -> list[str]:
+def _secret_file_lines(topo: Topology, hosts: list[HostPlan]) -> list[str]:
     """The job's own deployment secret and the plan's secret files, with nothing secret in the script.
 
     On the batch step's node (one of the deployment's), with umask 077 and in a private temporary
@@ -162,13 +171,14 @@ def _secret_file_lines(topo: Topology, hosts: list["HostPlan"]) -> list[str]:
     lines = [
         "# Secret files: the job makes its own deployment secret on its first node and derives each file",
         "# from it there; steps write them on their nodes (mode 0600, content on stdin).",
-        'kvpush_umask=$(umask); umask 077',
-        'kvpush_private=$(mktemp -d) || exit 1',
+        "kvpush_umask=$(umask); umask 077",
+        "kvpush_private=$(mktemp -d) || exit 1",
         "trap 'rm -rf \"$kvpush_private\"' EXIT",
         "trap 'exit 143' TERM INT",
         'case "${SLURMD_NODENAME:-}" in',
         *(f"  {shlex.quote(str(node))}) kvpush_python={shell_word(python)} ;;" for node, python in pythons.items()),
-        f'  *) echo "kvpush: the batch script runs on node ${{SLURMD_NODENAME:-?}}, none of this deployment\'s ({nodes})" >&2; exit 1 ;;',
+        f'  *) echo "kvpush: the batch script runs on node ${{SLURMD_NODENAME:-?}}, none of this deployment\'s '
+        f'({nodes})" >&2; exit 1 ;;',
         "esac",
         f'"$kvpush_python" -m {SECRET_MODULE} new >"$kvpush_private/secret" || exit 1',
     ]
@@ -191,7 +201,7 @@ def _secret_file_lines(topo: Topology, hosts: list["HostPlan"]) -> list[str]:
     return lines + ['rm -rf "$kvpush_private"', 'umask "$kvpush_umask"']
 
 
-def step_argv_for(host: "HostPlan", step_name: str, command: str) -> list[str]:
+def step_argv_for(host: HostPlan, step_name: str, command: str) -> list[str]:
     """A one-off step (no --jobid: inside the batch script) running a shell command on the host's node."""
     slurm = host.slurm or {}
     return srun_argv(None, slurm.get("node"), step_name, slurm.get("srun_options", [])) + ["bash", "-c", command]

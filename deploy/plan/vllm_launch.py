@@ -10,10 +10,10 @@ from pydantic import ValidationError
 from kvpush.common.errors import UsageError
 from kvpush.common.instance_auth import KEY_VARIABLE, MIDDLEWARE_PATH, PUBLIC_PATHS_VARIABLE
 from kvpush.connector.settings import ConnectorExtraConfig
-
-from .engine_tracing import tracing_argv, tracing_env
 from kvpush.deploy.topology.placement import bind_address, on_cores, secret_path
 from kvpush.deploy.topology.topology import InstanceSpec, Role, Topology, core_list_text, parse_core_list
+
+from .engine_tracing import tracing_argv, tracing_env
 
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 QUIET_ENDPOINTS = "/health,/metrics"  # paths the instance's access log leaves out

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from kvpush.deploy.topology.host_address import HostAddress
+
 from .base import CommandResult, HostError, HttpResponse, ProcessInfo, Runner, Started
 from .fanout import FanOutError, HostResult, fan_out, values_or_raise
 from .local import LocalRunner

@@ -35,7 +35,7 @@ class CommandResult:
     def ok(self) -> bool:
         return self.exit_code == 0
 
-    def check(self, what: str) -> "CommandResult":
+    def check(self, what: str) -> CommandResult:
         if not self.ok:
             detail = (self.stderr.strip() or self.stdout.strip()).splitlines()[-1:] or ["no output"]
             raise HostError(f"host {self.host}: {what} failed (exit {self.exit_code}): {detail[0]}")
@@ -124,8 +124,16 @@ class Runner(ABC):
         for line in result.stdout.splitlines():
             pid, pgid, stat, *command = line.split(None, 3)
             if int(pgid) in wanted:
-                members[int(pgid)].append(ProcessInfo(int(pid), "zombie" if stat.startswith("Z") else "alive", None, int(pgid),
-                                                      stopped=stat[:1] in ("T", "t"), command=" ".join(command) or None))
+                members[int(pgid)].append(
+                    ProcessInfo(
+                        int(pid),
+                        "zombie" if stat.startswith("Z") else "alive",
+                        None,
+                        int(pgid),
+                        stopped=stat[:1] in ("T", "t"),
+                        command=" ".join(command) or None,
+                    )
+                )
         return members
 
     def listening_ports(self, pids: list[int]) -> dict[int, list[int]]:
@@ -135,10 +143,10 @@ class Runner(ABC):
         result = self.run(listening_ports_command(pids), timeout=30).check("listing the ports processes hold")
         return parse_listening_ports(pids, result.stdout)
 
-    def connect(self) -> None:
+    def connect(self) -> None:  # noqa: B027 (optional: a runner without a connection keeps the no-op)
         """Open the host's connection now (fan-out connects all hosts in parallel); no-op locally."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (optional, as connect)
         pass
 
     def expand(self, value: str) -> str:
@@ -157,7 +165,9 @@ class Runner(ABC):
         try:
             pid = int(result.stdout.strip().splitlines()[-1])
         except (ValueError, IndexError):
-            raise HostError(f"host {self.name}: starting {argv[0]} printed no PID: {result.stdout!r} {result.stderr!r}") from None
+            raise HostError(
+                f"host {self.name}: starting {argv[0]} printed no PID: {result.stdout!r} {result.stderr!r}"
+            ) from None
         # `echo $!` can run before the child reached setsid(): wait until it leads its own group.
         deadline = Deadline(3.0)
         info = self.inspect([pid])[pid]

@@ -74,7 +74,9 @@ def fan_out(items: Iterable[K], fn: Callable[[K], T], name: Callable[[K], str] =
         if done[index].wait(max(0.0, deadline - time.monotonic())):
             out[host] = finished[index]
         else:
-            out[host] = HostResult(host, False, error=f"host {host}: no answer within {shown:g} s (cut off)", timed_out=True)
+            out[host] = HostResult(
+                host, False, error=f"host {host}: no answer within {shown:g} s (cut off)", timed_out=True
+            )
     return out
 
 

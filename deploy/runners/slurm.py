@@ -21,11 +21,11 @@ from typing import BinaryIO, Callable
 
 import psutil
 
-from .slurm_cli import SlurmClient, SlurmError, job_gone_words
-from .slurm_step import srun_argv, step_shell
 from .base import CommandResult, HostError, HttpResponse, ProcessInfo, Runner, Started
 from .http import exchange, split_url
 from .local import LocalRunner, stream_process
+from .slurm_cli import SlurmClient, SlurmError, job_gone_words
+from .slurm_step import srun_argv, step_shell
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 STEP_APPEAR_TIMEOUT_S = 60.0
@@ -98,8 +98,10 @@ class SlurmRunner(Runner):
         q = shlex.quote
         # mktemp: a new file of a name no one can guess, made with O_EXCL and mode 0600 (a name
         # another user could predict they could create first, as a link to a file of this user's)
-        command = (f"mkdir -p {q(directory or '/')} && t=$(mktemp {q((directory or '') + '/.' + name + '.XXXXXXXX')}) && "
-                   f"{{ cat >\"$t\" && chmod {mode:o} \"$t\" && mv -f \"$t\" {q(target)}; }} || {{ rm -f \"$t\"; exit 1; }}")
+        command = (
+            f"mkdir -p {q(directory or '/')} && t=$(mktemp {q((directory or '') + '/.' + name + '.XXXXXXXX')}) && "
+            f'{{ cat >"$t" && chmod {mode:o} "$t" && mv -f "$t" {q(target)}; }} || {{ rm -f "$t"; exit 1; }}'
+        )
         self.run(command, timeout=120, stdin=data).check(f"writing {path}")
 
     def upload(self, local_path: str, remote_path: str) -> None:
@@ -152,7 +154,9 @@ class SlurmRunner(Runner):
                 raise HostError(f"{self._where()}: cannot list the job's steps") from None
             return {}  # the job is gone, and every step with it
         self._step_names.update({s.step_id: s.name for s in steps})
-        return {s.step_id: ProcessInfo(s.step_id, "alive", s.start_time, s.step_id) for s in steps if s.node == self.node}
+        return {
+            s.step_id: ProcessInfo(s.step_id, "alive", s.start_time, s.step_id) for s in steps if s.node == self.node
+        }
 
     def inspect(self, pids: list[int]) -> dict[int, ProcessInfo]:
         live = self._live_steps()
@@ -184,7 +188,11 @@ class SlurmRunner(Runner):
         found: dict[int, list[ProcessInfo]] = {}
         for proc in psutil.process_iter(["cmdline", "status"]):
             argv = proc.info["cmdline"] or []
-            if argv[:1] != ["srun"] or f"--jobid={self.job_id}" not in argv or proc.info["status"] == psutil.STATUS_ZOMBIE:
+            if (
+                argv[:1] != ["srun"]
+                or f"--jobid={self.job_id}" not in argv
+                or proc.info["status"] == psutil.STATUS_ZOMBIE
+            ):
                 continue
             for step, name in names.items():
                 if f"--job-name={name}" in argv:
@@ -196,7 +204,9 @@ class SlurmRunner(Runner):
             self.client.cancel(f"{self.job_id}.{int(step)}", signal=signal_name)
         if signal_name == "KILL":
             for clients in self._local_clients([int(g) for g in pgids]).values():
-                self.local.signal_groups([c.pid for c in clients], "KILL")  # each is the leader of its own process group (setsid)
+                self.local.signal_groups(
+                    [c.pid for c in clients], "KILL"
+                )  # each is the leader of its own process group (setsid)
 
     def follow(self, command: str, on_line: Callable[[str], None], stop: threading.Event) -> None:
         self.local.follow(shlex.join(self._srun("kvpush-follow", command)), on_line, stop)

@@ -152,17 +152,23 @@ def _run(argv: list[str], stdin: bytes | None, timeout: float) -> subprocess.Com
     try:
         return subprocess.run(argv, input=stdin, capture_output=True, timeout=timeout)
     except FileNotFoundError:
-        raise SlurmError(f"`{argv[0]}` not found: launcher slurm needs Slurm's client commands on this machine "
-                         "(Debian: apt-get install slurm-client)") from None
+        raise SlurmError(
+            f"`{argv[0]}` not found: launcher slurm needs Slurm's client commands on this machine "
+            "(Debian: apt-get install slurm-client)"
+        ) from None
     except subprocess.TimeoutExpired:
-        raise SlurmError(f"`{' '.join(argv[:3])}` did not answer within {timeout:.0f} s; is slurmctld reachable?") from None
+        raise SlurmError(
+            f"`{' '.join(argv[:3])}` did not answer within {timeout:.0f} s; is slurmctld reachable?"
+        ) from None
 
 
 class SlurmClient:
     def __init__(self, run: Run = _run):
         self._run = run
 
-    def call(self, argv: list[str], stdin: bytes | None = None, timeout: float = COMMAND_TIMEOUT_S) -> tuple[int, str, str]:
+    def call(
+        self, argv: list[str], stdin: bytes | None = None, timeout: float = COMMAND_TIMEOUT_S
+    ) -> tuple[int, str, str]:
         proc = self._run(argv, stdin, timeout)
         return proc.returncode, proc.stdout.decode(errors="replace"), proc.stderr.decode(errors="replace")
 
@@ -236,5 +242,7 @@ def job_gone_words(job_id: str, info: JobInfo | None) -> str:
     if info is None:
         return f"Slurm job {job_id} has ended (Slurm no longer knows it)"
     if info.active:
-        return f"Slurm job {job_id} is {info.state}" + (f" ({info.reason})" if info.reason and info.reason != "None" else "")
+        return f"Slurm job {job_id} is {info.state}" + (
+            f" ({info.reason})" if info.reason and info.reason != "None" else ""
+        )
     return f"Slurm job {job_id} has ended ({info.state})"

@@ -33,16 +33,19 @@ def step_shell(argv: list[str], env: dict[str, str], cwd: str, log_path: str, en
     env_words = " ".join(f"{k}={shell_word(v)}" for k, v in sorted(env.items()))
     # A failed check of the env file is one line in the process's log, where `up` looks.
     source = f"{{ {checked_source_command(env_file, shell_word)}}} 2>>{log}; " if env_file else ""
-    return (f"mkdir -p {shell_word(cwd)} {shell_word(log_dir)} && cd {shell_word(cwd)} || exit 1; "
-            f"if [ -f {log} ]; then mv -f {log} {log}.1; fi; {source}"
-            "pid=; term_before_start=; "
-            "trap 'if [ -n \"$pid\" ]; then kill -TERM $pid 2>/dev/null; else term_before_start=1; fi' TERM INT; "
-            "trap '[ -z \"$pid\" ] || kill -HUP $pid 2>/dev/null' HUP; "
-            f"setsid env {env_words} {' '.join(shell_word(a) for a in argv)} >{log} 2>&1 </dev/null & pid=$!; "
-            "[ -z \"$term_before_start\" ] || kill -TERM $pid 2>/dev/null; "
-            "wait $pid; code=$?; while kill -0 $pid 2>/dev/null; do wait $pid; code=$?; done; "
-            f"kill -KILL -- -$pid 2>/dev/null; "
-            f"for _ in $(seq {GROUP_EXIT_WAIT_TENTHS}); do kill -0 -- -$pid 2>/dev/null || break; sleep 0.1; done; exit $code")
+    return (
+        f"mkdir -p {shell_word(cwd)} {shell_word(log_dir)} && cd {shell_word(cwd)} || exit 1; "
+        f"if [ -f {log} ]; then mv -f {log} {log}.1; fi; {source}"
+        "pid=; term_before_start=; "
+        "trap 'if [ -n \"$pid\" ]; then kill -TERM $pid 2>/dev/null; else term_before_start=1; fi' TERM INT; "
+        "trap '[ -z \"$pid\" ] || kill -HUP $pid 2>/dev/null' HUP; "
+        f"setsid env {env_words} {' '.join(shell_word(a) for a in argv)} >{log} 2>&1 </dev/null & pid=$!; "
+        '[ -z "$term_before_start" ] || kill -TERM $pid 2>/dev/null; '
+        "wait $pid; code=$?; while kill -0 $pid 2>/dev/null; do wait $pid; code=$?; done; "
+        f"kill -KILL -- -$pid 2>/dev/null; "
+        f"for _ in $(seq {GROUP_EXIT_WAIT_TENTHS}); do kill -0 -- -$pid 2>/dev/null || break; sleep 0.1; done; exit "
+        "$code"
+    )
 
 
 def srun_argv(job_id: str | None, node: str | None, step_name: str, extra: list[str]) -> list[str]:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import logging
 import posixpath
-import socket
 import threading
 import time
 import uuid
@@ -11,10 +10,20 @@ from typing import BinaryIO
 
 import paramiko
 
-from .base import (CommandResult, Deadline, HostError, HttpResponse, ProcessInfo, Runner,
-                   parse_proc_table, proc_table_command, signal_groups_command)
-from .http import exchange, split_url
 from kvpush.deploy.topology.host_address import HostAddress
+
+from .base import (
+    CommandResult,
+    Deadline,
+    HostError,
+    HttpResponse,
+    ProcessInfo,
+    Runner,
+    parse_proc_table,
+    proc_table_command,
+    signal_groups_command,
+)
+from .http import exchange, split_url
 from .options import SshOptions
 from .ssh_config import SshTarget, resolve
 from .ssh_connect import ACCEPT_HINT, open_chain
@@ -202,7 +211,7 @@ class SshRunner(Runner):
             while not stop.is_set():
                 try:
                     chunk = chan.recv(65536)
-                except socket.timeout:
+                except TimeoutError:
                     continue
                 if not chunk:
                     break
@@ -211,7 +220,9 @@ class SshRunner(Runner):
                 for line in lines:
                     on_line(line.decode(errors="replace"))
 
-    def channel_to(self, host: str, port: int, timeout: float, origin: tuple[str, int] = ("127.0.0.1", 0)) -> paramiko.Channel:
+    def channel_to(
+        self, host: str, port: int, timeout: float, origin: tuple[str, int] = ("127.0.0.1", 0)
+    ) -> paramiko.Channel:
         """A TCP connection the host makes to host:port, as a channel of this connection (ssh -L, -W)."""
         try:
             return self.connect().get_transport().open_channel("direct-tcpip", (host, port), origin, timeout=timeout)

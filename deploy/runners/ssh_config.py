@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvpush.deploy.topology.host_address import DEFAULT_SSH_PORT, HostAddress
+
 from .base import HostError
 from .options import DEFAULT_SSH_CONFIG, SshOptions
 
@@ -37,7 +38,7 @@ class SshTarget:
     user: str
     key_files: tuple[str, ...] = ()  # empty: the agent and ~/.ssh/id_*
     agent: bool = True
-    jumps: tuple["SshTarget", ...] = field(default=())  # hops, the first one connected to first
+    jumps: tuple[SshTarget, ...] = field(default=())  # hops, the first one connected to first
     proxy_command: str | None = None  # tokens expanded; run through the user's shell (ssh.py)
     known_hosts: tuple[str, ...] = ("~/.ssh/known_hosts",)  # checked in order; new keys go to the first
     global_known_hosts: tuple[str, ...] = ()  # read, never written
@@ -68,7 +69,9 @@ def resolve(host: HostAddress, options: SshOptions = SshOptions()) -> SshTarget:
                     depth=0, follow_proxies=True)
 
 
-def read_effective(name: str, options: SshOptions, port: int | None = None, user: str | None = None) -> dict[str, list[str]]:
+def read_effective(
+    name: str, options: SshOptions, port: int | None = None, user: str | None = None
+) -> dict[str, list[str]]:
     """`ssh -G`'s answer for `name`: each keyword (lowercase) with its values, in order.
 
     A config ssh refuses is a HostError naming the file and line, as ssh says them."""
@@ -102,7 +105,8 @@ def _config_error(stderr: str, config: str, name: str) -> str:
         located = re.match(r"(.+?):? line (\d+): (.+)", line)
         if located:
             where, number, what = located.groups()
-            return f"{where}: line {number}: {what.rstrip('.')}; fix or remove that line (`man ssh_config` lists the keywords)"
+            return (f"{where}: line {number}: {what.rstrip('.')}; fix or remove that line "
+                    "(`man ssh_config` lists the keywords)")
     said = [ln for ln in lines if "Pseudo-terminal" not in ln]
     return f"{config}: ssh cannot read its config for {name}: {said[-1] if said else 'no message'}; fix the config"
 

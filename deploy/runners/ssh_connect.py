@@ -101,7 +101,7 @@ class ShellProxy(paramiko.ProxyCommand):
         while True:
             left = None if end is None else end - time.monotonic()
             if left is not None and left <= 0:
-                raise socket.timeout()
+                raise TimeoutError()
             ready, _, _ = select.select([self.process.stdout], [], [], left)
             if ready:
                 try:
@@ -139,12 +139,14 @@ def _socket(target: SshTarget, options: SshOptions, where: str):
         try:
             return ShellProxy(target.proxy_command)
         except OSError as exc:
-            raise HostError(f"{where}: ProxyCommand could not start ({exc}); fix it in {config_label(options)}") from None
+            raise HostError(
+                f"{where}: ProxyCommand could not start ({exc}); fix it in {config_label(options)}"
+            ) from None
     try:
         sock = socket.create_connection((target.hostname, target.port), timeout=options.connect_timeout_s)
     except ConnectionRefusedError:
         raise HostError(f"{where}: connection refused; is sshd running and listening on port {target.port}?") from None
-    except (socket.timeout, OSError) as exc:
+    except (TimeoutError, OSError) as exc:
         raise HostError(f"{where}: unreachable ({getattr(exc, 'strerror', None) or exc}); check the address, "
                         "network and firewall") from None
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

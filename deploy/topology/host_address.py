@@ -30,8 +30,13 @@ class HostAddress:
     user: Annotated[PlainName | None, Field(description="SSH user (default: ~/.ssh/config's User, else yours)")] = None
     key: Annotated[PathText | None, Field(description="private key file (default: ~/.ssh/config's IdentityFile, "
                                                       "your agent, or ~/.ssh/id_*)")] = None
-    ssh_host: Annotated[PlainName | None, Field(description="the name to look up in ~/.ssh/config and connect to "
-                                                            "(default: address), e.g. a Host alias behind a ProxyJump")] = None
+    ssh_host: Annotated[
+        PlainName | None,
+        Field(
+            description="the name to look up in ~/.ssh/config and connect to "
+            "(default: address), e.g. a Host alias behind a ProxyJump"
+        ),
+    ] = None
 
     def address_fields(self) -> dict:
         """This type's fields alone: another record of the same host is built from them."""

@@ -8,7 +8,9 @@ from typing import Literal
 from .topology import HostSpec, Topology
 
 # Files `up` writes (mode 0600) from the deployment secret; the plan names them, never their content.
-SecretKind = Literal["deployment-secret", "instance-env", "router-upstream-key", "router-client-key", "router-params-key"]
+SecretKind = Literal[
+    "deployment-secret", "instance-env", "router-upstream-key", "router-client-key", "router-params-key"
+]
 SECRET_FILE_NAMES: dict[SecretKind, str] = {
     "deployment-secret": "deployment.secret",  # the secret itself (the connector derives its keys)
     "instance-env": "instance-api-key.env",  # VLLM_API_KEY=..., sourced by each vLLM launch

@@ -37,13 +37,19 @@ def check_slurm_fields(topo: Topology, fail: Callable[[tuple, str], None]) -> No
     for name, host in topo.hosts.items():
         for field in SSH_ONLY_FIELDS:
             if getattr(host, field) is not None:
-                fail(("hosts", name, field), "is an SSH setting; with launcher: slurm kvpush reaches nodes through srun, remove it")
+                fail(
+                    ("hosts", name, field),
+                    "is an SSH setting; with launcher: slurm kvpush reaches nodes through srun, remove it",
+                )
         if host.python is None and host.venv is None:
             # Slurm nodes share the submit host's filesystem as a rule: run what kvpush runs with.
             host.python = sys.executable
         if host.node is not None:
             if host.node in nodes:
-                fail(("hosts", name, "node"), f"node '{host.node}' is also host '{nodes[host.node]}'; give each host its own node")
+                fail(
+                    ("hosts", name, "node"),
+                    f"node '{host.node}' is also host '{nodes[host.node]}'; give each host its own node",
+                )
             nodes[host.node] = name
 
 
@@ -71,8 +77,10 @@ def bind_allocation(topo: Topology, job_id: str, nodes: list[str], addresses: di
     free = [n for n in nodes if n not in named]
     unnamed = [h for h in names if not bound.hosts[h].node]
     if len(unnamed) > len(free):
-        raise UsageError(f"hosts: {len(names)} hosts need a node each, but Slurm job {job_id} has {len(nodes)} ({shown}); "
-                         "allocate more nodes or put more processes on one host")
+        raise UsageError(
+            f"hosts: {len(names)} hosts need a node each, but Slurm job {job_id} has {len(nodes)} ({shown}); "
+            "allocate more nodes or put more processes on one host"
+        )
     for h, node in zip(unnamed, free):
         bound.hosts[h].node = node
     for h in names:

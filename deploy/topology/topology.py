@@ -14,21 +14,60 @@ from pydantic import ValidationError
 
 from kvpush.common.errors import field_path, first_problem, validation_message
 
+from .slurm_topology import check_slurm_fields  # the Slurm launcher's own rules live with it
 from .topology_checks import Problems, check_cross_fields, check_key_files, known_kv_heads
 from .topology_defaults import apply_defaults, listening_side_channel_ports, side_channel_ports
-from .topology_schema import (NAME_PATTERN, ROUTER_PROCESS_NAME, Backend, ConnectorSpec, ConnectorType, HostSpec,
-                              InstanceSpec, ModelSpec, RestartSpec, Role, RouterSpec, SlurmSpec, TinyModelSpec, Topology,
-                              TopologyError, TracingSpec, topology_field_names)
-from .slurm_topology import check_slurm_fields  # the Slurm launcher's own rules live with it
+from .topology_schema import (
+    NAME_PATTERN,
+    ROUTER_PROCESS_NAME,
+    Backend,
+    ConnectorSpec,
+    ConnectorType,
+    HostSpec,
+    InstanceSpec,
+    ModelSpec,
+    RestartSpec,
+    Role,
+    RouterSpec,
+    SlurmSpec,
+    TinyModelSpec,
+    Topology,
+    TopologyError,
+    TracingSpec,
+    topology_field_names,
+)
 from .topology_security import check_security_fields
 from .topology_values import core_list_text, parse_core_list, rank_core_lists
 from .yaml_source import SourceDocument, YamlSyntaxError, load_yaml_file, parse_yaml
 
 __all__ = [
-    "NAME_PATTERN", "ROUTER_PROCESS_NAME", "Backend", "ConnectorSpec", "ConnectorType", "HostSpec", "InstanceSpec",
-    "ModelSpec", "RestartSpec", "Role", "RouterSpec", "SlurmSpec", "TinyModelSpec", "Topology", "TopologyError", "TracingSpec",
-    "check_key_files", "core_list_text", "known_kv_heads", "listening_side_channel_ports", "load_topology", "parse_core_list", "parse_topology",
-    "rank_core_lists", "resolve_topology", "side_channel_ports", "topology_from_document",
+    "NAME_PATTERN",
+    "ROUTER_PROCESS_NAME",
+    "Backend",
+    "ConnectorSpec",
+    "ConnectorType",
+    "HostSpec",
+    "InstanceSpec",
+    "ModelSpec",
+    "RestartSpec",
+    "Role",
+    "RouterSpec",
+    "SlurmSpec",
+    "TinyModelSpec",
+    "Topology",
+    "TopologyError",
+    "TracingSpec",
+    "check_key_files",
+    "core_list_text",
+    "known_kv_heads",
+    "listening_side_channel_ports",
+    "load_topology",
+    "parse_core_list",
+    "parse_topology",
+    "rank_core_lists",
+    "resolve_topology",
+    "side_channel_ports",
+    "topology_from_document",
 ]
 
 
@@ -47,14 +86,18 @@ def _slurm_host_addresses(data: dict) -> None:
 
 def topology_from_document(doc: SourceDocument) -> Topology:
     if not isinstance(doc.data, dict):
-        raise TopologyError(f"{doc.where(())}: the topology must be a YAML mapping with at least 'model:'; see `kvpush init`")
+        raise TopologyError(
+            f"{doc.where(())}: the topology must be a YAML mapping with at least 'model:'; see `kvpush init`"
+        )
     _slurm_host_addresses(doc.data)
     try:
         topo = Topology.model_validate(doc.data)
     except ValidationError as exc:
         err = first_problem(exc.errors())
         path = tuple(err["loc"])
-        raise TopologyError(f"{doc.where(path)}: {field_path(path)}: {validation_message(err, topology_field_names())}") from None
+        raise TopologyError(
+            f"{doc.where(path)}: {field_path(path)}: {validation_message(err, topology_field_names())}"
+        ) from None
     problems = Problems(doc)
     apply_defaults(topo, problems.fail)
     check_cross_fields(topo, problems)
@@ -94,7 +137,9 @@ def resolve_topology(path: str | Path | None) -> tuple[Topology, str]:
         return load_topology(default_file), f"{default_file} (found in the current directory)"
     from kvpush.templates import DEFAULT_TEMPLATE, template_text
 
-    return parse_topology(template_text(DEFAULT_TEMPLATE), f"<built-in {DEFAULT_TEMPLATE}>"), f"the built-in {DEFAULT_TEMPLATE} topology (no FILE and no ./kvpush.yaml)"
+    return parse_topology(
+        template_text(DEFAULT_TEMPLATE), f"<built-in {DEFAULT_TEMPLATE}>"
+    ), f"the built-in {DEFAULT_TEMPLATE} topology (no FILE and no ./kvpush.yaml)"
 
 
 def parse_topology(text: str, source: str = "<string>") -> Topology:

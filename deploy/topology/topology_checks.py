@@ -41,7 +41,11 @@ def check_cross_fields(topo: Topology, problems: Problems) -> None:
     if topo.connector.type != "colocated":
         for role in ("prefill", "decode"):
             if not getattr(topo, role):
-                problems.fail((role,), f"has no instances; a disaggregated deployment needs at least one {role} instance (or set connector.type: colocated)")
+                problems.fail(
+                    (role,),
+                    f"has no instances; a disaggregated deployment needs at least one {role} instance (or set "
+                    "connector.type: colocated)",
+                )
     elif not topo.instances():
         problems.fail(("decode",), "has no instances; add at least one instance")
     if topo.connector.type == "kvpush":
@@ -49,11 +53,14 @@ def check_cross_fields(topo: Topology, problems: Problems) -> None:
     if topo.connector.stock_vllm and topo.connector.type not in ("nixl-push", "nixl-pull"):
         problems.fail(("connector", "stock_vllm"), f"applies to connector types nixl-push and nixl-pull only, not "
                                                    f"{topo.connector.type}; remove it or change connector.type")
-    for name, host in topo.hosts.items():
+    for name in topo.hosts:
         if not NAME_PATTERN.match(name):
             problems.fail(("hosts", name), "host names must be lowercase letters, digits and '-'")
     if topo.router.host not in topo.hosts:
-        problems.fail(("router", "host"), f"unknown host '{topo.router.host}'; define it under hosts: or use one of {', '.join(topo.hosts)}")
+        problems.fail(
+            ("router", "host"),
+            f"unknown host '{topo.router.host}'; define it under hosts: or use one of {', '.join(topo.hosts)}",
+        )
 
     seen_names: dict[str, tuple] = {}
     ports: dict[tuple[str, int], tuple[tuple, str]] = {}
@@ -67,7 +74,11 @@ def check_cross_fields(topo: Topology, problems: Problems) -> None:
             if path not in problems.doc.value_positions and other_path in problems.doc.value_positions:
                 # The clash is with a defaulted port: point at the port the user actually wrote.
                 path, other_path, other_what = other_path, path, what
-            problems.fail(path, f"port {port} on host '{host}' is also used by {field_path(other_path)} ({other_what}); give each process its own port")
+            problems.fail(
+                path,
+                f"port {port} on host '{host}' is also used by {field_path(other_path)} ({other_what}); give each "
+                "process its own port",
+            )
         ports[key] = (path, what)
 
     router_path = ("router", "port")
@@ -75,18 +86,29 @@ def check_cross_fields(topo: Topology, problems: Problems) -> None:
     for role, index, spec in topo.instances():
         base = (role, index)
         if spec.name in seen_names:
-            problems.fail(base + ("name",), f"name '{spec.name}' is already used by {field_path(seen_names[spec.name])}; names must be unique")
+            problems.fail(
+                base + ("name",),
+                f"name '{spec.name}' is already used by {field_path(seen_names[spec.name])}; names must be unique",
+            )
         if not NAME_PATTERN.match(spec.name):
             problems.fail(base + ("name",), f"'{spec.name}' must be lowercase letters, digits and '-'")
         if spec.name == ROUTER_PROCESS_NAME:
-            problems.fail(base + ("name",), f"'{ROUTER_PROCESS_NAME}' is the router process's name; choose another name")
+            problems.fail(
+                base + ("name",), f"'{ROUTER_PROCESS_NAME}' is the router process's name; choose another name"
+            )
         seen_names[spec.name] = base
         if spec.host not in topo.hosts:
-            problems.fail(base + ("host",), f"unknown host '{spec.host}'; define it under hosts: or use one of {', '.join(topo.hosts)}")
+            problems.fail(
+                base + ("host",),
+                f"unknown host '{spec.host}'; define it under hosts: or use one of {', '.join(topo.hosts)}",
+            )
         claim_port(spec.host, spec.http_port, base + ("http_port",), f"{spec.name} HTTP")
         for rank, port in enumerate(listening_side_channel_ports(role, spec, topo.connector.type)):
             if port > 65535:
-                problems.fail(base + ("side_channel_port",), f"rank {rank} would listen on port {port} > 65535; lower side_channel_port")
+                problems.fail(
+                    base + ("side_channel_port",),
+                    f"rank {rank} would listen on port {port} > 65535; lower side_channel_port",
+                )
             what = f"{spec.name} side channel" + (f" rank {rank}" if rank else "")
             claim_port(spec.host, port, base + ("side_channel_port",), what)
 
@@ -97,29 +119,45 @@ def check_cross_fields(topo: Topology, problems: Problems) -> None:
             if not spec.devices:
                 problems.fail(base, "lists no devices; add 'devices: [0, ...]' with one GPU per TP x DP rank")
             if len(spec.devices) != ranks:
-                problems.fail(base + ("devices",), f"lists {len(spec.devices)} GPUs but tensor_parallel_size x data_parallel_size = {spec.tensor_parallel_size} x {spec.data_parallel_size} = {ranks}; list exactly {ranks} devices or change the sizes")
+                problems.fail(
+                    base + ("devices",),
+                    f"lists {len(spec.devices)} GPUs but tensor_parallel_size x data_parallel_size = "
+                    f"{spec.tensor_parallel_size} x {spec.data_parallel_size} = {ranks}; list exactly {ranks} devices "
+                    "or change the sizes",
+                )
             for dev in spec.devices:
                 key = (spec.host, dev)
                 other = devices.get(key)
                 if other is not None and not (spec.share_gpus and getattr(topo, other[0])[other[1]].share_gpus):
-                    problems.fail(base + ("devices",), f"GPU {dev} on host '{spec.host}' is also given to {field_path(other)}; give "
-                                  "each GPU to one instance, or set share_gpus: true on every instance that shares it")
+                    problems.fail(
+                        base + ("devices",),
+                        f"GPU {dev} on host '{spec.host}' is also given to {field_path(other)}; give "
+                        "each GPU to one instance, or set share_gpus: true on every instance that shares it",
+                    )
                 devices[key] = base
         else:
             if spec.devices:
-                problems.fail(base + ("devices",), "GPU devices need platform: cuda; remove devices or set platform: cuda")
+                problems.fail(
+                    base + ("devices",), "GPU devices need platform: cuda; remove devices or set platform: cuda"
+                )
             if spec.share_gpus:
                 problems.fail(base + ("share_gpus",), "applies to platform cuda only; remove it or set platform: cuda")
             if spec.data_parallel_size != 1:
-                problems.fail(base + ("data_parallel_size",), f"CPU instances run one data-parallel rank (got {spec.data_parallel_size}); "
-                              "set data_parallel_size: 1 and run one instance per rank")
+                problems.fail(
+                    base + ("data_parallel_size",),
+                    f"CPU instances run one data-parallel rank (got {spec.data_parallel_size}); "
+                    "set data_parallel_size: 1 and run one instance per rank",
+                )
             if spec.cpu_cores is not None:
                 _claim_cores(topo, role, index, spec, cores, problems)
     _check_unpinned_prefill_beside_tp_decode(topo, problems)
     _check_tp_sizes(topo, problems)
     _check_upstream_tp_pairs(topo, problems)
     if topo.connector.backend == "LIBFABRIC" and topo.platform == "cpu":
-        problems.fail(("connector", "backend"), "LIBFABRIC (EFA) needs platform: cuda hosts with EFA; use backend: UCX for CPU deployments")
+        problems.fail(
+            ("connector", "backend"),
+            "LIBFABRIC (EFA) needs platform: cuda hosts with EFA; use backend: UCX for CPU deployments",
+        )
 
 
 def _claim_cores(topo: Topology, role: Role, index: int, spec: InstanceSpec, cores: dict, problems: Problems) -> None:
@@ -130,8 +168,11 @@ def _claim_cores(topo: Topology, role: Role, index: int, spec: InstanceSpec, cor
     ranks = spec.tensor_parallel_size
     if len(groups) != ranks:
         example = "|".join(str(i) for i in range(ranks)) if ranks > 1 else "0-3"
-        problems.fail(base + ("cpu_cores",), f"gives {len(groups)} core list(s) for {ranks} TP rank(s); give one per rank, "
-                      f"'|'-separated, e.g. '{example}'")
+        problems.fail(
+            base + ("cpu_cores",),
+            f"gives {len(groups)} core list(s) for {ranks} TP rank(s); give one per rank, "
+            f"'|'-separated, e.g. '{example}'",
+        )
     for rank, group in enumerate(groups):
         for core in sorted(group):
             key = (spec.host, core)
@@ -141,8 +182,12 @@ def _claim_cores(topo: Topology, role: Role, index: int, spec: InstanceSpec, cor
                 if not (spec.share_cores and other.share_cores):
                     whom = f"its rank {other_rank}" if other is spec else f"{field_path(other_path)} ({other.name})"
                     why = _prefill_on_tp_decode(topo, (spec, rank), (other, other_rank)) or "(a small machine)"
-                    problems.fail(base + ("cpu_cores",), f"core {core} on host '{spec.host}' is also given to {whom}; give each "
-                                  f"instance and rank its own cores, or set share_cores: true on every instance that shares them {why}")
+                    problems.fail(
+                        base + ("cpu_cores",),
+                        f"core {core} on host '{spec.host}' is also given to {whom}; give each "
+                        "instance and rank its own cores, or set share_cores: true on every instance that shares them "
+                        f"{why}",
+                    )
             cores[key] = (base, rank)
 
 
@@ -157,9 +202,13 @@ def _prefill_on_tp_decode(topo: Topology, one: tuple[InstanceSpec, int], two: tu
     (prefill, _), (decode, rank) = pair["prefill"], pair["decode"]
     if decode.tensor_parallel_size < 2:
         return ""
-    return (f"(prefill {prefill.name} would share it with rank {rank} of decode {decode.name} (TP {decode.tensor_parallel_size}), "
-            f"which it writes KV into: decode's ranks spin in every layer's all-reduce waiting for each other, so a prefill "
-            f"on one of their cores can keep a rank from running, and the prefill from writing, until decode gives up)")
+    return (
+        f"(prefill {prefill.name} would share it with rank {rank} of decode {decode.name} (TP "
+        f"{decode.tensor_parallel_size}), "
+        "which it writes KV into: decode's ranks spin in every layer's all-reduce waiting for each other, so a "
+        "prefill "
+        f"on one of their cores can keep a rank from running, and the prefill from writing, until decode gives up)"
+    )
 
 
 # Connector types where prefill writes into decode's KV cache (in nixl-pull, decode reads)
@@ -173,22 +222,34 @@ def _check_unpinned_prefill_beside_tp_decode(topo: Topology, problems: Problems)
         return
     for p_index, prefill in enumerate(topo.prefill):
         for d_index, decode in enumerate(topo.decode):
-            if (decode.tensor_parallel_size < 2 or prefill.host != decode.host or prefill.share_cores and decode.share_cores
-                    or prefill.cpu_cores is not None and decode.cpu_cores is not None):
+            if (
+                decode.tensor_parallel_size < 2
+                or prefill.host != decode.host
+                or prefill.share_cores
+                and decode.share_cores
+                or prefill.cpu_cores is not None
+                and decode.cpu_cores is not None
+            ):
                 continue
-            unpinned, path = (prefill, ("prefill", p_index)) if prefill.cpu_cores is None else (decode, ("decode", d_index))
+            unpinned, path = (
+                (prefill, ("prefill", p_index)) if prefill.cpu_cores is None else (decode, ("decode", d_index))
+            )
             if decode.cpu_cores is not None:
                 rank, cores = 0, rank_core_lists(decode.cpu_cores)[0]
-                where = f"core {min(cores)}, which rank {rank} of decode {decode.name} (TP {decode.tensor_parallel_size}) runs on"
+                where = (f"core {min(cores)}, which rank {rank} of decode {decode.name} "
+                         f"(TP {decode.tensor_parallel_size}) runs on")
             elif prefill.cpu_cores is not None:
                 where = f"core {min(rank_core_lists(prefill.cpu_cores)[0])}, which prefill {prefill.name} runs on"
             else:
                 where = "any core"
-            problems.fail(path, f"{unpinned.name} has no cpu_cores, so on host '{prefill.host}' prefill {prefill.name} and the "
-                                f"ranks of decode {decode.name} (TP {decode.tensor_parallel_size}), which it writes KV into, may "
-                                f"share {where}: decode's ranks spin in every layer's all-reduce waiting for each other, so a "
-                                f"prefill on one of their cores can keep a rank from running until decode gives up; give both "
-                                f"cpu_cores of their own, or set share_cores: true on both")
+            problems.fail(
+                path,
+                f"{unpinned.name} has no cpu_cores, so on host '{prefill.host}' prefill {prefill.name} and the "
+                f"ranks of decode {decode.name} (TP {decode.tensor_parallel_size}), which it writes KV into, may "
+                f"share {where}: decode's ranks spin in every layer's all-reduce waiting for each other, so a "
+                f"prefill on one of their cores can keep a rank from running until decode gives up; give both "
+                f"cpu_cores of their own, or set share_cores: true on both",
+            )
 
 
 def known_kv_heads(topo: Topology) -> int | None:
@@ -214,8 +275,10 @@ def _check_tp_sizes(topo: Topology, problems: Problems) -> None:
     for role, index, spec in topo.instances():
         problem = tp_problem(heads, spec.tensor_parallel_size)
         if problem:
-            problems.fail((role, index, "tensor_parallel_size"),
-                          f"{spec.name} uses TP size {spec.tensor_parallel_size} but the model has {heads} KV heads: {problem}")
+            problems.fail(
+                (role, index, "tensor_parallel_size"),
+                f"{spec.name} uses TP size {spec.tensor_parallel_size} but the model has {heads} KV heads: {problem}",
+            )
 
 
 UPSTREAM_CONNECTORS = ("nixl-push", "nixl-pull")
@@ -238,7 +301,9 @@ def _check_upstream_tp_pairs(topo: Topology, problems: Problems) -> None:
         for prefill in topo.prefill:
             problem = upstream_tp_pair_problem(prefill.tensor_parallel_size, decode.tensor_parallel_size)
             if problem:
-                problems.fail(("decode", index, "tensor_parallel_size"), f"{decode.name} with prefill {prefill.name}: {problem}")
+                problems.fail(
+                    ("decode", index, "tensor_parallel_size"), f"{decode.name} with prefill {prefill.name}: {problem}"
+                )
 
 
 def check_key_files(topo: Topology) -> None:

@@ -37,12 +37,18 @@ def apply_defaults(topo: Topology, fail: Fail) -> None:
     """Fill names, hosts and ports so the plan never has to guess."""
     host_names = list(topo.hosts)
     if not host_names:
-        fail(("hosts",), "defines no hosts; add one, e.g. 'local: {address: 127.0.0.1}', or remove hosts: to use this machine")
+        fail(
+            ("hosts",),
+            "defines no hosts; add one, e.g. 'local: {address: 127.0.0.1}', or remove hosts: to use this machine",
+        )
     if topo.router.host is None:
         if len(host_names) == 1:
             topo.router.host = host_names[0]
         else:
-            fail(("router",), f"names no host and the topology has {len(host_names)}; add 'host: <one of {', '.join(host_names)}>'")
+            fail(
+                ("router",),
+                f"names no host and the topology has {len(host_names)}; add 'host: <one of {', '.join(host_names)}>'",
+            )
     next_http = {"prefill": DEFAULT_PREFILL_HTTP_PORT, "decode": DEFAULT_DECODE_HTTP_PORT}
     next_side = DEFAULT_SIDE_CHANNEL_PORT
     for role, index, spec in topo.instances():
@@ -52,7 +58,11 @@ def apply_defaults(topo: Topology, fail: Fail) -> None:
             if len(host_names) == 1:
                 spec.host = host_names[0]
             else:
-                fail((role, index), f"names no host and the topology has {len(host_names)}; add 'host: <one of {', '.join(host_names)}>'")
+                fail(
+                    (role, index),
+                    f"names no host and the topology has {len(host_names)}; add 'host: <one of "
+                    f"{', '.join(host_names)}>'",
+                )
         if spec.http_port is None:
             spec.http_port = next_http[role] + index
         if spec.side_channel_port is None:

@@ -15,12 +15,29 @@ from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from kvpush.common.errors import UsageError
 from kvpush.connector.settings import TRANSFER_TIMEOUT_S
-from kvpush.router.config import (BODY_TIMEOUT_S, HEADER_TIMEOUT_S, KEEPALIVE_TIMEOUT_S, LOAD_WEIGHT, MAX_CONNECTIONS,
-                                  PREFIX_WEIGHT, RETRY_DEADLINE_S, Policy)
+from kvpush.router.config import (
+    BODY_TIMEOUT_S,
+    HEADER_TIMEOUT_S,
+    KEEPALIVE_TIMEOUT_S,
+    LOAD_WEIGHT,
+    MAX_CONNECTIONS,
+    PREFIX_WEIGHT,
+    RETRY_DEADLINE_S,
+    Policy,
+)
 
-from .host_address import HostAddress
 from . import topology_values as values
-from .topology_values import EnvMap, ExtraArgs, IntNotBool, NumberNotBool, PathText, PlainName, not_blank, parse_core_list
+from .host_address import HostAddress
+from .topology_values import (
+    EnvMap,
+    ExtraArgs,
+    IntNotBool,
+    NumberNotBool,
+    PathText,
+    PlainName,
+    not_blank,
+    parse_core_list,
+)
 
 NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 ROUTER_PROCESS_NAME = "router"  # the plan's and state's name for the router process
@@ -56,10 +73,12 @@ class TinyModelSpec(_Model):
     kv_heads: IntNotBool = Field(2, ge=1, le=256, description="key/value heads: more heads, more KV bytes per token")
     head_dim: IntNotBool = Field(64, ge=8, le=1024, description="dimension of each head")
     vocab_size: IntNotBool = Field(4096, ge=300, le=1_000_000, description="tokens the byte-level BPE tokenizer learns")
-    max_position_embeddings: IntNotBool = Field(4096, ge=128, le=1 << 20, description="longest sequence the model takes")
+    max_position_embeddings: IntNotBool = Field(
+        4096, ge=128, le=1 << 20, description="longest sequence the model takes"
+    )
 
     @model_validator(mode="after")
-    def _kv_heads_divide_heads(self) -> "TinyModelSpec":
+    def _kv_heads_divide_heads(self) -> TinyModelSpec:
         if self.heads % self.kv_heads:
             raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads}); "
                              "each KV head serves the same number of attention heads")
@@ -67,11 +86,20 @@ class TinyModelSpec(_Model):
 
 
 class ModelSpec(_Model):
-    path: Annotated[PathText, not_blank("give the model directory")] = Field(description="model directory on every host that runs vLLM")
-    kv_heads: IntNotBool | None = Field(None, ge=1, le=4096, description="the model's KV heads, to check TP sizes before "
-                                                                         "launch (default: tiny.kv_heads, or config.json "
-                                                                         "where the model is on this machine)")
-    served_name: PlainName | None = Field(None, description="the model name clients send (default: the last part of path)")
+    path: Annotated[PathText, not_blank("give the model directory")] = Field(
+        description="model directory on every host that runs vLLM"
+    )
+    kv_heads: IntNotBool | None = Field(
+        None,
+        ge=1,
+        le=4096,
+        description="the model's KV heads, to check TP sizes before "
+        "launch (default: tiny.kv_heads, or config.json "
+        "where the model is on this machine)",
+    )
+    served_name: PlainName | None = Field(
+        None, description="the model name clients send (default: the last part of path)"
+    )
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field("bfloat16", description="vLLM's --dtype")
     max_model_len: IntNotBool | None = Field(None, ge=16, le=1 << 24, description="vLLM's --max-model-len (default: "
                                                                                  "the model's)")
@@ -94,14 +122,21 @@ class ConnectorSpec(_Model):
                                                       "connector); nixl-push, nixl-pull: vLLM's NIXL connectors; "
                                                       "colocated: no transfer, each request served by one instance")
     backend: Backend = Field("UCX", description="NIXL's transport: UCX, or LIBFABRIC for AWS EFA")
-    transfer_timeout_s: float = Field(TRANSFER_TIMEOUT_S, gt=0, le=DAY_S, description="seconds after which a registration or "
-                                      "finished-block set that never matched is failed")
+    transfer_timeout_s: float = Field(
+        TRANSFER_TIMEOUT_S,
+        gt=0,
+        le=DAY_S,
+        description="seconds after which a registration or finished-block set that never matched is failed",
+    )
     extra_config: Annotated[dict[str, Any], AfterValidator(values.extra_config)] = Field(
         default_factory=dict, description="more entries of vLLM's kv_connector_extra_config for every instance")
-    stock_vllm: bool = Field(False, description="nixl-push and nixl-pull: load vLLM's connector classes exactly as vLLM "
-                                                "ships them. By default a CPU platform loads them through "
-                                                "kvpush.connector.vllm_nixl, which paces NIXL's progress thread and keeps "
-                                                "the compute thread on its own cores; GPU platforms always run them stock")
+    stock_vllm: bool = Field(
+        False,
+        description="nixl-push and nixl-pull: load vLLM's connector classes exactly as vLLM "
+        "ships them. By default a CPU platform loads them through "
+        "kvpush.connector.vllm_nixl, which paces NIXL's progress thread and keeps "
+        "the compute thread on its own cores; GPU platforms always run them stock",
+    )
 
 
 @pydantic_dataclass(config=_CONFIG, kw_only=True)
@@ -112,10 +147,14 @@ class HostSpec(HostAddress):
     workdir: Annotated[PathText, not_blank("give a directory, or remove the field for ~/.kvpush"),
                        Field(description="directory on the host for each deployment's files and logs "
                                          "(<workdir>/<name>)")] = "~/.kvpush"
-    python: Annotated[PathText | None, Field(description="interpreter that runs vLLM there (default: <venv>/bin/python)")] = None
+    python: Annotated[
+        PathText | None, Field(description="interpreter that runs vLLM there (default: <venv>/bin/python)")
+    ] = None
     venv: Annotated[PathText | None, Field(description="virtual environment on the host whose Python runs vLLM")] = None
-    node: Annotated[PlainName | None, Field(description="launcher slurm: the Slurm node this host is (default: any node "
-                                                        "of the allocation)")] = None
+    node: Annotated[
+        PlainName | None,
+        Field(description="launcher slurm: the Slurm node this host is (default: any node of the allocation)"),
+    ] = None
 
     @property
     def interpreter(self) -> str:
@@ -169,7 +208,9 @@ class RestartSpec(_Model):
     """What the process's supervisor does when it exits on its own (see kvpush.deploy.lifecycle.supervise)."""
 
     policy: Literal["never", "on-failure"] = Field("never", description="on-failure: start it again after a crash")
-    max_restarts: IntNotBool = Field(3, ge=1, le=1000, description="restarts allowed within window_s; then it stays down")
+    max_restarts: IntNotBool = Field(
+        3, ge=1, le=1000, description="restarts allowed within window_s; then it stays down"
+    )
     window_s: float = Field(600.0, gt=0, description="the seconds over which max_restarts are counted")
 
 
@@ -181,7 +222,9 @@ RestartField = Annotated[RestartSpec, BeforeValidator(_restart_shorthand,
 class InstanceSpec(_Model):
     name: str | None = Field(None, description="the process's name (default: <role>-<index>, e.g. prefill-0)")
     host: str | None = Field(None, description="the host it runs on, a name under hosts (default: the only host)")
-    devices: list[Annotated[IntNotBool, Field(le=1023)]] = Field(default_factory=list, description="GPU indices (platform cuda)")
+    devices: list[Annotated[IntNotBool, Field(le=1023)]] = Field(
+        default_factory=list, description="GPU indices (platform cuda)"
+    )
     cpu_cores: RankCoreLists | None = Field(None, description="cores for VLLM_CPU_OMP_THREADS_BIND (platform cpu): one "
                                                               "list per TP rank, '|'-separated, e.g. '0|1'")
     share_cores: bool = Field(False, description="platform cpu: this instance may share cores with other instances "
@@ -194,8 +237,12 @@ class InstanceSpec(_Model):
     tensor_parallel_size: IntNotBool = Field(1, ge=1, le=64, description="ranks (GPUs, or CPU core lists) of one "
                                              "instance; prefill and decode may differ")
     data_parallel_size: IntNotBool = Field(1, ge=1, le=256, description="vLLM's --data-parallel-size")
-    http_port: IntNotBool | None = Field(None, ge=1, le=65535, description="its OpenAI-compatible HTTP port (default: "
-                                                                          "8100 + index for prefill, 8200 + index for decode)")
+    http_port: IntNotBool | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="its OpenAI-compatible HTTP port (default: 8100 + index for prefill, 8200 + index for decode)",
+    )
     side_channel_port: IntNotBool | None = Field(None, ge=1, le=65535, description=(
         "the first of the instance's side-channel ports (one per TP x DP rank for kvpush, per DP rank for NIXL); "
         "kvpush's decode listens on none, its port only names it"))
@@ -231,9 +278,13 @@ class RouterSpec(_Model):
         "the whole prompt keeps it while it has fewer than prefix_weight / load_weight requests more"))
     api_key_env: Annotated[str, AfterValidator(values.env_name)] | None = Field(
         None, description="name of an env var, on the machine running kvpush, holding the router's API key")
-    api_key_file: PathText | None = Field(None, description="file on the machine running kvpush holding the router's API key")
+    api_key_file: PathText | None = Field(
+        None, description="file on the machine running kvpush holding the router's API key"
+    )
     public_paths: list[Literal["/health", "/metrics"]] = Field(
-        default_factory=lambda: ["/health"], description="router paths served without the API key (default: /health only)")
+        default_factory=lambda: ["/health"],
+        description="router paths served without the API key (default: /health only)",
+    )
     prefill_timeout_s: float = Field(600.0, gt=0, le=DAY_S, description="seconds a request's prefill leg may take")
     decode_timeout_s: float = Field(600.0, gt=0, le=DAY_S, description="seconds a request's decode leg may take")
     connect_timeout_s: float = Field(5.0, gt=0, le=DAY_S, description="seconds to connect to an instance")
@@ -256,14 +307,21 @@ class RouterSpec(_Model):
         "a client's request body must arrive in full within this of its head, else 408 and the connection closes"))
     keepalive_timeout_s: float = Field(KEEPALIVE_TIMEOUT_S, gt=0, le=3600, description=(
         "an idle kept-alive client connection is closed after this"))
-    cpu_cores: CoreList | None = Field(None, description="cores the router process runs on (taskset); may share an instance's")
-    workers: IntNotBool = Field(1, ge=1, le=64, description="router processes sharing the port, each relaying its share of "
-                                                    "the streams; give the router at least as many cpu_cores")
+    cpu_cores: CoreList | None = Field(
+        None, description="cores the router process runs on (taskset); may share an instance's"
+    )
+    workers: IntNotBool = Field(
+        1,
+        ge=1,
+        le=64,
+        description="router processes sharing the port, each relaying its share of "
+        "the streams; give the router at least as many cpu_cores",
+    )
     restart: RestartField = Field(default_factory=RestartSpec, description="what its supervisor does when it exits on "
                                   "its own: a policy (never, on-failure) or a mapping")
 
     @model_validator(mode="after")
-    def _one_key_source(self) -> "RouterSpec":
+    def _one_key_source(self) -> RouterSpec:
         if self.api_key_env is not None and self.api_key_file is not None:
             raise ValueError("gives both api_key_env and api_key_file; keep one")
         return self
@@ -276,8 +334,12 @@ class SlurmSpec(_Model):
     account: str | None = Field(None, description="sbatch --account")
     time_limit: str | None = Field(None, description="sbatch --time, e.g. '04:00:00' or '2-00:00:00'")
     job_name: str | None = Field(None, description="sbatch --job-name (default: kvpush-<name>)")
-    job_id: str | None = Field(None, description="run in this existing allocation (default: $SLURM_JOB_ID if set, else submit one)")
-    gpus_per_node: IntNotBool | None = Field(None, ge=1, description="sbatch --gpus-per-node (default on cuda: the most GPUs an instance host uses)")
+    job_id: str | None = Field(
+        None, description="run in this existing allocation (default: $SLURM_JOB_ID if set, else submit one)"
+    )
+    gpus_per_node: IntNotBool | None = Field(
+        None, ge=1, description="sbatch --gpus-per-node (default on cuda: the most GPUs an instance host uses)"
+    )
     exclusive: bool | None = Field(None, description="sbatch --exclusive (default: true on cuda)")
     sbatch_options: list[str] = Field(default_factory=list, description="more sbatch options, e.g. ['--qos=high']")
     srun_options: list[str] = Field(default_factory=list, description="more options for every job step's srun")
@@ -288,11 +350,15 @@ class SecretSource(_Model):
     """Where a secret's value is read, on the machine running kvpush (or, for a standalone Slurm
     script, in the job when it starts): one of env and file."""
 
-    env: Annotated[str, AfterValidator(values.env_name)] | None = Field(None, description="an environment variable holding the value")
-    file: PathText | None = Field(None, description="a file holding the value (mode 0600, this user's; one trailing newline is dropped)")
+    env: Annotated[str, AfterValidator(values.env_name)] | None = Field(
+        None, description="an environment variable holding the value"
+    )
+    file: PathText | None = Field(
+        None, description="a file holding the value (mode 0600, this user's; one trailing newline is dropped)"
+    )
 
     @model_validator(mode="after")
-    def _one_source(self) -> "SecretSource":
+    def _one_source(self) -> SecretSource:
         if (self.env is None) == (self.file is None):
             raise ValueError("gives neither or both of env and file; give one, e.g. {env: HF_TOKEN}")
         return self
@@ -311,7 +377,9 @@ class TracingSpec(_Model):
     attributes (deploy/plan/engine_tracing.py). `kvpush bench` sets this itself where it measures."""
 
     otlp_endpoint: Annotated[str, AfterValidator(_otlp_endpoint)] = Field(
-        description="where the spans go, e.g. http://collector:4318/v1/traces (http/protobuf) or http://collector:4317 (grpc)")
+        description="where the spans go, e.g. http://collector:4318/v1/traces (http/protobuf) or http://collector:4317 "
+                                "(grpc)"
+    )
     protocol: Literal["http/protobuf", "grpc"] = Field("http/protobuf", description="the OTLP exporter's protocol")
     export_delay_ms: IntNotBool = Field(5000, ge=1, le=600_000, description="the SDK exports finished spans this often")
 
@@ -320,8 +388,11 @@ class Topology(_Model):
     name: str = Field("kvpush", description="the deployment's name: its state file, work directories and "
                                             "`-d NAME` (lowercase letters, digits and '-')")
     platform: Platform = Field("cpu", description="cpu: vLLM on CPU cores (cpu_cores); cuda: on GPUs (devices)")
-    launcher: Launcher = Field("ssh", description="ssh: kvpush starts each process over SSH, or directly on this "
-                                                  "machine; slurm: as job steps of one Slurm allocation (docs/slurm.md)")
+    launcher: Launcher = Field(
+        "ssh",
+        description="ssh: kvpush starts each process over SSH, or directly on this "
+        "machine; slurm: as job steps of one Slurm allocation (docs/slurm.md)",
+    )
     slurm: SlurmSpec | None = Field(None, description="launcher slurm: the allocation and its job steps")
     model: ModelSpec = Field(description="the model every instance serves")
     connector: ConnectorSpec = Field(default_factory=ConnectorSpec, description="how the KV cache moves from prefill "
@@ -338,8 +409,10 @@ class Topology(_Model):
     tracing: TracingSpec | None = Field(None, description="send vLLM's per-request OpenTelemetry spans to a collector")
     env: EnvMap = Field(default_factory=dict, description="environment variables of every process")
     secrets: dict[str, SecretSource] = Field(  # names: checked by topology_security, at their own line
-        default_factory=dict, description="environment variables of every vLLM instance whose values are secret, by "
-                                          "name, e.g. HF_TOKEN: {env: HF_TOKEN}: delivered in a 0600 file, never printed")
+        default_factory=dict,
+        description="environment variables of every vLLM instance whose values are secret, by "
+        "name, e.g. HF_TOKEN: {env: HF_TOKEN}: delivered in a 0600 file, never printed",
+    )
     instance_public_paths: list[InstancePublicPath] = Field(
         default_factory=lambda: ["/health", "/metrics"], description="paths every vLLM instance serves without the "
                                                                      "instance key; every other path needs it")

@@ -209,7 +209,9 @@ def parse_core_list(text: str) -> set[int]:
             raise ValueError(f"'{text}' is not a core list; write e.g. '0' or '0-3,8'")
         lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
         if hi > MAX_CORE:
-            raise ValueError(f"core {hi} in '{part}' is above {MAX_CORE}; give the core numbers of this host (see `nproc`)")
+            raise ValueError(
+                f"core {hi} in '{part}' is above {MAX_CORE}; give the core numbers of this host (see `nproc`)"
+            )
         if hi < lo:
             raise ValueError(f"range '{part}' runs backwards; write the low core first")
         cores.update(range(lo, hi + 1))
@@ -239,7 +241,10 @@ IntNotBool = Annotated[int, BeforeValidator(_not_bool)]
 NumberNotBool = Annotated[float, BeforeValidator(_not_bool)]
 PathText = Annotated[str, AfterValidator(path)]
 PlainName = Annotated[str, AfterValidator(plain_name)]
-EnvMap = Annotated[dict[str, str], BeforeValidator(env_strings, json_schema_input_type=dict[str, str | int | float | bool | None]),
-                   AfterValidator(env_map)]
+EnvMap = Annotated[
+    dict[str, str],
+    BeforeValidator(env_strings, json_schema_input_type=dict[str, str | int | float | bool | None]),
+    AfterValidator(env_map),
+]
 ExtraArgs = Annotated[list[str], AfterValidator(extra_args)]
 HostAddressText = Annotated[str, not_blank("give the host's IP address or DNS name"), AfterValidator(host_address)]

@@ -102,8 +102,10 @@ def _scalar(node: yaml.Node, doc: SourceDocument, loader: _LimitedLoader) -> Any
     except (ValueError, OverflowError) as exc:  # e.g. an integer of 5,000 digits, a 13th month
         pos = _mark(node)
         why = str(exc).split(":")[0]
-        raise YamlSyntaxError(f"{doc.source}:{pos.line}:{pos.column}: value {node.value[:40]!r} cannot be read ({why}); "
-                              "give a plain number or quote it as text") from None
+        raise YamlSyntaxError(
+            f"{doc.source}:{pos.line}:{pos.column}: value {node.value[:40]!r} cannot be read ({why}); "
+            "give a plain number or quote it as text"
+        ) from None
     if isinstance(value, str) and "\0" in value:
         pos = _mark(node)
         raise YamlSyntaxError(f"{doc.source}:{pos.line}:{pos.column}: a NUL character (\\0) in a value; "
