@@ -73,7 +73,7 @@ class RouterConfig(_Model):
     # deployment secret and written by `kvpush up`; unset: legs go unsigned (a deployment without a secret).
     transfer_params_key_file: str | None = None
     transfer_params_ttl_s: float = Field(DEFAULT_TTL_S, gt=0, le=3600)  # a signed leg's params expire this long after
-    public_paths: list[PublicPath] = Field(default_factory=lambda: ["/health"])
+    public_paths: list[PublicPath] = ["/health"]  # pydantic copies a mutable default for each config
     max_prompt_chars: int = 4_000_000
     max_batch_prompts: int = Field(1024, ge=1)  # prompts in one completion request (vLLM's own default limit)
     timeouts: Timeouts = Field(default_factory=Timeouts)

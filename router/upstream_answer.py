@@ -221,7 +221,7 @@ class UpstreamResponse(AnswerParser):
             if self._mode == "done":
                 self._wake()
             return
-        if self._body_size > _PAUSE_ABOVE and not self._paused and self._conn is not None:
+        if self._body_size > _PAUSE_ABOVE and not self._paused and self._conn is not None and self._conn.transport:
             self._paused = True
             self._conn.transport.pause_reading()
         self._wake()

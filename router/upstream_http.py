@@ -137,7 +137,8 @@ class UpstreamClient:
         while idle:
             conn = idle.pop()  # the most recently used: least likely to be closed by the server
             conn.idle = False
-            if not conn.closed and now - conn.idle_since < self.keepalive_s and not conn.transport.is_closing():
+            open_ = conn.transport is not None and not conn.transport.is_closing()
+            if open_ and not conn.closed and now - conn.idle_since < self.keepalive_s:
                 return conn
             conn.abort()
         return None

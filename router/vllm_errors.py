@@ -46,7 +46,8 @@ def failure_kind(status: int, payload: bytes) -> str:
     error = _error_object(payload)
     code = status
     if isinstance(error, dict) and status == 200:
-        code = error.get("code") if isinstance(error.get("code"), int) else 500
+        given = error.get("code")
+        code = given if isinstance(given, int) else 500
     if client_fault(code):
         return CLIENT
     if (code == 500 and isinstance(error, dict) and error.get("message") == GENERATION_ERROR_MESSAGE

@@ -414,8 +414,8 @@ class Topology(_Model):
         "name, e.g. HF_TOKEN: {env: HF_TOKEN}: delivered in a 0600 file, never printed",
     )
     instance_public_paths: list[InstancePublicPath] = Field(
-        default_factory=lambda: ["/health", "/metrics"], description="paths every vLLM instance serves without the "
-                                                                     "instance key; every other path needs it")
+        default_factory=lambda: ["/health", "/metrics"],
+        description="paths every vLLM instance serves without the instance key; every other path needs it")
 
     @field_validator("name")
     @classmethod
