@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 from rich.live import Live
-from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.progress import Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
@@ -65,7 +65,7 @@ def _status_document(name: str, rows: list[ProcessStatus], error: str | None = N
 
 class _ProgressEvents(Events):
     def __init__(self, progress: Progress):
-        self.progress, self.tasks = progress, {}
+        self.progress, self.tasks = progress, dict[str, TaskID]()
 
     def note(self, message: str) -> None:
         self.progress.console.print(Text(message, style="dim"), highlight=False)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import difflib
-from typing import Iterable
+from typing import Any, Iterable, Mapping, Sequence
 
 
 class KvpushError(Exception):
@@ -29,7 +29,7 @@ def field_path(loc: tuple) -> str:
 UNKNOWN_FIELD_ERRORS = ("extra_forbidden", "unexpected_keyword_argument")
 
 
-def validation_message(err: dict, known_fields: Iterable[str] = ()) -> str:
+def validation_message(err: Mapping[str, Any], known_fields: Iterable[str] = ()) -> str:
     """One pydantic error (an item of ValidationError.errors()) as the words after its field's
     name: what is wrong, and the fix; an unknown field gets the known one it was likely meant to be."""
     kind = err["type"]
@@ -57,7 +57,7 @@ def validation_message(err: dict, known_fields: Iterable[str] = ()) -> str:
     )
 
 
-def first_problem(errors: list[dict]) -> dict:
+def first_problem(errors: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
     """The error to report of several: an unknown field first, since a misspelt key also makes the
     field it was meant to be "missing", and the misspelling is what to fix."""
     return next((e for e in errors if e["type"] in UNKNOWN_FIELD_ERRORS), errors[0])

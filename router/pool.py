@@ -21,7 +21,7 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import AbstractSet, Any
 
 from kvpush.common.vllm_metrics import vllm_load
 
@@ -129,7 +129,7 @@ class Pool:
         s = self.prefix_settings
         return prompt_blocks(body, chat, s.block_tokens, s.block_chars)
 
-    def pick(self, avoid: set[str] = frozenset(), strict: bool = False,
+    def pick(self, avoid: AbstractSet[str] = frozenset(), strict: bool = False,
              prompt: PromptBlocks | None = None) -> Instance | None:
         """An instance in rotation, preferring ones not in `avoid` (strict: only those); None if
         there is none. Under the prefix-aware policy, the best for `prompt` among them."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import get_args
+from typing import Sequence, get_args
 
 from pydantic import ValidationError
 
@@ -48,7 +48,7 @@ def _user_secret(word: str) -> tuple[str, SecretSource]:
 
 
 def content(kind: str, secret_path: str | None, client_key_env: str | None = None,
-            client_key_file: str | None = None, user_secrets: list[str] = ()) -> bytes:
+            client_key_file: str | None = None, user_secrets: Sequence[str] = ()) -> bytes:
     """What to print for `kind`: a new secret file, or one secret file derived from the secret at secret_path
     (instance-env with the values of user_secrets, read here: the job's environment and files)."""
     if kind == NEW:

@@ -26,6 +26,7 @@ import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from typing import AbstractSet
 
 MODULE = "kvpush.deploy.lifecycle.supervise"
 RESTART_POLICIES = ("never", "on-failure")
@@ -114,7 +115,7 @@ def _table() -> dict[int, tuple[int, str]]:
     return table
 
 
-def descendants(root: int, exclude: set[int] = frozenset()) -> list[int]:
+def descendants(root: int, exclude: AbstractSet[int] = frozenset()) -> list[int]:
     """Live (not zombie) processes below `root`, minus `exclude` and their own subtrees."""
     table = _table()
     children: dict[int, list[int]] = {}

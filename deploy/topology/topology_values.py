@@ -182,7 +182,8 @@ def rank_core_lists(text: str) -> list[set[int]]:
 
 def core_list_text(cores: set[int]) -> str:
     """{0, 1, 2, 5} -> '0-2,5' (what taskset takes)."""
-    out, run = [], []
+    out: list[str] = []
+    run: list[int] = []
     for core in sorted(cores):
         if run and core == run[-1] + 1:
             run.append(core)
