@@ -23,6 +23,13 @@ its blocks in each mode and the receiver checks every byte after each push:
     python benchmarks/gpu_transfer.py                      # H200: Qwen3-32B TP 8 shape, 1k/4k/16k
     python benchmarks/gpu_transfer.py --device cpu         # DRAM, small sizes
     python benchmarks/gpu_transfer.py --device cpu --layers 2 --tokens 64,256 --repeats 1 --json out.json
+    python benchmarks/gpu_transfer.py --verify-kv          # + verify_kv's digest time vs the WRITE's
+
+With --verify-kv, each request size and pattern also times the connector's end-to-end KV check
+(kv_digest.py) on both sides, in the same run as the WRITEs: prefill's digest of its source blocks
+(on the device for GPU memory), decode's of the blocks the last WRITE landed in (checked equal),
+and prints their ratio to the producer WRITE's total (records: digest_ms, decode_digest_ms,
+digest_ratio).
 
 setup = from "prefill finished" (block lists known) to WRITE posted; total = to DONE at the
 writer. prep = building the coalesced descriptors (coalesced: warm numpy time, part of setup;
@@ -48,7 +55,7 @@ from gpu_bench_common import (contiguous_ids, describe_environment, fragmented_i
                               torch)
 from gpu_transfer_sides import (ENGINE_MODES, PRODUCER_MODES, RAW_VARIANTS, ProducerPush, RawNixl,  # noqa: E402
                                 RECEIVER_ENGINE, Receiver, engine_write)
-from kvpush.connector import coalesce as coalesce_mod, layout as layout_mod, transfer as transfer_mod  # noqa: E402
+from kvpush.connector import coalesce as coalesce_mod, kv_digest, layout as layout_mod, transfer as transfer_mod  # noqa: E402
 
 
 
@@ -162,6 +169,10 @@ def run_layout(args, receiver: Receiver, layout_name: str, rng: np.random.Genera
                                      nbytes, copy_s, made_s, sample)
                     out.append(record)
                     _print_row(record)
+                if args.verify_kv:
+                    _time_digests(args, receiver, cache, regions, peer_regions, segments, src_list, dst_list,
+                                  [r for r in out if r["layout"] == layout_name and r["tokens"] == tokens
+                                   and r["pattern"] == pattern_name])
         _print_targets(layout_name, [r for r in out if r["layout"] == layout_name], max(args.tokens))
     finally:
         for raw in raws.values():
@@ -172,6 +183,24 @@ def run_layout(args, receiver: Receiver, layout_name: str, rng: np.random.Genera
         receiver.call("teardown")
         del cache, copy_src, copy_dst
         common.empty_cache(device)
+
+
+def _time_digests(args, receiver, cache, regions, peer_regions, segments, src, dst, records: list[dict]) -> None:
+    """verify_kv's cost beside the WRITEs just measured: both sides' digests (decode's over what
+    the last WRITE landed), checked equal, and their ratio to the WRITE's total."""
+    memory = kv_digest.HostMemory() if args.device == "cpu" else kv_digest.TorchMemory(cache.buffers)
+    slices = kv_digest.producer_slices(segments, regions, peer_regions)
+    sent = kv_digest.digest(memory, slices, src)
+    prefill_s = median_seconds(lambda: kv_digest.digest(memory, slices, src), max(3, args.repeats))
+    _, landed, decode_s = receiver.call("digest", dst)
+    write = next((r for r in records if r["mode"] == "producer"), records[0] if records else None)
+    ratio = (prefill_s + decode_s) * 1e3 / write["total_ms"] if write else float("nan")
+    for r in records:
+        r.update(digest_ms=prefill_s * 1e3, decode_digest_ms=decode_s * 1e3, digest_ratio=ratio, digest_equal=sent == landed)
+        r["verified"] &= sent == landed
+    print(f"   verify_kv: digest {prefill_s * 1e3:.3f} ms (prefill) + {decode_s * 1e3:.3f} ms (decode) = {ratio:.3f}x the "
+          f"{write['mode'] if write else '?'} WRITE's {write['total_ms'] if write else float('nan'):.3f} ms; digests equal: "
+          f"{sent == landed}", flush=True)
 
 
 def _record(layout_name, tokens, n, pattern_name, mode, num_regions, num_segments, runs, nbytes, copy_s, prep_s,
@@ -250,6 +279,8 @@ def parse_args(argv=None):
                    help="the writer engine's NIXL progress-thread pause (default: the connector's for the memory type)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write every record to this file")
+    p.add_argument("--verify-kv", action="store_true",
+                   help="also time verify_kv's digest on both sides and print its ratio to the WRITE's time")
     args = p.parse_args(argv)
     on_gpu = args.device.startswith("cuda")
     args.tokens = [int(t) for t in (args.tokens or ("1024,4096,16384" if on_gpu else "256,1024")).split(",")]

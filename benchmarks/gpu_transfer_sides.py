@@ -75,6 +75,21 @@ def receiver_main(conn, device: str) -> None:
         return ("verdict", kvl.verify(state["cache"], torch.as_tensor(src, device=device),
                                       torch.as_tensor(dst, device=device)))
 
+    def digest(dst):
+        """verify_kv's digest of these blocks on this side, and how long it took (median of 3)."""
+        from kvpush.connector import kv_digest
+        from kvpush.connector.regions import HeadLayout
+
+        regions = state["engine"].regions
+        slices = kv_digest.decode_slices(regions, [HeadLayout.whole(r.block_len) for r in regions], 0, 1, whole=True)
+        memory = kv_digest.HostMemory() if device == "cpu" else kv_digest.TorchMemory(state["cache"].buffers)
+        times, value = [], 0
+        for _ in range(3):
+            t0 = time.perf_counter()
+            value = kv_digest.digest(memory, slices, list(dst))
+            times.append(time.perf_counter() - t0)
+        return ("digest", value, sorted(times)[1])
+
     def teardown():
         state.pop("consumer").close()
         state.pop("engine").close()
@@ -89,7 +104,7 @@ def receiver_main(conn, device: str) -> None:
             state["engine"].close()
 
     common.serve(conn, {"setup": setup, "expect": expect, "outcome": outcome, "outcomes": outcomes, "poison": poison,
-                        "verify": verify, "teardown": teardown}, cleanup)
+                        "verify": verify, "digest": digest, "teardown": teardown}, cleanup)
 
 
 class Receiver(common.ChildProcess):

@@ -11,6 +11,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from .liveness import DEFAULT_SILENCE_S
 
 CPU_IDLE_WAIT_MS = 20.0
+# verify_kv's default (docs/connector.md, "End-to-end KV check"): off, since hashing the KV on CPU
+# costs well over 2% of TTFT (benchmarks/results/verify-kv-cpu-2026-12-05). Being off by default,
+# it is no security setting: a topology's extra_config may turn it on (or leave it off).
+VERIFY_KV = False
 GPU_IDLE_WAIT_MS = 2.0
 # A backstop for a leg that never reached the other side: a dead or hung prefill is noticed in
 # ~1 s by the side channel's ping, and a busy one may hold a request queued for many seconds.
@@ -49,6 +53,7 @@ class ConnectorExtraConfig(BaseModel):
     huge_pages: bool = True
     accepted_timeout_s: float = Field(300.0, gt=0)
     late_write_hold_s: float = Field(30.0, ge=0)
+    verify_kv: bool = VERIFY_KV
 
     @field_validator("secret_file")
     @classmethod
@@ -170,6 +175,10 @@ class Settings:
     secret_file: str = ""
     # each allowed peer's side channel (engine id -> host, base port), from the deployment's configuration
     peer_side_channels: dict[str, tuple[str, int]] | None = None
+    # P: send a digest of each push's KV; D: check its blocks against it before the request runs,
+    # a mismatch failing the load (kv_digest.py). Both roles of a deployment must agree: a decode
+    # that checks fails every load from a prefill that sends no digest.
+    verify_kv: bool = _default("verify_kv")
 
     @classmethod
     def from_vllm(cls, vllm_config: Any, kv_cache_config: Any = None) -> Settings:
@@ -224,6 +233,7 @@ class Settings:
             secret_file=extra.secret_file,
             peer_side_channels=_addresses(extra.peer_side_channels),
             late_write_hold_s=extra.late_write_hold_s,
+            verify_kv=extra.verify_kv,
         )
 
 

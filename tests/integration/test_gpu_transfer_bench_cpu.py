@@ -1,6 +1,7 @@
 """benchmarks/gpu_transfer.py on CPU memory: two real processes, real NIXL (UCX on DRAM), the
 connector's push services (Producer/Consumer over the side channel, WRITE made ahead or at prefill
-end), its NixlEngine per-block and coalesced WRITEs and a raw NIXL WRITE, every byte checked."""
+end), its NixlEngine per-block and coalesced WRITEs and a raw NIXL WRITE, every byte checked; with
+--verify-kv, verify_kv's digest timed on both sides and found equal after every size and pattern."""
 from __future__ import annotations
 
 import json
@@ -16,7 +17,8 @@ MODES = ("producer", "producer-late", "per-block", "coalesced", "raw")
 def bench_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu-bench") / "records.json"
     rc, stdout = run_benchmark("gpu_transfer", ["--device", "cpu", "--layouts", "nhd,blnhc", "--layers", "2", "--kv-heads", "2",
-                                                "--tokens", "48,256", "--repeats", "1", "--json", str(out)], timeout_s=240)
+                                                "--tokens", "48,256", "--repeats", "1", "--json", str(out),
+                                                "--verify-kv"], timeout_s=240)
     return rc, stdout, json.loads(out.read_text()) if out.exists() else []
 
 
@@ -53,3 +55,11 @@ def test_coalescing_cuts_descriptors_to_runs_times_segments(bench_run):
     through_producer = {(r["layout"], r["tokens"], r["pattern"]): r["descriptors"] for r in records if r["mode"] == "producer"}
     through_engine = {(r["layout"], r["tokens"], r["pattern"]): r["descriptors"] for r in records if r["mode"] == "coalesced"}
     assert through_producer == through_engine  # the connector's push uses the coalesced WRITE
+
+
+def test_verify_kv_digests_are_timed_on_both_sides_equal_and_set_against_the_write(bench_run):
+    _, stdout, records = bench_run
+    assert records and all(r["digest_equal"] and r["digest_ms"] > 0 and r["decode_digest_ms"] > 0 for r in records)
+    assert all(r["digest_ratio"] > 0 for r in records)
+    assert stdout.count("verify_kv: digest") == 2 * 2 * 2  # layouts x sizes x patterns
+    assert "digests equal: True" in stdout and "digests equal: False" not in stdout

@@ -56,6 +56,13 @@ def test_huge_pages_default_on_and_switchable_with_a_boolean_only():
         Settings.from_vllm(vllm_config(extra={"huge_pages": "no"}))
 
 
+def test_verify_kv_defaults_off_and_takes_a_boolean_only():
+    assert Settings.from_vllm(vllm_config()).verify_kv is False
+    assert Settings.from_vllm(vllm_config(extra={"verify_kv": True})).verify_kv is True
+    with pytest.raises(UnsupportedDeployment, match="verify_kv"):
+        Settings.from_vllm(vllm_config(extra={"verify_kv": "yes"}))
+
+
 def test_the_accepted_transfer_safety_net_is_configurable_and_must_be_positive():
     assert Settings.from_vllm(vllm_config()).accepted_timeout_s == 300.0
     assert Settings.from_vllm(vllm_config(extra={"accepted_timeout_s": 20})).accepted_timeout_s == 20.0
