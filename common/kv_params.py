@@ -8,7 +8,7 @@ The peer is the instance at the other end; its side channel listens on peer_port
 `engine_id` is the instance the leg is for.
 
 Signed (where the deployment has a secret): the router signs each leg with HMAC-SHA256 under the
-key derived from the deployment secret for TRANSFER_PARAMS_PURPOSE, over every field above but the
+key derived from the deployment secret for deployment_secret.TRANSFER_PARAMS, over every field above but the
 signature itself (`signed_text`). The connector refuses a leg that is unsigned, wrongly signed,
 past `expires` (Unix seconds), for another engine, or whose `prompt_tokens`/`prompt_digest` (bound
 only where the router knows the prompt's token ids: a completion request whose prompt is token
@@ -29,8 +29,6 @@ ROLE_KEY = "kvpush_role"
 PRODUCER = "producer"
 CONSUMER = "consumer"
 SIGNATURE_VERSION = "kvpush kv_transfer_params v1"
-# The deployment secret's purpose (common/deployment_secret.derive_key) for the signing key.
-TRANSFER_PARAMS_PURPOSE = "kv-transfer-params-v1"
 DEFAULT_TTL_S = 120  # a leg's params are good this long after the router signed them
 
 # Why the connector refuses a leg's params: the label of vllm:kvpush_refused_transfer_params_total.

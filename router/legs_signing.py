@@ -1,7 +1,7 @@
 """Signing each leg's kvpush `kv_transfer_params` (the contract and its check: kvpush.common.kv_params).
 
 The router holds the signing key only, never the deployment secret: `kvpush up` writes the key
-derived from the secret for kv_params.TRANSFER_PARAMS_PURPOSE (64 hex digits) into a file of the
+derived from the secret for deployment_secret.TRANSFER_PARAMS (64 hex digits) into a file of the
 router's host, named by router.json's `transfer_params_key_file`. Without one the router signs
 nothing (a deployment without a secret, whose connectors check nothing either).
 

@@ -32,6 +32,10 @@ def pytest_configure(config):
         for sig in (signal.SIGTERM, signal.SIGHUP):
             if signal.getsignal(sig) == signal.SIG_DFL:
                 signal.signal(sig, _unwind)
+        # A shell starts a background job (scripts/test.sh runs pytest as one) with SIGINT ignored, and
+        # every process it starts inherits that: a CLI the tests stop with Ctrl-C would never see it.
+        if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_ignore_collect(collection_path, config):
@@ -67,6 +71,17 @@ def sshd_cluster(tmp_path_factory):
 
     with SshdCluster(3, first_address=SSHD_FIRST_ADDRESS, port=SSHD_PORT, root=tmp_path_factory.mktemp("sshd")) as cluster:
         yield cluster
+
+
+@pytest.fixture(scope="module", autouse=True)
+def private_known_hosts(tmp_path_factory):
+    """Every `kvpush` a module runs checks SSH host keys against a known_hosts of the module's own
+    (KVPUSH_KNOWN_HOSTS), never the user's: OpenSSH finds ~/.ssh by the account, not by $HOME, and
+    each module's sshd hosts get fresh keys on addresses other modules and runs reuse."""
+    path = tmp_path_factory.mktemp("known_hosts") / "known_hosts"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("KVPUSH_KNOWN_HOSTS", str(path))
+        yield path
 
 
 @pytest.fixture

@@ -43,12 +43,17 @@ def wait_http(url: str, proc: subprocess.Popen, timeout_s: float = 20) -> int:
     raise AssertionError(f"{url} never answered")
 
 
+def start_fake(port: int) -> subprocess.Popen:
+    """A fake vLLM process on 127.0.0.1:port; SIGTERM stops it."""
+    # the fake lives beside this module, which a `python -c` child does not have on its path
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))}
+    return subprocess.Popen([sys.executable, "-c", FAKE, str(port)], env=env)
+
+
 @contextlib.contextmanager
 def fake_instances(ports: dict[str, int], roles: tuple[str, ...] = ("decode", "prefill")):
     """A fake vLLM process on ports[role] for each role, stopped after."""
-    # the fake lives beside this module, which a `python -c` child does not have on its path
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))}
-    procs = [subprocess.Popen([sys.executable, "-c", FAKE, str(ports[role])], env=env) for role in roles]
+    procs = [start_fake(ports[role]) for role in roles]
     try:
         for role, proc in zip(roles, procs):
             wait_http(f"http://127.0.0.1:{ports[role]}/health", proc)

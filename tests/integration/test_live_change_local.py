@@ -5,10 +5,12 @@ request fails. The instances are FakeVllm servers (tests/fake_upstream.py) whose
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import yaml
 
@@ -102,7 +104,8 @@ def test_up_adds_then_removes_a_decode_under_load_without_a_failed_request_or_a_
     marker = str(tmp_path)
     (tmp_path / "fake_vllm.py").write_text(FAKE_VLLM)
     python = tmp_path / "python"
-    python.write_text(f"#!/bin/sh\nexec {__import__('sys').executable} {tmp_path / 'fake_vllm.py'} \"$@\"\n")
+    tests_dir = Path(__file__).resolve().parents[1]  # where fake_upstream lives
+    python.write_text(f"#!/bin/sh\nPYTHONPATH={tests_dir} exec {sys.executable} {tmp_path / 'fake_vllm.py'} \"$@\"\n")
     python.chmod(0o755)
     router_port = next(PORTS)
     doc = {

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from kvpush.router.config import RouterConfig, Upstream
-from router_process_harness import FAKE, fake_instances, wait_http
+from router_process_harness import fake_instances, start_fake, wait_http
 from router_process_harness import config_file as shared_config_file
 
 PORTS = {"decode": 18500, "prefill": 18501, "router": 18502, "decode-1": 18503}
@@ -240,7 +240,7 @@ def instance_list(tmp_path: Path, decodes: list[str]) -> str:
 def test_sighup_to_the_routers_group_makes_every_worker_take_the_new_instance_list(fakes, tmp_path, workers):
     """As `kvpush up` changes the instances: the list file rewritten, SIGHUP to the router's process
     group; no process of the router restarts."""
-    extra = subprocess.Popen([sys.executable, "-c", FAKE, str(PORTS["decode-1"])])
+    extra = start_fake(PORTS["decode-1"])
     first = instance_list(tmp_path, ["decode-0"])
     config = RouterConfig(protocol="kvpush", served_model_name="tiny", port=PORTS["router"], workers=workers,
                           instances_file="instances.json", probe_interval_s=0.1)

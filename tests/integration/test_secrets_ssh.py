@@ -272,7 +272,7 @@ def test_down_removes_the_secret_files_from_every_host_and_keeps_this_machine_s_
     up(topo, options(sshd_cluster))
     secret = ds.read_secret(local_secret_path(topo.name))
     on_hosts = sorted(tmp_path.glob("h*/sec/*.secret")) + sorted(tmp_path.glob("h*/sec/*.key")) + sorted(tmp_path.glob("h*/sec/*.env"))
-    assert len(on_hosts) == 7, on_hosts  # the secret on 3 hosts, 2 instance env files, the router's 2 keys
+    assert len(on_hosts) == 8, on_hosts  # the secret on 3 hosts, 2 instance env files, the router's 3 keys (upstream, client, params)
 
     known = ["--known-hosts", str(sshd_cluster.known_hosts)]
     code, out, err = run_cli(["down", "-d", topo.name, *known], capsys)

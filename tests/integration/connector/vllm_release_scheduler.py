@@ -9,6 +9,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 
 import torch
 import vllm
@@ -25,13 +26,16 @@ from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
-from kvpush.common.deployment_secret import new_secret, secret_file_text  # noqa: E402
+from kvpush.common.deployment_secret import TRANSFER_PARAMS, derive_key, new_secret, secret_file_text  # noqa: E402
+from kvpush.common.kv_params import PushParams  # noqa: E402
 
 
 def main(model_dir: str) -> None:
     secret = os.path.join(tempfile.mkdtemp(), "secret")
+    deployment_secret = new_secret()
+    signing_key = derive_key(deployment_secret, TRANSFER_PARAMS)  # the connector refuses unsigned legs
     fd = os.open(secret, os.O_WRONLY | os.O_CREAT, 0o600)
-    os.write(fd, secret_file_text(new_secret()).encode())
+    os.write(fd, secret_file_text(deployment_secret).encode())
     os.close(fd)
     kv = {"kv_connector": "KVPushConnector", "kv_connector_module_path": "kvpush.connector", "kv_role": "kv_producer",
           "engine_id": "t.prefill", "kv_buffer_device": "cpu",
@@ -47,10 +51,10 @@ def main(model_dir: str) -> None:
                       structured_output_manager=StructuredOutputManager(config), block_size=block_size, log_stats=True)
 
     def request(i: int, n: int) -> Request:
-        params = {"kvpush_role": "producer", "transfer_id": f"t{i}", "peer_engine_id": "t.decode",
-                  "peer_host": "127.0.0.1", "peer_port": 5999}
-        r = Request(f"r{i}", list(range(1000 + i, 1000 + i + n)), SamplingParams(max_tokens=1), None)
-        r.kv_transfer_params = params
+        prompt = list(range(1000 + i, 1000 + i + n))
+        params = PushParams("producer", f"t{i}", "t.decode", "127.0.0.1", 5999)
+        r = Request(f"r{i}", prompt, SamplingParams(max_tokens=1), None)
+        r.kv_transfer_params = params.signed(signing_key, "t.prefill", int(time.time()) + 600, prompt).to_dict()
         return r
 
     sched.add_request(request(0, 2 * block_size + 200))  # a prefill in chunks of 256 tokens
