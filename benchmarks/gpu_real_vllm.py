@@ -67,14 +67,18 @@ def write_model(path: Path, config: dict) -> None:
     (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 1}))
 
 
-def write_secret(path: Path) -> None:
+def write_secrets(secret_path: Path, params_key_path: Path) -> None:
+    """The deployment secret the connectors authenticate with, and the key the router signs each
+    leg's kv_transfer_params with (derived from it), as `kvpush up` writes them."""
     sys.path.insert(0, str(kvpush_root()))
-    from kvpush.common.deployment_secret import new_secret, secret_file_text
+    from kvpush.common.deployment_secret import TRANSFER_PARAMS, derive_token, new_secret, secret_file_text
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secret_file_text(new_secret()))
+    secret = new_secret()
+    for path, text in ((secret_path, secret_file_text(secret)), (params_key_path, derive_token(secret, TRANSFER_PARAMS) + "\n")):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
 
 
 def kvpush_root() -> Path:
@@ -140,7 +144,7 @@ def kvpush_config(args, role: str) -> dict:
     prefill = role == "prefill"
     extra = {"backend": "UCX", "side_channel_host": "127.0.0.1", "side_channel_port": SIDE_CHANNEL_PORT,
              "allowed_engines": ["gpu.decode" if prefill else "gpu.prefill"], "secret_file": str(args.secret),
-             "transfer_timeout_s": 30}
+             "transfer_timeout_s": 30, "verify_kv": args.verify_kv}
     if not prefill:
         extra["peer_side_channels"] = {"gpu.prefill": f"127.0.0.1:{SIDE_CHANNEL_PORT}"}
     return {"kv_connector": "KVPushConnector", "kv_connector_module_path": "kvpush.connector",
@@ -181,6 +185,8 @@ def router_config(args) -> Path:
                        "side_channel_port": SIDE_CHANNEL_PORT + (0 if name == "prefill" else 1)}
     config = {"bind": "127.0.0.1", "port": PORTS["router"], "protocol": args.pd, "served_model_name": "m",
               "prefill": [up("prefill")], "decode": [up("decode")]}
+    if args.pd == "kvpush":
+        config["transfer_params_key_file"] = str(args.params_key)
     path = args.work / "router.json"
     path.write_text(json.dumps(config))
     return path
@@ -352,6 +358,30 @@ async def ttft(args, session, rng, records: list, deadline: float) -> dict:
     return per_length
 
 
+async def idle_probe(args, session, rng, records: list) -> dict:
+    """Is a P/D request slower after the pair sat idle, or after the colocated instance used the GPU?
+    For each length: a warm request, then the measured one after `gap` seconds of nothing, or right
+    after a colocated request of the same length."""
+    out: dict = {}
+    for n in args.idle_probe_lengths:
+        rows: dict[str, list[float]] = {}
+        for rep in range(args.idle_probe_rounds):
+            for case in ("gap-0s", "gap-0.5s", "gap-1.5s", "after-colocated"):
+                await complete(session, PORTS["router"], prompt(rng, n), args.out_tokens)
+                if case == "after-colocated":
+                    await complete(session, PORTS["reference"], prompt(rng, n), args.out_tokens)
+                else:
+                    await asyncio.sleep(float(case[4:-1]))
+                res = await complete(session, PORTS["router"], prompt(rng, n), args.out_tokens)
+                res.pop("text", None)
+                records.append({"phase": "idle-probe", "case": case, "prompt_tokens": n, "round": rep, **res})
+                if res.get("ok"):
+                    rows.setdefault(case, []).append(round(res["ttft_s"] * 1e3, 1))
+        out[n] = rows
+        print(f"idle probe, {n} tokens, TTFT ms per case: {rows}", flush=True)
+    return out
+
+
 def stats(records: list, pd: str) -> dict:
     import statistics
 
@@ -425,6 +455,8 @@ async def session_main(args, procs: Processes) -> dict:
             print("correctness:", json.dumps({k: v for k, v in result["correctness"].items() if k != "decode_metrics_delta"})[:1500], flush=True)
             print("decode counters:", json.dumps(result["correctness"]["decode_metrics_delta"]), flush=True)
             result["transfer_per_length"] = await ttft(args, session, rng, records, deadline)
+            if args.idle_probe_rounds:
+                result["idle_probe_ttft_ms"] = await idle_probe(args, session, rng, records)
         finally:
             result["ttft"] = stats(records, args.pd)
             (args.out / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -451,12 +483,15 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--budget-s", type=float, default=400, help="no new TTFT length starts after this")
     ap.add_argument("--start-timeout-s", type=float, default=240)
+    ap.add_argument("--verify-kv", action="store_true", help="kvpush: connector.verify_kv on both sides")
+    ap.add_argument("--idle-probe-rounds", type=int, default=0, help="rounds of the idle probe (0: skip it)")
+    ap.add_argument("--idle-probe-lengths", type=lambda s: [int(x) for x in s.split(",")], default=[4096, 16384])
     ap.add_argument("--request-timeout-s", type=float, default=120)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
-    args.secret = args.work / "deployment.secret"
-    write_secret(args.secret)
+    args.secret, args.params_key = args.work / "deployment.secret", args.work / "router-params.key"
+    write_secrets(args.secret, args.params_key)
     if args.model_dir is None:
         args.model_dir = args.work / "model"
         write_model(args.model_dir, LLAMA_31_8B)
@@ -477,7 +512,7 @@ def main() -> None:
         with tarfile.open(args.out / "logs.tar.xz", "w:xz") as tar:
             tar.add(logs, arcname="logs")
         (args.out / "summary.json").write_text(json.dumps(result, indent=1, default=str))
-    print(json.dumps({k: result.get(k) for k in ("healthy_after_s", "ttft", "transfer_per_length",
+    print(json.dumps({k: result.get(k) for k in ("healthy_after_s", "ttft", "transfer_per_length", "idle_probe_ttft_ms",
                                                  "device_copy_16k_kv_gb_per_s", "error")}, indent=1, default=str))
     if result.get("error"):
         sys.exit(1)
