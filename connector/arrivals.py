@@ -94,6 +94,9 @@ class Arrivals:
         else:
             counter, why = self.check.done(key, msg.digest, blocks)
         if not why:
+            if counter:
+                with self.lock:
+                    self._counters[counter] += 1
             return None
         with self.lock:
             self._counters[counter] += 1

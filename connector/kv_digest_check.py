@@ -19,6 +19,7 @@ from .sharding import HeadSharding, Piece
 
 MISMATCH = "kv_digest_mismatch"  # counter: a part whose KV differs from what prefill sent
 MISSING = "kv_digest_missing"  # counter: a part prefill sent without a digest (verify_kv off there)
+VERIFIED = "kv_digest_verified"  # counter: a whole push whose every byte matched prefill's digests
 
 
 def slices_for_piece(regions: Sequence[Region], heads: Sequence[HeadLayout], piece: Piece, prefill: HeadSharding,
@@ -73,7 +74,8 @@ class KvCheck:
         return "", ""
 
     def done(self, key: str, sent: str, blocks: Sequence[int]) -> tuple[str, str]:
-        """The whole push landed: ("", "") if every byte matches, else (counter, why)."""
+        """The whole push landed: (VERIFIED, "") if every byte matches, ("", "") if this check does not
+        expect the part, else (counter, why)."""
         part = self._part(key)
         if part is None:
             return "", ""
@@ -90,7 +92,7 @@ class KvCheck:
                 f"KV digest mismatch: decode's blocks hold {kv_digest.to_wire(mine)}, prefill wrote {sent} "
                 f"({len(part.checked)} streamed region(s) had matched)"
             )
-        return "", ""
+        return VERIFIED, ""
 
     def _part(self, key: str) -> _Part | None:
         with self._lock:

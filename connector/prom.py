@@ -25,6 +25,9 @@ _COUNTERS = {
     "kv_digest_mismatches": ("vllm:kvpush_kv_digest_mismatches",
                              "Transfer parts whose KV in decode's blocks differed from the digest prefill sent "
                              "(verify_kv): each failed its load."),
+    "kv_digests_verified": ("vllm:kvpush_kv_digests_verified",
+                            "Pushes whose KV in decode's blocks matched the digests prefill sent, every byte "
+                            "(verify_kv): the check ran and passed."),
 }
 _DROPPED = ("vllm:kvpush_dropped_messages",
             "Side-channel messages and requests this instance dropped or refused, by reason "

@@ -16,8 +16,9 @@ _SERIES = ("send_bytes", "prefill_end_to_done_s", "write_s", "registration_wait_
 # late_write_backstops: D, transfer parts whose blocks came back on late_write_hold_s without
 # prefill's word that its WRITEs ended or proof that it is gone (fences.py)
 # kv_digest_mismatches: D, transfer parts whose landed KV differed from prefill's digest (verify_kv)
+# kv_digests_verified: D, pushes whose every landed byte matched prefill's digests (verify_kv)
 _COUNTS = ("sends_ok", "sends_failed", "recvs_ok", "recvs_failed", "marks_on_compute_thread", "late_write_backstops",
-           "kv_digest_mismatches")
+           "kv_digest_mismatches", "kv_digests_verified")
 
 
 def _empty() -> dict[str, Any]:
@@ -63,6 +64,9 @@ class PushStats:
 
     def record_kv_digest_mismatches(self, n: int) -> None:
         self.data["kv_digest_mismatches"] += n
+
+    def record_kv_digests_verified(self, n: int) -> None:
+        self.data["kv_digests_verified"] += n
 
     def record_marks_on_compute_thread(self, n: int) -> None:
         self.data["marks_on_compute_thread"] += n

@@ -28,7 +28,7 @@ from .cache_layout import layout_cost_note
 from .consumer import Consumer, ConsumerConfig
 from .hugepages import back_with_huge_pages
 from .kv_digest import HostMemory, TorchMemory
-from .kv_digest_check import MISMATCH
+from .kv_digest_check import MISMATCH, VERIFIED
 from .layout import TensorView, head_layout, kv_regions, region_spans, regions_of
 from .metadata import PushMetadata
 from .producer import Producer, ProducerConfig
@@ -392,6 +392,7 @@ class PushWorker:
                 counts = service.take_counts()
                 self._stats.record_late_write_backstops(counts.pop("late_write_backstop", 0))
                 self._stats.record_kv_digest_mismatches(counts.pop(MISMATCH, 0))
+                self._stats.record_kv_digests_verified(counts.pop(VERIFIED, 0))
                 self._stats.record_dropped(counts)
         if self._stats.is_empty():
             return None

@@ -72,10 +72,12 @@ def test_a_correct_push_passes_the_check_and_a_swapped_block_fails_the_load(stre
             if not swap:
                 assert outcome.ok, outcome.reason
                 assert np.array_equal(decode.blocks(dst), expected)
-                assert decode.consumer.take_counts()["kv_digest_mismatch"] == 0
+                counts = decode.consumer.take_counts()
+                assert counts["kv_digest_mismatch"] == 0 and counts["kv_digest_verified"] == 1
             else:
                 assert not outcome.ok and "KV digest mismatch" in outcome.reason, outcome.reason
-                assert decode.consumer.take_counts()["kv_digest_mismatch"] == 1
+                counts = decode.consumer.take_counts()
+                assert counts["kv_digest_mismatch"] == 1 and counts["kv_digest_verified"] == 0
                 landed = decode.blocks(dst)
                 assert not np.array_equal(landed, expected)  # what the check caught: blocks 40 and 41 swapped
         finally:

@@ -9,7 +9,7 @@ import torch
 
 from kvpush.connector import kv_digest as kd
 from kvpush.connector.coalesce import pair_segments, slice_segments
-from kvpush.connector.kv_digest_check import MISMATCH, MISSING, KvCheck, slices_for_piece
+from kvpush.connector.kv_digest_check import MISMATCH, MISSING, VERIFIED, KvCheck, slices_for_piece
 from kvpush.connector.regions import HeadLayout, Region
 from kvpush.connector.sharding import HeadSharding, pieces_for_decode
 
@@ -106,7 +106,7 @@ def test_the_check_takes_matching_layers_then_the_rest_on_done_and_names_a_misma
     assert check.landed("t#0", (0,), kd.to_wire(kd.digest(MEM, sent_slices, s, [0])), d) == ("", "")
     dst[1:, d] = src[1:, s]
     dst[0, d] = 0  # layer 0 checked already: DONE does not hash it again
-    assert check.done("t#0", kd.to_wire(kd.digest(MEM, sent_slices, s)), d) == ("", "")
+    assert check.done("t#0", kd.to_wire(kd.digest(MEM, sent_slices, s)), d) == (VERIFIED, "")
     check.expect("t#1", kd.decode_slices(remote, layout, 0, HEADS, True))
     counter, why = check.landed("t#1", (2,), kd.to_wire(kd.digest(MEM, sent_slices, s, [1])), d)
     assert counter == MISMATCH and "KV digest mismatch in regions 2..2" in why
