@@ -85,6 +85,8 @@ def bind_allocation(topo: Topology, job_id: str, nodes: list[str], addresses: di
         bound.hosts[h].node = node
     for h in names:
         host = bound.hosts[h]
-        if host.address in (h, host.node):  # not an address the user chose: the one Slurm knows
-            host.address = addresses.get(host.node, host.node)
+        node = host.node
+        assert node is not None, f"hosts.{h} was given no node"  # named, or given a free one above
+        if host.address in (h, node):  # not an address the user chose: the one Slurm knows
+            host.address = addresses.get(node, node)
     return bound

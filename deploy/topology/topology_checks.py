@@ -82,35 +82,36 @@ def check_cross_fields(topo: Topology, problems: Problems) -> None:
         ports[key] = (path, what)
 
     router_path = ("router", "port")
-    claim_port(topo.router.host, topo.router.port, router_path, "router HTTP")
+    claim_port(topo.router.resolved_host, topo.router.port, router_path, "router HTTP")
     for role, index, spec in topo.instances():
         base = (role, index)
-        if spec.name in seen_names:
+        name, host = spec.resolved_name, spec.resolved_host
+        if name in seen_names:
             problems.fail(
                 base + ("name",),
-                f"name '{spec.name}' is already used by {field_path(seen_names[spec.name])}; names must be unique",
+                f"name '{name}' is already used by {field_path(seen_names[name])}; names must be unique",
             )
-        if not NAME_PATTERN.match(spec.name):
-            problems.fail(base + ("name",), f"'{spec.name}' must be lowercase letters, digits and '-'")
-        if spec.name == ROUTER_PROCESS_NAME:
+        if not NAME_PATTERN.match(name):
+            problems.fail(base + ("name",), f"'{name}' must be lowercase letters, digits and '-'")
+        if name == ROUTER_PROCESS_NAME:
             problems.fail(
                 base + ("name",), f"'{ROUTER_PROCESS_NAME}' is the router process's name; choose another name"
             )
-        seen_names[spec.name] = base
-        if spec.host not in topo.hosts:
+        seen_names[name] = base
+        if host not in topo.hosts:
             problems.fail(
                 base + ("host",),
-                f"unknown host '{spec.host}'; define it under hosts: or use one of {', '.join(topo.hosts)}",
+                f"unknown host '{host}'; define it under hosts: or use one of {', '.join(topo.hosts)}",
             )
-        claim_port(spec.host, spec.http_port, base + ("http_port",), f"{spec.name} HTTP")
+        claim_port(host, spec.resolved_http_port, base + ("http_port",), f"{name} HTTP")
         for rank, port in enumerate(listening_side_channel_ports(role, spec, topo.connector.type)):
             if port > 65535:
                 problems.fail(
                     base + ("side_channel_port",),
                     f"rank {rank} would listen on port {port} > 65535; lower side_channel_port",
                 )
-            what = f"{spec.name} side channel" + (f" rank {rank}" if rank else "")
-            claim_port(spec.host, port, base + ("side_channel_port",), what)
+            what = f"{name} side channel" + (f" rank {rank}" if rank else "")
+            claim_port(host, port, base + ("side_channel_port",), what)
 
         ranks = spec.tensor_parallel_size * spec.data_parallel_size
         if topo.platform == "cuda":
@@ -126,12 +127,12 @@ def check_cross_fields(topo: Topology, problems: Problems) -> None:
                     "or change the sizes",
                 )
             for dev in spec.devices:
-                key = (spec.host, dev)
+                key = (host, dev)
                 other = devices.get(key)
                 if other is not None and not (spec.share_gpus and getattr(topo, other[0])[other[1]].share_gpus):
                     problems.fail(
                         base + ("devices",),
-                        f"GPU {dev} on host '{spec.host}' is also given to {field_path(other)}; give "
+                        f"GPU {dev} on host '{host}' is also given to {field_path(other)}; give "
                         "each GPU to one instance, or set share_gpus: true on every instance that shares it",
                     )
                 devices[key] = base
@@ -164,6 +165,7 @@ def _claim_cores(topo: Topology, role: Role, index: int, spec: InstanceSpec, cor
     """One core list per rank; a core given twice (two instances, or two ranks of one) only where
     every instance involved says share_cores."""
     base = (role, index)
+    assert spec.cpu_cores is not None, "only an instance given cpu_cores claims them"
     groups = rank_core_lists(spec.cpu_cores)
     ranks = spec.tensor_parallel_size
     if len(groups) != ranks:

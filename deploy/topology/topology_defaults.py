@@ -19,9 +19,8 @@ def side_channel_ports(spec: InstanceSpec, connector: ConnectorType = "kvpush") 
     (base + dp_rank * tp + tp_rank); vLLM's NIXL connectors on one per data-parallel rank, in the
     engine process (base + dp_rank).
     """
-    assert spec.side_channel_port is not None
     count = spec.data_parallel_size * (spec.tensor_parallel_size if connector == "kvpush" else 1)
-    return [spec.side_channel_port + i for i in range(count)]
+    return [spec.resolved_side_channel_port + i for i in range(count)]
 
 
 def listening_side_channel_ports(role: Role, spec: InstanceSpec, connector: ConnectorType) -> list[int]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 import sys
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Literal, TypeVar, get_args
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 from pydantic.dataclasses import dataclass as pydantic_dataclass
@@ -29,14 +29,15 @@ from kvpush.router.config import (
 from . import topology_values as values
 from .host_address import HostAddress
 from .topology_values import (
+    CoreList,
     EnvMap,
     ExtraArgs,
     IntNotBool,
     NumberNotBool,
     PathText,
     PlainName,
+    RankCoreLists,
     not_blank,
-    parse_core_list,
 )
 
 NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
@@ -49,6 +50,8 @@ Platform = Literal["cpu", "cuda"]
 Role = Literal["prefill", "decode"]
 Launcher = Literal["ssh", "slurm"]
 InstancePublicPath = Literal["/health", "/metrics", "/ping", "/version", "/load"]  # paths that generate nothing
+RouterPublicPath = Literal["/health", "/metrics"]
+T = TypeVar("T")
 
 
 class TopologyError(UsageError):
@@ -60,6 +63,12 @@ _CONFIG = ConfigDict(extra="forbid", validate_assignment=False, allow_inf_nan=Fa
 
 class _Model(BaseModel):
     model_config = _CONFIG
+
+
+def _defaulted(value: T | None, field: str) -> T:
+    """A field that topology_defaults fills where the file leaves it out, read as filled."""
+    assert value is not None, f"{field} is unset: read a topology loaded through topology_from_document"
+    return value
 
 
 class TinyModelSpec(_Model):
@@ -167,34 +176,6 @@ class HostSpec(HostAddress):
         return "python3"
 
 
-def _valid_core_list(value: str) -> str:
-    if "|" in value:
-        raise ValueError(f"'{value}' has per-rank lists ('|'); give one core list like '0-3,8' here")
-    parse_core_list(value)  # raises ValueError with the reason
-    return value
-
-
-def _valid_rank_core_lists(value: str) -> str:
-    for group in value.split("|"):
-        if not group.strip():
-            raise ValueError(f"'{value}' has an empty rank core list; write one list per rank, e.g. '0|1' or '0-1|2-3'")
-        parse_core_list(group)
-    return value
-
-
-def _core_number_as_text(value: Any) -> Any:
-    if isinstance(value, bool):
-        raise ValueError("is true/false, not a core list; give cores like \"0-3,8\"")
-    return str(value) if isinstance(value, int) else value  # `cpu_cores: 3` unquoted
-
-
-CoreList = Annotated[str, BeforeValidator(_core_number_as_text, json_schema_input_type=str | int),
-                     AfterValidator(_valid_core_list)]  # "0-3,8"
-# One core list per TP rank, '|'-separated as VLLM_CPU_OMP_THREADS_BIND takes them: "0-1|2-3"
-RankCoreLists = Annotated[str, BeforeValidator(_core_number_as_text, json_schema_input_type=str | int),
-                          AfterValidator(_valid_rank_core_lists)]
-
-
 def _restart_shorthand(value: Any) -> Any:
     # `restart: on-failure` for the defaults; YAML reads a bare `no` as false.
     if value is False:
@@ -260,6 +241,31 @@ class InstanceSpec(_Model):
             raise ValueError("GPU indices start at 0")
         return value
 
+    # The fields above that topology_defaults fills, as a loaded topology has them.
+    @property
+    def resolved_name(self) -> str:
+        return _defaulted(self.name, "name")
+
+    @property
+    def resolved_host(self) -> str:
+        return _defaulted(self.host, f"{self.name}: host")
+
+    @property
+    def resolved_http_port(self) -> int:
+        return _defaulted(self.http_port, f"{self.name}: http_port")
+
+    @property
+    def resolved_side_channel_port(self) -> int:
+        return _defaulted(self.side_channel_port, f"{self.name}: side_channel_port")
+
+
+def _router_public_paths() -> list[RouterPublicPath]:
+    return ["/health"]
+
+
+def _instance_public_paths() -> list[InstancePublicPath]:
+    return ["/health", "/metrics"]
+
 
 class RouterSpec(_Model):
     host: str | None = Field(None, description="the host it runs on, a name under hosts (default: the only host)")
@@ -281,8 +287,8 @@ class RouterSpec(_Model):
     api_key_file: PathText | None = Field(
         None, description="file on the machine running kvpush holding the router's API key"
     )
-    public_paths: list[Literal["/health", "/metrics"]] = Field(
-        default_factory=lambda: ["/health"],
+    public_paths: list[RouterPublicPath] = Field(
+        default_factory=_router_public_paths,
         description="router paths served without the API key (default: /health only)",
     )
     prefill_timeout_s: float = Field(600.0, gt=0, le=DAY_S, description="seconds a request's prefill leg may take")
@@ -325,6 +331,11 @@ class RouterSpec(_Model):
         if self.api_key_env is not None and self.api_key_file is not None:
             raise ValueError("gives both api_key_env and api_key_file; keep one")
         return self
+
+    @property
+    def resolved_host(self) -> str:
+        """host, as topology_defaults fills it."""
+        return _defaulted(self.host, "router: host")
 
 
 class SlurmSpec(_Model):
@@ -414,7 +425,7 @@ class Topology(_Model):
         "name, e.g. HF_TOKEN: {env: HF_TOKEN}: delivered in a 0600 file, never printed",
     )
     instance_public_paths: list[InstancePublicPath] = Field(
-        default_factory=lambda: ["/health", "/metrics"],
+        default_factory=_instance_public_paths,
         description="paths every vLLM instance serves without the instance key; every other path needs it")
 
     @field_validator("name")

@@ -249,3 +249,31 @@ EnvMap = Annotated[
 ]
 ExtraArgs = Annotated[list[str], AfterValidator(extra_args)]
 HostAddressText = Annotated[str, not_blank("give the host's IP address or DNS name"), AfterValidator(host_address)]
+
+
+def _valid_core_list(value: str) -> str:
+    if "|" in value:
+        raise ValueError(f"'{value}' has per-rank lists ('|'); give one core list like '0-3,8' here")
+    parse_core_list(value)  # raises ValueError with the reason
+    return value
+
+
+def _valid_rank_core_lists(value: str) -> str:
+    for group in value.split("|"):
+        if not group.strip():
+            raise ValueError(f"'{value}' has an empty rank core list; write one list per rank, e.g. '0|1' or '0-1|2-3'")
+        parse_core_list(group)
+    return value
+
+
+def _core_number_as_text(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise ValueError("is true/false, not a core list; give cores like \"0-3,8\"")
+    return str(value) if isinstance(value, int) else value  # `cpu_cores: 3` unquoted
+
+
+CoreList = Annotated[str, BeforeValidator(_core_number_as_text, json_schema_input_type=str | int),
+                     AfterValidator(_valid_core_list)]  # "0-3,8"
+# One core list per TP rank, '|'-separated as VLLM_CPU_OMP_THREADS_BIND takes them: "0-1|2-3"
+RankCoreLists = Annotated[str, BeforeValidator(_core_number_as_text, json_schema_input_type=str | int),
+                          AfterValidator(_valid_rank_core_lists)]
