@@ -38,33 +38,33 @@ def _supervision(host: HostSpec, workdir: str, name: str, restart: RestartSpec) 
 
 
 def _vllm_process(topo: Topology, role: Role, spec: InstanceSpec) -> ProcessPlan:
-    host = topo.hosts[spec.host]
+    host = topo.hosts[spec.resolved_host]
     workdir = deployment_dir(topo, host)
     kv_config = kv_transfer_config(topo, role, spec)
     return ProcessPlan(
-        name=spec.name,
+        name=spec.resolved_name,
         role=role,
-        host=spec.host,
+        host=spec.resolved_host,
         argv=vllm_argv(topo, spec, kv_config),
         env=vllm_env(topo, role, spec, kv_config),
         cwd=workdir,
         log_path=f"{workdir}/logs/{spec.name}.log",
-        http_port=spec.http_port,
-        health_url=http_url(bind_address(host), spec.http_port, HEALTH_PATH),
+        http_port=spec.resolved_http_port,
+        health_url=http_url(bind_address(host), spec.resolved_http_port, HEALTH_PATH),
         side_channel_ports=listening_side_channel_ports(role, spec, topo.connector.type),
         env_file=secret_path(topo, host, "instance-env"),
         env_file_names=instance_env_names(topo),
-        **_supervision(host, workdir, spec.name, spec.restart),
+        **_supervision(host, workdir, spec.resolved_name, spec.restart),
     )
 
 
 def router_instance_list(topo: Topology) -> InstanceList:
     """The instances the router sends legs to (colocated: every instance serves whole requests)."""
     def upstream(spec: InstanceSpec) -> Upstream:
-        host = topo.hosts[spec.host]
+        host = topo.hosts[spec.resolved_host]
         return Upstream(
             name=spec.name,
-            url=http_url(bind_address(host), spec.http_port),
+            url=http_url(bind_address(host), spec.resolved_http_port),
             engine_id=engine_id(topo, spec),
             side_channel_host=bind_address(host),
             side_channel_port=spec.side_channel_port,
@@ -80,7 +80,7 @@ def router_config(topo: Topology) -> RouterConfig:
     """The router's config with its instances inline (`kvpush router TOPOLOGY`); `up` writes them
     to a file of their own (router_files)."""
     r = topo.router
-    router_host = topo.hosts[r.host]
+    router_host = topo.hosts[r.resolved_host]
     instances = router_instance_list(topo)
     return RouterConfig(
         bind=r.bind,
@@ -113,7 +113,7 @@ def router_config(topo: Topology) -> RouterConfig:
 def router_files(topo: Topology) -> tuple[FilePlan, FilePlan]:
     """router.json (what the router is started with: a change restarts it) and the instance list it
     names (a change is a reload: `up` rewrites it and sends the router SIGHUP)."""
-    workdir = deployment_dir(topo, topo.hosts[topo.router.host])
+    workdir = deployment_dir(topo, topo.hosts[topo.router.resolved_host])
     config_path, instances_path = f"{workdir}/router.json", f"{workdir}/{ROUTER_INSTANCES_FILE}"
     # Relative: the router reads it beside its config, wherever the host's workdir lies.
     config = router_config(topo).model_copy(
@@ -124,7 +124,7 @@ def router_files(topo: Topology) -> tuple[FilePlan, FilePlan]:
 
 
 def _router_process(topo: Topology) -> tuple[ProcessPlan, tuple[FilePlan, FilePlan]]:
-    host = topo.hosts[topo.router.host]
+    host = topo.hosts[topo.router.resolved_host]
     workdir = deployment_dir(topo, host)
     files = router_files(topo)
     config_path = files[0].path
@@ -132,7 +132,7 @@ def _router_process(topo: Topology) -> tuple[ProcessPlan, tuple[FilePlan, FilePl
     proc = ProcessPlan(
         name=ROUTER_PROCESS_NAME,
         role="router",
-        host=topo.router.host,
+        host=topo.router.resolved_host,
         argv=on_cores(topo.router.cpu_cores, [host.interpreter, "-m", ROUTER_MODULE, "--config", config_path]),
         env=env,
         cwd=workdir,
@@ -182,7 +182,7 @@ def build_plan(topo: Topology) -> Plan:
     processes: dict[str, list[ProcessPlan]] = {name: [] for name in topo.hosts}
     files: dict[str, list[FilePlan]] = {name: [] for name in topo.hosts}
     for role, _, spec in topo.instances():
-        processes[spec.host].append(_vllm_process(topo, role, spec))
+        processes[spec.resolved_host].append(_vllm_process(topo, role, spec))
     router, router_host_files = _router_process(topo)
     processes[router.host].append(router)
     files[router.host] += router_host_files

@@ -41,7 +41,7 @@ def gpus_per_node(topo: Topology) -> int | None:
         return topo.slurm.gpus_per_node
     per_host: dict[str, int] = {}
     for _, _, spec in topo.instances():
-        per_host[spec.host] = max(per_host.get(spec.host, 0), max(spec.devices, default=-1) + 1)
+        per_host[spec.resolved_host] = max(per_host.get(spec.resolved_host, 0), max(spec.devices, default=-1) + 1)
     return max(per_host.values(), default=None) or None
 
 
@@ -50,7 +50,7 @@ def sbatch_options(topo: Topology) -> list[str]:
     slurm = topo.slurm
     assert slurm is not None
     options = [f"--job-name={job_name(topo)}", f"--nodes={node_count(topo)}", "--ntasks-per-node=1"]
-    named = [topo.hosts[h].node for h in used_hosts(topo) if topo.hosts[h].node]
+    named = [node for h in used_hosts(topo) if (node := topo.hosts[h].node)]
     if named:
         options.append(f"--nodelist={','.join(named)}")
     if slurm.partition:

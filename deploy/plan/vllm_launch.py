@@ -68,7 +68,7 @@ def connector_settings(topo: Topology, spec: InstanceSpec, peers: list[InstanceS
     """The kvpush connector's settings for one instance: the topology's connector section and
     extra_config, then what kvpush derives from the deployment (the topology's loader refuses
     those in extra_config; were one to get through, kvpush's would still win)."""
-    host = topo.hosts[spec.host]
+    host = topo.hosts[spec.resolved_host]
     try:
         return ConnectorExtraConfig.model_validate({
             "backend": topo.connector.backend,
@@ -78,8 +78,9 @@ def connector_settings(topo: Topology, spec: InstanceSpec, peers: list[InstanceS
             "side_channel_port": spec.side_channel_port,
             "allowed_engines": sorted(engine_id(topo, p) for p in peers),
             # where each peer's side channel is: decode dials these and nothing a request names
-            "peer_side_channels": {engine_id(topo, p): f"{bind_address(topo.hosts[p.host])}:{p.side_channel_port}"
-                                   for p in sorted(peers, key=lambda p: p.name)},
+            "peer_side_channels": {
+                engine_id(topo, p): f"{bind_address(topo.hosts[p.resolved_host])}:{p.side_channel_port}"
+                for p in sorted(peers, key=lambda p: p.resolved_name)},
             "secret_file": secret_path(topo, host, "deployment-secret"),  # a path on that host (~ expanded there)
         })
     except ValidationError as exc:  # the topology's checks refuse a bad extra_config first (topology_checks.py)
@@ -96,7 +97,7 @@ def kv_cache_bytes(gib: float) -> int:
 def vllm_argv(topo: Topology, spec: InstanceSpec, kv_config: dict | None) -> list[str]:
     """The instance's command line: vLLM's OpenAI server with the model, its ports and parallelism,
     the KV transfer config, and on a CPU host with cores of its own, the whole of it on them."""
-    host = topo.hosts[spec.host]
+    host = topo.hosts[spec.resolved_host]
     model = topo.model
     argv = [
         host.interpreter, "-m", VLLM_SERVER_MODULE,
@@ -143,7 +144,7 @@ def vllm_env(topo: Topology, role: Role, spec: InstanceSpec, kv_config: dict | N
     """What the instance's environment gets on top of its host's: the base, the topology's `env`,
     the side channel, CPU or GPU placement, the engine's tracing (if asked for), then the instance's own
     `env`."""
-    host = topo.hosts[spec.host]
+    host = topo.hosts[spec.resolved_host]
     env = dict(BASE_VLLM_ENV)
     env.update(topo.env)
     if kv_config is not None:
