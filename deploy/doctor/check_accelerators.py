@@ -86,6 +86,7 @@ def check_accelerators(ctx: DoctorContext) -> list[CheckResult]:
         failure = _nvidia_smi_failure("accelerators", facts.host, section)
         if failure:
             return failure
+        assert section is not None, "_nvidia_smi_failure skips a host without the section"
         try:
             gpus = {g.index: g for g in parse_nvidia_gpus(section.stdout)}
         except ParseError as exc:
@@ -131,6 +132,7 @@ def check_devices_free(ctx: DoctorContext) -> list[CheckResult]:
         )
         if failure:
             return failure
+        assert gpus_section is not None and apps_section is not None, "_nvidia_smi_failure skips a missing section"
         try:
             gpus = {g.index: g for g in parse_nvidia_gpus(gpus_section.stdout)}
             apps = parse_nvidia_apps(apps_section.stdout)

@@ -209,7 +209,7 @@ def check_ucx_env(ctx: DoctorContext) -> list[CheckResult]:
         return [skip("ucx-env", h, "the connector does not use UCX") for h in ctx.vllm_hosts()]
 
     def decide(facts: HostFacts) -> CheckResult:
-        worst, lines, remedy, what_worst = "ok", [], None, ""
+        worst, lines, remedy, what_worst = "ok", [], "", ""
         order = {"ok": 0, "warn": 1, "fail": 2}
         for proc in ctx.vllm_processes(facts.host):
             source = "topology" if "UCX_TLS" in proc.env else "host login env" if "UCX_TLS" in facts.env else "unset"
@@ -217,7 +217,7 @@ def check_ucx_env(ctx: DoctorContext) -> list[CheckResult]:
             status, what, fix = ucx_tls_verdict(value, ctx.topo.platform)
             lines.append(f"{proc.name}: {what} [{source}]")
             if order[status] > order[worst]:
-                worst, remedy, what_worst = status, fix, what
+                worst, remedy, what_worst = status, fix or "", what  # fix: None only when ok
         ev = Evidence("effective UCX_TLS = host env overlaid with the plan's process env", tuple(lines))
         if worst == "fail":
             return fail("ucx-env", facts.host, what_worst, remedy, ev)

@@ -23,7 +23,7 @@ def _unparsable(check: str, host: str, section, exc: Exception) -> CheckResult:
 
 def check_memlock(ctx: DoctorContext) -> list[CheckResult]:
     def decide(facts: HostFacts) -> CheckResult:
-        section = facts.section("ulimit_l")
+        section = facts.asked("ulimit_l")
         try:
             limit = parse_ulimit(section.stdout)
         except ParseError as exc:
@@ -48,7 +48,7 @@ def check_memlock(ctx: DoctorContext) -> list[CheckResult]:
 
 def check_open_files(ctx: DoctorContext) -> list[CheckResult]:
     def decide(facts: HostFacts) -> CheckResult:
-        soft_s, hard_s = facts.section("ulimit_n"), facts.section("ulimit_hn")
+        soft_s, hard_s = facts.asked("ulimit_n"), facts.asked("ulimit_hn")
         try:
             soft, hard = parse_ulimit(soft_s.stdout), parse_ulimit(hard_s.stdout)
         except ParseError as exc:
@@ -71,7 +71,7 @@ def check_disk(ctx: DoctorContext) -> list[CheckResult]:
     def decide(facts: HostFacts) -> CheckResult:
         if stuck := hung("disk", facts, "df"):
             return stuck
-        section = facts.section("df")
+        section = facts.asked("df")
         try:
             rows = parse_df(section.stdout)
         except ParseError as exc:
@@ -103,7 +103,8 @@ def check_disk(ctx: DoctorContext) -> list[CheckResult]:
 def memory_needed_gib(ctx: DoctorContext, host: str) -> tuple[float, list[str]]:
     """What the instances on `host` that are to start need; those already running hold theirs
     (it is no longer in MemAvailable), so counting them again would refuse to revive one of them."""
-    total, parts = 0, []
+    total: float = 0
+    parts: list[str] = []
     for _, _, spec in ctx.topo.instances():
         if spec.host != host or spec.name in ctx.running:
             continue
@@ -121,7 +122,7 @@ def memory_needed_gib(ctx: DoctorContext, host: str) -> tuple[float, list[str]]:
 
 def check_memory(ctx: DoctorContext) -> list[CheckResult]:
     def decide(facts: HostFacts) -> CheckResult:
-        section = facts.section("meminfo")
+        section = facts.asked("meminfo")
         try:
             info = parse_meminfo(section.stdout)
         except ParseError as exc:
@@ -152,9 +153,11 @@ def check_memory(ctx: DoctorContext) -> list[CheckResult]:
 def skew_interval(facts: HostFacts) -> tuple[float, float] | None:
     """Bounds on (host clock - this clock): `date` ran between sending and receiving the probe."""
     section = facts.section("date")
+    if section is None:
+        return None
     try:
         remote = float(section.stdout.strip())
-    except (AttributeError, ValueError):
+    except ValueError:
         return None
     return remote - facts.received_at, remote - facts.sent_at
 

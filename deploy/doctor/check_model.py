@@ -53,9 +53,9 @@ def check_model_present(ctx: DoctorContext) -> list[CheckResult]:
 
 def check_model_match(ctx: DoctorContext) -> list[CheckResult]:
     present = {
-        h: ctx.facts[h].model
+        h: model
         for h in ctx.vllm_hosts()
-        if h in ctx.facts and (ctx.facts[h].model or {}).get("weights_digest")
+        if h in ctx.facts and (model := ctx.facts[h].model) and model.get("weights_digest")
     }
     if len(present) < 2:
         return [
@@ -97,8 +97,8 @@ DTYPE_NAMES = {
 
 
 def check_model_fit(ctx: DoctorContext) -> list[CheckResult]:
-    config = next((ctx.facts[h].model["config"] for h in ctx.vllm_hosts()
-                   if h in ctx.facts and (ctx.facts[h].model or {}).get("config")), None)
+    config = next((model["config"] for h in ctx.vllm_hosts()
+                   if h in ctx.facts and (model := ctx.facts[h].model or {}).get("config")), None)
     if config is None:
         return [skip("model-fit", TOPOLOGY_SUBJECT, "no host has the model's config.json yet", scope="topology")]
     spec = ctx.topo.model

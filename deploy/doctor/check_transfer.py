@@ -10,7 +10,7 @@ GPU_MIN_GBPS = 5.0
 
 def transfer_pairs(ctx: DoctorContext) -> list[tuple[str, str]]:
     """(prefill host, decode host) pairs, each once."""
-    return sorted({(p.host, d.host) for p in ctx.topo.prefill for d in ctx.topo.decode})
+    return sorted({(p.resolved_host, d.resolved_host) for p in ctx.topo.prefill for d in ctx.topo.decode})
 
 
 def decide_transfer(outcome: TransferOutcome, platform: str, backend: str) -> CheckResult:

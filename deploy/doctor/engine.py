@@ -14,7 +14,7 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Mapping
+from typing import Any, Mapping
 
 from kvpush.common.errors import UsageError
 from kvpush.deploy.plan.plan import build_plan
@@ -172,21 +172,22 @@ def _transfer_pair(ctx: DoctorContext, runners: Mapping[str, CommandRunner], opt
         return None  # the port is taken (ports-free says so) or was not probed
     nonce = secrets.token_hex(4)
     mem = "VRAM" if ctx.topo.platform == "cuda" else "DRAM"
+    timeout_s = options.nixl_timeout_s + options.reach_window_s
     common = {"backend": ctx.topo.connector.backend, "nbytes": options.transfer_bytes, "seed": 1, "mem": mem,
-              "nonce": nonce, "repeat": 3, "timeout": options.nixl_timeout_s + options.reach_window_s}
+              "nonce": nonce, "repeat": 3, "timeout": timeout_s}
     addr = bind_address(ctx.topo.hosts[source])
     requests = {
         "target": (target, dict(common, role="target", addr=addr, port=port)),
         "initiator": (source, dict(common, role="initiator", bind=addr, port=port)),
     }
 
-    def job(role: str):
+    def job(role: str) -> dict[str, Any]:  # the probe's JSON report
         host, req = requests[role]
         proc = next(p for p in ctx.vllm_processes(host))
         command = python_command(
             ctx.plan.host(host).python, "transfer_probe.py", [json.dumps(req)], _nixl_env(proc.env)
         )
-        result = runners[host].run(command, timeout=common["timeout"] + 5)
+        result = runners[host].run(command, timeout=timeout_s + 5)
         line = next((ln for ln in reversed(result.stdout.splitlines()) if ln.startswith("{")), None)
         if line is None:
             tail = (result.stderr.strip() or "no output").splitlines()[-1]
@@ -194,9 +195,10 @@ def _transfer_pair(ctx: DoctorContext, runners: Mapping[str, CommandRunner], opt
         return json.loads(line)
 
     outcomes = in_parallel(
-        {"target": lambda: job("target"), "initiator": lambda: job("initiator")}, common["timeout"] + 10
+        {"target": lambda: job("target"), "initiator": lambda: job("initiator")}, timeout_s + 10
     )
-    reports = {k: (v if isinstance(v, dict) else {"ok": False, "error": v.message}) for k, v in outcomes.items()}
+    reports: dict[str, dict[str, Any]] = {
+        k: (v if isinstance(v, dict) else {"ok": False, "error": v.message}) for k, v in outcomes.items()}
     init, targ = reports["initiator"], reports["target"]
     lines = (
         f"initiator on {source}: " + json.dumps({k: init.get(k) for k in ("ok", "gbps", "seconds", "error")}),
@@ -319,9 +321,9 @@ def run_doctor(topo: Topology, runners: Mapping[str, CommandRunner], options: Do
     if options.transfer and "transfer" in selected and ctx.disaggregated:
         ctx.transfers = {}
         for source, target in check_transfer.transfer_pairs(ctx):
-            outcome = _transfer_pair(ctx, runners, options, source, target)
-            if outcome is not None:
-                ctx.transfers[(source, target)] = outcome
+            transfer = _transfer_pair(ctx, runners, options, source, target)
+            if transfer is not None:
+                ctx.transfers[(source, target)] = transfer
     results = evaluate(ctx, selected)
     return DoctorReport(results, time.monotonic() - started, hosts=[h.name for h in plan.hosts])
 

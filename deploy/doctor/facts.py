@@ -60,6 +60,12 @@ class HostFacts:
             return None
         return Section(name, data["command"], data["rc"], data["stdout"], data["stderr"], data.get("timed_out", False))
 
+    def asked(self, name: str) -> Section:
+        """A section that context.tool_commands asks every probe of this host for: the probe answers each."""
+        section = self.section(name)
+        assert section is not None, f"{self.host}: the probe's answer lacks its {name} section"
+        return section
+
     @property
     def env(self) -> dict[str, str]:
         return self.raw.get("env", {})

@@ -31,15 +31,16 @@ def port_claims(topo: Topology, running: frozenset[str] = frozenset()) -> list[P
     """Every port a process binds, except those of processes already running (they hold them)."""
     claims: list[PortClaim] = []
     for role, _, spec in topo.instances():
-        if spec.name in running:
+        name, host = spec.resolved_name, spec.resolved_host
+        if name in running:
             continue
-        addr = bind_address(topo.hosts[spec.host])
-        claims.append(PortClaim(spec.host, addr, spec.http_port, f"{spec.name} HTTP", spec.name))
+        addr = bind_address(topo.hosts[host])
+        claims.append(PortClaim(host, addr, spec.resolved_http_port, f"{name} HTTP", name))
         for rank, port in enumerate(listening_side_channel_ports(role, spec, topo.connector.type)):
             suffix = f" rank {rank}" if rank else ""
-            claims.append(PortClaim(spec.host, addr, port, f"{spec.name} side channel{suffix}", spec.name))
+            claims.append(PortClaim(host, addr, port, f"{name} side channel{suffix}", name))
     if "router" not in running:
-        claims.append(PortClaim(topo.router.host, topo.router.bind, topo.router.port, "router HTTP", "router"))
+        claims.append(PortClaim(topo.router.resolved_host, topo.router.bind, topo.router.port, "router HTTP", "router"))
     return claims
 
 
@@ -60,22 +61,23 @@ def reach_targets(topo: Topology) -> list[ReachTarget]:
         for d in topo.decode:
             for rank, port in enumerate(listening_side_channel_ports("prefill", p, kind)):
                 add(
-                    d.host,
-                    p.host,
+                    d.resolved_host,
+                    p.resolved_host,
                     port,
                     f"{p.name} side channel" + (f" rank {rank}" if rank else ""),
                     "decode -> prefill side channel",
                 )
             for rank, port in enumerate(listening_side_channel_ports("decode", d, kind)):
                 add(
-                    p.host,
-                    d.host,
+                    p.resolved_host,
+                    d.resolved_host,
                     port,
                     f"{d.name} side channel" + (f" rank {rank}" if rank else ""),
                     "prefill -> decode side channel",
                 )
     for _, _, spec in topo.instances():
-        add(topo.router.host, spec.host, spec.http_port, f"{spec.name} HTTP", "router -> instance HTTP")
+        add(topo.router.resolved_host, spec.resolved_host, spec.resolved_http_port, f"{spec.name} HTTP",
+            "router -> instance HTTP")
     return targets
 
 
