@@ -10,7 +10,7 @@ import shlex
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping, Protocol, TypeVar, cast
+from typing import Callable, Mapping, Protocol, TypeVar
 
 from kvpush.deploy.runners.base import shell_word
 from kvpush.deploy.runners.fanout import fan_out
@@ -21,10 +21,13 @@ T = TypeVar("T")
 HERE = Path(__file__).parent
 
 
-class CommandOutput(Protocol):
-    exit_code: int
-    stdout: str
-    stderr: str
+class CommandOutput(Protocol):  # read-only, as a frozen CommandResult's fields are
+    @property
+    def exit_code(self) -> int: ...
+    @property
+    def stdout(self) -> str: ...
+    @property
+    def stderr(self) -> str: ...
 
 
 class CommandRunner(Protocol):
@@ -43,8 +46,7 @@ def in_parallel(
 ) -> dict[str, T | ProbeFailure]:
     """Every job at once, each cut off at the deadline (runners' fan_out); failures as ProbeFailure."""
     results = fan_out(list(jobs), lambda key: jobs[key](), timeout_s=timeout, shown_timeout_s=shown_timeout)
-    return {key: cast(T, r.value) if r.ok  # an ok result holds what its job returned
-            else ProbeFailure(key, r.error or f"host {key}: failed", timed_out=r.timed_out)
+    return {key: r.ok_value if r.ok else ProbeFailure(key, r.failure, timed_out=r.timed_out)
             for key, r in results.items()}
 
 

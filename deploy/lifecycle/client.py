@@ -41,6 +41,8 @@ def stream_completion(
 ) -> CompletionResult:
     """POST /v1/completions with stream=true, greedy; raises KvpushError naming the URL on failure."""
     parts = urlsplit(base_url)
+    if not parts.hostname:
+        raise KvpushError(f"{base_url}: not a URL with a host; give one like http://127.0.0.1:8000")
     headers = {"Content-Type": "application/json"}
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"

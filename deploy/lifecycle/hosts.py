@@ -29,7 +29,8 @@ def connected(hosts: dict[str, HostRecord], options: SshOptions) -> Iterator[tup
     runners = {name: runner_for_record(name, h, options) for name, h in hosts.items()}
     results: dict[str, HostResult[Runner]] = fan_out(list(runners), lambda name: _connect(runners[name]))
     try:
-        yield ({n: r.value for n, r in results.items() if r.ok}, {n: r.error for n, r in results.items() if not r.ok})
+        yield ({n: r.ok_value for n, r in results.items() if r.ok},
+               {n: r.failure for n, r in results.items() if not r.ok})
     finally:
         for runner in runners.values():
             runner.close()

@@ -129,7 +129,7 @@ def _launch(runners: dict[str, Runner], plan: Plan, topo: Topology, state: Deplo
     for name in launch:
         events.process(name, "starting")
     outcomes = fan_out(launch_hosts, lambda h: start_on_host(runners[h.name], h, sorted(launch)), name=lambda h: h.name)
-    started = {n: r for o in outcomes.values() if o.ok for n, r in o.value.items()}
+    started = {n: r for o in outcomes.values() if o.ok for n, r in o.ok_value.items()}
     new_records = {p.name: started[p.name] for p in plan.processes() if p.name in started}
     for name, record in new_records.items():
         record.restarts = restarts.get(name, 0)
@@ -282,7 +282,7 @@ def _down(deployment: str, state: DeploymentState | None, options: LifecycleOpti
         clear = [h for h in runners if not state.processes_on(h)]  # a process still there may read them yet
         for host, outcome in fan_out(clear, lambda h: remove_secret_files(runners[h], state.hosts[h].workdir)).items():
             if outcome.ok:
-                result.secrets_removed[host] = outcome.value
+                result.secrets_removed[host] = outcome.ok_value
             else:
                 result.secrets_left[host] = str(outcome.error)
     if state.processes:

@@ -106,10 +106,10 @@ def deployment_status(state: DeploymentState, ssh: SshOptions, keys: AccessKeys 
     with connected({h: state.hosts[h] for h in by_host}, ssh) as (runners, unreachable):
         results = fan_out(list(runners), lambda h: _host_status(runners[h], by_host[h], keys))
         failures = dict(unreachable)
-        failures.update({h: r.error for h, r in results.items() if not r.ok})
+        failures.update({h: r.failure for h, r in results.items() if not r.ok})
         for result in results.values():
             if result.ok:
-                rows += result.value
+                rows += result.ok_value
     for host, error in failures.items():
         rows += [
             ProcessStatus(r.name, r.role, host, r.pid, "unreachable", "-", None, None, None, None, r.restarts, error)
@@ -144,7 +144,7 @@ def stream_logs(state: DeploymentState, selector: str | None, lines: int, follow
         if not follow:
             results = fan_out(reachable, lambda r: runners[r.host].tail(r.log_path, lines), name=lambda r: r.name)
             for name, result in results.items():
-                for line in (result.value.splitlines() if result.ok else [f"[{result.error}]"]):
+                for line in (result.ok_value.splitlines() if result.ok else [f"[{result.error}]"]):
                     emit(name, line)
             return
         threads = []

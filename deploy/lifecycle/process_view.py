@@ -86,6 +86,7 @@ class ProcessView:
             return (f"hung: {stopped} stopped (SIGSTOP or a debugger), it answers nothing until it gets SIGCONT "
                     f"(kill -CONT {self.stopped_members[0].pid})")
         if state == "restarting":
+            assert sup is not None, "only a supervisor says its process is restarting"
             return f"ended ({sup.last_exit}); its supervisor is starting it again (restart {sup.restarts})"
         if sup is not None and sup.last_exit is not None:
             when = f" at {time.strftime('%H:%M:%S', time.localtime(sup.last_exit_at))}" if sup.last_exit_at else ""

@@ -82,7 +82,7 @@ def stop_records(runners: dict[str, Runner], records: list[ProcessRecord], timeo
     """stop_processes on every host at once; per host, the names still alive (all of them where it failed)."""
     grouped = by_host(records)
     results = fan_out([h for h in grouped if h in runners], lambda h: stop_processes(runners[h], grouped[h], timeout_s))
-    return {h: (r.value if r.ok else [p.name for p in grouped[h]]) for h, r in results.items()}
+    return {h: (r.ok_value if r.ok else [p.name for p in grouped[h]]) for h, r in results.items()}
 
 
 # -- starting ----------------------------------------------------------------------------------
@@ -148,8 +148,8 @@ def wait_ready(runners: dict[str, Runner], records: list[ProcessRecord], timeout
     end = time.monotonic() + timeout_s
     while pending:
         grouped = by_host(list(pending.values()))
-        results = values_or_raise(
-            fan_out(list(grouped), lambda h, grouped=grouped: _probe_health(runners[h], grouped[h], keys)))
+        results = values_or_raise(fan_out(list(grouped.items()), name=lambda item: item[0],
+                                          fn=lambda item: _probe_health(runners[item[0]], item[1], keys)))
         for host_states in results.values():
             for name, status in host_states.items():
                 record = pending[name]

@@ -181,7 +181,8 @@ class WheelSource:
     def __init__(self, digest: str):
         import threading
 
-        self.digest, self._path, self._lock = digest, None, threading.Lock()
+        self.digest, self._lock = digest, threading.Lock()
+        self._path: Path | None = None
 
     def get(self) -> Path:
         with self._lock:

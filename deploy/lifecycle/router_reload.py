@@ -105,8 +105,8 @@ def hand_over(runners: dict[str, Runner], plan: Plan, state: DeploymentState, ch
     record = state.processes.get(router_proc.name)
     leaving = [n for n in changes.stop + changes.restart
                if state.processes[n].role != "router" and running.get(n)]
-    router_stays = record is not None and router_proc.name in changes.keep + changes.reload
-    if not router_stays or not (leaving or changes.reload):
+    router_stays = router_proc.name in changes.keep + changes.reload
+    if record is None or not router_stays or not (leaving or changes.reload):
         return lambda: None
     runner, path = runners[record.host], router_proc.reload_files[0]
     final = planned_list(plan)

@@ -114,12 +114,11 @@ def acquire(topo: Topology, state: DeploymentState, events, client: SlurmClient,
         )
     recorded = state.slurm_submitted_job
     info = client.job(recorded) if recorded else None
-    new = not (recorded and info is not None and info.active)
-    if not new:
-        job_id = recorded
+    if recorded and info is not None and info.active:
+        job_id, new = recorded, False
         events.note(f"Slurm: job {job_id} from the last `up` is {info.state.lower()}; deploying into it")
     else:
-        job_id = submit(topo, client)
+        job_id, new = submit(topo, client), True
         if record:
             state.slurm_submitted_job = job_id
             save_state(state)

@@ -21,6 +21,17 @@ class HostResult(Generic[T]):
     error: str | None = None
     timed_out: bool = False
 
+    @property
+    def ok_value(self) -> T:
+        """What fn returned, for an ok result (a failed one holds no value)."""
+        assert self.ok, f"host {self.host} failed, so it has no value: {self.error}"
+        return cast(T, self.value)  # ok: value is fn's return, a T (None included where T allows it)
+
+    @property
+    def failure(self) -> str:
+        """The one-line error of a failed result."""
+        return self.error or f"host {self.host}: failed"
+
 
 class FanOutError(KvpushError):
     """Some hosts failed; carries every host's result. str() is one line per failed host."""
@@ -28,7 +39,7 @@ class FanOutError(KvpushError):
     def __init__(self, results: dict[str, HostResult]):
         self.results = results
         failed = [r for r in results.values() if not r.ok]
-        super().__init__("; ".join(r.error or f"host {r.host}: failed" for r in failed))
+        super().__init__("; ".join(r.failure for r in failed))
 
 
 def fan_out(items: Iterable[K], fn: Callable[[K], T], name: Callable[[K], str] = str,
@@ -83,4 +94,4 @@ def fan_out(items: Iterable[K], fn: Callable[[K], T], name: Callable[[K], str] =
 def values_or_raise(results: dict[str, HostResult[T]]) -> dict[str, T]:
     if any(not r.ok for r in results.values()):
         raise FanOutError(results)
-    return {h: cast(T, r.value) for h, r in results.items()}  # every one ok: its value is a T
+    return {h: r.ok_value for h, r in results.items()}
