@@ -14,7 +14,7 @@ from typing import BinaryIO
 
 import psutil
 
-from .base import CommandResult, HostError, HttpResponse, ProcessInfo, Runner
+from .base import CommandResult, HostError, HttpResponse, ProcessInfo, ProcessState, Runner
 from .http import exchange, split_url
 
 _STOPPED = (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
@@ -74,7 +74,7 @@ class LocalRunner(Runner):
                 proc = psutil.Process(pid)
                 with proc.oneshot():
                     status = proc.status()
-                    state = "zombie" if status == psutil.STATUS_ZOMBIE else "alive"
+                    state: ProcessState = "zombie" if status == psutil.STATUS_ZOMBIE else "alive"
                     infos[pid] = ProcessInfo(pid, state, round(proc.create_time(), 2), os.getpgid(pid),
                                              stopped=status in _STOPPED, command=proc.name())
             except (psutil.NoSuchProcess, ProcessLookupError):
@@ -91,7 +91,7 @@ class LocalRunner(Runner):
                 continue
             if pgid in wanted:
                 status = proc.info["status"]
-                state = "zombie" if status == psutil.STATUS_ZOMBIE else "alive"
+                state: ProcessState = "zombie" if status == psutil.STATUS_ZOMBIE else "alive"
                 members[pgid].append(ProcessInfo(proc.pid, state, None, pgid, stopped=status in _STOPPED,
                                                  command=proc.info["name"]))
         return members
@@ -99,7 +99,13 @@ class LocalRunner(Runner):
     def follow(self, command: str, on_line, stop) -> None:
         proc = subprocess.Popen(["bash", "-c", command], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
-        watcher = threading.Thread(target=lambda: (stop.wait(), _terminate(proc)), daemon=True)
+        assert proc.stdout is not None  # stdout=PIPE
+
+        def end_when_stopped() -> None:
+            stop.wait()
+            _terminate(proc)
+
+        watcher = threading.Thread(target=end_when_stopped, daemon=True)
         watcher.start()
         try:
             for raw in proc.stdout:

@@ -26,7 +26,7 @@ from .base import (
 from .http import exchange, split_url
 from .options import SshOptions
 from .ssh_config import SshTarget, resolve
-from .ssh_connect import ACCEPT_HINT, open_chain
+from .ssh_connect import ACCEPT_HINT, open_chain, transport
 
 __all__ = ["ACCEPT_HINT", "SshRunner"]
 # paramiko logs refused forwarding channels itself; callers get the same facts as exceptions.
@@ -48,9 +48,12 @@ class SshRunner(Runner):
     def _where(self) -> str:
         return f"host {self.name} ({self._target.describe() if self._target else self.host.describe()})"
 
-    def connect(self) -> paramiko.SSHClient:
+    def connect(self) -> None:
+        self._connected()
+
+    def _connected(self) -> paramiko.SSHClient:
         with self._lock:
-            if self._client is not None and self._client.get_transport() and self._client.get_transport().is_active():
+            if self._client is not None and (current := self._client.get_transport()) and current.is_active():
                 return self._client
             self._close_clients()
             self._client = self._open()
@@ -77,7 +80,7 @@ class SshRunner(Runner):
     def _sftp_client(self) -> paramiko.SFTPClient:
         with self._lock:
             if self._sftp is None:
-                self._sftp = self.connect().open_sftp()
+                self._sftp = self._connected().open_sftp()
             return self._sftp
 
     @property
@@ -92,7 +95,7 @@ class SshRunner(Runner):
         timeout = self.options.command_timeout_s if timeout is None else timeout
         try:
             # The connect and the channel open are bounded by connect_timeout_s; this timeout covers the command alone.
-            chan = self.connect().get_transport().open_session(timeout=self.options.connect_timeout_s)
+            chan = transport(self._connected()).open_session(timeout=self.options.connect_timeout_s)
             deadline = Deadline(timeout)
             started = time.monotonic()
             chan.exec_command(command)
@@ -122,7 +125,7 @@ class SshRunner(Runner):
 
     def stream(self, command: str, stdout: BinaryIO, stderr: BinaryIO) -> int:
         try:
-            chan = self.connect().get_transport().open_session(timeout=self.options.connect_timeout_s)
+            chan = transport(self._connected()).open_session(timeout=self.options.connect_timeout_s)
             chan.exec_command(command)
             chan.shutdown_write()
         except (paramiko.SSHException, OSError, EOFError) as exc:
@@ -202,7 +205,7 @@ class SshRunner(Runner):
         self.run(signal_groups_command(pgids, signal_name), timeout=30)
 
     def follow(self, command: str, on_line, stop) -> None:
-        chan = self.connect().get_transport().open_session(timeout=self.options.connect_timeout_s)
+        chan = transport(self._connected()).open_session(timeout=self.options.connect_timeout_s)
         chan.set_combine_stderr(True)
         chan.exec_command(command)
         buffer = b""
@@ -225,7 +228,7 @@ class SshRunner(Runner):
     ) -> paramiko.Channel:
         """A TCP connection the host makes to host:port, as a channel of this connection (ssh -L, -W)."""
         try:
-            return self.connect().get_transport().open_channel("direct-tcpip", (host, port), origin, timeout=timeout)
+            return transport(self._connected()).open_channel("direct-tcpip", (host, port), origin, timeout=timeout)
         except paramiko.ChannelException as exc:
             raise ConnectionRefusedError(f"{host}:{port} refused through {self.name}: {exc}") from None
 

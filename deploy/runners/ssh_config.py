@@ -19,6 +19,7 @@ import socket
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import overload
 
 from kvpush.deploy.topology.host_address import DEFAULT_SSH_PORT, HostAddress
 
@@ -118,8 +119,12 @@ def _resolve(name: str, port: int | None, user: str | None, keys: list[str] | No
         raise HostError(f"{label}: ProxyJump for {name} goes more than {MAX_JUMPS} hops deep; is it a loop?")
     entry = read_effective(name, options, port, user)
 
+    @overload
+    def first(key: str) -> str | None: ...
+    @overload
+    def first(key: str, default: str) -> str: ...
     def first(key: str, default: str | None = None) -> str | None:
-        return entry.get(key, [default])[0]
+        return entry.get(key, [default])[0]  # ssh -G gives each key a value: a default only for one it left out
 
     try:
         resolved_port = int(first("port", str(port or DEFAULT_SSH_PORT)))

@@ -110,6 +110,14 @@ class ShellProxy(paramiko.ProxyCommand):
                     raise paramiko.ProxyCommandFailure(" ".join(self.cmd), exc.strerror) from None
 
 
+def transport(client: paramiko.SSHClient) -> paramiko.Transport:
+    """The client's open connection; paramiko drops it when the client is closed (by another thread, too)."""
+    current = client.get_transport()
+    if current is None:
+        raise paramiko.SSHException("the SSH connection was closed")
+    return current
+
+
 def open_chain(target: SshTarget, options: SshOptions, where: str) -> list[paramiko.SSHClient]:
     """Authenticated clients: each jump host's, first hop first, then the target's (last).
     On failure every client opened so far is closed and a HostError names the hop that failed."""
@@ -120,7 +128,7 @@ def open_chain(target: SshTarget, options: SshOptions, where: str) -> list[param
             hop_where = f"{where}: jump host {hop.name} ({hop.user}@{hop.hostname}:{hop.port})"
             clients.append(handshake(hop, options, sock, hop_where))
             try:
-                sock = clients[-1].get_transport().open_channel(
+                sock = transport(clients[-1]).open_channel(
                     "direct-tcpip", (after.hostname, after.port), ("127.0.0.1", 0), timeout=options.connect_timeout_s)
             except (paramiko.SSHException, OSError, EOFError) as exc:
                 raise HostError(f"{where}: jump host {hop.name} could not connect to {after.hostname}:{after.port} "
@@ -179,7 +187,9 @@ def handshake(target: SshTarget, options: SshOptions, sock, where: str) -> param
     try:
         client.connect(
             lookup_name, port=lookup_port, username=target.user, sock=sock,
-            key_filename=list(target.key_files) or None, look_for_keys=not target.key_files,
+            # paramiko takes a list of key files (its own docs); its type stub says one str
+            key_filename=list(target.key_files) or None,  # type: ignore[arg-type]
+            look_for_keys=not target.key_files,
             allow_agent=target.agent, timeout=options.connect_timeout_s, banner_timeout=options.connect_timeout_s,
             auth_timeout=options.auth_timeout_s,
         )
@@ -201,6 +211,6 @@ def handshake(target: SshTarget, options: SshOptions, sock, where: str) -> param
         said = sock.said() if isinstance(sock, ShellProxy) else ""
         sock.close()
         raise HostError(f"{where}: SSH handshake failed: {exc or type(exc).__name__}{said}") from None
-    client.get_transport().set_keepalive(15)
+    transport(client).set_keepalive(15)
     return client
 

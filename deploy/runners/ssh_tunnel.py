@@ -14,6 +14,7 @@ from .base import HostError
 
 LOOPBACK = "127.0.0.1"
 CHUNK = 65536
+Endpoint = socket.socket | paramiko.Channel  # either end of a tunnelled connection
 
 
 class LocalForward:
@@ -68,8 +69,8 @@ class LocalForward:
         try:
             # Each direction ends on its own (a half-close is passed on, as ssh -L does); the
             # connection ends when both have.
-            pairs = {client: channel, channel: client}
-            reading = [client, channel]
+            pairs: dict[Endpoint, Endpoint] = {client: channel, channel: client}
+            reading: list[Endpoint] = [client, channel]
             while reading and not self._stop.is_set():
                 ready, _, _ = select.select(reading, [], [], 0.2)
                 for source in ready:
