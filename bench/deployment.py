@@ -186,4 +186,4 @@ def no_interrupts() -> Iterator[None]:
 def client_cores(topo: Topology) -> str | None:
     """The load generator runs beside the router when the router is on this machine and pinned:
     on a small host it then never takes compute from a prefill instance, in any mode."""
-    return topo.router.cpu_cores if topo.hosts[topo.router.host].is_local else None
+    return topo.router.cpu_cores if topo.hosts[topo.router.resolved_host].is_local else None

@@ -107,9 +107,9 @@ class EngineSpan:
         if not isinstance(record, dict) or not isinstance(record.get("attributes"), dict):
             return None
         attrs = record["attributes"]
-        names = [record.get(k) for k in ("deployment", "instance", "role")]
+        names = [n for k in ("deployment", "instance", "role") if isinstance(n := record.get(k), str) and n]
         request_id = attrs.get(REQUEST_ID)
-        if not all(isinstance(n, str) and n for n in names) or not isinstance(request_id, str) \
+        if len(names) < 3 or not isinstance(request_id, str) \
                 or not 0 < len(request_id) <= MAX_ID_CHARS:
             return None
         start = record.get("start_unix_nano")

@@ -33,7 +33,8 @@ SPAN_WAIT_S = 30.0  # far beyond one export period: a request still without both
 
 def engine_timings_unavailable(topo: Topology) -> str | None:
     """Why the engines' timings cannot be taken for this topology; None when they can."""
-    remote = sorted({spec.host for _, _, spec in topo.instances() if not topo.hosts[spec.host].is_local})
+    hosts = {spec.resolved_host for _, _, spec in topo.instances()}
+    remote = sorted(h for h in hosts if not topo.hosts[h].is_local)
     if remote:
         return (f"instances on {', '.join(remote)}: the bench receives the engines' spans on loopback, and only "
                 f"one host's wall clock makes their timestamps comparable")

@@ -140,7 +140,7 @@ def ports_of(topo: Topology) -> list[int]:
     """Every port a deployment listens on: router, instances' HTTP, side channels."""
     ports = [topo.router.port]
     for role, _, spec in topo.instances():
-        ports.append(spec.http_port)
+        ports.append(spec.resolved_http_port)
         ports.extend(listening_side_channel_ports(role, spec, topo.connector.type))
     return ports
 

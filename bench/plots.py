@@ -31,8 +31,8 @@ def write_plots(runs: list[ModeRun], out_dir: Path, subtitle: str) -> list[Path]
         for i, run in enumerate(runs):
             color = f"C{i}"
             for name, style in series:
-                xs = [p.rate for p in run.points if figure(p, name) is not None]
-                ys = [figure(p, name) for p in run.points if figure(p, name) is not None]
+                shown = [(p.rate, y) for p in run.points if (y := figure(p, name)) is not None]
+                xs, ys = [x for x, _ in shown], [y for _, y in shown]
                 values += [y for y in ys if y]
                 if xs:
                     ax.plot(xs, ys, style, marker="o", color=color, label=f"{run.mode} {name.split('_')[1]}")
@@ -61,18 +61,15 @@ def _goodput_plot(plt, runs: list[ModeRun], out_dir: Path, subtitle: str) -> Pat
     slo = None
     top = 0.0
     for i, run in enumerate(runs):
-        points = [p for p in run.points if p.tails is not None and p.tails.goodput.value is not None]
+        points = [(p.rate, p.tails, value) for p in run.points
+                  if p.tails is not None and (value := p.tails.goodput.value) is not None]
         if not points:
             continue
-        slo = points[0].tails.slo
-        xs = [p.rate for p in points]
-        ys = [p.tails.goodput.value for p in points]
-        below = [
-            max(0.0, y - (p.tails.goodput.low if p.tails.goodput.low is not None else y)) for p, y in zip(points, ys)
-        ]
-        above = [
-            max(0.0, (p.tails.goodput.high if p.tails.goodput.high is not None else y) - y) for p, y in zip(points, ys)
-        ]
+        slo = points[0][1].slo
+        xs = [rate for rate, _, _ in points]
+        ys = [y for _, _, y in points]
+        below = [max(0.0, y - (t.goodput.low if t.goodput.low is not None else y)) for _, t, y in points]
+        above = [max(0.0, (t.goodput.high if t.goodput.high is not None else y) - y) for _, t, y in points]
         ax.errorbar(xs, ys, yerr=[below, above], marker="o", capsize=3, color=f"C{i}", label=mode_label(run.mode))
         top = max([top, *xs])
     if top:

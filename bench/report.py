@@ -6,6 +6,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from kvpush.deploy.lifecycle.tiny_model import describe
 from kvpush.deploy.topology.topology import Topology
@@ -53,7 +54,7 @@ class BenchReport:
                 "rounds": o.rounds,
                 "conversations": o.conversations,
                 "turns": o.turns,
-                "turn_tokens": None if o.workload() is None else o.workload().turn_tokens,
+                "turn_tokens": None if (workload := o.workload()) is None else workload.turn_tokens,
                 "slo": {"ttft_ms": o.slo.ttft_ms, "tpot_ms": o.slo.tpot_ms},
                 "confidence": CONFIDENCE,
             },
@@ -85,7 +86,7 @@ class BenchReport:
 def configuration(topo: Topology, options: BenchOptions) -> dict:
     base = mode_topology(topo, options, options.modes[0])
     model = base.model
-    config = {
+    config: dict[str, Any] = {
         "versions": environment.versions(),
         "machine": environment.machine(),
         "topology": {"name": topo.name, "bench_deployment": base.name, "platform": topo.platform,

@@ -99,7 +99,10 @@ class RequestSamples:
 def pooled_samples(samples: list[RequestSamples]) -> RequestSamples:
     """Every round's requests together (bench time summed)."""
     return RequestSamples(
-        *([v for s in samples for v in getattr(s, f)] for f in ("ttft", "e2el", "request_tpot", "itl")),
+        ttft=[v for s in samples for v in s.ttft],
+        e2el=[v for s in samples for v in s.e2el],
+        request_tpot=[v for s in samples for v in s.request_tpot],
+        itl=[v for s in samples for v in s.itl],
         sent=sum(s.sent for s in samples),
         duration_s=sum(s.duration_s for s in samples),
     )
@@ -136,7 +139,10 @@ def completed_request_ids(text: str, prefix: str, source: str = "<result>") -> l
 def parse_request_samples(text: str, source: str = "<result>") -> RequestSamples:
     data, columns = _per_request(text, source)
     count = len(columns["ttfts"])
-    ttft, tpot, itl, e2el = [], [], [], []
+    ttft: list[float] = []
+    tpot: list[float | None] = []
+    itl: list[float] = []
+    e2el: list[float] = []
     for i in range(count):
         if not _succeeded(columns, i):
             continue
