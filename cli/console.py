@@ -29,7 +29,7 @@ class _Console(Console):
 
     @size.setter
     def size(self, new_size: tuple[int, int]) -> None:
-        Console.size.fset(self, new_size)
+        self.width, self.height = new_size  # what Console.size's own setter does
 
 
 out = _Console(soft_wrap=True, markup=False)  # data: tables, JSON, plans

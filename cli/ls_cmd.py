@@ -41,8 +41,10 @@ class DeploymentSummary:
 
     def to_dict(self) -> dict:
         checked = self.processes is not None
+        processes = ([p.to_dict() for p in self.processes] if self.processes is not None
+                     else [{"name": n} for n in self.recorded])
         return {"deployment": self.deployment, "hosts": self.hosts, "router": self.router,
-                "processes": [p.to_dict() for p in self.processes] if checked else [{"name": n} for n in self.recorded],
+                "processes": processes,
                 "checked": checked, "up": len(self.up) if checked else None,
                 "down": len(self.down) if checked else None, "updated_at": self.updated_at, "error": self.error}
 
@@ -82,7 +84,7 @@ def summarize(deployment: str, ssh: SshOptions | None) -> DeploymentSummary:
 def summarize_all(ssh: SshOptions | None) -> list[DeploymentSummary]:
     names = recorded_deployments()
     results = fan_out(names, lambda name: summarize(name, ssh))
-    return [results[n].value if results[n].ok else DeploymentSummary(n, error=results[n].error) for n in names]
+    return [results[n].ok_value if results[n].ok else DeploymentSummary(n, error=results[n].error) for n in names]
 
 
 def others_hint(deployment: str) -> str:

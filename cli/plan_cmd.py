@@ -42,10 +42,10 @@ def render_plan(plan: Plan) -> None:
         heading(f"host {host.name} ({who}{how})  workdir {host.workdir}")
         for f in host.files:
             out.print(styled("  [cyan]file[/cyan] {} ({} bytes)", f.path, len(f.content)), highlight=False)
-        for f in host.secret_files:
-            users = f"; read by {', '.join(f.used_by)}" if f.used_by else ""
+        for secret in host.secret_files:
+            users = f"; read by {', '.join(secret.used_by)}" if secret.used_by else ""
             out.print(
-                styled("  [cyan]secret[/cyan] {} ({}, mode 0600, written by `up`{})", f.path, f.kind, users),
+                styled("  [cyan]secret[/cyan] {} ({}, mode 0600, written by `up`{})", secret.path, secret.kind, users),
                 highlight=False,
             )
         for proc in host.processes:
@@ -177,7 +177,7 @@ def register(app: typer.Typer) -> None:
             )
         except ValidationError as exc:
             first = exc.errors()[0]
-            option = f"--{first['loc'][0].replace('_', '-')}: " if first["loc"] else ""
+            option = f"--{str(first['loc'][0]).replace('_', '-')}: " if first["loc"] else ""
             raise UsageError(f"make-model: {option}{validation_message(first)}") from None
         if path.exists() and not path.is_dir():
             raise UsageError(f"{path}: is a file; give a directory for the model (created if missing)")

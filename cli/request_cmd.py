@@ -35,7 +35,7 @@ def register(app: typer.Typer) -> None:
                                                         "router's own address, e.g. the URL `kvpush tunnel` prints."),
     ) -> None:
         """Send one streamed, greedy completion through the router; print the answer and its TTFT."""
-        prompt = one_argument("request", "PROMPT", [prompt, *ctx.args], file)
+        one_argument("request", "PROMPT", [prompt, *ctx.args], file)  # refuses a topology file or more words
         router_url = None
         try:
             topo, source = resolve_topology(file)

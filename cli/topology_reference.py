@@ -58,12 +58,13 @@ def _referenced(node: dict) -> list[tuple[str, str]]:
     itself, '[]' for a list's items, '.<name>' for a mapping's values."""
     found = []
     for option in node.get("anyOf", [node]):
-        if _ref_name(option):
-            found.append(("", _ref_name(option)))
-        elif option.get("type") == "array" and isinstance(option.get("items"), dict) and _ref_name(option["items"]):
-            found.append(("[]", _ref_name(option["items"])))
-        elif isinstance(option.get("additionalProperties"), dict) and _ref_name(option["additionalProperties"]):
-            found.append((".<name>", _ref_name(option["additionalProperties"])))
+        items, values = option.get("items"), option.get("additionalProperties")
+        if name := _ref_name(option):
+            found.append(("", name))
+        elif option.get("type") == "array" and isinstance(items, dict) and (name := _ref_name(items)):
+            found.append(("[]", name))
+        elif isinstance(values, dict) and (name := _ref_name(values)):
+            found.append((".<name>", name))
     return found
 
 
@@ -100,8 +101,8 @@ def _type(node: dict, titles: dict[str, str]) -> str:
     if "anyOf" in node:
         options = [o for o in node["anyOf"] if o.get("type") != "null"]
         return " or ".join(dict.fromkeys(_type(o, titles) for o in options)) or "null"
-    if _ref_name(node):
-        title = titles[_ref_name(node)]
+    if name := _ref_name(node):
+        title = titles[name]
         return f"[{title}](#{_anchor(title)})"
     if "enum" in node:
         return " \\| ".join(f"`{json.dumps(v)}`" for v in node["enum"])
