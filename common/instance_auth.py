@@ -26,7 +26,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Mapping
 
 from prometheus_client import Counter
 
@@ -115,7 +115,7 @@ def _log_through_vllm() -> None:
 class InstanceKeyMiddleware:
     """Pure ASGI: constructed by vLLM with the app only, so it takes its settings from the environment."""
 
-    def __init__(self, app: ASGIApp, environ: dict[str, str] | None = None,
+    def __init__(self, app: ASGIApp, environ: Mapping[str, str] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         environ = os.environ if environ is None else environ
         key = environ.get(KEY_VARIABLE, "")
