@@ -23,11 +23,11 @@ import hmac
 import json
 import struct
 from dataclasses import dataclass, replace
-from typing import Any, Iterable, Literal
+from typing import Any, Final, Iterable, Literal
 
 ROLE_KEY = "kvpush_role"
-PRODUCER = "producer"
-CONSUMER = "consumer"
+PRODUCER: Final = "producer"
+CONSUMER: Final = "consumer"
 SIGNATURE_VERSION = "kvpush kv_transfer_params v1"
 DEFAULT_TTL_S = 120  # a leg's params are good this long after the router signed them
 

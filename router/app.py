@@ -41,8 +41,6 @@ UPSTREAM_KEEPALIVE_S = 2.0
 # the client reads the refusal instead of a reset (aiohttp's default, 10 s, holds a connection).
 LINGER_S = 1.0
 
-ROUTER_KEY = web.AppKey("router", "Router")
-
 
 class Router:
     def __init__(self, config: RouterConfig, keys: Keys):
@@ -208,6 +206,9 @@ class Router:
         await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         request.writer.output_size = 0  # the answer's own size counts from here
         return None
+
+
+ROUTER_KEY = web.AppKey("router", Router)
 
 
 def authorized(given: str, key: str) -> bool:

@@ -108,9 +108,9 @@ class Attempts:
         try:
             head = await self.legs.decode_head(leg, resp, stream)
         except UpstreamClientError:
-            release = pull_decode_leg(prefill_only(body, chat), answer)
-            assert release is not None
-            self._release(endpoint, decode, release, headers)
+            release_body = pull_decode_leg(prefill_only(body, chat), answer)
+            assert release_body is not None
+            self._release(endpoint, decode, release_body, headers)
             raise
         except LegFailure as exc:  # decode reads the KV from prefill: the failure may be prefill's
             _blame_transfer(exc, prefill)
@@ -172,7 +172,9 @@ class Attempts:
             prefill_task.cancel()
             await self._settle(prefill_task)
             if isinstance(exc, OtherLegFailed):
-                raise prefill_task.exception() from None
+                failure = prefill_task.exception()
+                assert failure is not None, "OtherLegFailed comes only of prefill's task raising"
+                raise failure from None
             _blame_transfer(exc, prefill)
             raise
         # Decode's first token came before prefill's HTTP answer (the KV already arrived): let the
