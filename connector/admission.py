@@ -176,6 +176,7 @@ class Admission:
             self._count("refused_handshake")
             self._refuse(conn, hello, reason, "refused_handshake")
             return None
+        assert plan is not None, "check() gives a plan wherever it gives no reason"
         return Pairing(hello, layout, peer, plan, state.proven_at)
 
     # ---- either ------------------------------------------------------------------------------------

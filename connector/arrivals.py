@@ -185,6 +185,8 @@ class Arrivals:
             for key in short:
                 pending = self.state.pending.get(key)
                 if pending is not None:
-                    self.add_parts([self.state.give_up(key, f"streamed KV from {pending.peer_engine} did not land "
-                                                            f"within {timeout_s:g} s", now)])
+                    given_up = self.state.give_up(key, f"streamed KV from {pending.peer_engine} did not land "
+                                                       f"within {timeout_s:g} s", now)
+                    assert given_up is not None, "a pending part is given up"
+                    self.add_parts([given_up])
                     self._send_cancel(pending.peer_engine, base_name(key))

@@ -209,7 +209,7 @@ class Plan:
         dst = np.asarray(dst_blocks, dtype=np.int64)
         if src.shape != dst.shape or src.ndim != 1:
             raise CoalesceError(f"{src.size} source blocks vs {dst.size} destination blocks")
-        parts = []
+        parts: list[tuple[_Columns, np.ndarray, np.ndarray, np.ndarray | None]] = []
         if self._packed is not None:
             runs = block_runs(src, dst)
             parts.append((self._packed, runs.src, runs.dst, runs.length))

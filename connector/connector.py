@@ -42,10 +42,19 @@ class KVPushMetadata(PushMetadata, KVConnectorMetadata):
 class KVPushWorkerMetadata(Evictions, KVConnectorWorkerMetadata):
     """Evictions as the type vLLM carries from worker to scheduler."""
 
+    def aggregate(self, other: Evictions | KVConnectorWorkerMetadata) -> KVPushWorkerMetadata:
+        assert isinstance(other, Evictions), "vLLM aggregates the metadata of this connector's workers only"
+        return KVPushWorkerMetadata(self.blocks | other.blocks)
+
 
 @dataclass
 class KVPushStats(PushStats, KVConnectorStats):
     """PushStats as the type vLLM's stats logger aggregates and reduces."""
+
+    def aggregate(self, other: PushStats | KVConnectorStats) -> KVPushStats:
+        assert isinstance(other, PushStats), "vLLM aggregates the stats of this connector's workers only"
+        PushStats.aggregate(self, other)
+        return self
 
 
 class KVPushPromMetrics(KVConnectorPromMetrics):
@@ -184,8 +193,8 @@ class KVPushConnector(KVConnectorBase_V1):
             stats = PushStats()
             stats.record_refused_params(refused)
             return KVPushStats(data=stats.data)
-        stats = self._worker.take_stats() if self._worker is not None else None
-        return KVPushStats(data=stats.data) if stats is not None else None
+        taken = self._worker.take_stats() if self._worker is not None else None
+        return KVPushStats(data=taken.data) if taken is not None else None
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVPushStats | None:
@@ -216,7 +225,9 @@ class KVPushConnector(KVConnectorBase_V1):
         assert self._scheduler is not None
         if self._scheduled_blocks is not None:
             self._scheduled_blocks.observe(scheduler_output)
-        return self._scheduler.build_connector_meta(scheduler_output)
+        meta = self._scheduler.build_connector_meta(scheduler_output)
+        assert isinstance(meta, KVPushMetadata), "the scheduler is made with metadata_cls=KVPushMetadata"
+        return meta
 
     def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
         super().bind_gpu_block_pool(gpu_block_pool)

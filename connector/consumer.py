@@ -24,6 +24,7 @@ import logging
 import time
 from collections import Counter
 from dataclasses import replace
+from functools import partial
 
 from kvpush.common.kv_params import PromptIdentity
 
@@ -146,7 +147,7 @@ class Consumer:
         msg = wire.Register(transfer_id, tuple(block_ids), first_block, num_tokens,
                             prompt.tokens if prompt else -1, prompt.digest if prompt else "")
         for rank in sources:
-            self._reactor.call_soon(lambda r=rank: self._send(rank_key(peer_engine, r), host, port + r, msg))
+            self._reactor.call_soon(partial(self._send, rank_key(peer_engine, rank), host, port + rank, msg))
 
     def _expect_digests(self, whole: Pending, pieces: list[Piece], keys: list[str], prefill: HeadSharding) -> bool:
         """verify_kv: what each source rank's digest covers here (lock held). False (the load
@@ -177,7 +178,7 @@ class Consumer:
         with self._lock:
             running = [self._state.pending[k] for k in self._parts.running(transfer_id) if k in self._state.pending]
         for pending in running:
-            self._reactor.call_soon(lambda p=pending: self._send_existing(p.peer_engine, wire.Cancel(transfer_id)))
+            self._reactor.call_soon(partial(self._send_existing, pending.peer_engine, wire.Cancel(transfer_id)))
         return bool(running)
 
     def take_outcomes(self) -> list[Outcome]:
@@ -352,7 +353,7 @@ class Consumer:
         for (peer_engine, generation), _ in overdue.items():
             conn = self._conns.get(peer_engine)
             live = conn is not None and self._generations.get(conn) == generation
-            if live:
+            if conn is not None and live:
                 self._close_here(
                     conn, f"no word from prefill on its late WRITEs within {self.config.late_write_hold_s:g} s"
                 )

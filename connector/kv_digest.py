@@ -77,7 +77,7 @@ class HostMemory:
     def rows(self, base: int, stride: int, length: int, blocks: np.ndarray) -> np.ndarray:
         top = int(blocks.max())
         size = top * stride + length
-        raw = np.frombuffer((ctypes.c_char * size).from_address(base), dtype=np.uint8)
+        raw = np.frombuffer(memoryview((ctypes.c_char * size).from_address(base)), dtype=np.uint8)
         view = np.lib.stride_tricks.as_strided(raw, shape=(top + 1, length), strides=(stride, 1), writeable=False)
         return view[blocks].view(np.uint64)  # the gather copies: rows are contiguous words
 
@@ -115,7 +115,7 @@ def producer_slices(segments: Sequence[Segment], local: Sequence[Region], remote
     """Prefill: what its plan (coalesce.py) writes, by region, in decode's block coordinates.
     A segment of several regions (adjacent on both sides) is cut back into them."""
     wanted = None if regions is None else set(regions)
-    out = []
+    out: list[Slice] = []
     for seg in segments:
         if len(seg.regions) == 1:
             [k] = seg.regions

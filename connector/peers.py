@@ -37,10 +37,11 @@ class Peers:
     def closed(self, conn: Connection) -> tuple[int, bool]:
         """The connection's generation (0 if it was never admitted), and whether it was live."""
         generation = self.generations.pop(conn, 0)
-        live = conn.engine_id is not None and self.conns.get(conn.engine_id) is conn
-        if live:
-            del self.conns[conn.engine_id]
-        return generation, live
+        engine_id = conn.engine_id
+        if engine_id is None or self.conns.get(engine_id) is not conn:
+            return generation, False
+        del self.conns[engine_id]
+        return generation, True
 
     def live(self, engine_id: str, generation: int) -> Connection | None:
         """The connection of that generation, if it is still the decode rank's live one. Reads

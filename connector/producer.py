@@ -26,7 +26,8 @@ import logging
 import threading
 import time
 from collections import Counter
-from typing import Callable
+from functools import partial
+from typing import Callable, Sequence
 
 from kvpush.common.kv_params import PromptIdentity
 
@@ -78,7 +79,7 @@ class Producer:
         self._reactor.start()
 
     # ---- compute thread ----------------------------------------------------------------------
-    def prepare(self, transfer_id: str, block_ids: list[int] | tuple[int, ...], peer_engine: str,
+    def prepare(self, transfer_id: str, block_ids: Sequence[int], peer_engine: str,
                 peer_tp_size: int = 1) -> bool:
         """Make the WRITEs of a request whose prefill is about to complete, one per decode rank
         whose registration and connection are here; `offer` then only posts them. False if
@@ -88,7 +89,7 @@ class Producer:
             made |= self._prepare(rank_key(transfer_id, rank), block_ids, rank_key(peer_engine, rank), transfer_id)
         return made
 
-    def _prepare(self, key: str, block_ids: list[int] | tuple[int, ...], peer_engine: str, transfer_id: str) -> bool:
+    def _prepare(self, key: str, block_ids: Sequence[int], peer_engine: str, transfer_id: str) -> bool:
         with self._lock:
             reg = self._state.registrations.get(key)
             if reg is not None and reg.prompt != self._prompt_of.get(transfer_id):
@@ -230,7 +231,7 @@ class Producer:
                 self._run_after_loss()
 
         for fd, name in handles.items():
-            self._reactor.watch_exit(fd, lambda name=name: self._jobs.submit(lambda: lost(name)))
+            self._reactor.watch_exit(fd, partial(self._jobs.submit, partial(lost, name)))
         if gone:
             self._jobs.submit(lambda: lost(gone[0]))
 
@@ -358,6 +359,7 @@ class Producer:
             engine_id = conn.engine_id
             generation, live = self._peers.closed(conn)
             if generation:  # its registrations go with it, and its WRITEs still copying are drained
+                assert engine_id is not None, "an admitted connection names its engine"
                 self._state.peer_gone(engine_id, time.monotonic(), generation)
                 self._pushes.poll(gone=conn, why=reason)
             if live:

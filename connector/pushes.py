@@ -23,7 +23,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from . import kv_digest, wire
 from .channel import Connection
@@ -66,7 +66,7 @@ class Pushes:
         self._records: list[SendRecord] = []
 
     # ---- WRITEs made ahead -----------------------------------------------------------------------
-    def prepare(self, transfer_id: str, block_ids: list[int] | tuple[int, ...], peer_engine: str,
+    def prepare(self, transfer_id: str, block_ids: Sequence[int], peer_engine: str,
                 reg: Registration | None) -> bool:
         """Make the WRITE of one push ahead, if its registration and peer are here (caller holds the lock)."""
         peer = self._peers.nixl.get(peer_engine)
@@ -125,6 +125,7 @@ class Pushes:
                 self.finish(match, conn, now, now, False, f"{why} before the WRITE" if why else
                             f"decode engine {engine_id} has no NIXL peer here")
                 return None
+            assert conn is not None, "wanted() gives no reason to stop only with the connection at hand"
             try:
                 slices = self._slices(peer)
             except DigestError as exc:

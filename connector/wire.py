@@ -220,7 +220,7 @@ def decode(data: bytes) -> Message:
     try:
         return _BUILDERS[cls](body)
     except (KeyError, TypeError, ValueError) as exc:
-        raise WireError(f"bad {cls.type}: {exc}") from None
+        raise WireError(f"bad {kind}: {exc}") from None
 
 
 def _exact_keys(body: dict, cls: type) -> None:
