@@ -110,6 +110,10 @@ HOSTILE: list[tuple[str, str | bytes, str]] = [
     ("env-vllm-api-key", with_lines("env: {VLLM_API_KEY: x}"), "set by kvpush"),
     ("extra-args-api-key", instance('extra_args: ["--api-key=x"]'), "set by kvpush"),
     ("extra-config-secret-file", with_lines("connector: {extra_config: {secret_file: /tmp/x}}"), "set by kvpush"),
+    # the connector would then dial any address, or take any engine
+    ("extra-config-peers-null", with_lines("connector: {extra_config: {peer_side_channels: null}}"), "set by kvpush"),
+    ("extra-config-peers-empty", with_lines("connector: {extra_config: {peer_side_channels: {}}}"), "set by kvpush"),
+    ("extra-config-allowed-engines", with_lines("connector: {extra_config: {allowed_engines: []}}"), "set by kvpush"),
     ("extra-config-date", with_lines("connector: {extra_config: {when: 2001-01-01}}"), "date"),
     ("extra-config-inf", with_lines("connector: {extra_config: {limit: .inf}}"), "finite"),
     ("api-key-env-dash", router('api_key_env: "-x"'), "not an environment variable name"),
