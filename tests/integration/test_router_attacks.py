@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -251,6 +252,34 @@ def test_a_10_gb_declared_body_gets_413_at_once_and_a_slow_body_408_at_its_deadl
     assert (status, connection) == (408, "close") and body_timeout_s - 0.1 < seconds < body_timeout_s + SLACK_S, seen["408"]
     assert (refused("body_too_large", page), refused("body_timeout", page)) == (2, 1)
     traffic.assert_unharmed()
+
+
+NON_FINITE = [(b'{"model": "tiny", "prompt": "hi", "max_tokens": 2, "temperature": NaN}', "temperature", "NaN"),
+              (b'{"model": "tiny", "prompt": "hi", "max_tokens": 2, "top_p": Infinity}', "top_p", "Infinity"),
+              (b'{"model": "tiny", "prompt": "hi", "max_tokens": 2, "logit_bias": {"7": -Infinity}}', "logit_bias.7",
+               "-Infinity"),
+              (b'{"model": "tiny", "prompt": "hi", "max_tokens": 2, "repetition_penalty": 1e999}', "repetition_penalty",
+               "1e999")]
+
+
+def test_numbers_that_are_not_finite_are_a_400_naming_the_field_and_never_forwarded(fakes, tmp_path):
+    """Python's JSON reader (and so vLLM's) takes NaN, Infinity and 1e999; the router answers them
+    itself, counted as client errors, while real requests pass."""
+    with router(tmp_path), Traffic() as traffic:
+        before = metric_sum(metrics(), "kvpush_router_requests_total", outcome="client_error") or 0.0
+        for raw, field, token in NON_FINITE:
+            headers = {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"}
+            request = urllib.request.Request(f"http://127.0.0.1:{ROUTER}/v1/completions", data=raw, headers=headers)
+            with pytest.raises(urllib.error.HTTPError) as refused_with:
+                urllib.request.urlopen(request, timeout=10)
+            error = json.loads(refused_with.value.read())["error"]
+            assert refused_with.value.code == 400 and error["param"] == field, error
+            assert error["message"] == f"`{field}` is not a finite number ({token}); the router takes finite numbers " \
+                                       "only"
+        time.sleep(0.3)  # a few real requests after the refusals too
+        page = metrics()
+    assert metric_sum(page, "kvpush_router_requests_total", outcome="client_error") == before + len(NON_FINITE)
+    traffic.assert_unharmed(minimum=2)
 
 
 def test_sighup_with_a_fifo_as_the_instance_list_never_stops_the_router_serving(fakes, tmp_path):
