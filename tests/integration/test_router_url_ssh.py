@@ -45,6 +45,14 @@ def test_the_url_up_prints_for_a_remote_router_on_every_address_answers(deploy, 
     with urllib.request.urlopen(request, timeout=30) as answer:
         assert answer.status == 200 and json.loads(answer.read())["choices"][0]["text"]
 
+    # `kvpush ls` finds the deployment on its real hosts: every process up, the same URL
+    listed = run_cli("ls", "--json", "--known-hosts", str(sshd_cluster.known_hosts))
+    assert listed.returncode == 0, listed.stderr
+    [wide] = [d for d in json.loads(listed.stdout)["deployments"] if d["deployment"] == "wide"]
+    assert wide["router"] == url and (wide["checked"], wide["up"], wide["down"]) == (True, 3, 0), wide
+    assert sorted(p["name"] for p in wide["processes"]) == ["decode-0", "prefill-0", "router"]
+    assert set(wide["hosts"]) == {"h0", "h1", "h2"}, wide["hosts"]
+
 
 def test_a_remote_router_on_loopback_is_warned_about_and_its_url_indeed_refuses(deploy, sshd_cluster, tmp_path, free_port):
     topo = deploy(name="narrow", extra={"router": {"bind": "127.0.0.1", "port": free_port}})
