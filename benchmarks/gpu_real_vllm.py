@@ -164,6 +164,8 @@ def pd_config(args, role: str) -> dict:
 
 def server_env(args, name: str) -> dict[str, str]:
     env = dict(os.environ)
+    if args.v1_runner:  # vLLM 0.25's V1 model runner: it allocates the cross-layer KV cache kvpush asks for
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(kvpush_root()), env.get("PYTHONPATH")]))
     env.update(PYTHONUNBUFFERED="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1",
                TRANSFORMERS_OFFLINE="1", VLLM_USE_FLASHINFER_SAMPLER="0", VLLM_LOG_STATS_INTERVAL="1",
@@ -358,21 +360,27 @@ async def ttft(args, session, rng, records: list, deadline: float) -> dict:
     return per_length
 
 
+PROBE_CASES = ("gap-0s", "gap-1.5s", "after-colocated", "after-two-colocated", "after-colocated-same-prompt")
+
+
 async def idle_probe(args, session, rng, records: list) -> dict:
-    """Is a P/D request slower after the pair sat idle, or after the colocated instance used the GPU?
-    For each length: a warm request, then the measured one after `gap` seconds of nothing, or right
-    after a colocated request of the same length."""
+    """What makes a P/D request slower: the pair sitting idle, the colocated instance using the GPU
+    before it, or the colocated instance having just served the same prompt? For each length: a
+    warm P/D request, then what the case names, then the measured P/D request."""
     out: dict = {}
     for n in args.idle_probe_lengths:
         rows: dict[str, list[float]] = {}
         for rep in range(args.idle_probe_rounds):
-            for case in ("gap-0s", "gap-0.5s", "gap-1.5s", "after-colocated"):
+            for case in PROBE_CASES:
                 await complete(session, PORTS["router"], prompt(rng, n), args.out_tokens)
-                if case == "after-colocated":
-                    await complete(session, PORTS["reference"], prompt(rng, n), args.out_tokens)
-                else:
+                measured = prompt(rng, n)
+                if case.startswith("gap-"):
                     await asyncio.sleep(float(case[4:-1]))
-                res = await complete(session, PORTS["router"], prompt(rng, n), args.out_tokens)
+                for _ in range({"after-colocated": 1, "after-two-colocated": 2}.get(case, 0)):
+                    await complete(session, PORTS["reference"], prompt(rng, n), args.out_tokens)
+                if case == "after-colocated-same-prompt":
+                    await complete(session, PORTS["reference"], measured, args.out_tokens)
+                res = await complete(session, PORTS["router"], measured, args.out_tokens)
                 res.pop("text", None)
                 records.append({"phase": "idle-probe", "case": case, "prompt_tokens": n, "round": rep, **res})
                 if res.get("ok"):
@@ -484,6 +492,8 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=400, help="no new TTFT length starts after this")
     ap.add_argument("--start-timeout-s", type=float, default=240)
     ap.add_argument("--verify-kv", action="store_true", help="kvpush: connector.verify_kv on both sides")
+    ap.add_argument("--v1-runner", action="store_true",
+                    help="every instance on vLLM's V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0; vLLM 0.25)")
     ap.add_argument("--idle-probe-rounds", type=int, default=0, help="rounds of the idle probe (0: skip it)")
     ap.add_argument("--idle-probe-lengths", type=lambda s: [int(x) for x in s.split(",")], default=[4096, 16384])
     ap.add_argument("--request-timeout-s", type=float, default=120)
