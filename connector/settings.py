@@ -11,8 +11,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from .liveness import DEFAULT_SILENCE_S
 
 CPU_IDLE_WAIT_MS = 20.0
-# verify_kv's default (docs/connector.md, "End-to-end KV check"): off, since hashing the KV on CPU
-# costs well over 2% of TTFT (benchmarks/results/verify-kv-cpu-2026-12-05). Being off by default,
+# verify_kv's default (docs/connector.md, "End-to-end KV check"): off, since hashing the KV costs
+# well over 2% of TTFT on CPU (benchmarks/results/verify-kv-cpu-2026-12-05) and on an H100 too
+# (benchmarks/results/gpu-real-vllm-h100-2026-12-06). Being off by default,
 # it is no security setting: a topology's extra_config may turn it on (or leave it off).
 VERIFY_KV = False
 GPU_IDLE_WAIT_MS = 2.0
