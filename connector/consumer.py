@@ -28,16 +28,17 @@ from functools import partial
 
 from kvpush.common.kv_params import PromptIdentity
 
-from . import auth, frame_mac, wire
+from . import auth, wire
 from .arrivals import Arrivals
 from .channel import AUTH_DEADLINE_S, Connection, Reactor
 from .consumer_config import ConsumerConfig
+from .decode_auth import answer_challenge
+from .expectation import Refused, expected_parts, prefill_sharding
 from .fanin import RANK_SEPARATOR, base_name, rank_key, rank_of
 from .kv_digest import DigestError
-from .kv_digest_check import KvCheck, slices_for_piece
+from .kv_digest_check import KvCheck
 from .liveness import PeerLiveness
 from .regions import HeadLayout, Region
-from .sharding import HeadSharding, Piece, ShardingError, pieces_for_decode
 from .state import ConsumerState, Outcome, Pending, counts_since
 
 log = logging.getLogger(__name__)
@@ -69,9 +70,8 @@ class Consumer:
         )  # reactor thread only
         self._conns: dict[str, Connection] = {}
         self._connecting: dict[str, list[wire.Message]] = {}  # P engine -> what waits for its connection
-        self._generations: dict[
-            Connection, int
-        ] = {}  # open connection -> its number among its P rank's (reactor thread)
+        # open connection -> its number among its P rank's (reactor thread)
+        self._generations: dict[Connection, int] = {}
         self._numbered: Counter = Counter()  # P rank -> connections made to it so far
         self._closed_here: set[Connection] = set()  # connections this side is closing (reactor thread)
         self._counted: Counter = Counter()  # what take_counts already handed out
@@ -93,84 +93,36 @@ class Consumer:
             if refused:
                 self._arrivals.add_whole(Outcome(whole, False, refused))
                 return
-            if peer_engine not in self.config.allowed_engines:
-                self.counters["refused_peer"] += 1
-                self._arrivals.add_whole(
-                    Outcome(
-                        whole,
-                        False,
-                        f"prefill engine {peer_engine!r} is not in allowed_engines "
-                        f"{sorted(self.config.allowed_engines)}",
-                    )
-                )
-                return
             try:
-                prefill = HeadSharding(self.config.sharding.total_heads, peer_tp_size)
-            except ShardingError as exc:
-                self.counters["refused_peer"] += 1
-                self._arrivals.add_whole(Outcome(whole, False, f"prefill {peer_engine} runs TP {peer_tp_size}: {exc}"))
-                return
-            known = self.config.peers.get(peer_engine) if self.config.peers is not None else (host, port)
-            if known != (host, port):
-                self.counters["unknown_address"] += 1
-                self._arrivals.add_whole(
-                    Outcome(
-                        whole,
-                        False,
-                        f"the request names {host}:{port} as prefill {peer_engine}'s side "
-                        f"channel, which the deployment places at "
-                        f"{f'{known[0]}:{known[1]}' if known else 'no address'}",
-                    )
-                )
+                prefill = prefill_sharding(self.config, peer_engine, host, port, peer_tp_size)
+            except Refused as refusal:
+                self.counters[refusal.counter] += 1
+                self._arrivals.add_whole(Outcome(whole, False, refusal.reason))
                 return
             if transfer_id in self._parts:
                 self._state.dropped["duplicate_registration"] += 1
                 return
-            pieces = pieces_for_decode(self.config.tp_rank, prefill, self.config.sharding)
-            keys = [rank_key(transfer_id, piece.p_rank) for piece in pieces]
-            if not self._expect_digests(whole, pieces, keys, prefill):
+            check = self._arrivals.check
+            try:
+                parts = expected_parts(self.config, self._layout, prefill, transfer_id, len(block_ids),
+                                       verify=check is not None)
+            except DigestError as exc:
+                self._arrivals.add_whole(Outcome(whole, False, str(exc)))
                 return
-            self._parts.add(whole, keys)
-            for piece, key in zip(pieces, keys):
-                self._state.add(Pending(key, req_id, rank_key(peer_engine, piece.p_rank), tuple(block_ids), now,
-                                        expected_bytes=len(block_ids) * self._bytes_per_block(piece.num_heads)))
-            sources = [piece.p_rank for piece in pieces]
-        log.debug(
-            "kvpush D expect %s req=%s blocks=%d first=%d from ranks %s t=%.6f",
-            transfer_id,
-            req_id,
-            len(block_ids),
-            first_block,
-            sources,
-            now,
-        )
+            for part in parts:
+                if check is not None and part.slices is not None:
+                    check.expect(part.key, part.slices)
+            self._parts.add(whole, [part.key for part in parts])
+            for part in parts:
+                self._state.add(Pending(part.key, req_id, rank_key(peer_engine, part.p_rank), tuple(block_ids), now,
+                                        expected_bytes=part.expected_bytes))
+            sources = [part.p_rank for part in parts]
+        log.debug("kvpush D expect %s req=%s blocks=%d first=%d from ranks %s t=%.6f", transfer_id, req_id,
+                  len(block_ids), first_block, sources, now)
         msg = wire.Register(transfer_id, tuple(block_ids), first_block, num_tokens,
                             prompt.tokens if prompt else -1, prompt.digest if prompt else "")
         for rank in sources:
             self._reactor.call_soon(partial(self._send, rank_key(peer_engine, rank), host, port + rank, msg))
-
-    def _expect_digests(self, whole: Pending, pieces: list[Piece], keys: list[str], prefill: HeadSharding) -> bool:
-        """verify_kv: what each source rank's digest covers here (lock held). False (the load
-        failed) for KV the digest cannot cover."""
-        check = self._arrivals.check
-        if check is None:
-            return True
-        try:
-            slices = [
-                slices_for_piece(self._layout.regions, self._layout.head_layouts, p, prefill, self.config.sharding)
-                for p in pieces
-            ]
-        except DigestError as exc:
-            self._arrivals.add_whole(Outcome(whole, False, str(exc)))
-            return False
-        for key, part_slices in zip(keys, slices):
-            check.expect(key, part_slices)
-        return True
-
-    def _bytes_per_block(self, num_heads: int) -> int:
-        """What `num_heads` of this rank's heads take of one block, over every region."""
-        layouts = self._layout.head_layouts
-        return sum(num_heads * h.head_bytes * len(h.chunk_offsets) for h in layouts)
 
     def cancel(self, transfer_id: str) -> bool:
         """D's request went away: ask P's ranks not to write (the outcome still arrives, or times
@@ -250,31 +202,16 @@ class Consumer:
         if conn_of is not conn or hello is None:
             self.counters["unexpected_challenge"] += 1
             return
-        key, hello_digest = self.config.side_channel_key, auth.digest(wire.encode(hello))
-        claimed = rank_key(msg.engine_id, msg.tp_rank)
-        if claimed != peer_engine or not auth.verify(key, msg.proof, "prefill", msg.nonce, hello.nonce, msg.engine_id,
-                                                     msg.tp_rank, hello_digest):
+        answered = answer_challenge(self.config.side_channel_key, hello, msg, peer_engine, self.config.engine_id,
+                                    self.config.tp_rank, self._layout_digest)
+        if answered is None:
             self.counters["failed_auth"] += 1
             self._reactor.close(conn, f"the side channel at {conn.peer} failed to prove it is {_named(peer_engine)}")
             return  # on_closed fails what waited for it
         del self._handshakes[peer_engine]
-        keys = frame_mac.session_keys(key, hello.nonce, msg.nonce)
+        proof, keys = answered
         conn.trust(keys.opener("decode"))  # every frame of P's after its CHALLENGE carries its MAC
-        conn.send(
-            wire.Auth(
-                auth.prove(
-                    key,
-                    "decode",
-                    msg.nonce,
-                    hello.nonce,
-                    self.config.engine_id,
-                    self.config.tp_rank,
-                    hello_digest,
-                    self._layout_digest,
-                ),
-                self._layout_digest,
-            )
-        )
+        conn.send(proof)
         conn.seal_sends(keys.sealer("decode"))  # ... and every frame of this side's after its AUTH
         conn.send(self._layout)  # what P makes a NIXL peer of, only to a P that proved the key
         self._established(peer_engine, conn)
@@ -452,13 +389,8 @@ class Consumer:
             log.debug("kvpush D outcome %s req=%s ok=%s bytes=%d since_register=%.6f t=%.6f", key,
                       outcome.pending.req_id, outcome.ok, outcome.num_bytes, now - outcome.pending.created, now)
             if not outcome.ok:
-                log.warning(
-                    "kvpush: transfer %s (request %s) from %s failed: %s",
-                    msg.transfer_id,
-                    outcome.pending.req_id,
-                    _named(peer_key),
-                    outcome.reason,
-                )
+                log.warning("kvpush: transfer %s (request %s) from %s failed: %s", msg.transfer_id,
+                            outcome.pending.req_id, _named(peer_key), outcome.reason)
 
 
 def _named(peer_key: str) -> str:
