@@ -14,6 +14,7 @@ from pydantic import ValidationError
 
 from kvpush.common.errors import field_path, first_problem, validation_message
 
+from .process_specs import HostSpec, InstanceSpec, RestartSpec, RouterSpec
 from .slurm_topology import check_slurm_fields  # the Slurm launcher's own rules live with it
 from .topology_checks import Problems, check_cross_fields, check_key_files, known_kv_heads
 from .topology_defaults import apply_defaults, listening_side_channel_ports, side_channel_ports
@@ -23,12 +24,8 @@ from .topology_schema import (
     Backend,
     ConnectorSpec,
     ConnectorType,
-    HostSpec,
-    InstanceSpec,
     ModelSpec,
-    RestartSpec,
     Role,
-    RouterSpec,
     SlurmSpec,
     TinyModelSpec,
     Topology,

@@ -8,8 +8,9 @@ from pathlib import Path
 from kvpush.common.errors import field_path
 from kvpush.connector.settings import ConnectorExtraConfig
 
+from .process_specs import InstanceSpec
 from .topology_defaults import listening_side_channel_ports
-from .topology_schema import NAME_PATTERN, ROUTER_PROCESS_NAME, InstanceSpec, Role, Topology, TopologyError
+from .topology_schema import NAME_PATTERN, ROUTER_PROCESS_NAME, Role, Topology, TopologyError
 from .topology_values import KVPUSH_SECURITY_KEYS, rank_core_lists
 from .yaml_source import SourceDocument
 

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .topology_schema import ConnectorType, InstanceSpec, Role, Topology
+from .process_specs import InstanceSpec
+from .topology_schema import ConnectorType, Role, Topology
 
 DEFAULT_PREFILL_HTTP_PORT = 8100
 DEFAULT_DECODE_HTTP_PORT = 8200
