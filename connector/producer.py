@@ -26,7 +26,6 @@ import logging
 import threading
 import time
 from collections import Counter
-from functools import partial
 from typing import Callable, Sequence
 
 from kvpush.common.kv_params import PromptIdentity
@@ -35,19 +34,17 @@ from . import wire
 from .admission import Handshake, Pairing, ThrottledWarnings
 from .channel import Connection
 from .fanin import base_name, rank_key, rank_of
+from .instance_loss import InstanceLoss
 from .peers import Peers
 from .producer_channel import ProducerChannel
 from .producer_config import ProducerConfig
-from .pushes import DRAIN_POLL_S, Pushes, SendRecord
+from .pushes import Pushes, SendRecord
 from .sharding import HeadSharding, ShardingError, targets_of
 from .state import Match, Offer, ProducerState, Registration, Rejection, counts_since
-from .streamed_write import MAX_SLEEP_S
 from .transfer import NixlEngine, Peer
 from .transfer_thread import TransferThread
 
 log = logging.getLogger(__name__)
-POLL_S = 0.0002  # completion polling period, only while WRITEs are in flight, easing off on a
-# CPU host to the compute thread's longest sleep between polls as they stay there (`_poll_interval`)
 # Counters that are outcomes, not dropped or refused input (those are exported by `take_counts`)
 _OUTCOME_COUNTERS = frozenset({"sent", "failed"})
 __all__ = ["Producer", "ProducerConfig"]
@@ -66,8 +63,8 @@ class Producer:
         self._counted: Counter = Counter()  # what take_counts already handed out
         self._warnings = ThrottledWarnings()
         self.counters: Counter = Counter()  # under the lock
-        self._lost = ""  # why this instance can prefill nothing more (a sibling rank ended), "" while whole
-        self._after_loss: Callable[[], None] | None = None  # to run once the pushes under way have ended
+        self._loss = InstanceLoss(config.engine_id, self._lock, self._fail_waiting,
+                                  lambda: bool(self._writing or self._pushes.inflight))
         self._jobs = TransferThread(f"kvpush-p-{config.engine_id}-transfer", self._next_wait, self._tick)
         self._channel = ProducerChannel(config, engine, self._jobs, self._count, self._warnings,
                                         self._on_transfer_message, self._closed, self._pair)
@@ -107,46 +104,33 @@ class Producer:
         with self._lock:
             return self._peers.nixl.get(rank_key(engine_id, rank))
 
-    def offer(
-        self, transfer_id: str, req_id: str, block_ids: list[int], peer_engine: str, peer_tp_size: int = 1
-    ) -> None:
+    def offer(self, transfer_id: str, req_id: str, block_ids: list[int], peer_engine: str,
+              peer_tp_size: int = 1) -> None:
         """The request's prefill is done and these are its blocks: one push per decode rank that
         takes KV heads from this rank. Copies (CPU) happen on this thread without the producer's
         lock, so the reactor keeps answering D meanwhile. Its blocks are freed once every push ended."""
         now = time.monotonic()
         here: list[Match] = []
         with self._lock:
-            if self._lost:
-                self.withdraw(transfer_id, req_id, self._lost, peer_tp_size)
+            if self._loss.reason:
+                self.withdraw(transfer_id, req_id, self._loss.reason, peer_tp_size)
                 return
             targets = self._targets(peer_tp_size)
             if peer_engine not in self.config.allowed_engines or not targets:
                 if targets:
                     self.counters["refused_peer"] += 1
-                    log.error(
-                        "kvpush: request %s names decode engine %r, which is not in allowed_engines %s; not sending "
-                        "its KV",
-                        req_id,
-                        peer_engine,
-                        sorted(self.config.allowed_engines),
-                    )
+                    log.error("kvpush: request %s names decode engine %r, which is not in allowed_engines %s; not "
+                              "sending its KV", req_id, peer_engine, sorted(self.config.allowed_engines))
                 self._pushes.free_now(req_id)  # else no decode rank takes heads from this rank
                 return
             self._pushes.expect(req_id, len(targets))
             prompt = self._prompt_of.pop(transfer_id, None)
             for rank in targets:
                 key = rank_key(transfer_id, rank)
-                result = self._state.offer(
-                    Offer(key, req_id, tuple(block_ids), rank_key(peer_engine, rank), now, prompt)
-                )
-                log.debug(
-                    "kvpush P offer %s req=%s blocks=%d t=%.6f matched=%s",
-                    key,
-                    req_id,
-                    len(block_ids),
-                    now,
-                    result is not None,
-                )
+                result = self._state.offer(Offer(key, req_id, tuple(block_ids), rank_key(peer_engine, rank), now,
+                                                 prompt))
+                log.debug("kvpush P offer %s req=%s blocks=%d t=%.6f matched=%s", key, req_id, len(block_ids), now,
+                          result is not None)
                 if isinstance(result, Match) and self.config.drive_writes:  # this thread copies it
                     self._writing.add(key)
                     here.append(result)
@@ -224,16 +208,7 @@ class Producer:
         `on_lost` then runs on the transfer thread, after decode has been told and once no push
         this rank had already matched is still being written; both side-channel threads
         (`side_channel_threads`) must keep running after it, to answer decode."""
-        def lost(name: str) -> None:
-            if self.lose_instance(f"its rank process {name} ended"):
-                with self._lock:
-                    self._after_loss = on_lost
-                self._run_after_loss()
-
-        for fd, name in handles.items():
-            self._reactor.watch_exit(fd, partial(self._jobs.submit, partial(lost, name)))
-        if gone:
-            self._jobs.submit(lambda: lost(gone[0]))
+        self._loss.watch(handles, gone, on_lost, self._reactor.watch_exit, self._jobs.submit)
 
     def side_channel_threads(self) -> set[int]:
         """Native ids of the reactor and transfer threads, which answer decode."""
@@ -243,25 +218,15 @@ class Producer:
         """Fail every registration decode holds here now, and every later one on arrival: this
         rank's siblings are gone, and its own process may live on for seconds until vLLM ends it.
         False if that was done before."""
-        with self._lock:
-            if self._lost:
-                return False
-            self._lost = f"prefill {self.config.engine_id} can no longer prefill: {why}"
-            waiting = list(self._state.registrations.values())
-            for reg in waiting:
-                self._state.abort(reg.transfer_id, self._lost, time.monotonic())
-                self._send_fail(reg.peer_engine, base_name(reg.transfer_id), self._lost)
-        (log.warning if waiting else log.info)("kvpush: %s; failed the %d transfer(s) decode was waiting for here",
-                                               self._lost, len(waiting))
-        return True
+        return self._loss.lose(why)
 
-    def _run_after_loss(self) -> None:
-        """Transfer thread."""
-        with self._lock:
-            if self._after_loss is None or self._writing or self._pushes.inflight:
-                return
-            run, self._after_loss = self._after_loss, None
-        run()
+    def _fail_waiting(self, reason: str) -> int:
+        """Lock held: fail every registration decode holds here; how many there were."""
+        waiting = list(self._state.registrations.values())
+        for reg in waiting:
+            self._state.abort(reg.transfer_id, reason, time.monotonic())
+            self._send_fail(reg.peer_engine, base_name(reg.transfer_id), reason)
+        return len(waiting)
 
     def take_freed(self) -> list[str]:
         with self._lock:
@@ -312,22 +277,11 @@ class Producer:
     # ---- transfer thread -----------------------------------------------------------------------
     def _next_wait(self) -> float | None:
         with self._lock:
-            if self._pushes.inflight:
-                return self._poll_interval()
-            if self._pushes.draining:
-                return DRAIN_POLL_S
+            poll = self._pushes.next_poll()
+            if poll is not None:
+                return poll
             deadline = self._state.next_deadline()
         return None if deadline is None else max(0.0, deadline - time.monotonic())
-
-    def _poll_interval(self) -> float:
-        """Lock held. On a CPU host a WRITE in flight for long waits on its decode process (the
-        first WRITE to a rank ends only once that process has run), which may need this very core;
-        polling that never pauses would hold it, so the period grows with the youngest WRITE's age.
-        The GPU's copy engines need no core."""
-        if not self.config.drive_writes:
-            return POLL_S
-        age = time.monotonic() - max(item.posted for item in self._pushes.inflight)
-        return min(MAX_SLEEP_S, max(POLL_S, age / 8))
 
     def _tick(self) -> None:
         with self._lock:
@@ -335,24 +289,14 @@ class Producer:
             offers, regs = self._state.expire(time.monotonic())
             self._pushes.release_stale_prepared(self._state.registrations, self._writing)
             for o in offers:
-                log.warning(
-                    "kvpush: decode engine %s never registered transfer %s (request %s) within %g s; freeing its "
-                    "blocks",
-                    o.peer_engine,
-                    o.transfer_id,
-                    o.req_id,
-                    self.config.timeout_s,
-                )
+                log.warning("kvpush: decode engine %s never registered transfer %s (request %s) within %g s; freeing "
+                            "its blocks", o.peer_engine, o.transfer_id, o.req_id, self.config.timeout_s)
                 self._pushes.push_ended(o.req_id)
             for r in regs:
                 tid = base_name(r.transfer_id)
-                self._send_fail(
-                    r.peer_engine,
-                    tid,
-                    f"prefill {self.config.engine_id} had no request for transfer {tid} within "
-                    f"{self.config.timeout_s:g} s",
-                )
-        self._run_after_loss()
+                self._send_fail(r.peer_engine, tid, f"prefill {self.config.engine_id} had no request for transfer "
+                                                    f"{tid} within {self.config.timeout_s:g} s")
+        self._loss.run_if_idle()
 
     def _closed(self, conn: Connection, reason: str) -> None:
         with self._lock:
@@ -379,11 +323,11 @@ class Producer:
                 if bad:
                     self.counters["bad_registration"] += 1
                     log.warning("kvpush: refused registration %s from %s: %s", msg.transfer_id, peer_key, bad)
-                if bad or self._lost:
+                if bad or self._loss.reason:
                     offer = self._state.cancel(key, peer_key, now)
                     if offer is not None:
                         self._pushes.push_ended(offer.req_id)
-                    conn.send(wire.Fail(msg.transfer_id, bad or self._lost))
+                    conn.send(wire.Fail(msg.transfer_id, bad or self._loss.reason))
                     return
                 claimed = PromptIdentity(msg.prompt_tokens, msg.prompt_digest) if msg.prompt_digest else None
                 result = self._state.register(Registration(key, peer_key, msg.block_ids, msg.first_block, now,

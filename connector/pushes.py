@@ -32,16 +32,18 @@ from .kv_digest import DigestError
 from .peers import Peers
 from .push_records import Draining, InFlight, Prepared, SendRecord
 from .state import Match, Registration
-from .streamed_write import stream_parts, wait_while_copying
+from .streamed_write import MAX_SLEEP_S, stream_parts, wait_while_copying
 from .transfer import NixlEngine, Peer, TransferError, Write
 
 if TYPE_CHECKING:
     from .producer_config import ProducerConfig
 
 log = logging.getLogger(__name__)
-__all__ = ["Pushes", "SendRecord", "DRAIN_POLL_S"]
+__all__ = ["Pushes", "SendRecord"]
 SYNC_DRIVE_S = 0.5  # at most this long the compute thread drives a WRITE it posted itself
 DRAIN_POLL_S = 0.01  # how often WRITEs given up on are polled for their end (they are overdue already)
+POLL_S = 0.0002  # completion polling period, only while WRITEs are in flight, easing off on a
+# CPU host to the compute thread's longest sleep between polls as they stay there (`next_poll`)
 
 
 class Pushes:
@@ -259,6 +261,19 @@ class Pushes:
     def busy(self, transfer_id: str) -> bool:
         """A WRITE of this push is still posted (in flight or draining): D hears its end from it."""
         return self.in_flight(transfer_id) or any(d.transfer_id == transfer_id for d in self.draining)
+
+    def next_poll(self) -> float | None:
+        """Lock held: how soon the WRITEs in flight or draining want polling; None if there are none.
+        On a CPU host a WRITE in flight for long waits on its decode process (the first WRITE to a
+        rank ends only once that process has run), which may need this very core; polling that never
+        pauses would hold it, so the period grows with the youngest WRITE's age. The GPU's copy
+        engines need no core."""
+        if self.inflight:
+            if not self.config.drive_writes:
+                return POLL_S
+            age = time.monotonic() - max(item.posted for item in self.inflight)
+            return min(MAX_SLEEP_S, max(POLL_S, age / 8))
+        return DRAIN_POLL_S if self.draining else None
 
     def poll(self, gone: Connection | None = None, why: str = "") -> None:
         """Finish WRITEs that completed or failed, or still copy past their deadline, or go over

@@ -596,7 +596,7 @@ def test_a_prefill_rank_writing_into_one_decode_rank_of_a_tp_instance_streams():
 
 @pytest.mark.parametrize("drive_writes", [True, False])
 def test_writes_in_flight_long_are_polled_less_often_on_a_cpu_host_only(setup, drive_writes):
-    from kvpush.connector.producer import POLL_S
+    from kvpush.connector.pushes import POLL_S
     from kvpush.connector.streamed_write import MAX_SLEEP_S
     producer, _, _ = setup(drive_writes=drive_writes)
     now = time.monotonic()
