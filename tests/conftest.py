@@ -84,6 +84,18 @@ def private_known_hosts(tmp_path_factory):
         yield path
 
 
+@pytest.fixture(autouse=True)
+def signal_mask_kept():
+    """A test that runs a process's main in-process (the router's blocks its stop and reload signals
+    for the one thread that waits on them) must not leave this process with signals blocked: every
+    process a later test starts would inherit the mask and never see SIGTERM or SIGHUP."""
+    import signal
+
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    yield
+    signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
 @pytest.fixture
 def state_dir(tmp_path, monkeypatch):
     """A private kvpush state directory (KVPUSH_STATE_DIR) for one test."""

@@ -1,6 +1,7 @@
 """The Slurm launcher's pure parts: topology rules, binding, rendering, parsing, error mapping."""
 from __future__ import annotations
 
+import contextlib
 import shlex
 import signal
 import subprocess
@@ -9,15 +10,24 @@ import time
 import pytest
 
 from kvpush.common.errors import UsageError
-from kvpush.deploy.plan.plan import build_plan
-from kvpush.deploy.runners.slurm import SlurmRunner
 from kvpush.deploy.lifecycle.slurm_allocation import acquire, refusal_line
-from kvpush.deploy.runners.slurm_cli import (JobInfo, SlurmClient, expand_hostlist, job_gone_words, parse_job_line,
-                                          parse_scontrol_record, parse_steps, sbatch_error_field, slurm_reason)
-from kvpush.deploy.runners.slurm_step import step_shell
-from kvpush.deploy.plan.slurm_render import hold_script, sbatch_options, standalone_script
-from kvpush.deploy.topology.slurm_topology import bind_allocation
 from kvpush.deploy.lifecycle.state import DeploymentState
+from kvpush.deploy.plan.plan import build_plan
+from kvpush.deploy.plan.slurm_render import hold_script, sbatch_options, standalone_script
+from kvpush.deploy.runners.slurm import SlurmRunner
+from kvpush.deploy.runners.slurm_cli import (
+    JobInfo,
+    SlurmClient,
+    expand_hostlist,
+    job_gone_words,
+    parse_job_line,
+    parse_scontrol_record,
+    parse_steps,
+    sbatch_error_field,
+    slurm_reason,
+)
+from kvpush.deploy.runners.slurm_step import step_shell
+from kvpush.deploy.topology.slurm_topology import bind_allocation
 from kvpush.deploy.topology.topology import TopologyError, parse_topology
 from kvpush.templates import template_text
 
@@ -115,11 +125,12 @@ def test_step_shell_forwards_term_and_ends_only_after_the_process_is_gone(tmp_pa
     script.write_text("trap 'sleep 0.5; echo cleaned up; exit 5' TERM; echo started; while :; do sleep 0.1; done\n")
     text = step_shell(["bash", str(script)], {}, str(tmp_path), str(tmp_path / "p.log"))
     shell = subprocess.Popen(["bash", "-c", text])
-    log = tmp_path / "p.log"
-    while "started" not in (log.read_text() if log.exists() else ""):
-        time.sleep(0.01)
-    shell.terminate()
-    assert shell.wait(10) == 5 and log.read_text() == "started\ncleaned up\n"
+    with _group_killed_after(shell):
+        log = tmp_path / "p.log"
+        while "started" not in (log.read_text() if log.exists() else ""):
+            time.sleep(0.01)
+        shell.terminate()
+        assert shell.wait(10) == 5 and log.read_text() == "started\ncleaned up\n"
 
 
 def test_step_shell_passes_sighup_on_and_the_step_goes_on(tmp_path):
@@ -129,16 +140,34 @@ def test_step_shell_passes_sighup_on_and_the_step_goes_on(tmp_path):
     text = step_shell(["bash", str(script)], {}, str(tmp_path), str(tmp_path / "p.log"))
     # bash cannot trap a signal that was ignored when it started, as it is when the tests run under nohup
     shell = subprocess.Popen(["bash", "-c", text], preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
-    log = tmp_path / "p.log"
-    while "started" not in (log.read_text() if log.exists() else ""):
-        time.sleep(0.01)
-    shell.send_signal(signal.SIGHUP)
-    while "reloaded" not in log.read_text():
+    with _group_killed_after(shell):
+        log = tmp_path / "p.log"
+        while "started" not in (log.read_text() if log.exists() else ""):
+            time.sleep(0.01)
+        shell.send_signal(signal.SIGHUP)
+        while "reloaded" not in log.read_text():
+            assert shell.poll() is None
+            time.sleep(0.01)
         assert shell.poll() is None
-        time.sleep(0.01)
-    assert shell.poll() is None
-    shell.terminate()
-    assert shell.wait(10) == 4 and log.read_text() == "started\nreloaded\n"
+        shell.terminate()
+        assert shell.wait(10) == 4 and log.read_text() == "started\nreloaded\n"
+
+
+@contextlib.contextmanager
+def _group_killed_after(shell: subprocess.Popen):
+    """Whatever the test's outcome, neither the step shell nor what it started (in a session of its
+    own, but still its child) outlives the test."""
+    import psutil
+
+    try:
+        yield
+    finally:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            for child in psutil.Process(shell.pid).children(recursive=True):
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    child.kill()
+        shell.kill()
+        shell.wait(10)
 
 
 def test_step_shell_runs_the_process_with_its_log_and_home_relative_paths(tmp_path):
