@@ -10,9 +10,7 @@ answer can be compared with the reference's.
   can watch them come back.
 - `pool-colocated`: one colocated instance on core 1 behind the router.
 - `pool-tp`: prefill TP 2 (`p2`) and TP 1 (`p1`), decode TP 2 (`d2`) and TP 1 (`d1`), all sharing
-  both cores, kvpush, no prefix caching on decode (its own answer to a prompt is a plain server's),
-  `verify_kv` on: decode checks every pushed byte against prefill's digests, where mixed TP makes
-  the block and head mapping hardest.
+  both cores, kvpush, no prefix caching on decode (its own answer to a prompt is a plain server's).
 """
 from __future__ import annotations
 
@@ -42,7 +40,7 @@ _TP = """
 name: pool-tp
 platform: cpu
 model: {{path: {model}, served_name: tiny, max_model_len: 2048, enforce_eager: true, dtype: float32}}
-connector: {{type: kvpush, backend: UCX, transfer_timeout_s: 20, extra_config: {{late_write_hold_s: 3, verify_kv: true}}}}
+connector: {{type: kvpush, backend: UCX, transfer_timeout_s: 20, extra_config: {{late_write_hold_s: 3}}}}
 hosts:
   local: {{address: 127.0.0.1, workdir: {workdir}}}
 prefill:

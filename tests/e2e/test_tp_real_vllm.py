@@ -46,12 +46,6 @@ class Deployment:
     def external_kv_tokens(self, decode: str) -> float:
         return metric_sum(self.instances[decode].metrics(), PROMPT_TOKENS_BY_SOURCE, source="external_kv_transfer") or 0.0
 
-    def kv_digests(self, decode: str) -> tuple[float, float]:
-        """verify_kv's counters on decode (the pool turns it on): pushes verified, parts that differed."""
-        member = self.instances[decode]
-        return (member.metric("vllm:kvpush_kv_digests_verified_total"),
-                member.metric("vllm:kvpush_kv_digest_mismatches_total"))
-
 
 @pytest.fixture(scope="module")
 def deployment(pool, tmp_path_factory):
@@ -97,7 +91,6 @@ def check_answers(deployment: Deployment, pair: tuple[str, str], prompts: list[l
     decode = deployment.instances[d].url
     expected = [text_of(decode, prompt, deployment.instance_headers) for prompt in prompts]  # decode by itself: no cache
     before = deployment.external_kv_tokens(d)
-    verified_before, mismatches_before = deployment.kv_digests(d)
     router = deployment.routers[pair]
     fallbacks_before = metric_sum(router.metrics(), "kvpush_router_fallbacks_total")
 
@@ -113,14 +106,6 @@ def check_answers(deployment: Deployment, pair: tuple[str, str], prompts: list[l
     tokens = sum(len(prompt) for prompt in prompts)
     # vLLM may recompute each prompt's last token on decode; every other prompt token came by transfer
     assert tokens - len(prompts) <= moved <= tokens, f"P {p} -> D {d}: {moved:g} of {tokens} prompt tokens came by transfer\n{logs()}"
-    # Every push of a prompt longer than a block was checked byte for byte against prefill's digests
-    # (connector stats reach /metrics once per stats interval, hence the wait).
-    pushed = sum(1 for prompt in prompts if len(prompt) > 128)
-    deadline = time.monotonic() + 20
-    while (verified := deployment.kv_digests(d)[0] - verified_before) < pushed and time.monotonic() < deadline:
-        time.sleep(1)
-    assert verified >= pushed, f"P {p} -> D {d}: {verified:g} pushes verified for {pushed} prompts\n{logs()}"
-    assert deployment.kv_digests(d)[1] == mismatches_before, logs()
 
 
 @pytest.mark.timeout(900)
