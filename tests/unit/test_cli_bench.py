@@ -7,7 +7,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from kvpush.cli import bench_cmd
-from kvpush.cli.bench_cmd import paired_lines, rate_table, spinning_lines
+from kvpush.cli.bench_view import paired_lines, rate_table, spinning_lines
 from kvpush.cli.main import app
 from kvpush.bench.results import ModeRun
 from kvpush.common.errors import KvpushError
@@ -104,7 +104,7 @@ def test_sigterm_becomes_an_interrupt_only_inside_the_bench():
 
 
 def test_phases_say_where_a_modes_time_went():
-    from kvpush.cli.bench_cmd import phases_text
+    from kvpush.cli.bench_view import phases_text
 
     text = phases_text({"up": 92.4, "prove": 1.23, "rate 0.5": 17.0, "down": 4.06})
     assert text == "up 92 s, prove 1.2 s, rate 0.5 17 s, down 4.1 s (115 s)"
